@@ -1,0 +1,136 @@
+// The one header that owns the Kokkos types of mambamoe: execution and memory spaces, View aliases, the bf16
+// alias, and the labelled parallel-dispatch wrappers every kernel launch goes through. Model and layer code never
+// spells Kokkos::View<...> or Kokkos::parallel_for by hand.
+#pragma once
+
+#include <Kokkos_Core.hpp>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace mm {
+
+// ------------------------------------------------------------------ spaces
+using Exec = Kokkos::DefaultExecutionSpace;
+using Mem = Exec::memory_space;
+using HostExec = Kokkos::DefaultHostExecutionSpace;
+using HostMem = Kokkos::HostSpace;
+using Layout = Kokkos::LayoutRight;  // row-major: the last index is contiguous
+using Team = Kokkos::TeamPolicy<Exec>::member_type;
+
+// 64-bit index everywhere a product of extents may exceed 2^31 (10^6 tokens times d_inner does).
+using index_t = std::int64_t;
+
+// bf16 storage type for device activations and GEMM operands.
+using bf16 = Kokkos::Experimental::bhalf_t;
+
+// Accumulation type: fp32 for fp32/bf16 data, double for double data.
+template <class T>
+using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+// ------------------------------------------------------------------ views (device / default space)
+template <class T>
+using View1 = Kokkos::View<T*, Layout, Mem>;
+template <class T>
+using View2 = Kokkos::View<T**, Layout, Mem>;
+template <class T>
+using View3 = Kokkos::View<T***, Layout, Mem>;
+template <class T>
+using View4 = Kokkos::View<T****, Layout, Mem>;
+template <class T>
+using View5 = Kokkos::View<T*****, Layout, Mem>;
+
+// Unmanaged views over memory owned elsewhere (parameter slices of one flat buffer, arena slices).
+using Unmanaged = Kokkos::MemoryTraits<Kokkos::Unmanaged>;
+template <class T>
+using UView1 = Kokkos::View<T*, Layout, Mem, Unmanaged>;
+template <class T>
+using UView2 = Kokkos::View<T**, Layout, Mem, Unmanaged>;
+
+// Host views (I/O, checkpoints, references in tests).
+template <class T>
+using HostView1 = Kokkos::View<T*, Layout, HostMem>;
+template <class T>
+using HostView2 = Kokkos::View<T**, Layout, HostMem>;
+
+// Team scratch (shared memory on GPUs, stack-like scratch on CPUs).
+using ScratchMem = Exec::scratch_memory_space;
+template <class T>
+using Scratch1 = Kokkos::View<T*, ScratchMem, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+template <class T>
+using Scratch2 = Kokkos::View<T**, Layout, ScratchMem, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+
+// ------------------------------------------------------------------ labelled dispatch
+using Range = Kokkos::RangePolicy<Exec, Kokkos::IndexType<index_t>>;
+
+// 1-D loop over [0, n).
+template <class F>
+inline void par_for(const char* label, index_t n, const F& f) {
+  Kokkos::parallel_for(label, Range(0, n), f);
+}
+
+// 2-D loop over [0, n0) x [0, n1), flattened into one 1-D range (faster than MDRange on both backends for the
+// streaming kernels here); f(i, j).
+template <class F>
+inline void par_for(const char* label, index_t n0, index_t n1, const F& f) {
+  Kokkos::parallel_for(
+      label, Range(0, n0 * n1), KOKKOS_LAMBDA(const index_t k) { f(k / n1, k % n1); });
+}
+
+// 1-D reduction (sum by default) over [0, n).
+template <class F, class R>
+inline void par_reduce(const char* label, index_t n, const F& f, R& result) {
+  Kokkos::parallel_reduce(label, Range(0, n), f, result);
+}
+
+// Hierarchical loop: one team per league index. `team_bytes` of scratch per team and `thread_bytes` per thread
+// are requested at `scratch_level` (0: fast on-chip memory on GPUs; 1: larger, backed by global memory).
+template <class F>
+inline void par_for_team(const char* label, index_t league, const F& f, std::size_t team_bytes = 0,
+                         std::size_t thread_bytes = 0, int scratch_level = 0) {
+  auto policy = Kokkos::TeamPolicy<Exec>(static_cast<int>(league), Kokkos::AUTO);
+  if (team_bytes > 0 || thread_bytes > 0)
+    policy = policy.set_scratch_size(scratch_level, Kokkos::PerTeam(team_bytes), Kokkos::PerThread(thread_bytes));
+  Kokkos::parallel_for(label, policy, f);
+}
+
+// Allocate a device view without initialising it (for outputs that every kernel overwrites).
+template <class V, class... Extents>
+inline V make_uninit(const std::string& label, Extents... ext) {
+  return V(Kokkos::view_alloc(Kokkos::WithoutInitializing, label), ext...);
+}
+
+inline void fence(const char* label) { Kokkos::fence(label); }
+
+// ------------------------------------------------------------------ small device math
+template <class T>
+KOKKOS_INLINE_FUNCTION T sigmoid(T x) {
+  return T(1) / (T(1) + Kokkos::exp(-x));
+}
+template <class T>
+KOKKOS_INLINE_FUNCTION T silu(T x) {
+  return x * sigmoid(x);
+}
+// d silu / dx = s (1 + x (1 - s)), s = sigmoid(x)
+template <class T>
+KOKKOS_INLINE_FUNCTION T dsilu(T x) {
+  const T s = sigmoid(x);
+  return s * (T(1) + x * (T(1) - s));
+}
+// softplus with the threshold used by mamba_ssm's kernels: identity above 20.
+template <class T>
+KOKKOS_INLINE_FUNCTION T softplus(T x) {
+  return x > T(20) ? x : Kokkos::log1p(Kokkos::exp(x));
+}
+template <class T>
+KOKKOS_INLINE_FUNCTION T dsoftplus(T x) {
+  return x > T(20) ? T(1) : sigmoid(x);
+}
+// exp of a non-positive argument; positive arguments (padded or masked lanes) are clamped to 0 so they never
+// overflow to inf and then NaN.
+template <class T>
+KOKKOS_INLINE_FUNCTION T exp_nonpos(T x) {
+  return Kokkos::exp(x < T(0) ? x : T(0));
+}
+
+}  // namespace mm

@@ -1,0 +1,33 @@
+// Causal depthwise conv1d over the sequence, followed by SiLU (mamba_ssm's causal_conv1d_fn, activation "silu").
+//
+//   pre(t, c) = bias(c) + sum_{k<W} w(c, k) * x(t - (W-1) + k, c),   y = silu(pre)
+//
+// Tokens are rows b * L + t of 2-D matrices. x(s, c) counts only when s >= 0 and seq_idx(b, s) == seq_idx(b, t),
+// so packed records never see each other (the conv_state of a fresh record is zero).
+#pragma once
+
+#include "core/kokkos_types.hpp"
+
+namespace mm {
+
+using SeqIdxView = Kokkos::View<const std::int32_t**, Layout, Mem>;  // (batch, seqlen); empty: one record
+
+template <class T>
+struct Conv1dIn {
+  View2<const T> x;  // (batch * seqlen, >= col + channels)
+  index_t col = 0;    // first input column
+  index_t batch = 0, seqlen = 0, channels = 0;
+};
+
+// w (channels, W), bias (channels), y (batch * seqlen, channels).
+template <class T>
+void conv1d_silu_forward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, const View1<const acc_t<T>>& bias,
+                         const SeqIdxView& seq_idx, const View2<T>& y);
+
+// dx is written (not accumulated) into columns [dx_col, dx_col + channels) of dx; dw, dbias are accumulated.
+template <class T>
+void conv1d_silu_backward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, const View1<const acc_t<T>>& bias,
+                          const SeqIdxView& seq_idx, const View2<const T>& dy, const UView2<T>& dx, index_t dx_col,
+                          const View2<acc_t<T>>& dw, const View1<acc_t<T>>& dbias);
+
+}  // namespace mm

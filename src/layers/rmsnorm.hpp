@@ -1,0 +1,50 @@
+// RMSNorm and group-wise gated RMSNorm (mamba_ssm's RMSNormGated), forward and backward.
+//
+//   rmsnorm:        y = x * rstd(x) * w,               rstd(x) = 1 / sqrt(mean(x^2) + eps) over the row
+//   gated, gate_first (norm_before_gate = false, Mamba-2's default):
+//                   y = rmsnorm_g(x * silu(z)) * w     (statistics per group of `group_size` columns)
+//   gated, norm_first (norm_before_gate = true, Mamba-3's optional output norm):
+//                   y = rmsnorm_g(x) * w * silu(z)
+//
+// X is the input type (the fp32 residual stream for the block norms), T the output/activation type, P = acc_t<T>
+// the parameter and statistics type. rstd is saved by the forward for the backward.
+#pragma once
+
+#include "core/kokkos_types.hpp"
+
+namespace mm {
+
+template <class X, class T>
+void rmsnorm_forward(const View2<const X>& x, const View1<const acc_t<T>>& w, double eps, const View2<T>& y,
+                     const View1<acc_t<T>>& rstd);
+
+// dx = (accumulate_dx ? dx : 0) + d/dx ; dw += d/dw.
+template <class X, class T>
+void rmsnorm_backward(const View2<const X>& x, const View1<const acc_t<T>>& w, const View1<const acc_t<T>>& rstd,
+                      const View2<const T>& dy, const View2<X>& dx, bool accumulate_dx,
+                      const View1<acc_t<T>>& dw);
+
+enum class GateOrder { gate_first, norm_first };
+
+// x, z (n, E) may be column windows of wider matrices: pass the full matrix and the first column.
+template <class T>
+struct GatedNormIn {
+  View2<const T> x;
+  index_t x_col = 0;
+  View2<const T> z;
+  index_t z_col = 0;
+};
+
+template <class T>
+void gated_rmsnorm_forward(const GatedNormIn<T>& in, index_t width, index_t group_size, GateOrder order,
+                           const View1<const acc_t<T>>& w, double eps, const View2<T>& y,
+                           const View2<acc_t<T>>& rstd /* (n, width / group_size) */);
+
+// Writes dx and dz into column windows (dx_col, dz_col) of the given matrices; dw += .
+template <class T>
+void gated_rmsnorm_backward(const GatedNormIn<T>& in, index_t width, index_t group_size, GateOrder order,
+                            const View1<const acc_t<T>>& w, const View2<const acc_t<T>>& rstd,
+                            const View2<const T>& dy, const UView2<T>& dx, index_t dx_col, const UView2<T>& dz,
+                            index_t dz_col, const View1<acc_t<T>>& dw);
+
+}  // namespace mm

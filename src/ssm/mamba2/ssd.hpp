@@ -1,0 +1,60 @@
+// Mamba-2 SSD (state-space duality) chunked scan, forward and backward: the portable Kokkos implementation.
+//
+// Per batch row b and head h (group g = h / (H/G); B_t, C_t in R^N shared by the heads of a group):
+//   Delta_t = clamp(softplus(dt_t + dt_bias_h), dt_lo, dt_hi),   A_h = -exp(A_log_h),   a_t = Delta_t A_h
+//   S_t = exp(a_t) S_{t-1} [same record as t-1] + Delta_t x_t B_t^T          S_{-1} = init_state (or 0)
+//   y_t = S_t C_t + D_h x_t
+// The state is reset at a record boundary of seq_idx (packed records never leak into each other); the initial
+// state belongs to the record of the first token. The chunked algorithm (chunk Q) computes, per chunk c:
+//   chunk-local states, the inter-chunk state passing, and the outputs from the intra-chunk (Q x Q) and inter-chunk
+//   terms. Every exponent of a cumulative-sum difference is formed as exp(min(d, 0)).
+// The backward recomputes the forward intermediates (chunk states) instead of storing them.
+//
+// Inputs are column windows of row-major matrices with rows b * L + t, so the scan reads x, B, C straight out of
+// the conv output and dt straight out of the in_proj output without copies.
+#pragma once
+
+#include <limits>
+
+#include "core/kokkos_types.hpp"
+#include "layers/conv1d.hpp"  // SeqIdxView
+
+namespace mm {
+
+struct SSDShape {
+  index_t batch = 1, seqlen = 0, nheads = 1, headdim = 1, ngroups = 1, dstate = 1, chunk = 256;
+  double dt_lo = 0.0;                                         // dt_limit[0]
+  double dt_hi = std::numeric_limits<double>::infinity();    // dt_limit[1]
+  index_t nchunks() const { return (seqlen + chunk - 1) / chunk; }
+  void validate(const char* where) const;
+};
+
+template <class T>
+struct SSDIn {
+  View2<const T> xbc;   // x at column x_col + h * P + p, B at b_col + g * N + n, C at c_col + g * N + n
+  index_t x_col = 0, b_col = 0, c_col = 0;
+  View2<const T> dt;    // raw dt (before dt_bias and softplus) at column dt_col + h
+  index_t dt_col = 0;
+  View1<const acc_t<T>> A_log, dt_bias, D;  // (H)
+  SeqIdxView seq_idx;                         // (batch, seqlen) or empty
+  View4<const acc_t<T>> init_state;           // (batch, H, P, N) or empty (zero)
+};
+
+template <class T>
+struct SSDGrad {
+  View2<T> dxbc;  // dx, dB, dC are written into the same columns as the inputs
+  View2<T> ddt;   // d(raw dt) written at the same column as dt
+  View1<acc_t<T>> dA_log, ddt_bias, dD;  // accumulated (+=)
+  View4<acc_t<T>> dinit_state;           // written when non-empty
+};
+
+// y (batch * seqlen, H * P) is written; final_state (batch, H, P, N) is written when non-empty.
+template <class T>
+void ssd_forward(const SSDShape& s, const SSDIn<T>& in, const View2<T>& y, const View4<acc_t<T>>& final_state);
+
+// dy (batch * seqlen, H * P); dfinal_state (batch, H, P, N) or empty.
+template <class T>
+void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& dy,
+                  const View4<const acc_t<T>>& dfinal_state, const SSDGrad<T>& g);
+
+}  // namespace mm

@@ -1,0 +1,57 @@
+// Small elementwise and reduction helpers shared by the layers.
+//
+// Reductions here are deterministic and independent of the thread count: rows are cut into fixed blocks, each
+// block is summed in order, and the block partials are summed in order. No atomics, so a run with
+// `[run] deterministic = true` is bit-identical between runs on the same hardware and layout.
+#pragma once
+
+#include "core/kokkos_types.hpp"
+
+namespace mm {
+
+inline constexpr index_t kReduceRowBlock = 256;  // rows per partial sum
+inline constexpr index_t kReduceColBlock = 32;   // columns per work item
+
+// out[j] = (accumulate ? out[j] : 0) + sum_{i<n} f(i, j), for j < m. f must be callable on the device.
+template <class R, class F>
+void column_reduce(const char* label, index_t n, index_t m, const F& f, const View1<R>& out, bool accumulate) {
+  const index_t nb = (n + kReduceRowBlock - 1) / kReduceRowBlock;
+  const index_t ncb = (m + kReduceColBlock - 1) / kReduceColBlock;
+  View2<R> partial(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label) + "::partial"),
+                   nb > 0 ? nb : 1, m);
+  par_for(label, nb, ncb, KOKKOS_LAMBDA(index_t b, index_t cb) {
+    const index_t j0 = cb * kReduceColBlock;
+    const index_t j1 = j0 + kReduceColBlock < m ? j0 + kReduceColBlock : m;
+    const index_t i0 = b * kReduceRowBlock;
+    const index_t i1 = i0 + kReduceRowBlock < n ? i0 + kReduceRowBlock : n;
+    for (index_t j = j0; j < j1; ++j) partial(b, j) = R(0);
+    for (index_t i = i0; i < i1; ++i)
+      for (index_t j = j0; j < j1; ++j) partial(b, j) += f(i, j);
+  });
+  par_for(label, m, KOKKOS_LAMBDA(index_t j) {
+    R s = accumulate ? out(j) : R(0);
+    R t = R(0);
+    for (index_t b = 0; b < nb; ++b) t += partial(b, j);
+    out(j) = s + t;
+  });
+}
+
+// Deterministic sum of f(i) over i < n, returned on the host.
+template <class R, class F>
+R ordered_sum(const char* label, index_t n, const F& f) {
+  View1<R> out(std::string(label) + "::out", 1);
+  column_reduce<R>(label, n, 1, KOKKOS_LAMBDA(index_t i, index_t) { return f(i); }, out, false);
+  auto h = Kokkos::create_mirror_view_and_copy(HostMem(), out);
+  return h(0);
+}
+
+// y = x (element conversion), over a whole view of any rank with the same extents.
+template <class Dst, class Src>
+void copy_convert(const char* label, const Dst& dst, const Src& src) {
+  const index_t n = src.span();
+  auto d = dst.data();
+  auto s = src.data();
+  par_for(label, n, KOKKOS_LAMBDA(index_t i) { d[i] = static_cast<std::remove_pointer_t<decltype(d)>>(s[i]); });
+}
+
+}  // namespace mm

@@ -1,0 +1,257 @@
+// Every layer against a naive double reference, and its backward against finite differences.
+#include <cmath>
+#include <vector>
+
+#include "catch.hpp"
+#include "layers/conv1d.hpp"
+#include "layers/cross_entropy.hpp"
+#include "layers/embedding.hpp"
+#include "layers/linear.hpp"
+#include "layers/rmsnorm.hpp"
+#include "util.hpp"
+
+using namespace mm;
+using mmtest::dot;
+using mmtest::fd_check;
+using mmtest::fill_uniform;
+using mmtest::rel_err;
+using mmtest::to_vec;
+
+namespace {
+double sig(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+double silu_d(double x) { return x * sig(x); }
+constexpr double kFdTol = 1e-6;
+}  // namespace
+
+TEST_CASE("embedding forward gathers rows and backward scatters them", "[layers]") {
+  const index_t V = 6, D = 5, n = 300;
+  View2<double> table("table", V, D);
+  fill_uniform(table, 1);
+  Kokkos::View<std::int32_t*, Layout, Mem> tok("tok", n);
+  {
+    auto h = Kokkos::create_mirror_view(tok);
+    for (index_t i = 0; i < n; ++i) h(i) = std::int32_t((i * 7 + 3) % V);
+    Kokkos::deep_copy(tok, h);
+  }
+  View2<double> out("out", n, D);
+  embedding_forward<double>(table, tok, out);
+  const auto tv = to_vec(table), ov = to_vec(out);
+  std::vector<double> ref(n * D);
+  for (index_t i = 0; i < n; ++i)
+    for (index_t j = 0; j < D; ++j) ref[i * D + j] = tv[((i * 7 + 3) % V) * D + j];
+  CHECK(rel_err(ov, ref) == 0.0);
+
+  View2<double> dout("dout", n, D), dtable("dtable", V, D);
+  fill_uniform(dout, 2);
+  embedding_backward<double>(dout, tok, dtable);
+  const auto dov = to_vec(dout);
+  auto loss = [&]() {
+    View2<double> o("o", n, D);
+    embedding_forward<double>(table, tok, o);
+    return dot(to_vec(o), dov);
+  };
+  CHECK(fd_check(table, to_vec(dtable), loss, 30).rel() < kFdTol);
+}
+
+TEST_CASE("RMSNorm matches the reference and finite differences", "[layers]") {
+  const index_t n = 7, D = 9;
+  const double eps = 1e-5;
+  View2<double> x("x", n, D), y("y", n, D), dy("dy", n, D), dx("dx", n, D);
+  View1<double> w("w", D), rstd("rstd", n), dw("dw", D);
+  fill_uniform(x, 1);
+  fill_uniform(w, 2, 0.5, 1.5);
+  fill_uniform(dy, 3);
+  rmsnorm_forward<double, double>(x, w, eps, y, rstd);
+  const auto xv = to_vec(x), wv = to_vec(w);
+  std::vector<double> ref(n * D);
+  for (index_t i = 0; i < n; ++i) {
+    double ss = 0;
+    for (index_t j = 0; j < D; ++j) ss += xv[i * D + j] * xv[i * D + j];
+    const double r = 1.0 / std::sqrt(ss / D + eps);
+    for (index_t j = 0; j < D; ++j) ref[i * D + j] = xv[i * D + j] * r * wv[j];
+  }
+  CHECK(rel_err(to_vec(y), ref) < 1e-14);
+  rmsnorm_backward<double, double>(x, w, rstd, dy, dx, false, dw);
+  const auto dyv = to_vec(dy);
+  auto loss = [&]() {
+    View2<double> yy("yy", n, D);
+    View1<double> rr("rr", n);
+    rmsnorm_forward<double, double>(x, w, eps, yy, rr);
+    return dot(to_vec(yy), dyv);
+  };
+  CHECK(fd_check(x, to_vec(dx), loss, 63).rel() < kFdTol);
+  CHECK(fd_check(w, to_vec(dw), loss).rel() < kFdTol);
+  // accumulate_dx adds to what is there
+  View2<double> dx2("dx2", n, D);
+  Kokkos::deep_copy(dx2, 1.0);
+  View1<double> dw2("dw2", D);
+  rmsnorm_backward<double, double>(x, w, rstd, dy, dx2, true, dw2);
+  auto a = to_vec(dx2), b = to_vec(dx);
+  for (auto& v : b) v += 1.0;
+  CHECK(rel_err(a, b) < 1e-15);
+}
+
+TEST_CASE("gated RMSNorm (group-wise, both gate orders) matches the reference and finite differences",
+          "[layers]") {
+  const index_t n = 5, E = 12, ld = 30, xcol = 3, zcol = 17;
+  const double eps = 1e-5;
+  for (index_t gs : {4, 12}) {
+    for (GateOrder order : {GateOrder::gate_first, GateOrder::norm_first}) {
+      // x and z live in column windows of one wider matrix, as in the Mamba-2 mixer
+      View2<double> src("src", n, ld), y("y", n, E), dy("dy", n, E), dsrc("dsrc", n, ld);
+      View1<double> w("w", E), dw("dw", E);
+      View2<double> rstd("rstd", n, E / gs);
+      fill_uniform(src, 1);
+      fill_uniform(w, 2, 0.5, 1.5);
+      fill_uniform(dy, 3);
+      GatedNormIn<double> in{src, xcol, src, zcol};
+      gated_rmsnorm_forward<double>(in, E, gs, order, w, eps, y, rstd);
+      const auto sv = to_vec(src), wv = to_vec(w);
+      std::vector<double> ref(n * E);
+      for (index_t i = 0; i < n; ++i)
+        for (index_t g = 0; g < E / gs; ++g) {
+          double ss = 0;
+          for (index_t j = g * gs; j < (g + 1) * gs; ++j) {
+            const double xx = sv[i * ld + xcol + j], zz = sv[i * ld + zcol + j];
+            const double v = order == GateOrder::gate_first ? xx * silu_d(zz) : xx;
+            ss += v * v;
+          }
+          const double r = 1.0 / std::sqrt(ss / gs + eps);
+          for (index_t j = g * gs; j < (g + 1) * gs; ++j) {
+            const double xx = sv[i * ld + xcol + j], zz = sv[i * ld + zcol + j];
+            ref[i * E + j] = order == GateOrder::gate_first ? xx * silu_d(zz) * r * wv[j]
+                                                            : xx * r * wv[j] * silu_d(zz);
+          }
+        }
+      INFO("group " << gs << " order " << int(order));
+      CHECK(rel_err(to_vec(y), ref) < 1e-14);
+      gated_rmsnorm_backward<double>(in, E, gs, order, w, rstd, dy, dsrc, xcol, dsrc, zcol, dw);
+      const auto dyv = to_vec(dy);
+      auto loss = [&]() {
+        View2<double> yy("yy", n, E), rr("rr", n, E / gs);
+        gated_rmsnorm_forward<double>(in, E, gs, order, w, eps, yy, rr);
+        return dot(to_vec(yy), dyv);
+      };
+      CHECK(fd_check(src, to_vec(dsrc), loss, 150).rel() < kFdTol);
+      CHECK(fd_check(w, to_vec(dw), loss).rel() < kFdTol);
+    }
+  }
+  View2<double> src("src", 2, 10), y("y", 2, 10), r("r", 2, 3);
+  View1<double> w("w", 10);
+  CHECK_THROWS_WITH(gated_rmsnorm_forward<double>(GatedNormIn<double>{src, 0, src, 0}, 10, 3,
+                                                  GateOrder::gate_first, w, 1e-5, y, r),
+                    ContainsSubstring("not divisible"));
+}
+
+TEST_CASE("linear (with and without bias) matches the reference and finite differences", "[layers]") {
+  const index_t n = 6, in = 5, out = 4;
+  View2<double> x("x", n, in), W("W", out, in), y("y", n, out), dy("dy", n, out), dx("dx", n, in), dW("dW", out, in);
+  View1<double> b("b", out), db("db", out);
+  fill_uniform(x, 1);
+  fill_uniform(W, 2);
+  fill_uniform(b, 3);
+  fill_uniform(dy, 4);
+  linear_forward<double>(x, W, b, y);
+  const auto xv = to_vec(x), Wv = to_vec(W), bv = to_vec(b);
+  std::vector<double> ref(n * out);
+  for (index_t i = 0; i < n; ++i)
+    for (index_t o = 0; o < out; ++o) {
+      double s = bv[o];
+      for (index_t k = 0; k < in; ++k) s += xv[i * in + k] * Wv[o * in + k];
+      ref[i * out + o] = s;
+    }
+  CHECK(rel_err(to_vec(y), ref) < 1e-14);
+  linear_backward<double>(x, W, dy, dx, false, dW, db);
+  const auto dyv = to_vec(dy);
+  auto loss = [&]() {
+    View2<double> yy("yy", n, out);
+    linear_forward<double>(x, W, b, yy);
+    return dot(to_vec(yy), dyv);
+  };
+  CHECK(fd_check(x, to_vec(dx), loss).rel() < kFdTol);
+  CHECK(fd_check(W, to_vec(dW), loss).rel() < kFdTol);
+  CHECK(fd_check(b, to_vec(db), loss).rel() < kFdTol);
+  // no bias: an empty bias view
+  View2<double> y2("y2", n, out);
+  linear_forward<double>(x, W, View1<const double>(), y2);
+  auto yv = to_vec(y2);
+  for (index_t i = 0; i < n; ++i)
+    for (index_t o = 0; o < out; ++o) CHECK(std::abs(yv[i * out + o] - (ref[i * out + o] - bv[o])) < 1e-14);
+}
+
+TEST_CASE("causal depthwise conv1d + SiLU matches the reference (with records) and finite differences",
+          "[layers]") {
+  const index_t B = 2, L = 11, C = 3, W = 4, ld = 8, col = 2;
+  View2<double> src("src", B * L, ld), y("y", B * L, C), dy("dy", B * L, C), dsrc("dsrc", B * L, ld);
+  View2<double> w("w", C, W), dw("dw", C, W);
+  View1<double> bias("bias", C), dbias("dbias", C);
+  fill_uniform(src, 1);
+  fill_uniform(w, 2);
+  fill_uniform(bias, 3);
+  fill_uniform(dy, 4);
+  Kokkos::View<std::int32_t**, Layout, Mem> seq("seq", B, L);
+  std::vector<int> sq(B * L);
+  {
+    auto h = Kokkos::create_mirror_view(seq);
+    for (index_t b = 0; b < B; ++b)
+      for (index_t t = 0; t < L; ++t) sq[b * L + t] = h(b, t) = b == 0 ? int(t >= 5) : 3;
+    Kokkos::deep_copy(seq, h);
+  }
+  Conv1dIn<double> in{src, col, B, L, C};
+  conv1d_silu_forward<double>(in, w, bias, seq, y);
+  const auto sv = to_vec(src), wv = to_vec(w), bv = to_vec(bias);
+  std::vector<double> ref(B * L * C);
+  for (index_t b = 0; b < B; ++b)
+    for (index_t t = 0; t < L; ++t)
+      for (index_t c = 0; c < C; ++c) {
+        double acc = bv[c];
+        for (index_t k = 0; k < W; ++k) {
+          const index_t s = t - (W - 1) + k;
+          if (s >= 0 && sq[b * L + s] == sq[b * L + t]) acc += wv[c * W + k] * sv[(b * L + s) * ld + col + c];
+        }
+        ref[(b * L + t) * C + c] = silu_d(acc);
+      }
+  CHECK(rel_err(to_vec(y), ref) < 1e-14);
+  conv1d_silu_backward<double>(in, w, bias, seq, dy, dsrc, col, dw, dbias);
+  const auto dyv = to_vec(dy);
+  auto loss = [&]() {
+    View2<double> yy("yy", B * L, C);
+    conv1d_silu_forward<double>(in, w, bias, seq, yy);
+    return dot(to_vec(yy), dyv);
+  };
+  auto dsv = to_vec(dsrc);
+  CHECK(fd_check(src, dsv, loss, 200).rel() < kFdTol);
+  CHECK(fd_check(w, to_vec(dw), loss).rel() < kFdTol);
+  CHECK(fd_check(bias, to_vec(dbias), loss).rel() < kFdTol);
+}
+
+TEST_CASE("cross-entropy matches the reference, ignores masked targets, and its gradient is exact", "[layers]") {
+  const index_t n = 9, V = 6;
+  View2<double> logits("logits", n, V), dlogits("dlogits", n, V);
+  fill_uniform(logits, 1, -3, 3);
+  Kokkos::View<std::int32_t*, Layout, Mem> tgt("tgt", n);
+  std::vector<int> tv(n);
+  {
+    auto h = Kokkos::create_mirror_view(tgt);
+    for (index_t i = 0; i < n; ++i) tv[i] = h(i) = (i == 4) ? -1 : int((i * 5) % V);
+    Kokkos::deep_copy(tgt, h);
+  }
+  const double scale = 0.37;
+  const LossSum ls = cross_entropy<double>(logits, tgt, scale, dlogits);
+  const auto lv = to_vec(logits);
+  double ref = 0;
+  for (index_t i = 0; i < n; ++i) {
+    if (tv[i] < 0) continue;
+    double mx = -1e300, se = 0;
+    for (index_t v = 0; v < V; ++v) mx = std::max(mx, lv[i * V + v]);
+    for (index_t v = 0; v < V; ++v) se += std::exp(lv[i * V + v] - mx);
+    ref += mx + std::log(se) - lv[i * V + tv[i]];
+  }
+  CHECK(ls.count == n - 1);
+  CHECK(std::abs(ls.nats - ref) < 1e-12);
+  CHECK(std::abs(ls.bits_per_token() - ref / (n - 1) / std::log(2.0)) < 1e-12);
+  auto loss = [&]() { return scale * cross_entropy<double>(logits, tgt, 0, View2<double>()).nats; };
+  const auto dl = to_vec(dlogits);
+  for (index_t v = 0; v < V; ++v) CHECK(dl[4 * V + v] == 0.0);
+  CHECK(fd_check(logits, dl, loss, 60).rel() < kFdTol);
+}

@@ -1,0 +1,277 @@
+// Mamba-2 SSD chunked scan against the token-by-token double recurrence, chunk-size independence, and
+// finite-difference gradients of every input.
+#include <vector>
+
+#include "catch.hpp"
+#include "reference/ssd_ref.hpp"
+#include "ssm/mamba2/ssd.hpp"
+#include "util.hpp"
+
+using namespace mm;
+using mmtest::fd_check;
+using mmtest::fill_uniform;
+using mmtest::rel_err;
+using mmtest::to_vec;
+
+namespace {
+
+struct Case {
+  index_t B = 2, L = 37, H = 4, P = 3, G = 2, N = 5, Q = 16;
+  bool init = true, records = true;
+  double dt_lo = 0, dt_hi = std::numeric_limits<double>::infinity();
+};
+
+template <class T>
+struct Data {
+  using Pt = acc_t<T>;
+  Case cs;
+  SSDShape shape;
+  View2<T> xbc, dt;
+  View1<Pt> A_log, dt_bias, D;
+  Kokkos::View<std::int32_t**, Layout, Mem> seq;
+  View4<Pt> init;
+
+  explicit Data(const Case& c) : cs(c) {
+    shape.batch = c.B;
+    shape.seqlen = c.L;
+    shape.nheads = c.H;
+    shape.headdim = c.P;
+    shape.ngroups = c.G;
+    shape.dstate = c.N;
+    shape.chunk = c.Q;
+    shape.dt_lo = c.dt_lo;
+    shape.dt_hi = c.dt_hi;
+    const index_t E = c.H * c.P;
+    xbc = View2<T>("xbc", c.B * c.L, E + 2 * c.G * c.N);
+    dt = View2<T>("dt", c.B * c.L, c.H);
+    A_log = View1<Pt>("A_log", c.H);
+    dt_bias = View1<Pt>("dt_bias", c.H);
+    D = View1<Pt>("D", c.H);
+    fill_uniform(xbc, 1);
+    fill_uniform(dt, 2, -2.0, 1.0);
+    fill_uniform(A_log, 3, -0.5, 1.0);
+    fill_uniform(dt_bias, 4, -2.0, 0.0);
+    fill_uniform(D, 5);
+    if (c.init) {
+      init = View4<Pt>("init", c.B, c.H, c.P, c.N);
+      fill_uniform(init, 6);
+    }
+    if (c.records) {
+      // records: row 0 switches at t = L/3 and 2L/3 + 1, row 1 is one record
+      seq = Kokkos::View<std::int32_t**, Layout, Mem>("seq", c.B, c.L);
+      auto h = Kokkos::create_mirror_view(seq);
+      for (index_t b = 0; b < c.B; ++b)
+        for (index_t t = 0; t < c.L; ++t) h(b, t) = b == 0 ? int(t >= c.L / 3) + int(t >= 2 * c.L / 3 + 1) : 0;
+      Kokkos::deep_copy(seq, h);
+    }
+  }
+
+  SSDIn<T> in() const {
+    const index_t E = cs.H * cs.P;
+    SSDIn<T> i;
+    i.xbc = xbc;
+    i.x_col = 0;
+    i.b_col = E;
+    i.c_col = E + cs.G * cs.N;
+    i.dt = dt;
+    i.dt_col = 0;
+    i.A_log = A_log;
+    i.dt_bias = dt_bias;
+    i.D = D;
+    i.seq_idx = seq;
+    i.init_state = init;
+    return i;
+  }
+
+  std::vector<double> reference(std::vector<double>* fin) const {
+    mmref::SSDRefShape s{cs.B, cs.L, cs.H, cs.P, cs.G, cs.N, cs.dt_lo, cs.dt_hi};
+    std::vector<int> sq;
+    if (cs.records)
+      for (double v : to_vec(seq)) sq.push_back(int(v));
+    return mmref::ssd_reference(s, to_vec(xbc), to_vec(dt), to_vec(A_log), to_vec(dt_bias), to_vec(D), sq,
+                                cs.init ? to_vec(init) : std::vector<double>{}, fin);
+  }
+};
+
+template <class T>
+void check_forward(const Case& c, double tol) {
+  Data<T> d(c);
+  View2<T> y("y", c.B * c.L, c.H * c.P);
+  View4<acc_t<T>> fin("fin", c.B, c.H, c.P, c.N);
+  ssd_forward<T>(d.shape, d.in(), y, fin);
+  std::vector<double> fin_ref;
+  const auto y_ref = d.reference(&fin_ref);
+  INFO("L=" << c.L << " Q=" << c.Q << " init=" << c.init << " records=" << c.records);
+  CHECK(rel_err(to_vec(y), y_ref) < tol);
+  CHECK(rel_err(to_vec(fin), fin_ref) < tol);
+}
+
+}  // namespace
+
+TEST_CASE("SSD chunked forward equals the token-by-token recurrence (double)", "[ssd]") {
+  for (index_t L : {1, 16, 37, 64, 100}) {
+    for (index_t Q : {8, 16, 32}) {
+      Case c;
+      c.L = L;
+      c.Q = Q;
+      check_forward<double>(c, 1e-12);
+      c.init = false;
+      c.records = false;
+      check_forward<double>(c, 1e-12);
+    }
+  }
+}
+
+TEST_CASE("SSD chunked forward in float stays close to the double recurrence", "[ssd]") {
+  Case c;
+  c.L = 150;
+  c.Q = 64;
+  check_forward<float>(c, 2e-5);
+}
+
+TEST_CASE("SSD dt_limit clamp matches the reference", "[ssd]") {
+  Case c;
+  c.L = 50;
+  c.dt_lo = 0.05;
+  c.dt_hi = 0.3;
+  check_forward<double>(c, 1e-12);
+}
+
+TEST_CASE("SSD results do not depend on the chunk size (32, 64, 256)", "[ssd]") {
+  std::vector<std::vector<double>> ys, fins;
+  for (index_t Q : {32, 64, 256}) {
+    Case c;
+    c.L = 300;
+    c.H = 2;
+    c.P = 4;
+    c.G = 1;
+    c.N = 8;
+    c.Q = Q;
+    Data<double> d(c);
+    View2<double> y("y", c.B * c.L, c.H * c.P);
+    View4<double> fin("fin", c.B, c.H, c.P, c.N);
+    ssd_forward<double>(d.shape, d.in(), y, fin);
+    ys.push_back(to_vec(y));
+    fins.push_back(to_vec(fin));
+  }
+  CHECK(rel_err(ys[1], ys[0]) < 1e-12);
+  CHECK(rel_err(ys[2], ys[0]) < 1e-12);
+  CHECK(rel_err(fins[1], fins[0]) < 1e-12);
+  CHECK(rel_err(fins[2], fins[0]) < 1e-12);
+}
+
+TEST_CASE("SSD packed records equal separate runs (seq_idx never leaks)", "[ssd]") {
+  // One row holding records [0, 20) and [20, 45) against two separate single-record rows.
+  const index_t L1 = 20, L2 = 25, L = L1 + L2, H = 2, P = 3, G = 1, N = 4;
+  Case c;
+  c.B = 1;
+  c.L = L;
+  c.H = H;
+  c.P = P;
+  c.G = G;
+  c.N = N;
+  c.Q = 16;
+  c.init = false;
+  c.records = false;
+  Data<double> packed(c);
+  packed.seq = Kokkos::View<std::int32_t**, Layout, Mem>("seq", 1, L);
+  {
+    auto h = Kokkos::create_mirror_view(packed.seq);
+    for (index_t t = 0; t < L; ++t) h(0, t) = t < L1 ? 7 : 9;
+    Kokkos::deep_copy(packed.seq, h);
+  }
+  View2<double> y("y", L, H * P);
+  ssd_forward<double>(packed.shape, packed.in(), y, View4<double>());
+  const auto yp = to_vec(y);
+  const auto xbc = to_vec(packed.xbc), dt = to_vec(packed.dt);
+  const index_t W = H * P + 2 * G * N;
+  for (int part = 0; part < 2; ++part) {
+    const index_t t0 = part == 0 ? 0 : L1, len = part == 0 ? L1 : L2;
+    Case c2 = c;
+    c2.L = len;
+    Data<double> one(c2);
+    Kokkos::deep_copy(one.A_log, packed.A_log);
+    Kokkos::deep_copy(one.dt_bias, packed.dt_bias);
+    Kokkos::deep_copy(one.D, packed.D);
+    mmtest::from_vec(one.xbc, std::vector<double>(xbc.begin() + t0 * W, xbc.begin() + (t0 + len) * W));
+    mmtest::from_vec(one.dt, std::vector<double>(dt.begin() + t0 * H, dt.begin() + (t0 + len) * H));
+    View2<double> y1("y1", len, H * P);
+    ssd_forward<double>(one.shape, one.in(), y1, View4<double>());
+    const std::vector<double> expect(yp.begin() + t0 * H * P, yp.begin() + (t0 + len) * H * P);
+    CHECK(rel_err(to_vec(y1), expect) < 1e-13);
+  }
+}
+
+TEST_CASE("SSD backward matches finite differences for every input", "[ssd][gradcheck]") {
+  for (index_t Q : {8, 16}) {
+    Case c;
+    c.L = 29;
+    c.Q = Q;
+    c.dt_lo = 0.0;
+    Data<double> d(c);
+    View2<double> dy("dy", c.B * c.L, c.H * c.P);
+    View4<double> dfin("dfin", c.B, c.H, c.P, c.N);
+    fill_uniform(dy, 11);
+    fill_uniform(dfin, 12);
+    const auto dyv = to_vec(dy), dfv = to_vec(dfin);
+    auto loss = [&]() {
+      View2<double> y("y", c.B * c.L, c.H * c.P);
+      View4<double> fin("fin", c.B, c.H, c.P, c.N);
+      ssd_forward<double>(d.shape, d.in(), y, fin);
+      return mmtest::dot(to_vec(y), dyv) + mmtest::dot(to_vec(fin), dfv);
+    };
+    SSDGrad<double> g;
+    g.dxbc = View2<double>("dxbc", d.xbc.extent(0), d.xbc.extent(1));
+    g.ddt = View2<double>("ddt", d.dt.extent(0), d.dt.extent(1));
+    g.dA_log = View1<double>("dA_log", c.H);
+    g.ddt_bias = View1<double>("ddt_bias", c.H);
+    g.dD = View1<double>("dD", c.H);
+    g.dinit_state = View4<double>("dinit", c.B, c.H, c.P, c.N);
+    ssd_backward<double>(d.shape, d.in(), dy, dfin, g);
+    INFO("Q=" << Q);
+    CHECK(fd_check(d.xbc, to_vec(g.dxbc), loss, 60).rel() < 1e-6);
+    CHECK(fd_check(d.dt, to_vec(g.ddt), loss, 30).rel() < 1e-6);
+    CHECK(fd_check(d.A_log, to_vec(g.dA_log), loss).rel() < 1e-6);
+    CHECK(fd_check(d.dt_bias, to_vec(g.ddt_bias), loss).rel() < 1e-6);
+    CHECK(fd_check(d.D, to_vec(g.dD), loss).rel() < 1e-6);
+    CHECK(fd_check(d.init, to_vec(g.dinit_state), loss).rel() < 1e-6);
+  }
+}
+
+TEST_CASE("SSD backward gives zero dt gradient where dt_limit clamps", "[ssd][gradcheck]") {
+  Case c;
+  c.L = 20;
+  c.dt_lo = 0.2;
+  c.dt_hi = 0.4;
+  Data<double> d(c);
+  View2<double> dy("dy", c.B * c.L, c.H * c.P);
+  fill_uniform(dy, 13);
+  SSDGrad<double> g;
+  g.dxbc = View2<double>("dxbc", d.xbc.extent(0), d.xbc.extent(1));
+  g.ddt = View2<double>("ddt", d.dt.extent(0), d.dt.extent(1));
+  g.dA_log = View1<double>("dA_log", c.H);
+  g.ddt_bias = View1<double>("ddt_bias", c.H);
+  g.dD = View1<double>("dD", c.H);
+  ssd_backward<double>(d.shape, d.in(), dy, View4<const double>(), g);
+  const auto dt = to_vec(d.dt), bias = to_vec(d.dt_bias), ddt = to_vec(g.ddt);
+  int clamped = 0, free = 0;
+  for (index_t r = 0; r < c.B * c.L; ++r)
+    for (index_t h = 0; h < c.H; ++h) {
+      const double sp = mmref::softplus(dt[r * c.H + h] + bias[h]);
+      if (sp < c.dt_lo || sp > c.dt_hi) {
+        ++clamped;
+        CHECK(ddt[r * c.H + h] == 0.0);
+      } else {
+        ++free;
+      }
+    }
+  CHECK(clamped > 0);
+  CHECK(free > 0);
+  auto loss = [&]() {
+    View2<double> y("y", c.B * c.L, c.H * c.P);
+    ssd_forward<double>(d.shape, d.in(), y, View4<double>());
+    return mmtest::dot(to_vec(y), to_vec(dy));
+  };
+  CHECK(fd_check(d.dt, ddt, loss, 40).rel() < 1e-6);
+}
+

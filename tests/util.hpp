@@ -1,0 +1,94 @@
+// Shared helpers for the unit tests: deterministic random tensors, host copies, error norms and
+// finite-difference gradient checks.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "catch.hpp"
+#include "core/kokkos_types.hpp"
+#include "core/rng.hpp"
+
+namespace mmtest {
+
+using mm::index_t;
+
+// Fill any contiguous view with uniform values in [lo, hi) drawn from (seed, stream).
+template <class V>
+void fill_uniform(const V& v, std::uint64_t stream, double lo = -1.0, double hi = 1.0, std::uint64_t seed = 1234) {
+  using T = typename V::non_const_value_type;
+  auto p = v.data();
+  const mm::CounterRNG rng{seed, stream};
+  mm::par_for("test::fill_uniform", v.span(), KOKKOS_LAMBDA(index_t i) { p[i] = T(rng.uniform(i, lo, hi)); });
+  Kokkos::fence();
+}
+
+template <class V>
+std::vector<double> to_vec(const V& v) {
+  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
+  std::vector<double> out(h.span());
+  for (std::size_t i = 0; i < h.span(); ++i) out[i] = double(h.data()[i]);
+  return out;
+}
+
+template <class V>
+void from_vec(const V& v, const std::vector<double>& src) {
+  auto h = Kokkos::create_mirror_view(v);
+  REQUIRE(h.span() == src.size());
+  for (std::size_t i = 0; i < src.size(); ++i) h.data()[i] = typename V::non_const_value_type(src[i]);
+  Kokkos::deep_copy(v, h);
+}
+
+// max_i |a_i - b_i| / max(max_i |b_i|, floor): relative to the reference's scale.
+inline double rel_err(const std::vector<double>& a, const std::vector<double>& b, double floor = 1e-12) {
+  REQUIRE(a.size() == b.size());
+  double num = 0, den = floor;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    num = std::max(num, std::abs(a[i] - b[i]));
+    den = std::max(den, std::abs(b[i]));
+  }
+  return num / den;
+}
+
+inline double dot(const std::vector<double>& a, const std::vector<double>& b) {
+  double s = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Central finite differences of a scalar function of one tensor, at `count` evenly spread elements (all of them
+// when the tensor is smaller), compared against the analytic gradient.
+// `loss` evaluates the scalar objective after the tensor `x` has been modified in place.
+struct FDResult {
+  double max_abs_err = 0, max_ref = 0;
+  double rel() const { return max_abs_err / std::max(max_ref, 1e-12); }
+};
+
+template <class V>
+FDResult fd_check(const V& x, const std::vector<double>& analytic, const std::function<double()>& loss,
+                  int count = 24, double eps = 1e-6) {
+  std::vector<double> base = to_vec(x);
+  REQUIRE(base.size() == analytic.size());
+  FDResult r;
+  const std::size_t n = base.size();
+  const std::size_t stride = std::max<std::size_t>(1, n / std::size_t(count));
+  for (std::size_t i = 0; i < n; i += stride) {
+    std::vector<double> xp = base;
+    xp[i] = base[i] + eps;
+    from_vec(x, xp);
+    const double lp = loss();
+    xp[i] = base[i] - eps;
+    from_vec(x, xp);
+    const double lm = loss();
+    const double fd = (lp - lm) / (2 * eps);
+    r.max_abs_err = std::max(r.max_abs_err, std::abs(fd - analytic[i]));
+    r.max_ref = std::max(r.max_ref, std::abs(analytic[i]));
+  }
+  from_vec(x, base);
+  return r;
+}
+
+}  // namespace mmtest
