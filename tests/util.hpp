@@ -69,7 +69,7 @@ struct FDResult {
 
 template <class V>
 FDResult fd_check(const V& x, const std::vector<double>& analytic, const std::function<double()>& loss,
-                  int count = 24, double eps = 1e-6) {
+                  int count = 24, double eps = 1e-5) {
   std::vector<double> base = to_vec(x);
   REQUIRE(base.size() == analytic.size());
   FDResult r;

@@ -69,12 +69,14 @@ inline void par_for(const char* label, index_t n, const F& f) {
   Kokkos::parallel_for(label, Range(0, n), f);
 }
 
-// 2-D loop over [0, n0) x [0, n1), flattened into one 1-D range (faster than MDRange on both backends for the
-// streaming kernels here); f(i, j).
+// 2-D loop over [0, n0) x [0, n1), f(i, j), with j the fast (contiguous) index: an MDRange, which iterates in
+// tiles without the integer division a flattened 1-D range needs per element.
 template <class F>
 inline void par_for(const char* label, index_t n0, index_t n1, const F& f) {
-  Kokkos::parallel_for(
-      label, Range(0, n0 * n1), KOKKOS_LAMBDA(const index_t k) { f(k / n1, k % n1); });
+  if (n0 <= 0 || n1 <= 0) return;
+  using MD = Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Right, Kokkos::Iterate::Right>,
+                                   Kokkos::IndexType<index_t>>;
+  Kokkos::parallel_for(label, MD({0, 0}, {n0, n1}), f);
 }
 
 // 1-D reduction (sum by default) over [0, n).

@@ -29,6 +29,7 @@ struct Ctx {
   P dt_lo, dt_hi;
   View3<P> delta, acs;  // (batch, H, L)
   View5<P> states;      // (batch, nchunks, H, P, N): chunk-local states, then the state entering each chunk
+  View5<P> cb;          // (batch, nchunks, G, Q, Q): C_l . B_s for s <= l, shared by the heads of a group
 
   KOKKOS_INLINE_FUNCTION index_t row(index_t b, index_t t) const { return b * L + t; }
   KOKKOS_INLINE_FUNCTION int rec(index_t b, index_t t) const { return seq.extent(0) > 0 ? seq(b, t) : 0; }
@@ -45,6 +46,12 @@ struct Ctx {
     return P(xbc(row(b, t), c_col + g * N + n));
   }
   KOKKOS_INLINE_FUNCTION P A(index_t h) const { return -Kokkos::exp(A_log(h)); }
+  // Rows of x (P values of head h), B and C (N values of group g) of token t: contiguous.
+  KOKKOS_INLINE_FUNCTION const T* xrow(index_t b, index_t t, index_t h) const {
+    return &xbc(row(b, t), x_col + h * Pd);
+  }
+  KOKKOS_INLINE_FUNCTION const T* brow(index_t b, index_t t, index_t g) const { return &xbc(row(b, t), b_col + g * N); }
+  KOKKOS_INLINE_FUNCTION const T* crow(index_t b, index_t t, index_t g) const { return &xbc(row(b, t), c_col + g * N); }
 };
 
 template <class T>
@@ -82,6 +89,8 @@ Ctx<T> make_ctx(const SSDShape& s, const SSDIn<T>& in) {
   c.acs = View3<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "ssd::acs"), s.batch, s.nheads, s.seqlen);
   c.states = View5<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "ssd::states"), s.batch, c.nc, s.nheads,
                       s.headdim, s.dstate);
+  c.cb = View5<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "ssd::cb"), s.batch, c.nc, s.ngroups, s.chunk,
+                  s.chunk);
   return c;
 }
 
@@ -124,6 +133,26 @@ void chunk_state(const Ctx<T>& c) {
   });
 }
 
+// cb(b, c, g, l, s) = C_l . B_s for s <= l within chunk c (the Q x Q "bmm" of the SSD; records are masked later).
+template <class T>
+void chunk_bmm(const Ctx<T>& c) {
+  using P = acc_t<T>;
+  par_for_team("ssd::bmm", c.Bsz * c.nc * c.G, KOKKOS_LAMBDA(const Team& tm) {
+    const index_t id = tm.league_rank();
+    const index_t g = id % c.G, ch = (id / c.G) % c.nc, b = id / (c.G * c.nc);
+    const index_t t0 = ch * c.Q, q = c.chunk_end(ch) - t0;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, q), [&](index_t il) {
+      const T* Cl = c.crow(b, t0 + il, g);
+      for (index_t is = 0; is <= il; ++is) {
+        const T* Bs = c.brow(b, t0 + is, g);
+        P acc = 0;
+        for (index_t n = 0; n < c.N; ++n) acc += P(Cl[n]) * P(Bs[n]);
+        c.cb(b, ch, g, il, is) = acc;
+      }
+    });
+  });
+}
+
 // In place: states(b, c) becomes the state entering chunk c; final (if non-empty) gets the state after the last.
 template <class T>
 void state_passing(const Ctx<T>& c, const View4<const acc_t<T>>& init, const View4<acc_t<T>>& final_state) {
@@ -157,7 +186,7 @@ void ssd_forward(const SSDShape& s, const SSDIn<T>& in, const View2<T>& y, const
 
   // y_l = D x_l + [rec(l) == rec_in] exp(Acs_l) C_l . S_in + sum_{s <= l, same record} (C_l . B_s) exp(Acs_l - Acs_s)
   //       Delta_s x_s
-  const index_t Q = c.Q;
+  chunk_bmm(c);
   par_for_team(
       "ssd::chunk_scan", c.Bsz * c.nc * c.H,
       KOKKOS_LAMBDA(const Team& tm) {
@@ -166,31 +195,33 @@ void ssd_forward(const SSDShape& s, const SSDIn<T>& in, const View2<T>& y, const
         const index_t g = h / c.hpg, t0 = ch * c.Q, t1 = c.chunk_end(ch);
         const int r_in = c.rec_in(b, ch);
         const P Dh = c.D(h);
-        Scratch1<P> w(tm.thread_scratch(1), Q);  // intra-chunk weights of the sources s <= l
+        Scratch1<P> acc(tm.thread_scratch(1), c.Pd);  // the output row being accumulated
         Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, t0, t1), [&](index_t l) {
-          const index_t rl = c.row(b, l);
           const int r_l = c.rec(b, l);
           const P acs_l = c.acs(b, h, l);
           const P e_in = r_l == r_in ? exp_nonpos(acs_l) : P(0);
-          for (index_t s2 = t0; s2 <= l; ++s2) {
-            P cb = 0;
-            if (c.rec(b, s2) == r_l)
-              for (index_t n = 0; n < c.N; ++n) cb += c.Cm(b, l, g, n) * c.Bm(b, s2, g, n);
-            w(s2 - t0) = cb * exp_nonpos(acs_l - c.acs(b, h, s2)) * c.delta(b, h, s2);
-          }
-          for (index_t p = 0; p < c.Pd; ++p) {
-            P acc = Dh * c.x(b, l, h, p);
-            if (e_in != P(0)) {
+          const T* xl = c.xrow(b, l, h);
+          const T* Cl = c.crow(b, l, g);
+          for (index_t p = 0; p < c.Pd; ++p) acc(p) = Dh * P(xl[p]);
+          if (e_in != P(0)) {
+            for (index_t p = 0; p < c.Pd; ++p) {
+              const P* S = &c.states(b, ch, h, p, 0);
               P cs = 0;
-              for (index_t n = 0; n < c.N; ++n) cs += c.Cm(b, l, g, n) * c.states(b, ch, h, p, n);
-              acc += e_in * cs;
+              for (index_t n = 0; n < c.N; ++n) cs += P(Cl[n]) * S[n];
+              acc(p) += e_in * cs;
             }
-            for (index_t s2 = t0; s2 <= l; ++s2) acc += w(s2 - t0) * c.x(b, s2, h, p);
-            y(rl, h * c.Pd + p) = static_cast<T>(acc);
           }
+          for (index_t s2 = t0; s2 <= l; ++s2) {
+            if (c.rec(b, s2) != r_l) continue;
+            const P w = c.cb(b, ch, g, l - t0, s2 - t0) * exp_nonpos(acs_l - c.acs(b, h, s2)) * c.delta(b, h, s2);
+            const T* xs = c.xrow(b, s2, h);
+            for (index_t p = 0; p < c.Pd; ++p) acc(p) += w * P(xs[p]);
+          }
+          T* yl = &y(c.row(b, l), h * c.Pd);
+          for (index_t p = 0; p < c.Pd; ++p) yl[p] = static_cast<T>(acc(p));
         });
       },
-      0, Scratch1<P>::shmem_size(Q), 1);
+      0, Scratch1<P>::shmem_size(c.Pd), 1);
 }
 
 template <class T>
@@ -243,6 +274,7 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
   }
 
   // Per chunk and head: dx, dB_h, dC_h, dDelta -> d(raw dt), and per-(b, c, h) partial sums of dA, ddt_bias, dD.
+  chunk_bmm(c);
   View3<P> dBh(Kokkos::view_alloc(Kokkos::WithoutInitializing, "ssd::dBh"), c.Bsz * c.L, c.H, c.N);
   View3<P> dCh(Kokkos::view_alloc(Kokkos::WithoutInitializing, "ssd::dCh"), c.Bsz * c.L, c.H, c.N);
   View4<P> partial(Kokkos::view_alloc(Kokkos::WithoutInitializing, "ssd::partial"), c.Bsz, c.nc, c.H, 3);
@@ -250,8 +282,9 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
   const auto ddt = gr.ddt;
   const index_t Q = c.Q;
   // Team scratch: K = E' (C.B), DX = dy_l . x_s, E' = [same record] exp(Acs_l - Acs_s)  (Q x Q each, s <= l),
-  // plus six per-token vectors.
+  // plus six per-token vectors. Thread scratch: accumulators of one row (P) and two of N.
   const std::size_t team_bytes = 3 * Scratch2<P>::shmem_size(Q, Q) + 6 * Scratch1<P>::shmem_size(Q);
+  const std::size_t thread_bytes = Scratch1<P>::shmem_size(c.Pd) + 2 * Scratch1<P>::shmem_size(c.N);
   par_for_team(
       "ssd::chunk_bwd", c.Bsz * c.nc * c.H,
       KOKKOS_LAMBDA(const Team& tm) {
@@ -263,20 +296,26 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
         Scratch2<P> K(tm.team_scratch(1), Q, Q), DX(tm.team_scratch(1), Q, Q), E(tm.team_scratch(1), Q, Q);
         Scratch1<P> in_sum(tm.team_scratch(1), Q), out_sum(tm.team_scratch(1), Q), w_inter(tm.team_scratch(1), Q),
             w_state(tm.team_scratch(1), Q), ddelta(tm.team_scratch(1), Q), ddot(tm.team_scratch(1), Q);
+        Scratch1<P> accP(tm.thread_scratch(1), c.Pd), accN(tm.thread_scratch(1), c.N),
+            accN2(tm.thread_scratch(1), c.N);
+        auto dyrow = [&](index_t t) { return &dy(c.row(b, t), h * c.Pd); };
+        const P* dH = &dstates(b, ch, h, 0, 0);        // dL/dH_c, (P, N) row-major
+        const P* Sin = &c.states(b, ch, h, 0, 0);      // state entering the chunk, (P, N)
 
         // Phase A: pairwise quantities for s <= l.
         Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, q), [&](index_t il) {
           const index_t l = t0 + il;
           const int r_l = c.rec(b, l);
           const P acs_l = c.acs(b, h, l);
+          const T* dyl = dyrow(l);
           for (index_t is = 0; is <= il; ++is) {
             const index_t s2 = t0 + is;
             const P e = c.rec(b, s2) == r_l ? exp_nonpos(acs_l - c.acs(b, h, s2)) : P(0);
-            P cb = 0, dxv = 0;
-            for (index_t n = 0; n < c.N; ++n) cb += c.Cm(b, l, g, n) * c.Bm(b, s2, g, n);
-            for (index_t p = 0; p < c.Pd; ++p) dxv += P(dy(c.row(b, l), h * c.Pd + p)) * c.x(b, s2, h, p);
+            const T* xs = c.xrow(b, s2, h);
+            P dxv = 0;
+            for (index_t p = 0; p < c.Pd; ++p) dxv += P(dyl[p]) * P(xs[p]);
             E(il, is) = e;
-            K(il, is) = e * cb;
+            K(il, is) = e * c.cb(b, ch, g, il, is);
             DX(il, is) = dxv;
           }
         });
@@ -286,21 +325,30 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
         Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, q), [&](index_t il) {
           const index_t l = t0 + il, rl = c.row(b, l);
           const P e_in = c.rec(b, l) == r_in ? exp_nonpos(c.acs(b, h, l)) : P(0);
-          P winter = 0;
-          for (index_t n = 0; n < c.N; ++n) {
-            P acc = 0;
-            for (index_t is = 0; is <= il; ++is)
-              acc += c.delta(b, h, t0 + is) * E(il, is) * DX(il, is) * c.Bm(b, t0 + is, g, n);
-            P inter = 0;
-            if (e_in != P(0)) {
-              for (index_t p = 0; p < c.Pd; ++p) inter += P(dy(rl, h * c.Pd + p)) * c.states(b, ch, h, p, n);
-              inter *= e_in;
-            }
-            dCh(rl, h, n) = acc + inter;
-            winter += inter * c.Cm(b, l, g, n);
-          }
+          const T* dyl = dyrow(l);
+          const T* Cl = c.crow(b, l, g);
+          for (index_t n = 0; n < c.N; ++n) accN(n) = 0;
           P insum = 0;
-          for (index_t is = 0; is < il; ++is) insum += c.delta(b, h, t0 + is) * K(il, is) * DX(il, is);
+          for (index_t is = 0; is <= il; ++is) {
+            const P dlt = c.delta(b, h, t0 + is);
+            const P coef = dlt * E(il, is) * DX(il, is);
+            const T* Bs = c.brow(b, t0 + is, g);
+            for (index_t n = 0; n < c.N; ++n) accN(n) += coef * P(Bs[n]);
+            if (is < il) insum += dlt * K(il, is) * DX(il, is);
+          }
+          P winter = 0;
+          for (index_t n = 0; n < c.N; ++n) accN2(n) = 0;
+          if (e_in != P(0)) {
+            for (index_t p = 0; p < c.Pd; ++p) {
+              const P d = P(dyl[p]);
+              for (index_t n = 0; n < c.N; ++n) accN2(n) += d * Sin[p * c.N + n];
+            }
+          }
+          for (index_t n = 0; n < c.N; ++n) {
+            const P inter = e_in * accN2(n);
+            dCh(rl, h, n) = accN(n) + inter;
+            winter += inter * P(Cl[n]);
+          }
           w_inter(il) = winter;
           in_sum(il) = insum;
           ddot(il) = DX(il, il);
@@ -311,28 +359,37 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
           const index_t s2 = t0 + is, rs = c.row(b, s2);
           const P dlt = c.delta(b, h, s2);
           const P es = c.rec(b, s2) == r_last ? exp_nonpos(acs_last - c.acs(b, h, s2)) : P(0);
+          const T* xs = c.xrow(b, s2, h);
+          const T* Bs = c.brow(b, s2, g);
+          for (index_t p = 0; p < c.Pd; ++p) accP(p) = 0;
+          for (index_t n = 0; n < c.N; ++n) accN(n) = 0;
           P dd = 0, outsum = 0;
           for (index_t il = is; il < q; ++il) {
-            dd += K(il, is) * DX(il, is);
-            if (il > is) outsum += dlt * K(il, is) * DX(il, is);
+            const P k = K(il, is), dxv = DX(il, is), coef = E(il, is) * dxv;
+            dd += k * dxv;
+            if (il > is) outsum += dlt * k * dxv;
+            const T* dyl = dyrow(t0 + il);
+            for (index_t p = 0; p < c.Pd; ++p) accP(p) += k * P(dyl[p]);
+            const T* Cl = c.crow(b, t0 + il, g);
+            for (index_t n = 0; n < c.N; ++n) accN(n) += coef * P(Cl[n]);
           }
+          // the chunk-state term (dH_c flows back into the tokens that built the chunk's final state)
+          for (index_t n = 0; n < c.N; ++n) accN2(n) = 0;
           P dd_state = 0;
+          const T* dys = dyrow(s2);
+          T* dxs = &dxbc(rs, c.x_col + h * c.Pd);
           for (index_t p = 0; p < c.Pd; ++p) {
-            P acc = 0;
-            for (index_t il = is; il < q; ++il) acc += K(il, is) * P(dy(c.row(b, t0 + il), h * c.Pd + p));
+            const P* dHp = dH + p * c.N;
+            const P xp = P(xs[p]);
             P bdh = 0;
-            for (index_t n = 0; n < c.N; ++n) bdh += c.Bm(b, s2, g, n) * dstates(b, ch, h, p, n);
-            dd_state += c.x(b, s2, h, p) * bdh;
-            dxbc(rs, c.x_col + h * c.Pd + p) =
-                static_cast<T>(Dh * P(dy(rs, h * c.Pd + p)) + dlt * acc + dlt * es * bdh);
+            for (index_t n = 0; n < c.N; ++n) {
+              bdh += P(Bs[n]) * dHp[n];
+              accN2(n) += xp * dHp[n];
+            }
+            dd_state += xp * bdh;
+            dxs[p] = static_cast<T>(Dh * P(dys[p]) + dlt * accP(p) + dlt * es * bdh);
           }
-          for (index_t n = 0; n < c.N; ++n) {
-            P acc = 0;
-            for (index_t il = is; il < q; ++il) acc += E(il, is) * DX(il, is) * c.Cm(b, t0 + il, g, n);
-            P xdh = 0;
-            for (index_t p = 0; p < c.Pd; ++p) xdh += c.x(b, s2, h, p) * dstates(b, ch, h, p, n);
-            dBh(rs, h, n) = dlt * acc + dlt * es * xdh;
-          }
+          for (index_t n = 0; n < c.N; ++n) dBh(rs, h, n) = dlt * accN(n) + dlt * es * accN2(n);
           dd_state *= es;
           ddelta(is) = dd + dd_state;
           out_sum(is) = outsum;
@@ -343,11 +400,7 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
         P wdecay = 0;
         if (r_last == r_in) {
           Kokkos::parallel_reduce(
-              Kokkos::TeamThreadRange(tm, c.Pd * c.N),
-              [&](index_t pn, P& acc) {
-                acc += dstates(b, ch, h, pn / c.N, pn % c.N) * c.states(b, ch, h, pn / c.N, pn % c.N);
-              },
-              wdecay);
+              Kokkos::TeamThreadRange(tm, c.Pd * c.N), [&](index_t pn, P& acc) { acc += dH[pn] * Sin[pn]; }, wdecay);
           wdecay *= exp_nonpos(acs_last);
         }
         tm.team_barrier();
@@ -377,7 +430,7 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
           partial(b, ch, h, 2) = dD;
         });
       },
-      team_bytes, 0, 1);
+      team_bytes, thread_bytes, 1);
 
   // Sum dB and dC over the heads of each group into the input's gradient columns.
   par_for("ssd::group_reduce", c.Bsz * c.L, c.G * c.N, KOKKOS_LAMBDA(index_t r, index_t gn) {

@@ -1,0 +1,63 @@
+// A next-base-prediction dataset over FASTA records: each record is split into a training part (its first
+// 1 - holdout_fraction) and a held-out part (the rest). Training windows are drawn at random positions of the
+// concatenated training parts (records packed back to back, told apart by a record id so that nothing leaks across
+// a boundary); held-out windows tile each record's held-out part in order.
+//
+// Targets are the next base; a target is not scored (-1) when it lies in another record or is not one of A, C, G, T
+// (N runs carry no information), so bits per base are over real bases only.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "io/fasta.hpp"
+
+namespace mm::io {
+
+// One micro-batch on the host, rows b * seqlen + t.
+struct HostBatch {
+  std::int64_t batch = 0, seqlen = 0;
+  std::vector<std::int32_t> tokens, targets, seq_idx;
+  std::int64_t scored() const;  // number of targets >= 0
+};
+
+struct TokenStream {
+  std::vector<std::int32_t> tokens;  // one per base
+  std::vector<std::int32_t> record;  // record index of each base
+  std::int64_t size() const { return std::int64_t(tokens.size()); }
+};
+
+struct Window {
+  std::int64_t start = 0, length = 0;  // inputs [start, start + length) of the held-out stream; targets shifted by 1
+};
+
+class GenomeDataset {
+ public:
+  GenomeDataset(const std::vector<FastaRecord>& records, double holdout_fraction, const std::string& source);
+
+  const TokenStream& train() const { return train_; }
+  const TokenStream& heldout() const { return heldout_; }
+  std::int64_t n_records() const { return n_records_; }
+
+  // Training micro-batch `micro` of optimizer step `step`: `batch` windows of `seqlen` inputs each, at positions
+  // drawn from the counter RNG (seed, step, micro, row), so any step can be regenerated exactly (resume).
+  HostBatch sample_train(std::uint64_t seed, std::int64_t step, std::int64_t micro, std::int64_t batch,
+                         std::int64_t seqlen) const;
+
+  // Consecutive windows of at most `seqlen` inputs over every record's held-out part; every held-out base except
+  // the first of each record is a target exactly once.
+  std::vector<Window> heldout_windows(std::int64_t seqlen) const;
+  // Rows for windows [first, first + batch) (missing rows and the tail of short windows are padding).
+  HostBatch heldout_batch(const std::vector<Window>& windows, std::size_t first, std::int64_t batch,
+                          std::int64_t seqlen) const;
+
+ private:
+  static void fill_row(const TokenStream& s, std::int64_t start, std::int64_t length, std::int64_t seqlen,
+                       std::int64_t row, HostBatch& out);
+  TokenStream train_, heldout_;
+  std::int64_t n_records_ = 0;
+  std::string source_;
+};
+
+}  // namespace mm::io

@@ -1,0 +1,104 @@
+// mambamoe: one executable, one driver per workload, selected by the deck's [run] driver.
+//
+//   mambamoe <deck.in> [--section.key=value ...]     run the deck's driver
+//   mambamoe <deck.in> --print-deck                  print the effective deck and exit
+//   mambamoe --help [deck.in] | --version | --list-drivers
+//
+// Start-up order: MPI, then Kokkos (which removes its own --kokkos-* flags from argv), then the deck.
+#include <mpi.h>
+
+#include <Kokkos_Core.hpp>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/config.hpp"
+#include "core/error.hpp"
+#include "lm_options.hpp"
+#include "registry.hpp"
+
+namespace {
+
+void usage() {
+  std::printf(
+      "usage: mambamoe <deck.in> [--section.key=value ...] [--print-deck]\n"
+      "       mambamoe --help [deck.in] | --version | --list-drivers\n"
+      "Kokkos options (--kokkos-num-threads=N, ...) are accepted too.\n");
+}
+
+int run(int argc, char** argv, int rank) {
+  std::string deck_path;
+  std::vector<std::string> overrides;
+  bool help = false, print_deck = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--help" || a == "-h") help = true;
+    else if (a == "--version") {
+      if (rank == 0) std::printf("mambamoe %s (%s)\n", mm::kVersion, mm::kGitHash);
+      return 0;
+    } else if (a == "--list-drivers") {
+      if (rank == 0)
+        for (const auto& d : mm::drivers::all()) std::printf("%-20s %s\n", d.name.c_str(), d.summary.c_str());
+      return 0;
+    } else if (a == "--print-deck") print_deck = true;
+    else if (a.rfind("--", 0) == 0 && a.find('.') != std::string::npos && a.find('=') != std::string::npos)
+      overrides.push_back(a);
+    else if (a.rfind("-", 0) != 0 && deck_path.empty()) deck_path = a;
+    else throw mm::Error("command line", "unrecognised argument '" + a + "' (see mambamoe --help)");
+  }
+  if (deck_path.empty() && !help) {
+    if (rank == 0) usage();
+    throw mm::Error("command line", "no deck file given");
+  }
+  const mm::drivers::Driver& driver = mm::drivers::find(mm::io::peek(deck_path, overrides, "run.driver", "genomics_lm"));
+  mm::io::Deck deck;
+  mm::drivers::declare_run(deck);
+  driver.declare(deck);
+  if (help) {
+    if (rank == 0) {
+      usage();
+      std::printf("\noptions of driver %s (deck sections and keys, default, meaning):\n%s", driver.name.c_str(),
+                  deck.help().c_str());
+    }
+    return 0;
+  }
+  deck.parse(deck_path, overrides);
+  if (rank == 0) {
+    std::printf("mambamoe %s (%s) | Kokkos %s, %d thread(s) | driver %s | deck %s\n", mm::kVersion, mm::kGitHash,
+                Kokkos::DefaultExecutionSpace::name(), Kokkos::DefaultExecutionSpace().concurrency(),
+                driver.name.c_str(), deck_path.c_str());
+    std::printf("---- effective deck ----\n%s------------------------\n", deck.effective().c_str());
+    std::fflush(stdout);
+  }
+  if (print_deck) return 0;
+  int size = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  mm::require(size == 1, "MPI", "this driver runs on one rank (got ", size,
+              "); the [parallel] layouts come with the distributed implementation");
+  return driver.run(deck);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  int rc = 0;
+  {
+    Kokkos::ScopeGuard kokkos(argc, argv);
+    try {
+      rc = run(argc, argv, rank);
+    } catch (const mm::Error& e) {
+      std::fprintf(stderr, "mambamoe: error: %s\n", e.what());
+      rc = 2;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "mambamoe: internal error: %s\n", e.what());
+      rc = 3;
+    }
+  }
+  MPI_Finalize();
+  return rc;
+}

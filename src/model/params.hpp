@@ -1,0 +1,115 @@
+// Parameter registry: every parameter of a model lives in one flat buffer (and its gradient in a second one), as a
+// named slice with a global shape. One buffer keeps the optimizer, the gradient norm, the all-reduce of gradients
+// and checkpointing to one kernel or one loop each; names and shapes are what checkpoints store.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/error.hpp"
+#include "core/kokkos_types.hpp"
+#include "core/rng.hpp"
+
+namespace mm {
+
+// How a parameter is initialised (drawn with the counter RNG from (seed, hash(name), element index), so the values
+// do not depend on the backend, the thread count or how the model is later sharded).
+struct Init {
+  enum Kind { zeros, ones, constant, uniform, normal, dt_bias, a_log } kind = zeros;
+  double a = 0, b = 0;   // uniform: [a, b); normal: mean a, std b; constant: a; a_log: U[a, b]; dt_bias: see init.cpp
+  double c = 0;          // dt_bias: floor
+  double scale = 1;      // applied after drawing (out_proj rescaling by 1/sqrt(n_layer))
+  static Init Zeros() { return {zeros}; }
+  static Init Ones() { return {ones}; }
+  static Init Uniform(double lo, double hi, double scale = 1) { return {uniform, lo, hi, 0, scale}; }
+  static Init Normal(double mean, double std) { return {normal, mean, std}; }
+  static Init DtBias(double dt_min, double dt_max, double floor) { return {dt_bias, dt_min, dt_max, floor}; }
+  static Init ALog(double lo, double hi) { return {a_log, lo, hi}; }
+};
+
+struct ParamEntry {
+  std::string name;
+  std::vector<index_t> shape;
+  index_t offset = 0, size = 0;
+  bool decay = false;  // AdamW weight decay applies (matrices); not for norms, biases, A_log, D, dt_bias
+  Init init;
+};
+
+template <class P>
+class ParamStore {
+ public:
+  // Declare a parameter before allocate(); returns its index.
+  std::size_t add(const std::string& name, std::vector<index_t> shape, bool decay, Init init) {
+    require(!allocated(), "ParamStore", "parameter '", name, "' added after allocation");
+    require(!index_.count(name), "ParamStore", "duplicate parameter name '", name, "'");
+    ParamEntry e;
+    e.name = name;
+    e.shape = std::move(shape);
+    e.size = 1;
+    for (index_t d : e.shape) e.size *= d;
+    e.offset = total_;
+    e.decay = decay;
+    e.init = init;
+    // keep every slice 64-byte aligned for vector loads
+    total_ += (e.size + 15) / 16 * 16;
+    index_[name] = entries_.size();
+    entries_.push_back(e);
+    return entries_.size() - 1;
+  }
+
+  void allocate() {
+    values_ = View1<P>("params::values", total_);
+    grads_ = View1<P>("params::grads", total_);
+    allocated_ = true;
+  }
+  bool allocated() const { return allocated_; }
+
+  // Initialise every parameter from (seed, name).
+  void initialize(std::uint64_t seed);
+
+  void zero_grads() { Kokkos::deep_copy(grads_, P(0)); }
+
+  const std::vector<ParamEntry>& entries() const { return entries_; }
+  const ParamEntry& entry(const std::string& name) const { return entries_[index(name)]; }
+  bool has(const std::string& name) const { return index_.count(name) > 0; }
+  std::size_t index(const std::string& name) const {
+    auto it = index_.find(name);
+    require(it != index_.end(), "ParamStore", "no parameter named '", name, "'");
+    return it->second;
+  }
+  index_t total() const { return total_; }
+  index_t count() const {
+    index_t n = 0;
+    for (const auto& e : entries_) n += e.size;
+    return n;
+  }
+
+  const View1<P>& values() const { return values_; }
+  const View1<P>& grads() const { return grads_; }
+
+  // Views of one parameter (value or gradient) with its shape.
+  View1<P> v1(std::size_t i) const { return slice1(values_, i); }
+  View2<P> v2(std::size_t i) const { return slice2(values_, i); }
+  View1<P> g1(std::size_t i) const { return slice1(grads_, i); }
+  View2<P> g2(std::size_t i) const { return slice2(grads_, i); }
+
+ private:
+  View1<P> slice1(const View1<P>& buf, std::size_t i) const {
+    const auto& e = entries_[i];
+    return View1<P>(buf.data() + e.offset, e.size);
+  }
+  View2<P> slice2(const View1<P>& buf, std::size_t i) const {
+    const auto& e = entries_[i];
+    require(e.shape.size() == 2, "ParamStore", "parameter '", e.name, "' is not a matrix");
+    return View2<P>(buf.data() + e.offset, e.shape[0], e.shape[1]);
+  }
+
+  std::vector<ParamEntry> entries_;
+  std::map<std::string, std::size_t> index_;
+  index_t total_ = 0;
+  bool allocated_ = false;
+  View1<P> values_, grads_;
+};
+
+}  // namespace mm

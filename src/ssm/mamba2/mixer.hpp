@@ -1,0 +1,87 @@
+// The Mamba-2 mixer (mamba_ssm's Mamba2 with d_mlp = 0), forward and backward:
+//
+//   zxbcdt = in_proj(u)                 columns [z (E) | x (E) | B (G N) | C (G N) | dt (H)]
+//   xBC    = silu(causal_conv1d([x | B | C]))          (width d_conv, per channel, records never mixed)
+//   y      = SSD(x, dt, A, B, C, D)                    (dt_bias + softplus, dt_limit clamp, D skip, groups)
+//   yn     = RMSNorm_group(y * silu(z)) * w            (group size E / G, norm_before_gate = false)
+//   out    = out_proj(yn)
+//
+// Initialisation follows mamba_ssm: in_proj and out_proj like torch.nn.Linear (out_proj then divided by
+// sqrt(n_layer)), conv like torch.nn.Conv1d, A_log = log(U[A_init]), dt_bias = inverse softplus of
+// exp(U[log dt_min, log dt_max]), D = 1, norm weight = 1.
+#pragma once
+
+#include <limits>
+#include <string>
+
+#include "core/kokkos_types.hpp"
+#include "layers/conv1d.hpp"
+#include "model/params.hpp"
+#include "ssm/mamba2/ssd.hpp"
+
+namespace mm {
+
+struct Mamba2Config {
+  index_t d_model = 256;
+  index_t d_state = 64;
+  index_t d_conv = 4;
+  index_t expand = 2;
+  index_t headdim = 64;
+  index_t ngroups = 1;
+  index_t chunk = 256;
+  double dt_min = 1e-3, dt_max = 0.1, dt_init_floor = 1e-4;
+  double A_init_lo = 1, A_init_hi = 16;
+  double dt_limit_lo = 0, dt_limit_hi = std::numeric_limits<double>::infinity();
+  double norm_eps = 1e-5;
+
+  index_t d_inner() const { return expand * d_model; }
+  index_t nheads() const { return d_inner() / headdim; }
+  index_t conv_dim() const { return d_inner() + 2 * ngroups * d_state; }
+  index_t d_in_proj() const { return 2 * d_inner() + 2 * ngroups * d_state + nheads(); }
+  // Shapes that do not divide are an error naming the values.
+  void validate(const std::string& context) const;
+};
+
+// What the forward keeps for the backward. Under recompute only `u` is kept and the rest is rebuilt.
+template <class T>
+struct Mamba2Acts {
+  View2<T> u;       // input (B*L, D)
+  View2<T> zxbcdt;  // in_proj output
+  View2<T> xbc;     // conv output
+  View2<T> y;       // scan output (pre-norm)
+  View2<T> yn;      // gated-norm output (out_proj input)
+  View2<acc_t<T>> rstd;
+};
+
+template <class T>
+class Mamba2Mixer {
+ public:
+  using P = acc_t<T>;
+  static_assert(std::is_same_v<T, P>, "bf16 activations need compute copies of the GEMM weights (GPU path)");
+
+  // Registers the parameters under `prefix` (e.g. "backbone.layers.3.mixer.") in `store`.
+  Mamba2Mixer(const Mamba2Config& cfg, ParamStore<P>& store, const std::string& prefix, index_t n_layer);
+
+  const Mamba2Config& config() const { return cfg_; }
+
+  // out (B*L, D) = mixer(u). If `save` is true the intermediates are kept in `acts` for the backward; otherwise
+  // only u is referenced and backward() recomputes them.
+  void forward(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq, const View2<T>& out,
+               Mamba2Acts<T>& acts, bool save) const;
+
+  // du (B*L, D) is written; parameter gradients are accumulated into the store's gradient buffer.
+  void backward(Mamba2Acts<T>& acts, index_t batch, index_t seqlen, const SeqIdxView& seq,
+                const View2<const T>& dout, const View2<T>& du) const;
+
+ private:
+  void run_internals(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq,
+                     Mamba2Acts<T>& acts) const;
+  SSDShape ssd_shape(index_t batch, index_t seqlen) const;
+  SSDIn<T> ssd_in(const Mamba2Acts<T>& acts, const SeqIdxView& seq) const;
+
+  Mamba2Config cfg_;
+  ParamStore<P>* store_;
+  std::size_t in_proj_, conv_w_, conv_b_, dt_bias_, A_log_, D_, norm_w_, out_proj_;
+};
+
+}  // namespace mm

@@ -1,0 +1,220 @@
+#include "train/trainer.hpp"
+
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "core/config.hpp"
+#include "core/error.hpp"
+#include "io/checkpoint.hpp"
+
+namespace mm {
+
+namespace {
+
+volatile std::sig_atomic_t g_stop_signal = 0;
+extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+std::string si(double v) {
+  char buf[32];
+  if (v >= 1e6) std::snprintf(buf, sizeof buf, "%.2fM", v / 1e6);
+  else if (v >= 1e3) std::snprintf(buf, sizeof buf, "%.1fk", v / 1e3);
+  else std::snprintf(buf, sizeof buf, "%.0f", v);
+  return buf;
+}
+
+std::vector<std::int64_t> shape_of(const ParamEntry& e) {
+  return std::vector<std::int64_t>(e.shape.begin(), e.shape.end());
+}
+
+}  // namespace
+
+std::string format_duration(double s) {
+  char buf[32];
+  if (s < 60) std::snprintf(buf, sizeof buf, "%.0fs", s);
+  else if (s < 3600) std::snprintf(buf, sizeof buf, "%dm%02ds", int(s) / 60, int(s) % 60);
+  else std::snprintf(buf, sizeof buf, "%dh%02dm", int(s) / 3600, (int(s) % 3600) / 60);
+  return buf;
+}
+
+Batch to_device(const io::HostBatch& hb) {
+  Batch b;
+  b.batch = hb.batch;
+  b.seqlen = hb.seqlen;
+  const index_t n = hb.batch * hb.seqlen;
+  require(index_t(hb.tokens.size()) == n && index_t(hb.targets.size()) == n && index_t(hb.seq_idx.size()) == n,
+          "batch", "host batch arrays do not match batch * seqlen = ", n);
+  b.tokens = Kokkos::View<std::int32_t*, Layout, Mem>("batch::tokens", n);
+  b.targets = Kokkos::View<std::int32_t*, Layout, Mem>("batch::targets", n);
+  b.seq_idx = Kokkos::View<std::int32_t**, Layout, Mem>("batch::seq_idx", hb.batch, hb.seqlen);
+  Kokkos::deep_copy(b.tokens, Kokkos::View<const std::int32_t*, Layout, HostMem>(hb.tokens.data(), n));
+  Kokkos::deep_copy(b.targets, Kokkos::View<const std::int32_t*, Layout, HostMem>(hb.targets.data(), n));
+  Kokkos::deep_copy(b.seq_idx,
+                    Kokkos::View<const std::int32_t**, Layout, HostMem>(hb.seq_idx.data(), hb.batch, hb.seqlen));
+  return b;
+}
+
+template <class T>
+Trainer<T>::Trainer(MambaLM<T>& model, const TrainConfig& cfg, std::string deck_text)
+    : model_(model), cfg_(cfg), deck_(std::move(deck_text)), opt_(model.params(), cfg.adamw) {
+  require(cfg.steps >= 1, "train", "steps must be at least 1");
+  require(cfg.grad_accum >= 1, "train", "grad_accum must be at least 1");
+  if (!cfg_.resume.empty()) load(cfg_.resume);
+}
+
+template <class T>
+void Trainer<T>::save(const std::string& path) const {
+  const auto& ps = model_.params();
+  auto values = Kokkos::create_mirror_view_and_copy(HostMem(), ps.values());
+  auto m = Kokkos::create_mirror_view_and_copy(HostMem(), opt_.m());
+  auto v = Kokkos::create_mirror_view_and_copy(HostMem(), opt_.v());
+  if (const auto dir = std::filesystem::path(path).parent_path(); !dir.empty())
+    std::filesystem::create_directories(dir);
+  io::CheckpointWriter w(path);
+  for (const auto& e : ps.entries()) {
+    const auto shape = shape_of(e);
+    w.write("params/" + e.name, shape, values.data() + e.offset);
+    w.write("optimizer/adamw_m/" + e.name, shape, m.data() + e.offset);
+    w.write("optimizer/adamw_v/" + e.name, shape, v.data() + e.offset);
+  }
+  w.attr("step", std::int64_t(step_));
+  w.attr("seed", std::int64_t(cfg_.seed));
+  w.attr("deck", deck_);
+  w.attr("mambamoe_version", std::string(kVersion));
+  w.attr("mambamoe_git", std::string(kGitHash));
+  w.commit();
+}
+
+template <class T>
+void Trainer<T>::load(const std::string& path) {
+  auto& ps = model_.params();
+  io::CheckpointReader r(path);
+  auto values = Kokkos::create_mirror_view(ps.values());
+  auto m = Kokkos::create_mirror_view(opt_.m());
+  auto v = Kokkos::create_mirror_view(opt_.v());
+  for (const auto& e : ps.entries()) {
+    const auto shape = shape_of(e);
+    r.read("params/" + e.name, shape, values.data() + e.offset);
+    r.read("optimizer/adamw_m/" + e.name, shape, m.data() + e.offset);
+    r.read("optimizer/adamw_v/" + e.name, shape, v.data() + e.offset);
+  }
+  Kokkos::deep_copy(ps.values(), values);
+  Kokkos::deep_copy(opt_.m(), m);
+  Kokkos::deep_copy(opt_.v(), v);
+  step_ = r.attr_int("step");
+  const auto seed = std::uint64_t(r.attr_int("seed"));
+  if (seed != cfg_.seed && cfg_.verbose)
+    std::printf("warning: %s was written with seed %llu, this run uses seed %llu: the data order changes\n",
+                path.c_str(), (unsigned long long)seed, (unsigned long long)cfg_.seed);
+  if (cfg_.verbose) std::printf("resumed from %s at step %lld\n", path.c_str(), (long long)step_);
+}
+
+template <class T>
+void Trainer<T>::log_eval(const LossSum& l, double seconds) {
+  evals_.push_back({step_, l});
+  if (cfg_.verbose)
+    std::printf("eval  step %6lld | held-out %.4f nats | %.4f bits/base | %lld bases | %s\n", (long long)step_,
+                l.mean_nats(), l.bits_per_token(), (long long)l.count, format_duration(seconds).c_str());
+  if (!cfg_.metrics_path.empty()) {
+    std::ofstream f(cfg_.metrics_path, std::ios::app);
+    f << "eval," << step_ << "," << l.mean_nats() << "," << l.bits_per_token() << ",,,," << seconds << "\n";
+  }
+  std::fflush(stdout);
+}
+
+template <class T>
+std::int64_t Trainer<T>::run(const NextBatch& next, const Evaluate& eval) {
+  if (!cfg_.metrics_path.empty()) {
+    if (const auto dir = std::filesystem::path(cfg_.metrics_path).parent_path(); !dir.empty())
+      std::filesystem::create_directories(dir);
+    const bool fresh = !std::filesystem::exists(cfg_.metrics_path) || std::filesystem::file_size(cfg_.metrics_path) == 0;
+    std::ofstream f(cfg_.metrics_path, std::ios::app);
+    require(bool(f), cfg_.metrics_path, "cannot open the metrics file for writing");
+    if (fresh) f << "kind,step,loss_nats,bits_per_base,lr,grad_norm,tokens_per_s,elapsed_s\n";
+  }
+  g_stop_signal = 0;
+  auto old_term = std::signal(SIGTERM, on_stop_signal);
+  auto old_usr1 = std::signal(SIGUSR1, on_stop_signal);
+
+  const auto t_start = Clock::now();
+  const std::int64_t first = step_;
+  std::int64_t tokens_since_log = 0;
+  auto t_log = Clock::now();
+  std::string stop_reason;
+  while (step_ < cfg_.steps) {
+    // Forward + backward over the micro-batches; the loss is normalised by the step's total scored targets.
+    std::vector<io::HostBatch> micro(cfg_.grad_accum);
+    std::int64_t scored = 0;
+    for (std::int64_t k = 0; k < cfg_.grad_accum; ++k) {
+      micro[k] = next(step_, k);
+      scored += micro[k].scored();
+    }
+    require(scored > 0, "train", "step ", step_, " has no scored targets");
+    model_.params().zero_grads();
+    LossSum total;
+    for (std::int64_t k = 0; k < cfg_.grad_accum; ++k) {
+      const LossSum l = model_.forward_backward(to_device(micro[k]), 1.0 / double(scored), cfg_.recompute);
+      total.nats += l.nats;
+      total.count += l.count;
+      tokens_since_log += micro[k].batch * micro[k].seqlen;
+    }
+    const double lr = cfg_.schedule.at(step_);
+    const double gnorm = opt_.step(model_.params(), lr, step_ + 1);
+    ++step_;
+    history_.push_back({step_, total.mean_nats(), gnorm, lr});
+
+    const bool last = step_ == cfg_.steps;
+    if (cfg_.time_limit_minutes > 0 && seconds_since(t_start) > 60.0 * cfg_.time_limit_minutes)
+      stop_reason = "time limit of " + format_duration(60.0 * cfg_.time_limit_minutes) + " reached";
+    if (g_stop_signal) stop_reason = std::string("signal ") + (g_stop_signal == SIGTERM ? "SIGTERM" : "SIGUSR1");
+
+    if (cfg_.log_interval > 0 && (step_ % cfg_.log_interval == 0 || last || !stop_reason.empty())) {
+      Kokkos::fence("trainer::log");
+      const double dt = seconds_since(t_log), elapsed = seconds_since(t_start);
+      const double tps = double(tokens_since_log) / dt;
+      const double eta = elapsed / double(step_ - first) * double(cfg_.steps - step_);
+      if (cfg_.verbose)
+        std::printf("step %6lld/%lld | loss %.4f | %.4f bits/base | lr %.2e | gnorm %.3f | %s tok/s | %s | ETA %s\n",
+                    (long long)step_, (long long)cfg_.steps, total.mean_nats(), total.bits_per_token(), lr, gnorm,
+                    si(tps).c_str(), format_duration(elapsed).c_str(), format_duration(eta).c_str());
+      if (!cfg_.metrics_path.empty()) {
+        std::ofstream f(cfg_.metrics_path, std::ios::app);
+        f << "train," << step_ << "," << total.mean_nats() << "," << total.bits_per_token() << "," << lr << ","
+          << gnorm << "," << tps << "," << elapsed << "\n";
+      }
+      std::fflush(stdout);
+      tokens_since_log = 0;
+      t_log = Clock::now();
+    }
+    if (eval && ((cfg_.eval_interval > 0 && step_ % cfg_.eval_interval == 0) || last)) {
+      const auto t0 = Clock::now();
+      const LossSum l = eval();
+      log_eval(l, seconds_since(t0));
+    }
+    const bool periodic = cfg_.checkpoint_interval > 0 && step_ % cfg_.checkpoint_interval == 0;
+    if (!cfg_.checkpoint_path.empty() && (periodic || last || !stop_reason.empty())) {
+      save(cfg_.checkpoint_path);
+      if (cfg_.verbose) std::printf("checkpoint %s (step %lld)\n", cfg_.checkpoint_path.c_str(), (long long)step_);
+    }
+    if (!stop_reason.empty()) {
+      if (cfg_.verbose)
+        std::printf("stopping at step %lld: %s%s\n", (long long)step_, stop_reason.c_str(),
+                    cfg_.checkpoint_path.empty() ? " (no checkpoint path configured: progress is not saved)"
+                                                 : "; resume with --checkpoint.resume=<checkpoint>");
+      break;
+    }
+  }
+  std::signal(SIGTERM, old_term);
+  std::signal(SIGUSR1, old_usr1);
+  return step_ - first;
+}
+
+template class Trainer<float>;
+template class Trainer<double>;
+
+}  // namespace mm

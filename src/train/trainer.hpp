@@ -1,0 +1,86 @@
+// The training loop: gradient accumulation over micro-batches, AdamW with clipping and the LR schedule, progress
+// lines and a metrics CSV, periodic held-out evaluation, and checkpoints (written to a temporary file, renamed when
+// complete) that resume exactly: a resumed run reproduces the uninterrupted one step for step, because every
+// micro-batch is a pure function of (seed, step, micro) and the checkpoint holds the parameters, both AdamW moments
+// and the step.
+//
+// A run stops cleanly, writing a checkpoint first, at its step budget, at `time_limit_minutes`, or on SIGTERM /
+// SIGUSR1 (what batch schedulers send before the wall-clock limit).
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "io/genome_dataset.hpp"
+#include "model/lm.hpp"
+#include "train/optimizer.hpp"
+
+namespace mm {
+
+struct TrainConfig {
+  std::int64_t steps = 100;
+  std::int64_t grad_accum = 1;
+  std::int64_t log_interval = 10;
+  std::int64_t eval_interval = 0;  // 0: evaluate only at the end
+  LRSchedule schedule;
+  AdamWConfig adamw;
+  Recompute recompute = Recompute::none;
+  double time_limit_minutes = 0;  // 0: none
+  std::string checkpoint_path;    // empty: no checkpoints
+  std::int64_t checkpoint_interval = 0;
+  std::string resume;             // checkpoint to resume from (empty: fresh start)
+  std::string metrics_path;       // CSV of train and eval rows (empty: none)
+  std::uint64_t seed = 0;
+  bool verbose = true;            // progress lines on stdout
+};
+
+struct StepRecord {
+  std::int64_t step = 0;
+  double loss = 0;  // mean nats per scored target over the whole step (all micro-batches)
+  double grad_norm = 0, lr = 0;
+};
+
+struct EvalRecord {
+  std::int64_t step = 0;
+  LossSum loss;
+};
+
+// Upload a host micro-batch to the device.
+Batch to_device(const io::HostBatch& hb);
+
+template <class T>
+class Trainer {
+ public:
+  using P = acc_t<T>;
+  using NextBatch = std::function<io::HostBatch(std::int64_t step, std::int64_t micro)>;
+  using Evaluate = std::function<LossSum()>;
+
+  Trainer(MambaLM<T>& model, const TrainConfig& cfg, std::string deck_text);
+
+  // Train from the current step to cfg.steps (or until stopped). Returns the number of steps run in this call.
+  std::int64_t run(const NextBatch& next, const Evaluate& eval);
+
+  void save(const std::string& path) const;
+  void load(const std::string& path);
+
+  std::int64_t step() const { return step_; }
+  const std::vector<StepRecord>& history() const { return history_; }
+  const std::vector<EvalRecord>& evals() const { return evals_; }
+  const AdamW<P>& optimizer() const { return opt_; }
+
+ private:
+  void log_eval(const LossSum& l, double seconds);
+  MambaLM<T>& model_;
+  TrainConfig cfg_;
+  std::string deck_;
+  AdamW<P> opt_;
+  std::int64_t step_ = 0;  // the next step to run
+  std::vector<StepRecord> history_;
+  std::vector<EvalRecord> evals_;
+};
+
+// Human-readable durations for progress lines ("4m12s").
+std::string format_duration(double seconds);
+
+}  // namespace mm
