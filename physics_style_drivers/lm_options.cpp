@@ -59,6 +59,7 @@ void declare_lm_options(io::Deck& d) {
       .add<double>("train.time_limit_minutes", 0, "stop (with a checkpoint) after this wall time (0: none)");
   d.add<std::string>("checkpoint.path", "checkpoint.h5", "checkpoint file under output_dir (empty: none)")
       .add<I>("checkpoint.interval", 0, "steps between checkpoints (0: only at the end or on a stop)")
+      .add<bool>("checkpoint.keep_all", false, "also keep a copy of every checkpoint as <name>_stepNNNNNNNN.h5")
       .add<std::string>("checkpoint.resume", "", "checkpoint to resume from (relative to the working directory)");
 }
 
@@ -111,6 +112,7 @@ TrainConfig make_train_config(const io::Deck& d) {
   const std::string ck = d.get<std::string>("checkpoint.path");
   t.checkpoint_path = ck.empty() ? "" : output_path(d, ck);
   t.checkpoint_interval = d.get<I>("checkpoint.interval");
+  t.keep_all_checkpoints = d.get<bool>("checkpoint.keep_all");
   t.resume = d.get<std::string>("checkpoint.resume");
   t.metrics_path = output_path(d, "metrics.csv");
   t.seed = std::uint64_t(d.get<I>("run.seed"));

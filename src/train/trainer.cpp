@@ -199,6 +199,12 @@ std::int64_t Trainer<T>::run(const NextBatch& next, const Evaluate& eval) {
     const bool periodic = cfg_.checkpoint_interval > 0 && step_ % cfg_.checkpoint_interval == 0;
     if (!cfg_.checkpoint_path.empty() && (periodic || last || !stop_reason.empty())) {
       save(cfg_.checkpoint_path);
+      if (cfg_.keep_all_checkpoints) {
+        const std::filesystem::path p(cfg_.checkpoint_path);
+        char suffix[32];
+        std::snprintf(suffix, sizeof suffix, "_step%08lld", (long long)step_);
+        save((p.parent_path() / (p.stem().string() + suffix + p.extension().string())).string());
+      }
       if (cfg_.verbose) std::printf("checkpoint %s (step %lld)\n", cfg_.checkpoint_path.c_str(), (long long)step_);
     }
     if (!stop_reason.empty()) {

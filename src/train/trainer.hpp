@@ -29,6 +29,7 @@ struct TrainConfig {
   double time_limit_minutes = 0;  // 0: none
   std::string checkpoint_path;    // empty: no checkpoints
   std::int64_t checkpoint_interval = 0;
+  bool keep_all_checkpoints = false;  // also keep <stem>_stepNNNNNNNN<ext> for every checkpoint written
   std::string resume;             // checkpoint to resume from (empty: fresh start)
   std::string metrics_path;       // CSV of train and eval rows (empty: none)
   std::uint64_t seed = 0;
