@@ -146,6 +146,11 @@ std::int64_t Trainer<T>::run(const NextBatch& next, const Evaluate& eval) {
   std::int64_t tokens_since_log = 0;
   auto t_log = Clock::now();
   std::string stop_reason;
+  if (eval && step_ == 0 && cfg_.eval_interval > 0) {  // the untrained model: where the held-out curve starts
+    const auto t0 = Clock::now();
+    const LossSum l = eval();
+    log_eval(l, seconds_since(t0));
+  }
   while (step_ < cfg_.steps) {
     // Forward + backward over the micro-batches; the loss is normalised by the step's total scored targets.
     std::vector<io::HostBatch> micro(cfg_.grad_accum);
@@ -191,7 +196,7 @@ std::int64_t Trainer<T>::run(const NextBatch& next, const Evaluate& eval) {
       tokens_since_log = 0;
       t_log = Clock::now();
     }
-    if (eval && ((cfg_.eval_interval > 0 && step_ % cfg_.eval_interval == 0) || last)) {
+    if (eval && ((cfg_.eval_interval > 0 && step_ % cfg_.eval_interval == 0) || last || !stop_reason.empty())) {
       const auto t0 = Clock::now();
       const LossSum l = eval();
       log_eval(l, seconds_since(t0));

@@ -196,6 +196,11 @@ void ssd_forward(const SSDShape& s, const SSDIn<T>& in, const View2<T>& y, const
         const int r_in = c.rec_in(b, ch);
         const P Dh = c.D(h);
         Scratch1<P> acc(tm.thread_scratch(1), c.Pd);  // the output row being accumulated
+        Scratch1<P> ea(tm.team_scratch(1), c.Q);       // exp(a_t) = exp(Delta_t A): one exponential per token
+        const P A = c.A(h);
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, t0, t1),
+                             [&](index_t t) { ea(t - t0) = exp_nonpos(c.delta(b, h, t) * A); });
+        tm.team_barrier();
         Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, t0, t1), [&](index_t l) {
           const int r_l = c.rec(b, l);
           const P acs_l = c.acs(b, h, l);
@@ -211,17 +216,22 @@ void ssd_forward(const SSDShape& s, const SSDIn<T>& in, const View2<T>& y, const
               acc(p) += e_in * cs;
             }
           }
-          for (index_t s2 = t0; s2 <= l; ++s2) {
-            if (c.rec(b, s2) != r_l) continue;
-            const P w = c.cb(b, ch, g, l - t0, s2 - t0) * exp_nonpos(acs_l - c.acs(b, h, s2)) * c.delta(b, h, s2);
+          // Sources from l back to the chunk start: exp(Acs_l - Acs_s) = prod_{s < j <= l} exp(a_j), built up one
+          // factor per step (each factor <= 1, so it can only underflow to 0). Records are contiguous runs, so the
+          // first source of another record ends the loop.
+          P decay = 1;
+          for (index_t s2 = l; s2 >= t0; --s2) {
+            if (c.rec(b, s2) != r_l) break;
+            const P w = c.cb(b, ch, g, l - t0, s2 - t0) * decay * c.delta(b, h, s2);
             const T* xs = c.xrow(b, s2, h);
             for (index_t p = 0; p < c.Pd; ++p) acc(p) += w * P(xs[p]);
+            decay *= ea(s2 - t0);
           }
           T* yl = &y(c.row(b, l), h * c.Pd);
           for (index_t p = 0; p < c.Pd; ++p) yl[p] = static_cast<T>(acc(p));
         });
       },
-      0, Scratch1<P>::shmem_size(c.Pd), 1);
+      Scratch1<P>::shmem_size(c.Q), Scratch1<P>::shmem_size(c.Pd), 1);
 }
 
 template <class T>
@@ -282,8 +292,8 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
   const auto ddt = gr.ddt;
   const index_t Q = c.Q;
   // Team scratch: K = E' (C.B), DX = dy_l . x_s, E' = [same record] exp(Acs_l - Acs_s)  (Q x Q each, s <= l),
-  // plus six per-token vectors. Thread scratch: accumulators of one row (P) and two of N.
-  const std::size_t team_bytes = 3 * Scratch2<P>::shmem_size(Q, Q) + 6 * Scratch1<P>::shmem_size(Q);
+  // plus seven per-token vectors. Thread scratch: accumulators of one row (P) and two of N.
+  const std::size_t team_bytes = 3 * Scratch2<P>::shmem_size(Q, Q) + 7 * Scratch1<P>::shmem_size(Q);
   const std::size_t thread_bytes = Scratch1<P>::shmem_size(c.Pd) + 2 * Scratch1<P>::shmem_size(c.N);
   par_for_team(
       "ssd::chunk_bwd", c.Bsz * c.nc * c.H,
@@ -295,28 +305,38 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
         const P A = c.A(h), Dh = c.D(h), acs_last = c.acs(b, h, last);
         Scratch2<P> K(tm.team_scratch(1), Q, Q), DX(tm.team_scratch(1), Q, Q), E(tm.team_scratch(1), Q, Q);
         Scratch1<P> in_sum(tm.team_scratch(1), Q), out_sum(tm.team_scratch(1), Q), w_inter(tm.team_scratch(1), Q),
-            w_state(tm.team_scratch(1), Q), ddelta(tm.team_scratch(1), Q), ddot(tm.team_scratch(1), Q);
+            w_state(tm.team_scratch(1), Q), ddelta(tm.team_scratch(1), Q), ddot(tm.team_scratch(1), Q),
+            ea(tm.team_scratch(1), Q);
         Scratch1<P> accP(tm.thread_scratch(1), c.Pd), accN(tm.thread_scratch(1), c.N),
             accN2(tm.thread_scratch(1), c.N);
         auto dyrow = [&](index_t t) { return &dy(c.row(b, t), h * c.Pd); };
         const P* dH = &dstates(b, ch, h, 0, 0);        // dL/dH_c, (P, N) row-major
         const P* Sin = &c.states(b, ch, h, 0, 0);      // state entering the chunk, (P, N)
 
-        // Phase A: pairwise quantities for s <= l.
+        // Phase A: pairwise quantities for s <= l; the decays are products of exp(a_t) as in the forward.
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, q),
+                             [&](index_t it) { ea(it) = exp_nonpos(c.delta(b, h, t0 + it) * A); });
+        tm.team_barrier();
         Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, q), [&](index_t il) {
           const index_t l = t0 + il;
           const int r_l = c.rec(b, l);
-          const P acs_l = c.acs(b, h, l);
           const T* dyl = dyrow(l);
-          for (index_t is = 0; is <= il; ++is) {
+          P decay = 1;
+          bool same = true;
+          for (index_t is = il; is >= 0; --is) {
             const index_t s2 = t0 + is;
-            const P e = c.rec(b, s2) == r_l ? exp_nonpos(acs_l - c.acs(b, h, s2)) : P(0);
+            same = same && c.rec(b, s2) == r_l;  // records are contiguous runs
+            if (!same) {
+              E(il, is) = K(il, is) = DX(il, is) = P(0);
+              continue;
+            }
             const T* xs = c.xrow(b, s2, h);
             P dxv = 0;
             for (index_t p = 0; p < c.Pd; ++p) dxv += P(dyl[p]) * P(xs[p]);
-            E(il, is) = e;
-            K(il, is) = e * c.cb(b, ch, g, il, is);
+            E(il, is) = decay;
+            K(il, is) = decay * c.cb(b, ch, g, il, is);
             DX(il, is) = dxv;
+            decay *= ea(is);
           }
         });
         tm.team_barrier();
