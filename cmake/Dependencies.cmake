@@ -50,13 +50,23 @@ find_package(HDF5 REQUIRED COMPONENTS C)
 
 # ---------------------------------------------------------------- Boost.Program_options
 if(MAMBAMOE_BOOST_PO_LIBRARY)
-  find_package(Boost REQUIRED)  # headers only
   if(NOT EXISTS "${MAMBAMOE_BOOST_PO_LIBRARY}")
     message(FATAL_ERROR "MAMBAMOE_BOOST_PO_LIBRARY=${MAMBAMOE_BOOST_PO_LIBRARY} does not exist")
   endif()
   add_library(mambamoe::program_options UNKNOWN IMPORTED)
   set_target_properties(mambamoe::program_options PROPERTIES IMPORTED_LOCATION ${MAMBAMOE_BOOST_PO_LIBRARY})
-  target_link_libraries(mambamoe::program_options INTERFACE Boost::headers)
+  # Boost's headers: its CMake package where installed, else the directory that holds boost/program_options.hpp.
+  find_package(Boost QUIET CONFIG)
+  if(TARGET Boost::headers)
+    target_link_libraries(mambamoe::program_options INTERFACE Boost::headers)
+  else()
+    find_path(MAMBAMOE_BOOST_INCLUDE_DIR boost/program_options.hpp HINTS ${BOOST_ROOT}/include)
+    if(NOT MAMBAMOE_BOOST_INCLUDE_DIR)
+      message(FATAL_ERROR "Boost headers not found: set BOOST_ROOT or MAMBAMOE_BOOST_INCLUDE_DIR")
+    endif()
+    set_target_properties(mambamoe::program_options PROPERTIES INTERFACE_INCLUDE_DIRECTORIES
+                                                               ${MAMBAMOE_BOOST_INCLUDE_DIR})
+  endif()
 else()
   find_package(Boost REQUIRED COMPONENTS program_options)
   add_library(mambamoe::program_options INTERFACE IMPORTED)
@@ -83,3 +93,9 @@ endif()
 add_library(mambamoe::htslib UNKNOWN IMPORTED)
 set_target_properties(mambamoe::htslib PROPERTIES IMPORTED_LOCATION ${HTSLIB_LIBRARY}
                                                   INTERFACE_INCLUDE_DIRECTORIES ${HTSLIB_INCLUDE_DIR})
+if(HTSLIB_LIBRARY MATCHES "\\.a$")
+  # A static htslib (built by hand, e.g. with bz2/lzma/curl off) brings its own dependencies: zlib, libm, threads.
+  find_package(ZLIB REQUIRED)
+  find_package(Threads REQUIRED)
+  target_link_libraries(mambamoe::htslib INTERFACE ZLIB::ZLIB m Threads::Threads)
+endif()
