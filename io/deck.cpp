@@ -229,13 +229,17 @@ bool Deck::defaulted(const std::string& key) const {
   return it == vm_.end() || it->second.defaulted();
 }
 
-std::string Deck::effective() const {
+std::string Deck::render(bool with_help) const {
   std::ostringstream os;
   for (const auto& s : sections()) {
     os << "[" << s << "]\n";
     for (const auto& k : order_) {
       const Decl& d = declared_.at(k);
       if (d.section != s) continue;
+      if (with_help) {
+        os << "  " << d.name << " = " << d.default_text << "\n      " << d.help << "\n";
+        continue;
+      }
       const auto& v = vm_.at(k).value();
       std::string text;
       if (const auto* b = boost::any_cast<bool>(&v)) text = to_text(*b);
@@ -244,20 +248,7 @@ std::string Deck::effective() const {
       else if (const auto* str = boost::any_cast<std::string>(&v)) text = *str;
       os << d.name << " = " << text << (defaulted(k) ? "    # default" : "") << "\n";
     }
-    os << "\n";
-  }
-  return os.str();
-}
-
-std::string Deck::help() const {
-  std::ostringstream os;
-  for (const auto& s : sections()) {
-    os << "[" << s << "]\n";
-    for (const auto& k : order_) {
-      const Decl& d = declared_.at(k);
-      if (d.section != s) continue;
-      os << "  " << d.name << " = " << d.default_text << "\n      " << d.help << "\n";
-    }
+    if (!with_help) os << "\n";
   }
   return os.str();
 }

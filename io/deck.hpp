@@ -34,15 +34,16 @@ class Deck {
   bool has(const std::string& key) const { return declared_.count(key) > 0; }
 
   // The effective deck as config-file text, sections in declaration order; defaulted keys are marked.
-  std::string effective() const;
+  std::string effective() const { return render(false); }
   // Help text: every section and key with its default and description.
-  std::string help() const;
+  std::string help() const { return render(true); }
   const std::string& path() const { return path_; }
 
  private:
   struct Decl {
     std::string section, name, help, default_text, type;
   };
+  std::string render(bool with_help) const;
   std::vector<std::string> keys_in(const std::string& section) const;
   std::vector<std::string> sections() const;
   void check_key(const std::string& key, const std::string& where) const;

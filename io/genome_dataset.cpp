@@ -51,12 +51,7 @@ HostBatch GenomeDataset::sample_train(std::uint64_t seed, std::int64_t step, std
                                       std::int64_t batch, std::int64_t seqlen) const {
   require(train_.size() > seqlen + 1, source_, "the training part (", train_.size(),
           " bases) is shorter than seq_len + 1 = ", seqlen + 1, ": lower train.seq_len");
-  HostBatch out;
-  out.batch = batch;
-  out.seqlen = seqlen;
-  out.tokens.resize(batch * seqlen);
-  out.targets.resize(batch * seqlen);
-  out.seq_idx.resize(batch * seqlen);
+  HostBatch out(batch, seqlen);
   const CounterRNG rng{seed, stream_mix(stream_mix(stream_id("genome_dataset::train_window"), std::uint64_t(step)),
                                         std::uint64_t(micro))};
   const auto span = std::uint64_t(train_.size() - seqlen);  // starts in [0, size - seqlen): last target exists
@@ -80,12 +75,7 @@ std::vector<Window> GenomeDataset::heldout_windows(std::int64_t seqlen) const {
 
 HostBatch GenomeDataset::heldout_batch(const std::vector<Window>& windows, std::size_t first, std::int64_t batch,
                                        std::int64_t seqlen) const {
-  HostBatch out;
-  out.batch = batch;
-  out.seqlen = seqlen;
-  out.tokens.resize(batch * seqlen);
-  out.targets.resize(batch * seqlen);
-  out.seq_idx.resize(batch * seqlen);
+  HostBatch out(batch, seqlen);
   for (std::int64_t b = 0; b < batch; ++b) {
     const std::size_t w = first + std::size_t(b);
     if (w < windows.size()) {

@@ -8,22 +8,28 @@ namespace {
 KOKKOS_INLINE_FUNCTION bool same_record(const SeqIdxView& seq, index_t b, index_t t, index_t s) {
   return seq.extent(0) == 0 || seq(b, s) == seq(b, t);
 }
+
+// The pre-activation of output (row, c): bias + the causal taps of the same record (forward and backward).
+template <class T, class P>
+KOKKOS_INLINE_FUNCTION P conv_pre(const View2<const T>& x, index_t col, index_t L, const View2<const P>& w,
+                                  const View1<const P>& bias, const SeqIdxView& seq, index_t row, index_t c) {
+  const index_t b = row / L, t = row % L, W = w.extent(1);
+  P acc = bias(c);
+  for (index_t k = 0; k < W; ++k) {
+    const index_t s = t - (W - 1) + k;
+    if (s >= 0 && same_record(seq, b, t, s)) acc += w(c, k) * P(x(b * L + s, col + c));
+  }
+  return acc;
+}
 }  // namespace
 
 template <class T>
 void conv1d_silu_forward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, const View1<const acc_t<T>>& bias,
                          const SeqIdxView& seq_idx, const View2<T>& y) {
-  using P = acc_t<T>;
   const auto x = in.x;
-  const index_t col = in.col, L = in.seqlen, W = w.extent(1);
+  const index_t col = in.col, L = in.seqlen;
   par_for("conv1d::forward", in.batch * L, in.channels, KOKKOS_LAMBDA(index_t row, index_t c) {
-    const index_t b = row / L, t = row % L;
-    P acc = bias(c);
-    for (index_t k = 0; k < W; ++k) {
-      const index_t s = t - (W - 1) + k;
-      if (s >= 0 && same_record(seq_idx, b, t, s)) acc += w(c, k) * P(x(b * L + s, col + c));
-    }
-    y(row, c) = static_cast<T>(silu(acc));
+    y(row, c) = static_cast<T>(silu(conv_pre(x, col, L, w, bias, seq_idx, row, c)));
   });
 }
 
@@ -37,13 +43,7 @@ void conv1d_silu_backward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w,
   // dpre(t, c) = dy(t, c) * silu'(pre(t, c)), recomputing pre.
   View2<P> dpre(Kokkos::view_alloc(Kokkos::WithoutInitializing, "conv1d::dpre"), n, C);
   par_for("conv1d::backward_dpre", n, C, KOKKOS_LAMBDA(index_t row, index_t c) {
-    const index_t b = row / L, t = row % L;
-    P acc = bias(c);
-    for (index_t k = 0; k < W; ++k) {
-      const index_t s = t - (W - 1) + k;
-      if (s >= 0 && same_record(seq_idx, b, t, s)) acc += w(c, k) * P(x(b * L + s, col + c));
-    }
-    dpre(row, c) = P(dy(row, c)) * dsilu(acc);
+    dpre(row, c) = P(dy(row, c)) * dsilu(conv_pre(x, col, L, w, bias, seq_idx, row, c));
   });
   // dx(s, c) = sum_k w(c, k) dpre(s + (W-1) - k, c) over outputs t of the same record.
   par_for("conv1d::backward_dx", n, C, KOKKOS_LAMBDA(index_t row, index_t c) {

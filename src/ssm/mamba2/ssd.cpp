@@ -46,6 +46,12 @@ struct Ctx {
     return P(xbc(row(b, t), c_col + g * N + n));
   }
   KOKKOS_INLINE_FUNCTION P A(index_t h) const { return -Kokkos::exp(A_log(h)); }
+  // League index of the per-(batch, chunk, head) kernels -> (b, ch, h), head fastest.
+  KOKKOS_INLINE_FUNCTION void decode(index_t id, index_t& b, index_t& ch, index_t& h) const {
+    h = id % H;
+    ch = (id / H) % nc;
+    b = id / (H * nc);
+  }
   // Rows of x (P values of head h), B and C (N values of group g) of token t: contiguous.
   KOKKOS_INLINE_FUNCTION const T* xrow(index_t b, index_t t, index_t h) const {
     return &xbc(row(b, t), x_col + h * Pd);
@@ -118,7 +124,8 @@ void chunk_state(const Ctx<T>& c) {
   using P = acc_t<T>;
   par_for_team("ssd::chunk_state", c.Bsz * c.nc * c.H, KOKKOS_LAMBDA(const Team& tm) {
     const index_t id = tm.league_rank();
-    const index_t h = id % c.H, ch = (id / c.H) % c.nc, b = id / (c.H * c.nc);
+    index_t b, ch, h;
+    c.decode(id, b, ch, h);
     const index_t g = h / c.hpg, t0 = ch * c.Q, t1 = c.chunk_end(ch), last = t1 - 1;
     const P acs_last = c.acs(b, h, last);
     const int r_last = c.rec(b, last);
@@ -191,7 +198,8 @@ void ssd_forward(const SSDShape& s, const SSDIn<T>& in, const View2<T>& y, const
       "ssd::chunk_scan", c.Bsz * c.nc * c.H,
       KOKKOS_LAMBDA(const Team& tm) {
         const index_t id = tm.league_rank();
-        const index_t h = id % c.H, ch = (id / c.H) % c.nc, b = id / (c.H * c.nc);
+        index_t b, ch, h;
+        c.decode(id, b, ch, h);
         const index_t g = h / c.hpg, t0 = ch * c.Q, t1 = c.chunk_end(ch);
         const int r_in = c.rec_in(b, ch);
         const P Dh = c.D(h);
@@ -251,7 +259,8 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
   View5<P> dstates(Kokkos::view_alloc(Kokkos::WithoutInitializing, "ssd::dstates"), c.Bsz, c.nc, c.H, c.Pd, c.N);
   par_for_team("ssd::dstates_local", c.Bsz * c.nc * c.H, KOKKOS_LAMBDA(const Team& tm) {
     const index_t id = tm.league_rank();
-    const index_t h = id % c.H, ch = (id / c.H) % c.nc, b = id / (c.H * c.nc);
+    index_t b, ch, h;
+    c.decode(id, b, ch, h);
     const index_t g = h / c.hpg, t0 = ch * c.Q, t1 = c.chunk_end(ch);
     const int r_in = c.rec_in(b, ch);
     Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, c.Pd), [&](index_t p) {
@@ -299,7 +308,8 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
       "ssd::chunk_bwd", c.Bsz * c.nc * c.H,
       KOKKOS_LAMBDA(const Team& tm) {
         const index_t id = tm.league_rank();
-        const index_t h = id % c.H, ch = (id / c.H) % c.nc, b = id / (c.H * c.nc);
+        index_t b, ch, h;
+        c.decode(id, b, ch, h);
         const index_t g = h / c.hpg, t0 = ch * c.Q, t1 = c.chunk_end(ch), q = t1 - t0, last = t1 - 1;
         const int r_in = c.rec_in(b, ch), r_last = c.rec(b, last);
         const P A = c.A(h), Dh = c.D(h), acs_last = c.acs(b, h, last);
