@@ -11,7 +11,10 @@
 #include <string>
 #include <vector>
 
+#include <memory>
+
 #include "io/fasta.hpp"
+#include "io/sources.hpp"
 
 namespace mm::io {
 
@@ -25,22 +28,20 @@ struct HostBatch {
   std::int64_t scored() const;  // number of targets >= 0
 };
 
-struct TokenStream {
-  std::vector<std::int32_t> tokens;  // one per base
-  std::vector<std::int32_t> record;  // record index of each base
-  std::int64_t size() const { return std::int64_t(tokens.size()); }
-};
-
 struct Window {
   std::int64_t start = 0, length = 0;  // inputs [start, start + length) of the held-out stream; targets shifted by 1
 };
 
 class GenomeDataset {
  public:
+  // Split parsed FASTA records in memory.
   GenomeDataset(const std::vector<FastaRecord>& records, double holdout_fraction, const std::string& source);
+  // Read from two token sources (e.g. the train and held-out parts of an HDF5 dataset), streamed on demand.
+  GenomeDataset(std::shared_ptr<const TokenSource> train, std::shared_ptr<const TokenSource> heldout,
+                std::int64_t n_records, const std::string& source);
 
-  const TokenStream& train() const { return train_; }
-  const TokenStream& heldout() const { return heldout_; }
+  const TokenSource& train() const { return *train_; }
+  const TokenSource& heldout() const { return *heldout_; }
   std::int64_t n_records() const { return n_records_; }
 
   // Training micro-batch `micro` of optimizer step `step`: `batch` windows of `seqlen` inputs each, at positions
@@ -56,9 +57,9 @@ class GenomeDataset {
                           std::int64_t seqlen) const;
 
  private:
-  static void fill_row(const TokenStream& s, std::int64_t start, std::int64_t length, std::int64_t seqlen,
+  static void fill_row(const TokenSource& s, std::int64_t start, std::int64_t length, std::int64_t seqlen,
                        std::int64_t row, HostBatch& out);
-  TokenStream train_, heldout_;
+  std::shared_ptr<const TokenSource> train_, heldout_;
   std::int64_t n_records_ = 0;
   std::string source_;
 };

@@ -118,11 +118,14 @@ TEST_CASE("genome dataset: split, masked targets, held-out windows, reproducible
   CHECK(data.heldout().size() == 300 + 370);
   // every held-out base except the first of each record is a target exactly once
   const auto wins = data.heldout_windows(64);
-  std::vector<int> hits(std::size_t(data.heldout().size()), 0);
+  const auto n_held = data.heldout().size();
+  std::vector<std::int32_t> held_tok(static_cast<std::size_t>(n_held)), held_rec(held_tok.size());
+  data.heldout().read(0, n_held, held_tok.data(), held_rec.data());
+  std::vector<int> hits(std::size_t(n_held), 0);
   for (const auto& w : wins)
     for (std::int64_t t = 0; t < w.length; ++t) ++hits[std::size_t(w.start + t + 1)];
   for (std::size_t i = 0; i < hits.size(); ++i) {
-    const bool first = i == 0 || data.heldout().record[i] != data.heldout().record[i - 1];
+    const bool first = i == 0 || held_rec[i] != held_rec[i - 1];
     CHECK(hits[i] == (first ? 0 : 1));
   }
   // held-out rows: targets are the next base when it is A/C/G/T, padding is never scored
@@ -130,7 +133,7 @@ TEST_CASE("genome dataset: split, masked targets, held-out windows, reproducible
   const auto& last = wins.back();
   for (std::int64_t t = 0; t < 64; ++t) {
     if (t < last.length) {
-      const auto next = data.heldout().tokens[std::size_t(last.start + t + 1)];
+      const auto next = held_tok[std::size_t(last.start + t + 1)];
       CHECK(hb.targets[std::size_t(t)] == (next == kN ? -1 : next));
     } else {
       CHECK(hb.targets[std::size_t(t)] == -1);
