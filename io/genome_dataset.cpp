@@ -8,10 +8,6 @@
 
 namespace mm::io {
 
-std::int64_t HostBatch::scored() const {
-  return std::count_if(targets.begin(), targets.end(), [](std::int32_t t) { return t >= 0; });
-}
-
 std::vector<RecordRun> MemoryTokenSource::runs() const {
   std::vector<RecordRun> out;
   for (std::int64_t i = 0; i < size(); ++i) {

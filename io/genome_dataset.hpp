@@ -14,19 +14,10 @@
 #include <memory>
 
 #include "io/fasta.hpp"
+#include "io/host_batch.hpp"
 #include "io/sources.hpp"
 
 namespace mm::io {
-
-// One micro-batch on the host, rows b * seqlen + t.
-struct HostBatch {
-  HostBatch() = default;
-  HostBatch(std::int64_t b, std::int64_t l)
-      : batch(b), seqlen(l), tokens(std::size_t(b * l)), targets(std::size_t(b * l)), seq_idx(std::size_t(b * l)) {}
-  std::int64_t batch = 0, seqlen = 0;
-  std::vector<std::int32_t> tokens, targets, seq_idx;
-  std::int64_t scored() const;  // number of targets >= 0
-};
 
 struct Window {
   std::int64_t start = 0, length = 0;  // inputs [start, start + length) of the held-out stream; targets shifted by 1

@@ -60,7 +60,7 @@ int run_genomics_lm(const io::Deck& d) {
               tc.recompute == Recompute::mixer ? "mixer" : "none");
   std::fflush(stdout);
 
-  Trainer<float> trainer(model, tc, d.effective());
+  Trainer<MambaLM<float>> trainer(model, tc, d.effective());
   trainer.run([&](std::int64_t step, std::int64_t micro) { return data.sample_train(tc.seed, step, micro, batch, seqlen); },
               [&]() { return evaluate(model, data, eval_len, eval_batch); });
   if (!trainer.evals().empty()) {

@@ -8,9 +8,12 @@ namespace mm {
 
 inline constexpr double kLn2 = 0.69314718055994530941723212145818;
 
+// A summed loss: `nats` is the summed loss (cross-entropy in nats, or squared error for regression), `aux` a
+// second summed quantity a model may report (absolute error for regression), over `count` targets.
 struct LossSum {
-  double nats = 0;     // sum of -log p(target) over counted rows
-  std::int64_t count = 0;  // rows with target >= 0
+  double nats = 0;
+  double aux = 0;
+  std::int64_t count = 0;
   double bits_per_token() const { return count > 0 ? nats / double(count) / kLn2 : 0.0; }
   double mean_nats() const { return count > 0 ? nats / double(count) : 0.0; }
 };

@@ -1,16 +1,14 @@
 // A Mamba-2 language model over single-nucleotide tokens (mamba_ssm's MambaLMHeadModel with Mamba-2 mixers and
-// no MLP): embedding -> n_layer pre-norm residual blocks (fp32 residual stream) -> final RMSNorm -> LM head (tied
-// to the embedding or not) -> cross-entropy.
-//
-//   block:  h <- h + mixer(RMSNorm(h))
+// no MLP): embedding -> MambaBackbone (pre-norm residual blocks on an fp32 residual stream, final RMSNorm) ->
+// LM head (tied to the embedding or not) -> cross-entropy.
 #pragma once
 
 #include <memory>
-#include <vector>
+#include <string>
 
+#include "io/host_batch.hpp"
 #include "layers/cross_entropy.hpp"
-#include "model/params.hpp"
-#include "ssm/mamba2/mixer.hpp"
+#include "model/backbone.hpp"
 
 namespace mm {
 
@@ -24,20 +22,21 @@ struct LMConfig {
   void validate(const std::string& context) const;
 };
 
-// One micro-batch: tokens (batch, seqlen) as rows b * L + t, next-token targets (-1 = not scored), record ids.
+// One micro-batch on the device: tokens (batch, seqlen) as rows b * L + t, next-token targets (-1 = not scored),
+// record ids.
 struct Batch {
   index_t batch = 0, seqlen = 0;
   Kokkos::View<std::int32_t*, Layout, Mem> tokens, targets;  // (batch * seqlen)
   Kokkos::View<std::int32_t**, Layout, Mem> seq_idx;         // (batch, seqlen) or empty
 };
-
-enum class Recompute { none, mixer };
+Batch to_device(const io::HostBatch& hb);
 
 template <class T>
 class MambaLM {
  public:
   using P = acc_t<T>;
-  using R = P;  // residual stream type (fp32, or double in tests)
+  using R = P;
+  using HostBatch = io::HostBatch;
 
   explicit MambaLM(const LMConfig& cfg);
 
@@ -51,17 +50,25 @@ class MambaLM {
   // Forward (and, if `grad_scale` > 0, backward with d(loss_sum)/d(logits) scaled by grad_scale, accumulating
   // parameter gradients). Returns the summed loss (nats) and the number of scored targets.
   LossSum forward_backward(const Batch& b, double grad_scale, Recompute policy);
+  LossSum forward_backward(const HostBatch& hb, double grad_scale, Recompute policy) {
+    return forward_backward(to_device(hb), grad_scale, policy);
+  }
   LossSum forward(const Batch& b) { return forward_backward(b, 0.0, Recompute::mixer); }
 
   // Logits of the last forward (batch * seqlen, vocab), kept for scoring and tests.
   const View2<T>& logits() const { return logits_; }
 
+  // What the trainer needs to know of a model: its loss and its reporting metric.
+  static std::int64_t scored(const HostBatch& hb) { return hb.scored(); }
+  static std::int64_t tokens(const HostBatch& hb) { return hb.batch * hb.seqlen; }
+  static constexpr const char* metric_name = "bits_per_base";
+  static double metric(const LossSum& l) { return l.bits_per_token(); }
+
  private:
   LMConfig cfg_;
   ParamStore<P> params_;
-  std::size_t embedding_, norm_f_, lm_head_;
-  std::vector<std::size_t> norm_;
-  std::vector<std::unique_ptr<Mamba2Mixer<T>>> mixers_;
+  std::size_t embedding_, lm_head_;
+  std::unique_ptr<MambaBackbone<T>> backbone_;
   View2<T> logits_;
 };
 

@@ -9,6 +9,7 @@
 #include "core/config.hpp"
 #include "core/error.hpp"
 #include "io/checkpoint.hpp"
+#include "model/lm.hpp"
 
 namespace mm {
 
@@ -42,33 +43,16 @@ std::string format_duration(double s) {
   return buf;
 }
 
-Batch to_device(const io::HostBatch& hb) {
-  Batch b;
-  b.batch = hb.batch;
-  b.seqlen = hb.seqlen;
-  const index_t n = hb.batch * hb.seqlen;
-  require(index_t(hb.tokens.size()) == n && index_t(hb.targets.size()) == n && index_t(hb.seq_idx.size()) == n,
-          "batch", "host batch arrays do not match batch * seqlen = ", n);
-  b.tokens = Kokkos::View<std::int32_t*, Layout, Mem>("batch::tokens", n);
-  b.targets = Kokkos::View<std::int32_t*, Layout, Mem>("batch::targets", n);
-  b.seq_idx = Kokkos::View<std::int32_t**, Layout, Mem>("batch::seq_idx", hb.batch, hb.seqlen);
-  Kokkos::deep_copy(b.tokens, Kokkos::View<const std::int32_t*, Layout, HostMem>(hb.tokens.data(), n));
-  Kokkos::deep_copy(b.targets, Kokkos::View<const std::int32_t*, Layout, HostMem>(hb.targets.data(), n));
-  Kokkos::deep_copy(b.seq_idx,
-                    Kokkos::View<const std::int32_t**, Layout, HostMem>(hb.seq_idx.data(), hb.batch, hb.seqlen));
-  return b;
-}
-
-template <class T>
-Trainer<T>::Trainer(MambaLM<T>& model, const TrainConfig& cfg, std::string deck_text)
+template <class Model>
+Trainer<Model>::Trainer(Model& model, const TrainConfig& cfg, std::string deck_text)
     : model_(model), cfg_(cfg), deck_(std::move(deck_text)), opt_(model.params(), cfg.adamw) {
   require(cfg.steps >= 1, "train", "steps must be at least 1");
   require(cfg.grad_accum >= 1, "train", "grad_accum must be at least 1");
   if (!cfg_.resume.empty()) load(cfg_.resume);
 }
 
-template <class T>
-void Trainer<T>::save(const std::string& path) const {
+template <class Model>
+void Trainer<Model>::save(const std::string& path) const {
   const auto& ps = model_.params();
   auto values = Kokkos::create_mirror_view_and_copy(HostMem(), ps.values());
   auto m = Kokkos::create_mirror_view_and_copy(HostMem(), opt_.m());
@@ -90,8 +74,8 @@ void Trainer<T>::save(const std::string& path) const {
   w.commit();
 }
 
-template <class T>
-void Trainer<T>::load(const std::string& path) {
+template <class Model>
+void Trainer<Model>::load(const std::string& path) {
   auto& ps = model_.params();
   io::CheckpointReader r(path);
   auto values = Kokkos::create_mirror_view(ps.values());
@@ -114,28 +98,29 @@ void Trainer<T>::load(const std::string& path) {
   if (cfg_.verbose) std::printf("resumed from %s at step %lld\n", path.c_str(), (long long)step_);
 }
 
-template <class T>
-void Trainer<T>::log_eval(const LossSum& l, double seconds) {
+template <class Model>
+void Trainer<Model>::log_eval(const LossSum& l, double seconds) {
   evals_.push_back({step_, l});
   if (cfg_.verbose)
-    std::printf("eval  step %6lld | held-out %.4f nats | %.4f bits/base | %lld bases | %s\n", (long long)step_,
-                l.mean_nats(), l.bits_per_token(), (long long)l.count, format_duration(seconds).c_str());
+    std::printf("eval  step %6lld | held-out loss %.4f | %s %.4f | %lld targets | %s\n", (long long)step_,
+                l.mean_nats(), Model::metric_name, Model::metric(l), (long long)l.count,
+                format_duration(seconds).c_str());
   if (!cfg_.metrics_path.empty()) {
     std::ofstream f(cfg_.metrics_path, std::ios::app);
-    f << "eval," << step_ << "," << l.mean_nats() << "," << l.bits_per_token() << ",,,," << seconds << "\n";
+    f << "eval," << step_ << "," << l.mean_nats() << "," << Model::metric(l) << ",,,," << seconds << "\n";
   }
   std::fflush(stdout);
 }
 
-template <class T>
-std::int64_t Trainer<T>::run(const NextBatch& next, const Evaluate& eval) {
+template <class Model>
+std::int64_t Trainer<Model>::run(const NextBatch& next, const Evaluate& eval) {
   if (!cfg_.metrics_path.empty()) {
     if (const auto dir = std::filesystem::path(cfg_.metrics_path).parent_path(); !dir.empty())
       std::filesystem::create_directories(dir);
     const bool fresh = !std::filesystem::exists(cfg_.metrics_path) || std::filesystem::file_size(cfg_.metrics_path) == 0;
     std::ofstream f(cfg_.metrics_path, std::ios::app);
     require(bool(f), cfg_.metrics_path, "cannot open the metrics file for writing");
-    if (fresh) f << "kind,step,loss_nats,bits_per_base,lr,grad_norm,tokens_per_s,elapsed_s\n";
+    if (fresh) f << "kind,step,loss," << Model::metric_name << ",lr,grad_norm,tokens_per_s,elapsed_s\n";
   }
   g_stop_signal = 0;
   auto old_term = std::signal(SIGTERM, on_stop_signal);
@@ -153,20 +138,21 @@ std::int64_t Trainer<T>::run(const NextBatch& next, const Evaluate& eval) {
   }
   while (step_ < cfg_.steps) {
     // Forward + backward over the micro-batches; the loss is normalised by the step's total scored targets.
-    std::vector<io::HostBatch> micro(cfg_.grad_accum);
+    std::vector<HostBatch> micro(cfg_.grad_accum);
     std::int64_t scored = 0;
     for (std::int64_t k = 0; k < cfg_.grad_accum; ++k) {
       micro[k] = next(step_, k);
-      scored += micro[k].scored();
+      scored += Model::scored(micro[k]);
     }
     require(scored > 0, "train", "step ", step_, " has no scored targets");
     model_.params().zero_grads();
     LossSum total;
     for (std::int64_t k = 0; k < cfg_.grad_accum; ++k) {
-      const LossSum l = model_.forward_backward(to_device(micro[k]), 1.0 / double(scored), cfg_.recompute);
+      const LossSum l = model_.forward_backward(micro[k], 1.0 / double(scored), cfg_.recompute);
       total.nats += l.nats;
+      total.aux += l.aux;
       total.count += l.count;
-      tokens_since_log += micro[k].batch * micro[k].seqlen;
+      tokens_since_log += Model::tokens(micro[k]);
     }
     const double lr = cfg_.schedule.at(step_);
     const double gnorm = opt_.step(model_.params(), lr, step_ + 1);
@@ -184,12 +170,13 @@ std::int64_t Trainer<T>::run(const NextBatch& next, const Evaluate& eval) {
       const double tps = double(tokens_since_log) / dt;
       const double eta = elapsed / double(step_ - first) * double(cfg_.steps - step_);
       if (cfg_.verbose)
-        std::printf("step %6lld/%lld | loss %.4f | %.4f bits/base | lr %.2e | gnorm %.3f | %s tok/s | %s | ETA %s\n",
-                    (long long)step_, (long long)cfg_.steps, total.mean_nats(), total.bits_per_token(), lr, gnorm,
-                    si(tps).c_str(), format_duration(elapsed).c_str(), format_duration(eta).c_str());
+        std::printf("step %6lld/%lld | loss %.4f | %s %.4f | lr %.2e | gnorm %.3f | %s tok/s | %s | ETA %s\n",
+                    (long long)step_, (long long)cfg_.steps, total.mean_nats(), Model::metric_name,
+                    Model::metric(total), lr, gnorm, si(tps).c_str(), format_duration(elapsed).c_str(),
+                    format_duration(eta).c_str());
       if (!cfg_.metrics_path.empty()) {
         std::ofstream f(cfg_.metrics_path, std::ios::app);
-        f << "train," << step_ << "," << total.mean_nats() << "," << total.bits_per_token() << "," << lr << ","
+        f << "train," << step_ << "," << total.mean_nats() << "," << Model::metric(total) << "," << lr << ","
           << gnorm << "," << tps << "," << elapsed << "\n";
       }
       std::fflush(stdout);
@@ -225,7 +212,7 @@ std::int64_t Trainer<T>::run(const NextBatch& next, const Evaluate& eval) {
   return step_ - first;
 }
 
-template class Trainer<float>;
-template class Trainer<double>;
+template class Trainer<MambaLM<float>>;
+template class Trainer<MambaLM<double>>;
 
 }  // namespace mm

@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "io/genome_dataset.hpp"
-#include "model/lm.hpp"
+#include "layers/cross_entropy.hpp"
+#include "model/backbone.hpp"
 #include "train/optimizer.hpp"
 
 namespace mm {
@@ -47,17 +47,18 @@ struct EvalRecord {
   LossSum loss;
 };
 
-// Upload a host micro-batch to the device.
-Batch to_device(const io::HostBatch& hb);
-
-template <class T>
+// Model is any model with: a HostBatch type; LossSum forward_backward(const HostBatch&, double grad_scale,
+// Recompute); ParamStore<P>& params(); static scored(hb) (targets in the batch) and tokens(hb) (inputs, for
+// throughput); and a reporting metric (metric_name, metric(LossSum)) next to the mean loss.
+template <class Model>
 class Trainer {
  public:
-  using P = acc_t<T>;
-  using NextBatch = std::function<io::HostBatch(std::int64_t step, std::int64_t micro)>;
+  using P = typename Model::P;
+  using HostBatch = typename Model::HostBatch;
+  using NextBatch = std::function<HostBatch(std::int64_t step, std::int64_t micro)>;
   using Evaluate = std::function<LossSum()>;
 
-  Trainer(MambaLM<T>& model, const TrainConfig& cfg, std::string deck_text);
+  Trainer(Model& model, const TrainConfig& cfg, std::string deck_text);
 
   // Train from the current step to cfg.steps (or until stopped). Returns the number of steps run in this call.
   std::int64_t run(const NextBatch& next, const Evaluate& eval);
@@ -72,7 +73,7 @@ class Trainer {
 
  private:
   void log_eval(const LossSum& l, double seconds);
-  MambaLM<T>& model_;
+  Model& model_;
   TrainConfig cfg_;
   std::string deck_;
   AdamW<P> opt_;

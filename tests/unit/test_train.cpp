@@ -10,6 +10,7 @@
 #include "io/tokens.hpp"
 #include "model/lm.hpp"
 #include "train/optimizer.hpp"
+#include "model/lm.hpp"
 #include "train/trainer.hpp"
 #include "util.hpp"
 
@@ -165,7 +166,7 @@ TEST_CASE("training: the loss falls, runs are bit-identical, and a resumed run m
   // Uninterrupted reference run.
   MambaLM<float> a(tiny_lm());
   a.initialize(7);
-  Trainer<float> ta(a, tiny_train(steps), "deck");
+  Trainer<MambaLM<float>> ta(a, tiny_train(steps), "deck");
   ta.run(next, nullptr);
   REQUIRE(ta.history().size() == std::size_t(steps));
   CHECK(ta.history().back().loss < ta.history().front().loss - 0.1);
@@ -173,7 +174,7 @@ TEST_CASE("training: the loss falls, runs are bit-identical, and a resumed run m
   // Same seed: bit-identical losses.
   MambaLM<float> b(tiny_lm());
   b.initialize(7);
-  Trainer<float> tb(b, tiny_train(steps), "deck");
+  Trainer<MambaLM<float>> tb(b, tiny_train(steps), "deck");
   tb.run(next, nullptr);
   for (std::size_t i = 0; i < ta.history().size(); ++i) CHECK(ta.history()[i].loss == tb.history()[i].loss);
 
@@ -187,7 +188,7 @@ TEST_CASE("training: the loss falls, runs are bit-identical, and a resumed run m
     c.initialize(7);
     TrainConfig tc = tiny_train(steps);
     tc.checkpoint_path = ck;
-    Trainer<float> t1(c, tc, "deck");
+    Trainer<MambaLM<float>> t1(c, tc, "deck");
     int calls = 0;
     t1.run(
         [&](std::int64_t s, std::int64_t m) {
@@ -200,7 +201,7 @@ TEST_CASE("training: the loss falls, runs are bit-identical, and a resumed run m
   }
   MambaLM<float> e(tiny_lm());
   e.initialize(99);
-  Trainer<float> t3(e, tr, "deck");
+  Trainer<MambaLM<float>> t3(e, tr, "deck");
   REQUIRE(t3.step() == 5);
   t3.run(next, nullptr);
   REQUIRE(t3.history().size() == std::size_t(steps - 5));
@@ -230,7 +231,7 @@ TEST_CASE("gradient accumulation: 2 micro-batches of B equal one batch of 2B", "
   MambaLM<double> a(tiny_lm()), b(tiny_lm());
   a.initialize(1);
   b.initialize(1);
-  Trainer<double> x(a, ta, "deck"), y(b, tb, "deck");
+  Trainer<MambaLM<double>> x(a, ta, "deck"), y(b, tb, "deck");
   x.run(micro, nullptr);
   y.run(whole, nullptr);
   for (int i = 0; i < 3; ++i) CHECK(x.history()[i].loss == Approx(y.history()[i].loss).epsilon(1e-12));
