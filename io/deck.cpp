@@ -49,22 +49,15 @@ const char* type_name<double>() { return "a number"; }
 template <>
 const char* type_name<std::string>() { return "a string"; }
 
-struct Line {
-  int number;
-  std::string key, value;
-};
-
 // Reads the deck's lines: "[section]" headers, "key = value" entries, comments (# or ;) and blanks. Anything else
 // is a syntax error naming the file and line.
-std::vector<Line> scan(const std::string& path) {
-  std::ifstream in(path);
-  require(bool(in), path, "cannot open the deck file");
-  std::vector<Line> out;
+std::vector<DeckLine> scan(std::istream& in, const std::string& path) {
+  std::vector<DeckLine> out;
   std::string line, section;
   int number = 0;
   while (std::getline(in, line)) {
     ++number;
-    const auto hash = line.find_first_of("#;");
+    const auto hash = line.find('#');
     std::string s = trim(hash == std::string::npos ? line : line.substr(0, hash));
     if (s.empty()) continue;
     const std::string where = path + ":" + std::to_string(number);
@@ -80,6 +73,12 @@ std::vector<Line> scan(const std::string& path) {
     out.push_back({number, section.empty() ? key : section + "." + key, trim(s.substr(eq + 1))});
   }
   return out;
+}
+
+std::vector<DeckLine> scan(const std::string& path) {
+  std::ifstream in(path);
+  require(bool(in), path, "cannot open the deck file");
+  return scan(in, path);
 }
 
 std::pair<std::string, std::string> split_override(const std::string& arg) {
@@ -151,6 +150,16 @@ void Deck::value_error(const std::string& key, const std::string& value, const s
 }
 
 void Deck::parse(const std::string& path, const std::vector<std::string>& overrides) {
+  if (path.empty()) return parse_lines({}, "", overrides);
+  parse_lines(scan(path), path, overrides);
+}
+
+void Deck::parse_text(const std::string& text, const std::string& name) {
+  std::istringstream in(text);
+  parse_lines(scan(in, name), name, {});
+}
+
+void Deck::parse_lines(std::vector<DeckLine> lines, const std::string& path, const std::vector<std::string>& overrides) {
   path_ = path;
   // Command-line overrides are stored first: Boost.Program_options keeps the first value stored for a key.
   std::ostringstream cli;
@@ -162,9 +171,7 @@ void Deck::parse(const std::string& path, const std::vector<std::string>& overri
     cli << key << "=" << value << "\n";
     where_[key] = "command line (--" + key + ")";
   }
-  std::vector<Line> lines;
-  if (!path.empty()) {
-    lines = scan(path);
+  {
     std::set<std::string> in_file;
     for (const auto& l : lines) {
       const std::string where = path + ":" + std::to_string(l.number);
@@ -265,4 +272,13 @@ std::string peek(const std::string& path, const std::vector<std::string>& overri
   return fallback;
 }
 
+}  // namespace mm::io
+
+namespace mm::io {
+std::string peek_text(const std::string& text, const std::string& key, const std::string& fallback) {
+  std::istringstream in(text);
+  for (const auto& l : scan(in, "deck text"))
+    if (l.key == key) return l.value;
+  return fallback;
+}
 }  // namespace mm::io

@@ -1,7 +1,7 @@
 // Input decks: Boost.Program_options config files
 //
 //   [section]
-//   key = value      # comment
+//   key = value      # comment (from '#' to the end of the line)
 //
 // with command-line overrides `--section.key=value`. Every option is declared with a type, a default and a help
 // text; an unknown section or key (in the file or on the command line) is an error that names the file and line
@@ -16,6 +16,12 @@
 
 namespace mm::io {
 
+// One "key = value" line of a deck, key as section.key.
+struct DeckLine {
+  int number;
+  std::string key, value;
+};
+
 class Deck {
  public:
   Deck();
@@ -27,6 +33,8 @@ class Deck {
   // Read `path` (may be empty: defaults only), then apply `overrides` of the form "--section.key=value"
   // (the leading dashes are optional). Overrides win over the file.
   void parse(const std::string& path, const std::vector<std::string>& overrides);
+  // Parse deck text held in memory (e.g. the deck stored in a checkpoint); `name` stands for the file in errors.
+  void parse_text(const std::string& text, const std::string& name);
 
   template <class T>
   T get(const std::string& key) const;
@@ -40,6 +48,7 @@ class Deck {
   const std::string& path() const { return path_; }
 
  private:
+  void parse_lines(std::vector<DeckLine> lines, const std::string& path, const std::vector<std::string>& overrides);
   struct Decl {
     std::string section, name, help, default_text, type;
   };
@@ -62,5 +71,8 @@ class Deck {
 // known). Returns `fallback` when the file or the key is absent; overrides are consulted first.
 std::string peek(const std::string& path, const std::vector<std::string>& overrides, const std::string& key,
                  const std::string& fallback);
+
+// The same for deck text held in memory.
+std::string peek_text(const std::string& text, const std::string& key, const std::string& fallback);
 
 }  // namespace mm::io

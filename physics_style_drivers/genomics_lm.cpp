@@ -4,6 +4,7 @@
 
 #include "core/error.hpp"
 #include "io/fasta.hpp"
+#include "io/dataset_h5.hpp"
 #include "io/genome_dataset.hpp"
 #include "lm_options.hpp"
 #include "registry.hpp"
@@ -13,7 +14,8 @@ namespace mm::drivers {
 void declare_genomics_lm(io::Deck& d) {
   declare_lm_options(d);
   d.add<std::string>("data.fasta", "", "FASTA file (plain, gzip or bgzip), relative to the deck's directory")
-      .add<double>("data.holdout_fraction", 0.1, "held-out tail of every record (scored, never trained on)");
+      .add<std::string>("data.dataset", "", "HDF5 genome dataset from the preprocess driver (instead of fasta)")
+      .add<double>("data.holdout_fraction", 0.1, "held-out tail of every record (fasta only: a dataset keeps the split it was made with)");
 }
 
 namespace {
@@ -34,7 +36,8 @@ LossSum evaluate(MambaLM<float>& model, const io::GenomeDataset& data, std::int6
 
 int run_genomics_lm(const io::Deck& d) {
   const std::string fasta = input_path(d, d.get<std::string>("data.fasta"));
-  require(!fasta.empty(), d.path() + " [data] fasta", "no FASTA file given");
+  const std::string dataset = input_path(d, d.get<std::string>("data.dataset"));
+  require(fasta.empty() != dataset.empty(), d.path() + " [data]", "give exactly one of fasta and dataset");
   const LMConfig lm = make_lm_config(d);
   const TrainConfig tc = make_train_config(d);
   const std::int64_t batch = d.get<std::int64_t>("train.batch_size"), seqlen = d.get<std::int64_t>("train.seq_len");
@@ -42,12 +45,15 @@ int run_genomics_lm(const io::Deck& d) {
                                                                              : seqlen;
   const std::int64_t eval_batch = d.get<std::int64_t>("train.eval_batch_size");
   require(lm.vocab_size >= 6, "[model] vocab_size", "must hold the 6 DNA tokens (got ", lm.vocab_size, ")");
+  require(seqlen >= 2, "[train] seq_len", "must be at least 2 (got ", seqlen, ")");
 
-  const auto records = io::read_fasta(fasta);
-  const io::GenomeDataset data(records, d.get<double>("data.holdout_fraction"), fasta);
-  std::printf("data: %s: %lld record(s), %lld training bases, %lld held-out bases\n", fasta.c_str(),
+  const io::GenomeDataset data =
+      dataset.empty() ? io::GenomeDataset(io::read_fasta(fasta), d.get<double>("data.holdout_fraction"), fasta)
+                      : io::open_genome_dataset(dataset);
+  const std::string source = dataset.empty() ? fasta : dataset;
+  std::printf("data: %s: %lld record(s), %lld training bases, %lld held-out bases\n", source.c_str(),
               (long long)data.n_records(), (long long)data.train().size(), (long long)data.heldout().size());
-  require(data.heldout().size() > 1, fasta, "the held-out part is empty: raise [data] holdout_fraction");
+  require(data.heldout().size() > 1, source, "the held-out part is empty: raise [data] holdout_fraction");
 
   MambaLM<float> model(lm);
   model.initialize(tc.seed);

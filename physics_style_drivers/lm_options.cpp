@@ -18,10 +18,9 @@ void declare_run(io::Deck& d) {
       .add<std::string>("run.output_dir", "runs/default", "directory for metrics and checkpoints (created)");
 }
 
-void declare_lm_options(io::Deck& d) {
+void declare_backbone_options(io::Deck& d) {
   const Mamba2Config m;
-  d.add<I>("model.vocab_size", 16, "vocabulary size (6 DNA tokens: pad A C G T N, padded up for GEMM shapes)")
-      .add<I>("model.d_model", 128, "model width")
+  d.add<I>("model.d_model", 128, "model width")
       .add<I>("model.n_layer", 4, "number of Mamba-2 blocks")
       .add<I>("model.d_state", m.d_state, "SSM state size N")
       .add<I>("model.d_conv", m.d_conv, "causal conv1d width")
@@ -29,7 +28,6 @@ void declare_lm_options(io::Deck& d) {
       .add<I>("model.headdim", m.headdim, "head dimension P (nheads = d_inner / headdim)")
       .add<I>("model.ngroups", m.ngroups, "B/C groups G (nheads must divide by it)")
       .add<I>("model.chunk_size", m.chunk, "SSD chunk length Q (results do not depend on it)")
-      .add<bool>("model.tie_embeddings", true, "share the embedding matrix with the LM head")
       .add<double>("model.dt_min", m.dt_min, "initial dt range, lower end")
       .add<double>("model.dt_max", m.dt_max, "initial dt range, upper end")
       .add<double>("model.dt_init_floor", m.dt_init_floor, "smallest initial dt")
@@ -39,9 +37,11 @@ void declare_lm_options(io::Deck& d) {
       .add<double>("model.dt_limit_max", std::numeric_limits<double>::infinity(),
                    "clamp of softplus(dt + dt_bias), upper (inf: none)")
       .add<double>("model.norm_eps", m.norm_eps, "RMSNorm epsilon");
+}
+
+void declare_train_options(io::Deck& d) {
   d.add<I>("train.steps", 1000, "optimizer steps")
-      .add<I>("train.batch_size", 8, "sequences per micro-batch")
-      .add<I>("train.seq_len", 1024, "tokens per sequence")
+      .add<I>("train.batch_size", 8, "sequences (windows) per micro-batch")
       .add<I>("train.grad_accum", 1, "micro-batches per optimizer step")
       .add<double>("train.lr", 2e-3, "peak learning rate")
       .add<double>("train.min_lr", 2e-4, "final learning rate of the cosine schedule")
@@ -54,8 +54,7 @@ void declare_lm_options(io::Deck& d) {
       .add<std::string>("train.recompute", "none", "none | mixer: re-run the mixer internals in the backward")
       .add<I>("train.log_interval", 10, "steps between progress lines")
       .add<I>("train.eval_interval", 0, "steps between held-out evaluations (0: at the end only)")
-      .add<I>("train.eval_batch_size", 8, "sequences per evaluation batch")
-      .add<I>("train.eval_seq_len", 0, "tokens per evaluation window (0: seq_len)")
+      .add<I>("train.eval_batch_size", 8, "sequences (windows) per evaluation batch")
       .add<double>("train.time_limit_minutes", 0, "stop (with a checkpoint) after this wall time (0: none)");
   d.add<std::string>("checkpoint.path", "checkpoint.h5", "checkpoint file under output_dir (empty: none)")
       .add<I>("checkpoint.interval", 0, "steps between checkpoints (0: only at the end or on a stop)")
@@ -63,13 +62,17 @@ void declare_lm_options(io::Deck& d) {
       .add<std::string>("checkpoint.resume", "", "checkpoint to resume from (relative to the working directory)");
 }
 
-LMConfig make_lm_config(const io::Deck& d) {
-  LMConfig c;
-  c.vocab_size = d.get<I>("model.vocab_size");
-  c.n_layer = d.get<I>("model.n_layer");
-  c.tie_embeddings = d.get<bool>("model.tie_embeddings");
-  c.norm_eps = d.get<double>("model.norm_eps");
-  Mamba2Config& m = c.mixer;
+void declare_lm_options(io::Deck& d) {
+  d.add<I>("model.vocab_size", 16, "vocabulary size (6 DNA tokens: pad A C G T N, padded up for GEMM shapes)")
+      .add<bool>("model.tie_embeddings", true, "share the embedding matrix with the LM head");
+  declare_backbone_options(d);
+  declare_train_options(d);
+  d.add<I>("train.seq_len", 1024, "tokens per sequence")
+      .add<I>("train.eval_seq_len", 0, "tokens per evaluation window (0: seq_len)");
+}
+
+Mamba2Config make_mixer_config(const io::Deck& d) {
+  Mamba2Config m;
   m.d_model = d.get<I>("model.d_model");
   m.d_state = d.get<I>("model.d_state");
   m.d_conv = d.get<I>("model.d_conv");
@@ -84,7 +87,18 @@ LMConfig make_lm_config(const io::Deck& d) {
   m.A_init_hi = d.get<double>("model.A_init_max");
   m.dt_limit_lo = d.get<double>("model.dt_limit_min");
   m.dt_limit_hi = d.get<double>("model.dt_limit_max");
-  m.norm_eps = c.norm_eps;
+  m.norm_eps = d.get<double>("model.norm_eps");
+  m.validate(d.path().empty() ? "[model]" : d.path() + " [model]");
+  return m;
+}
+
+LMConfig make_lm_config(const io::Deck& d) {
+  LMConfig c;
+  c.vocab_size = d.get<I>("model.vocab_size");
+  c.n_layer = d.get<I>("model.n_layer");
+  c.tie_embeddings = d.get<bool>("model.tie_embeddings");
+  c.norm_eps = d.get<double>("model.norm_eps");
+  c.mixer = make_mixer_config(d);
   c.validate(d.path().empty() ? "[model]" : d.path() + " [model]");
   return c;
 }
@@ -119,8 +133,7 @@ TrainConfig make_train_config(const io::Deck& d) {
   require(t.steps >= 1, "[train] steps", "must be at least 1");
   require(t.grad_accum >= 1, "[train] grad_accum", "must be at least 1");
   require(t.schedule.lr > 0 && t.schedule.min_lr >= 0, "[train] lr", "lr must be positive and min_lr >= 0");
-  require(d.get<I>("train.batch_size") >= 1 && d.get<I>("train.seq_len") >= 2, "[train]",
-          "batch_size must be >= 1 and seq_len >= 2");
+  require(d.get<I>("train.batch_size") >= 1, "[train] batch_size", "must be at least 1");
   return t;
 }
 

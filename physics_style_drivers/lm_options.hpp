@@ -1,5 +1,5 @@
-// Deck sections shared by the language-model drivers: [model], [train], [checkpoint], and their translation into
-// the model and trainer configurations.
+// Deck sections shared by the drivers: [run], [model] (the backbone, plus the LM's head), [train], [checkpoint],
+// and their translation into the model and trainer configurations.
 #pragma once
 
 #include "io/deck.hpp"
@@ -8,9 +8,12 @@
 
 namespace mm::drivers {
 
-void declare_run(io::Deck& deck);        // [run]: driver, seed, deterministic, output_dir
-void declare_lm_options(io::Deck& deck);  // [model], [train], [checkpoint]
+void declare_run(io::Deck& deck);              // [run]: driver, seed, deterministic, output_dir
+void declare_backbone_options(io::Deck& deck);  // [model]: the Mamba-2 backbone
+void declare_train_options(io::Deck& deck);     // [train] (model-independent keys) and [checkpoint]
+void declare_lm_options(io::Deck& deck);        // the above plus the language-model keys
 
+Mamba2Config make_mixer_config(const io::Deck& deck);
 LMConfig make_lm_config(const io::Deck& deck);
 TrainConfig make_train_config(const io::Deck& deck);
 

@@ -10,6 +10,14 @@ const std::vector<Driver>& all() {
   static const std::vector<Driver> drivers = {
       {"genomics_lm", "train a Mamba-2 DNA language model on a FASTA file and report held-out bits per base",
        declare_genomics_lm, run_genomics_lm},
+      {"timeseries_forecast",
+       "train a Mamba-2 forecaster on a CSV/HDF5 series and report test MSE/MAE next to the naive baselines",
+       declare_timeseries_forecast, run_timeseries_forecast},
+      {"variant_effect",
+       "score the variants of a VCF against a reference FASTA with a trained genomics_lm checkpoint",
+       declare_variant_effect, run_variant_effect},
+      {"preprocess", "turn a FASTA or CSV file into an HDF5 dataset the training drivers stream from",
+       declare_preprocess, run_preprocess},
   };
   return drivers;
 }

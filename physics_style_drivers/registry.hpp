@@ -19,8 +19,13 @@ struct Driver {
 const std::vector<Driver>& all();
 const Driver& find(const std::string& name);  // throws mm::Error listing the known drivers
 
-// The genomics language-model driver.
 void declare_genomics_lm(io::Deck& deck);
 int run_genomics_lm(const io::Deck& deck);
+void declare_timeseries_forecast(io::Deck& deck);
+int run_timeseries_forecast(const io::Deck& deck);
+void declare_variant_effect(io::Deck& deck);
+int run_variant_effect(const io::Deck& deck);
+void declare_preprocess(io::Deck& deck);
+int run_preprocess(const io::Deck& deck);
 
 }  // namespace mm::drivers

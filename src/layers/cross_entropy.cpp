@@ -6,12 +6,16 @@ namespace mm {
 
 template <class T>
 LossSum cross_entropy(const View2<const T>& logits, const Kokkos::View<const std::int32_t*, Layout, Mem>& targets,
-                      double grad_scale, const View2<T>& dlogits) {
+                      double grad_scale, const View2<T>& dlogits, const View1<double>& row_nats) {
   using P = acc_t<T>;
   const index_t n = logits.extent(0), V = logits.extent(1);
   const bool want_grad = dlogits.extent(0) > 0;
   const P scale = P(grad_scale);
-  View1<double> row_loss(Kokkos::view_alloc(Kokkos::WithoutInitializing, "cross_entropy::row_loss"), n);
+  const View1<double> row_loss = row_nats.extent(0) == std::size_t(n)
+                                     ? row_nats
+                                     : View1<double>(Kokkos::view_alloc(Kokkos::WithoutInitializing,
+                                                                        "cross_entropy::row_loss"),
+                                                     n);
   par_for("cross_entropy::rows", n, KOKKOS_LAMBDA(index_t i) {
     const int tgt = targets(i);
     P mx = P(logits(i, 0));
@@ -36,7 +40,7 @@ LossSum cross_entropy(const View2<const T>& logits, const Kokkos::View<const std
 
 #define MM_INSTANTIATE(T)                                                                                      \
   template LossSum cross_entropy<T>(const View2<const T>&, const Kokkos::View<const std::int32_t*, Layout, Mem>&, \
-                                    double, const View2<T>&);
+                                    double, const View2<T>&, const View1<double>&);
 MM_INSTANTIATE(float)
 MM_INSTANTIATE(double)
 #undef MM_INSTANTIATE

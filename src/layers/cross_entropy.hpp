@@ -19,9 +19,10 @@ struct LossSum {
 };
 
 // Loss summed over rows with target >= 0. If dlogits is non-empty it receives
-// grad_scale * (softmax(logits) - onehot(target)) (rows with ignored targets get 0).
+// grad_scale * (softmax(logits) - onehot(target)) (rows with ignored targets get 0); if row_nats is non-empty it
+// receives each row's loss (0 for ignored targets).
 template <class T>
-LossSum cross_entropy(const View2<const T>& logits, const Kokkos::View<const std::int32_t*, Layout, Mem>& targets, double grad_scale,
-                      const View2<T>& dlogits);
+LossSum cross_entropy(const View2<const T>& logits, const Kokkos::View<const std::int32_t*, Layout, Mem>& targets,
+                      double grad_scale, const View2<T>& dlogits, const View1<double>& row_nats = View1<double>());
 
 }  // namespace mm

@@ -45,7 +45,16 @@ MambaLM<T>::MambaLM(const LMConfig& cfg) : cfg_(cfg) {
 }
 
 template <class T>
-LossSum MambaLM<T>::forward_backward(const Batch& b, double grad_scale, Recompute policy) {
+std::vector<double> MambaLM<T>::token_nats(const Batch& b) {
+  View1<double> nats("lm::token_nats", b.batch * b.seqlen);
+  forward_backward(b, 0.0, Recompute::mixer, nats);
+  auto h = Kokkos::create_mirror_view_and_copy(HostMem(), nats);
+  return std::vector<double>(h.data(), h.data() + h.span());
+}
+
+template <class T>
+LossSum MambaLM<T>::forward_backward(const Batch& b, double grad_scale, Recompute policy,
+                                     const View1<double>& row_nats) {
   const index_t n = b.batch * b.seqlen, D = cfg_.mixer.d_model, V = cfg_.vocab_size;
   require(index_t(b.tokens.extent(0)) == n && index_t(b.targets.extent(0)) == n, "model",
           "batch tokens/targets must have batch * seqlen = ", n, " entries");
@@ -57,7 +66,7 @@ LossSum MambaLM<T>::forward_backward(const Batch& b, double grad_scale, Recomput
   logits_ = make_uninit<View2<T>>("lm::logits", n, V);
   linear_forward<T>(hf, params_.v2(lm_head_), View1<const P>(), logits_);
   View2<T> dlogits = train ? make_uninit<View2<T>>("lm::dlogits", n, V) : View2<T>();
-  const LossSum loss = cross_entropy<T>(logits_, b.targets, grad_scale, dlogits);
+  const LossSum loss = cross_entropy<T>(logits_, b.targets, grad_scale, dlogits, row_nats);
   if (!train) return loss;
 
   View2<T> dhf = make_uninit<View2<T>>("lm::dhf", n, D);

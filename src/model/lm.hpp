@@ -49,11 +49,14 @@ class MambaLM {
 
   // Forward (and, if `grad_scale` > 0, backward with d(loss_sum)/d(logits) scaled by grad_scale, accumulating
   // parameter gradients). Returns the summed loss (nats) and the number of scored targets.
-  LossSum forward_backward(const Batch& b, double grad_scale, Recompute policy);
+  LossSum forward_backward(const Batch& b, double grad_scale, Recompute policy,
+                           const View1<double>& row_nats = View1<double>());
   LossSum forward_backward(const HostBatch& hb, double grad_scale, Recompute policy) {
     return forward_backward(to_device(hb), grad_scale, policy);
   }
   LossSum forward(const Batch& b) { return forward_backward(b, 0.0, Recompute::mixer); }
+  // Forward only; the loss of every row (-log p(target) in nats, 0 where the target is not scored).
+  std::vector<double> token_nats(const Batch& b);
 
   // Logits of the last forward (batch * seqlen, vocab), kept for scoring and tests.
   const View2<T>& logits() const { return logits_; }

@@ -9,6 +9,7 @@
 #include "core/config.hpp"
 #include "core/error.hpp"
 #include "io/checkpoint.hpp"
+#include "model/forecaster.hpp"
 #include "model/lm.hpp"
 
 namespace mm {
@@ -74,20 +75,30 @@ void Trainer<Model>::save(const std::string& path) const {
   w.commit();
 }
 
+template <class P>
+void load_parameters(ParamStore<P>& ps, const std::string& path) {
+  io::CheckpointReader r(path);
+  auto values = Kokkos::create_mirror_view(ps.values());
+  for (const auto& e : ps.entries()) r.read("params/" + e.name, shape_of(e), values.data() + e.offset);
+  Kokkos::deep_copy(ps.values(), values);
+}
+template void load_parameters<float>(ParamStore<float>&, const std::string&);
+template void load_parameters<double>(ParamStore<double>&, const std::string&);
+
+std::string checkpoint_deck(const std::string& path) { return io::CheckpointReader(path).attr_string("deck"); }
+
 template <class Model>
 void Trainer<Model>::load(const std::string& path) {
   auto& ps = model_.params();
+  load_parameters(ps, path);
   io::CheckpointReader r(path);
-  auto values = Kokkos::create_mirror_view(ps.values());
   auto m = Kokkos::create_mirror_view(opt_.m());
   auto v = Kokkos::create_mirror_view(opt_.v());
   for (const auto& e : ps.entries()) {
     const auto shape = shape_of(e);
-    r.read("params/" + e.name, shape, values.data() + e.offset);
     r.read("optimizer/adamw_m/" + e.name, shape, m.data() + e.offset);
     r.read("optimizer/adamw_v/" + e.name, shape, v.data() + e.offset);
   }
-  Kokkos::deep_copy(ps.values(), values);
   Kokkos::deep_copy(opt_.m(), m);
   Kokkos::deep_copy(opt_.v(), v);
   step_ = r.attr_int("step");
@@ -214,5 +225,7 @@ std::int64_t Trainer<Model>::run(const NextBatch& next, const Evaluate& eval) {
 
 template class Trainer<MambaLM<float>>;
 template class Trainer<MambaLM<double>>;
+template class Trainer<Forecaster<float>>;
+template class Trainer<Forecaster<double>>;
 
 }  // namespace mm

@@ -82,6 +82,11 @@ class Trainer {
   std::vector<EvalRecord> evals_;
 };
 
+// Read a checkpoint's parameters into `params` (names and shapes must match), and the deck it was written with.
+template <class P>
+void load_parameters(ParamStore<P>& params, const std::string& path);
+std::string checkpoint_deck(const std::string& path);
+
 // Human-readable durations for progress lines ("4m12s").
 std::string format_duration(double seconds);
 
