@@ -50,11 +50,16 @@ GenomeDataset::GenomeDataset(std::shared_ptr<const TokenSource> train, std::shar
     : train_(std::move(train)), heldout_(std::move(heldout)), n_records_(n_records), source_(source) {}
 
 void GenomeDataset::fill_row(const TokenSource& s, std::int64_t start, std::int64_t length, std::int64_t seqlen,
-                             std::int64_t row, HostBatch& out) {
+                             std::int64_t row, HostBatch& out, bool reverse_complement) {
   // the inputs and one more token: the last input's target
   const std::int64_t n = std::min(length + 1, s.size() - start);
   std::vector<std::int32_t> tok(std::size_t(std::max<std::int64_t>(n, 0))), rec(tok.size());
   if (n > 0) s.read(start, n, tok.data(), rec.data());
+  if (reverse_complement) {  // the same bases read on the other strand
+    std::reverse(tok.begin(), tok.end());
+    std::reverse(rec.begin(), rec.end());
+    for (auto& t : tok) t = complement_token(t);
+  }
   for (std::int64_t t = 0; t < seqlen; ++t) {
     const std::int64_t o = row * seqlen + t;
     if (t >= length) {  // padding: its own record id, never scored
@@ -72,15 +77,17 @@ void GenomeDataset::fill_row(const TokenSource& s, std::int64_t start, std::int6
 }
 
 HostBatch GenomeDataset::sample_train(std::uint64_t seed, std::int64_t step, std::int64_t micro,
-                                      std::int64_t batch, std::int64_t seqlen) const {
+                                      std::int64_t batch, std::int64_t seqlen, bool rc_augment) const {
   require(train_->size() > seqlen + 1, source_, "the training part (", train_->size(),
           " bases) is shorter than seq_len + 1 = ", seqlen + 1, ": lower train.seq_len");
   HostBatch out(batch, seqlen);
   const CounterRNG rng{seed, stream_mix(stream_mix(stream_id("genome_dataset::train_window"), std::uint64_t(step)),
                                         std::uint64_t(micro))};
   const auto span = std::uint64_t(train_->size() - seqlen);  // starts in [0, size - seqlen): last target exists
+  // Row b's start and strand come from counters (b) and (batch + b) of the step's stream.
   for (std::int64_t b = 0; b < batch; ++b)
-    fill_row(*train_, std::int64_t(rng.below(std::uint64_t(b), span)), seqlen, seqlen, b, out);
+    fill_row(*train_, std::int64_t(rng.below(std::uint64_t(b), span)), seqlen, seqlen, b, out,
+             rc_augment && rng.below(std::uint64_t(batch + b), 2) == 1);
   return out;
 }
 

@@ -37,8 +37,10 @@ class GenomeDataset {
 
   // Training micro-batch `micro` of optimizer step `step`: `batch` windows of `seqlen` inputs each, at positions
   // drawn from the counter RNG (seed, step, micro, row), so any step can be regenerated exactly (resume).
+  // With rc_augment, each window is read on the reverse strand (reverse complement) with probability 1/2, so a
+  // model trained on both strands learns strand-symmetric statistics.
   HostBatch sample_train(std::uint64_t seed, std::int64_t step, std::int64_t micro, std::int64_t batch,
-                         std::int64_t seqlen) const;
+                         std::int64_t seqlen, bool rc_augment = false) const;
 
   // Consecutive windows of at most `seqlen` inputs over every record's held-out part; every held-out base except
   // the first of each record is a target exactly once.
@@ -49,7 +51,7 @@ class GenomeDataset {
 
  private:
   static void fill_row(const TokenSource& s, std::int64_t start, std::int64_t length, std::int64_t seqlen,
-                       std::int64_t row, HostBatch& out);
+                       std::int64_t row, HostBatch& out, bool reverse_complement = false);
   std::shared_ptr<const TokenSource> train_, heldout_;
   std::int64_t n_records_ = 0;
   std::string source_;

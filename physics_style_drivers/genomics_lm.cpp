@@ -15,6 +15,8 @@ void declare_genomics_lm(io::Deck& d) {
   declare_lm_options(d);
   d.add<std::string>("data.fasta", "", "FASTA file (plain, gzip or bgzip), relative to the deck's directory")
       .add<std::string>("data.dataset", "", "HDF5 genome dataset from the preprocess driver (instead of fasta)")
+      .add<std::string>("data.reverse_complement", "none",
+                        "none | augment: read each training window on the reverse strand with probability 1/2")
       .add<double>("data.holdout_fraction", 0.1, "held-out tail of every record (fasta only: a dataset keeps the split it was made with)");
 }
 
@@ -67,7 +69,11 @@ int run_genomics_lm(const io::Deck& d) {
   std::fflush(stdout);
 
   Trainer<MambaLM<float>> trainer(model, tc, d.effective());
-  trainer.run([&](std::int64_t step, std::int64_t micro) { return data.sample_train(tc.seed, step, micro, batch, seqlen); },
+  const std::string rc = d.get<std::string>("data.reverse_complement");
+  require(rc == "none" || rc == "augment", "[data] reverse_complement", "'", rc, "' is not one of: none augment");
+  trainer.run([&](std::int64_t step, std::int64_t micro) {
+                return data.sample_train(tc.seed, step, micro, batch, seqlen, rc == "augment");
+              },
               [&]() { return evaluate(model, data, eval_len, eval_batch); });
   if (!trainer.evals().empty()) {
     const auto& e = trainer.evals().back();

@@ -2,7 +2,8 @@
 // head) on a CSV or HDF5 series with the LTSF protocol (chronological train/validation/test split, z-scored with
 // the training statistics, stride-1 windows), keep the parameters of the best validation loss, and report test
 // MSE/MAE on z-scored values and in original units next to the naive baselines (last value and seasonal lags).
-// Writes results.csv, forecasts.csv (every test window of the first horizon) and forecast.svg.
+// Writes results.csv, forecasts.csv (every test window of the first horizon), forecast.svg and
+// forecasts_plotted.csv (the rows of the windows drawn in the plot).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -293,8 +294,9 @@ int run_timeseries_forecast(const io::Deck& d) {
 
   // Forecasts of the first horizon for every test window (original units), and a plot of a few of them.
   const I h0 = horizons.front();
-  std::ofstream fo(output_path(d, "forecasts.csv"));
+  std::ofstream fo(output_path(d, "forecasts.csv")), fp(output_path(d, "forecasts_plotted.csv"));
   fo << "window_start,target_start_time,channel,step,truth,forecast\n";
+  fp << "window_start,target_start_time,channel,step,truth,forecast\n";
   const I plots = std::min<I>(d.get<I>("forecast.plot_windows"), I(first_starts.size()));
   std::vector<io::PlotPanel> panels;
   const char* palette[] = {"#1f77b4", "#d62728", "#2ca02c"};
@@ -321,8 +323,11 @@ int run_timeseries_forecast(const io::Deck& d) {
         const double z = first.pred[std::size_t((I(w) * C + c) * Hmax + k)];
         const double f = z * stats.std[std::size_t(c)] + stats.mean[std::size_t(c)];
         const double tr = m[std::size_t((L + k) * C + c)] ? v[std::size_t((L + k) * C + c)] : std::nan("");
-        fo << s0 << "," << (stamps.empty() ? "" : stamps[0]) << "," << info.channels[std::size_t(c)] << ","
-           << k + 1 << "," << tr << "," << f << "\n";
+        std::ostringstream row;
+        row << s0 << "," << (stamps.empty() ? "" : stamps[0]) << "," << info.channels[std::size_t(c)] << ","
+            << k + 1 << "," << tr << "," << f << "\n";
+        fo << row.str();
+        if (plot) fp << row.str();
         fc_s.x.push_back(double(s0 + L + k));
         fc_s.y.push_back(f);
       }

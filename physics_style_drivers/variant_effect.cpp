@@ -231,6 +231,7 @@ int run_variant_effect(const io::Deck& d) {
         j.note = "FASTA has " + found;
       } else if (j.alt.find_first_not_of("ACGTN") != std::string::npos || j.alt.empty()) {
         j.status = "UNSUPPORTED_ALT";
+        j.type = "OTHER";
         j.note = "symbolic or non-nucleotide allele";
       } else {
         // Two windows of the same length: the reference sequence from `left`, and the same left flank followed by

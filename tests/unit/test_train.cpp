@@ -237,3 +237,27 @@ TEST_CASE("gradient accumulation: 2 micro-batches of B equal one batch of 2B", "
   for (int i = 0; i < 3; ++i) CHECK(x.history()[i].loss == Approx(y.history()[i].loss).epsilon(1e-12));
   CHECK(mmtest::rel_err(to_vec(a.params().values()), to_vec(b.params().values())) < 1e-10);
 }
+
+TEST_CASE("reverse-complement augmentation reads about half the windows on the other strand", "[train]") {
+  const auto recs = synthetic_genome();
+  const io::GenomeDataset data(recs, 0.1, "synthetic");
+  const std::int64_t B = 64, L = 40;
+  const auto f = data.sample_train(5, 2, 0, B, L, false);
+  const auto r = data.sample_train(5, 2, 0, B, L, true);
+  int flipped = 0;
+  for (std::int64_t b = 0; b < B; ++b) {
+    const auto row = [&](const io::HostBatch& h, std::int64_t t) { return h.tokens[std::size_t(b * L + t)]; };
+    bool same = true;
+    for (std::int64_t t = 0; t < L; ++t) same = same && row(f, t) == row(r, t);
+    if (same) continue;
+    ++flipped;
+    // the flipped row is the forward window read backwards on the complementary strand
+    for (std::int64_t t = 1; t < L; ++t) CHECK(row(r, t) == complement_token(row(f, L - t)));
+    for (std::int64_t t = 0; t + 1 < L; ++t) {
+      const auto tgt = r.targets[std::size_t(b * L + t)];
+      if (tgt >= 0) CHECK(tgt == complement_token(row(f, L - t - 1)));
+    }
+  }
+  CHECK(flipped > B / 5);
+  CHECK(flipped < 4 * B / 5);
+}

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# End-to-end checks of the workload drivers through the mambamoe executable:
+#   1. a genome preprocessed into HDF5 trains exactly as its FASTA does (same seed: identical losses);
+#   2. a series preprocessed into HDF5 trains exactly as its CSV does (identical losses and test metrics);
+#   3. variant_effect on the lambda genome with a small model: every ALT allele listed, a wrong REF reported (not
+#      scored), a symbolic allele reported, names mapped by accession, TSV and VCF written;
+#   4. a CSV with a NaN stops with an error naming the line, and trains when the deck masks missing values.
+# usage: workloads.sh <mambamoe> <source dir> <scratch dir>
+set -euo pipefail
+exe=$1 src=$2 work=$3
+rm -rf "$work" && mkdir -p "$work"
+fail() { echo "FAIL: $*"; exit 1; }
+losses() { grep '^train,' "$1" | cut -d, -f2-6; }
+
+# 1. genome: FASTA vs HDF5 dataset ------------------------------------------------------------------------------
+lambda=$src/inputs/genomics/data/lambda_virus.fa.gz
+"$exe" "$src/inputs/datasets/lambda.in" --run.output_dir="$work/pre" > "$work/pre_fasta.log" 2>&1 ||
+  { cat "$work/pre_fasta.log"; fail "preprocess fasta"; }
+common=(--train.steps=16 --train.log_interval=1 --train.eval_interval=8 --train.warmup_steps=4)
+"$exe" "$src/inputs/genomics/lambda.in" "${common[@]}" --run.output_dir="$work/fa" > /dev/null 2>&1 ||
+  fail "genomics_lm from FASTA"
+"$exe" "$src/inputs/genomics/lambda.in" "${common[@]}" --run.output_dir="$work/h5" --data.fasta= \
+  --data.dataset="$work/pre/lambda.h5" > /dev/null 2>&1 || fail "genomics_lm from the HDF5 dataset"
+diff <(losses "$work/fa/metrics.csv") <(losses "$work/h5/metrics.csv") > /dev/null ||
+  fail "genome: training from the dataset differs from training from the FASTA"
+diff <(grep '^eval,' "$work/fa/metrics.csv" | cut -d, -f2-4) <(grep '^eval,' "$work/h5/metrics.csv" | cut -d, -f2-4) \
+  > /dev/null || fail "genome: held-out evaluation differs"
+echo "ok   genome: FASTA and HDF5 dataset give identical losses over 16 steps"
+
+# 2. series: CSV vs HDF5 dataset --------------------------------------------------------------------------------
+"$exe" "$src/inputs/datasets/taylor.in" --run.output_dir="$work/pre" > "$work/pre_csv.log" 2>&1 ||
+  { cat "$work/pre_csv.log"; fail "preprocess csv"; }
+ts=(--train.steps=30 --train.log_interval=1 --train.eval_interval=10 --train.warmup_steps=5)
+"$exe" "$src/inputs/timeseries/taylor.in" "${ts[@]}" --run.output_dir="$work/csv" > /dev/null 2>&1 ||
+  fail "timeseries_forecast from CSV"
+"$exe" "$src/inputs/timeseries/taylor.in" "${ts[@]}" --run.output_dir="$work/tsh5" --data.csv= \
+  --data.dataset="$work/pre/taylor.h5" > /dev/null 2>&1 || fail "timeseries_forecast from the HDF5 dataset"
+diff <(losses "$work/csv/metrics.csv") <(losses "$work/tsh5/metrics.csv") > /dev/null ||
+  fail "series: training from the dataset differs from training from the CSV"
+diff "$work/csv/results.csv" "$work/tsh5/results.csv" > /dev/null || fail "series: test metrics differ"
+grep -q "naive: seasonal lag 336" "$work/csv/results.csv" || fail "series: baselines missing from results.csv"
+[[ -s $work/csv/forecast.svg && -s $work/csv/forecasts.csv ]] || fail "series: plot or forecasts missing"
+echo "ok   series: CSV and HDF5 dataset give identical losses and test metrics"
+
+# 3. variant effect ---------------------------------------------------------------------------------------------
+seq=$(zcat "$lambda" | grep -v '^>' | tr -d '\n')
+base() { echo "${seq:$(($1 - 1)):$2}"; }  # 1-based position, length
+wrong() { case $1 in A) echo C ;; *) echo A ;; esac; }
+vcf=$work/lambda.vcf
+{
+  printf '##fileformat=VCFv4.2\n##contig=<ID=NC_001416,length=48502>\n'
+  printf '#CHROM\tPOS\tID\tREF\tALT\tQUAL\tFILTER\tINFO\n'
+  printf 'NC_001416\t1000\tsnv\t%s\t%s\t.\t.\t.\n' "$(base 1000 1)" "$(wrong "$(base 1000 1)")"
+  printf 'NC_001416\t2000\tins\t%s\t%sGATTACA\t.\t.\t.\n' "$(base 2000 1)" "$(base 2000 1)"
+  printf 'NC_001416\t3000\tdel\t%s\t%s\t.\t.\t.\n' "$(base 3000 6)" "$(base 3000 1)"
+  printf 'NC_001416\t4000\tmulti\t%s\tA,T\t.\t.\t.\n' "$(base 4000 1)"
+  printf 'NC_001416\t5000\tbadref\t%s\tG\t.\t.\t.\n' "$(wrong "$(base 5000 1)")"
+  printf 'NC_001416\t6000\tsymbolic\t%s\t<DEL>\t.\t.\t.\n' "$(base 6000 1)"
+} > "$vcf"
+"$exe" "$src/inputs/genomics/saureus_variants.in" --run.output_dir="$work/ve" --variants.vcf="$vcf" \
+  --variants.reference="$lambda" --variants.checkpoint="$work/fa/checkpoint.h5" --variants.chrom_map= \
+  --variants.window=256 > "$work/ve.log" 2>&1 || { cat "$work/ve.log"; fail "variant_effect"; }
+tsv=$work/ve/variant_effect.tsv
+[[ $(tail -n +2 "$tsv" | wc -l) -eq 7 ]] || fail "variant_effect: expected 7 ALT alleles in $tsv"
+[[ $(awk -F'\t' '$8 == "OK" && $11 != ""' "$tsv" | wc -l) -eq 5 ]] || fail "variant_effect: 5 scored alleles expected"
+awk -F'\t' '$3 == "badref" && $8 == "REF_MISMATCH" && $11 == ""' "$tsv" | grep -q . ||
+  fail "variant_effect: the wrong REF is not reported as REF_MISMATCH"
+awk -F'\t' '$3 == "symbolic" && $8 == "UNSUPPORTED_ALT"' "$tsv" | grep -q . ||
+  fail "variant_effect: the symbolic allele is not reported"
+grep -q "REF mismatch: NC_001416:5000" "$work/ve.log" || fail "variant_effect: the mismatch is not printed"
+grep -q "NC_001416 -> FASTA record gi|9626243|ref|NC_001416.1| (accession)" "$work/ve.log" ||
+  fail "variant_effect: the chromosome name was not mapped by accession"
+grep -q "MM_DLL" "$work/ve/variant_effect.vcf" || fail "variant_effect: no INFO/MM_DLL in the output VCF"
+echo "ok   variant_effect: 7 alleles listed, 5 scored, REF mismatch and symbolic allele reported"
+
+# 4. a NaN in a CSV ---------------------------------------------------------------------------------------------
+csv=$work/nan.csv
+awk 'BEGIN { print "t,load"; for (i = 0; i < 1500; i++) printf "%d,%s\n", i, (i == 700 ? "NaN" : sprintf("%.4f", sin(i / 7.6) + i / 3000)) }' > "$csv"
+if out=$("$exe" "$src/inputs/timeseries/taylor.in" --run.output_dir="$work/nan" --data.csv="$csv" \
+         --data.timestamp_column=t --train.steps=2 2>&1); then
+  fail "a NaN in the CSV was accepted"
+fi
+[[ $out == *"$csv:702"* && $out == *"missing value"* ]] || fail "the NaN error does not name the line: $out"
+"$exe" "$src/inputs/timeseries/taylor.in" --run.output_dir="$work/nan" --data.csv="$csv" --data.timestamp_column=t \
+  --data.mask_missing=true --train.steps=3 --train.eval_interval=0 > "$work/nan.log" 2>&1 ||
+  { cat "$work/nan.log"; fail "training with a masked NaN"; }
+echo "ok   CSV: a NaN names its line ($csv:702) and trains when masked"
+echo "all workload checks passed"
