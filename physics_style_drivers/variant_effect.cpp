@@ -2,9 +2,11 @@
 //
 // For each ALT allele: the reference window (window bases centred on the variant) and a window of the same length
 // with the allele substituted (the same left flank, the ALT allele, then the sequence after the REF allele); the
-// score is log p(alt window) - log p(ref window) in nats, each the sum of next-base log-likelihoods over its window. With strand = both the score
-// is averaged with the same difference on the reverse-complement strand. The REF allele is checked against the
-// FASTA: a variant whose REF disagrees is reported (status REF_MISMATCH) and not scored. VCF chromosome names are
+// score is log p(alt window) - log p(ref window) in nats, each the sum of next-base log-likelihoods over its
+// window. With strand = both the score is averaged with the same difference on the reverse-complement strand. A
+// checkpoint of the RC-equivariant masked model ([model] objective = rc_equivariant_mlm) is scored by masked
+// marginals instead: log p(ALT | window, allele masked) - log p(REF | window, allele masked). The REF allele is
+// checked against the FASTA: a variant whose REF disagrees is reported (REF_MISMATCH) and not scored. VCF names are
 // mapped to FASTA record names explicitly ([variants] chrom_map) or by matching an accession inside the FASTA
 // name (NC_007795 -> gi|88193823|ref|NC_007795.1|).
 #include <htslib/hts.h>
@@ -23,6 +25,7 @@
 #include "io/fasta.hpp"
 #include "io/tokens.hpp"
 #include "lm_options.hpp"
+#include "model/rcps_lm.hpp"
 #include "registry.hpp"
 
 namespace mm::drivers {
@@ -134,26 +137,44 @@ struct Job {
   std::string chrom, id, ref, alt, record, type, status = "OK", note;
   I pos = 0;  // 0-based
   std::string ref_win, alt_win;
+  I m0 = 0, ref_m1 = 0, alt_m1 = 0;  // the allele's positions in the windows: [m0, ref_m1) and [m0, alt_m1)
   double ll_ref = 0, ll_alt = 0, ll_ref_rc = 0, ll_alt_rc = 0;
 };
 
-// Sum of log p(base_t | bases before t) over every scored base of each window after the first (nats).
-std::vector<double> log_likelihoods(MambaLM<float>& model, const std::vector<const std::string*>& wins, I batch) {
+// A window to score and, for a masked model, the positions [m0, m1) whose bases are masked and scored.
+struct Win {
+  std::string seq;
+  I m0 = 0, m1 = 0;
+};
+
+// Log-likelihood of each window (nats). Causal model: the sum of log p(base_t | bases before t) over every scored
+// base after the first. Masked model: the sum of log p(base_t | window with [m0, m1) masked) over t in [m0, m1) (the
+// masked marginal).
+template <class Model>
+std::vector<double> log_likelihoods(Model& model, const std::vector<Win>& wins, I batch) {
+  constexpr bool masked = std::is_same_v<Model, RCPSMaskedLM<float>>;
   std::vector<double> out;
   for (std::size_t w0 = 0; w0 < wins.size(); w0 += std::size_t(batch)) {
     const std::size_t w1 = std::min(wins.size(), w0 + std::size_t(batch));
     I L = 0;
-    for (std::size_t w = w0; w < w1; ++w) L = std::max<I>(L, I(wins[w]->size()));
+    for (std::size_t w = w0; w < w1; ++w) L = std::max<I>(L, I(wins[w].seq.size()));
     io::HostBatch hb(I(w1 - w0), L);
     for (std::size_t w = w0; w < w1; ++w) {
-      const auto tok = tokenize(*wins[w]);
+      const auto tok = tokenize(wins[w].seq);
       const I r = I(w - w0), n = I(tok.size());
       for (I t = 0; t < L; ++t) {
         const std::size_t o = std::size_t(r * L + t);
-        hb.tokens[o] = t < n ? tok[std::size_t(t)] : kPad;
+        const std::int32_t cur = t < n ? tok[std::size_t(t)] : kPad;
+        hb.tokens[o] = cur;
         hb.seq_idx[o] = t < n ? 0 : -1;
-        const std::int32_t next = t + 1 < n ? tok[std::size_t(t + 1)] : kPad;
-        hb.targets[o] = (next >= kA && next <= kT) ? next : -1;
+        if constexpr (masked) {
+          const bool in_allele = t >= wins[w].m0 && t < wins[w].m1;
+          hb.tokens[o] = in_allele ? kMaskToken : cur;
+          hb.targets[o] = in_allele && cur >= kA && cur <= kT ? cur : -1;
+        } else {
+          const std::int32_t next = t + 1 < n ? tok[std::size_t(t + 1)] : kPad;
+          hb.targets[o] = (next >= kA && next <= kT) ? next : -1;
+        }
       }
     }
     const auto nats = model.token_nats(to_device(hb));
@@ -164,6 +185,36 @@ std::vector<double> log_likelihoods(MambaLM<float>& model, const std::vector<con
     }
   }
   return out;
+}
+
+// Score every scorable job: (ref, alt) windows on the forward strand, and on the reverse strand if asked.
+template <class Model>
+void score(Model& model, std::vector<Job>& jobs, bool both, I batch) {
+  std::vector<Win> wins;
+  for (const Job& j : jobs)
+    if (j.status == "OK") {
+      wins.push_back({j.ref_win, j.m0, j.ref_m1});
+      wins.push_back({j.alt_win, j.m0, j.alt_m1});
+    }
+  const std::size_t n_fwd = wins.size();
+  if (both)
+    for (std::size_t i = 0; i < n_fwd; ++i) {
+      const Win& w = wins[i];
+      const I n = I(w.seq.size());
+      wins.push_back({revcomp(w.seq), n - w.m1, n - w.m0});
+    }
+  const auto ll = log_likelihoods(model, wins, batch);
+  std::size_t k = 0;
+  for (Job& j : jobs)
+    if (j.status == "OK") {
+      j.ll_ref = ll[k];
+      j.ll_alt = ll[k + 1];
+      if (both) {
+        j.ll_ref_rc = ll[n_fwd + k];
+        j.ll_alt_rc = ll[n_fwd + k + 1];
+      }
+      k += 2;
+    }
 }
 
 }  // namespace
@@ -186,9 +237,22 @@ int run_variant_effect(const io::Deck& d) {
   declare_run(trained);
   find(io::peek_text(stored, "run.driver", "genomics_lm")).declare(trained);
   trained.parse_text(stored, ckpt + " (stored deck)");
-  MambaLM<float> model(make_lm_config(trained));
-  load_parameters(model.params(), ckpt);
-  std::printf("model: %s (%lld parameters; trained on %s)\n", ckpt.c_str(), (long long)model.params().count(),
+  const std::string objective = trained.has("model.objective") ? trained.get<std::string>("model.objective") : "causal";
+  require(objective == "causal" || objective == "rc_equivariant_mlm", ckpt, "unknown model objective '", objective,
+          "'");
+  std::unique_ptr<MambaLM<float>> causal;
+  std::unique_ptr<RCPSMaskedLM<float>> rcps;
+  if (objective == "causal") {
+    causal = std::make_unique<MambaLM<float>>(make_lm_config(trained));
+    load_parameters(causal->params(), ckpt);
+  } else {
+    rcps = std::make_unique<RCPSMaskedLM<float>>(make_lm_config(trained));
+    load_parameters(rcps->params(), ckpt);
+  }
+  std::printf("model: %s (%s, %lld parameters; trained on %s)\n", ckpt.c_str(),
+              causal ? "next-base LM: windows scored by their log-likelihood"
+                     : "RC-equivariant masked LM: alleles scored by their masked marginals",
+              (long long)(causal ? causal->params().count() : rcps->params().count()),
               trained.has("data.fasta") ? trained.get<std::string>("data.fasta").c_str() : "?");
 
   const auto recs = io::read_fasta(ref_path);
@@ -244,6 +308,9 @@ int run_variant_effect(const io::Deck& d) {
         j.alt_win = (fr.seq.substr(std::size_t(left), std::size_t(pos - left)) + j.alt +
                      fr.seq.substr(std::size_t(pos + I(ref.size()))))
                         .substr(0, std::size_t(len));
+        j.m0 = pos - left;
+        j.ref_m1 = std::min<I>(len, j.m0 + I(ref.size()));
+        j.alt_m1 = std::min<I>(len, j.m0 + I(j.alt.size()));
       }
       jobs.push_back(std::move(j));
     }
@@ -251,32 +318,9 @@ int run_variant_effect(const io::Deck& d) {
   require(rc == -1, vcf, "read error after record ", n_records, " (htslib status ", rc, ")");
 
   // Score in batches of windows.
-  std::vector<const std::string*> wins;
-  std::vector<std::string> rc_wins;
   const bool both = strand == "both";
-  for (const Job& j : jobs)
-    if (j.status == "OK") {
-      wins.push_back(&j.ref_win);
-      wins.push_back(&j.alt_win);
-    }
-  if (both) {
-    rc_wins.reserve(wins.size());
-    for (const std::string* w : std::vector<const std::string*>(wins)) rc_wins.push_back(revcomp(*w));
-    for (const std::string& w : rc_wins) wins.push_back(&w);
-  }
-  const auto ll = log_likelihoods(model, wins, batch);
-  std::size_t k = 0;
-  const std::size_t n_fwd = both ? wins.size() / 2 : wins.size();
-  for (Job& j : jobs)
-    if (j.status == "OK") {
-      j.ll_ref = ll[k];
-      j.ll_alt = ll[k + 1];
-      if (both) {
-        j.ll_ref_rc = ll[n_fwd + k];
-        j.ll_alt_rc = ll[n_fwd + k + 1];
-      }
-      k += 2;
-    }
+  if (causal) score(*causal, jobs, both, batch);
+  else score(*rcps, jobs, both, batch);
 
   // Outputs.
   std::filesystem::create_directories(d.get<std::string>("run.output_dir"));

@@ -11,6 +11,7 @@
 #include "io/checkpoint.hpp"
 #include "model/forecaster.hpp"
 #include "model/lm.hpp"
+#include "model/rcps_lm.hpp"
 
 namespace mm {
 
@@ -227,5 +228,7 @@ template class Trainer<MambaLM<float>>;
 template class Trainer<MambaLM<double>>;
 template class Trainer<Forecaster<float>>;
 template class Trainer<Forecaster<double>>;
+template class Trainer<RCPSMaskedLM<float>>;
+template class Trainer<RCPSMaskedLM<double>>;
 
 }  // namespace mm

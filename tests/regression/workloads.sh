@@ -73,6 +73,18 @@ grep -q "NC_001416 -> FASTA record gi|9626243|ref|NC_001416.1| (accession)" "$wo
 grep -q "MM_DLL" "$work/ve/variant_effect.vcf" || fail "variant_effect: no INFO/MM_DLL in the output VCF"
 echo "ok   variant_effect: 7 alleles listed, 5 scored, REF mismatch and symbolic allele reported"
 
+# 3b. the RC-equivariant masked model: both strands give the same score ---------------------------------------
+"$exe" "$src/inputs/genomics/lambda_rcps.in" --train.steps=8 --train.eval_interval=0 --run.output_dir="$work/rcps" \
+  > /dev/null 2>&1 || fail "genomics_lm with objective rc_equivariant_mlm"
+"$exe" "$src/inputs/genomics/saureus_variants.in" --run.output_dir="$work/ve_rcps" --variants.vcf="$vcf" \
+  --variants.reference="$lambda" --variants.checkpoint="$work/rcps/checkpoint.h5" --variants.chrom_map= \
+  --variants.window=256 > "$work/ve_rcps.log" 2>&1 || { cat "$work/ve_rcps.log"; fail "variant_effect (RCPS)"; }
+grep -q "masked marginals" "$work/ve_rcps.log" || fail "variant_effect did not score the RCPS model by masked marginals"
+awk -F'\t' 'NR > 1 && $8 == "OK" { d = $12 - $13; if (d < 0) d = -d; if (d > m) m = d; n++ }
+             END { exit !(n == 5 && m < 1e-4) }' "$work/ve_rcps/variant_effect.tsv" ||
+  fail "RCPS scores differ between strands"
+echo "ok   RC-equivariant model: forward- and reverse-strand variant scores agree"
+
 # 4. a NaN in a CSV ---------------------------------------------------------------------------------------------
 csv=$work/nan.csv
 awk 'BEGIN { print "t,load"; for (i = 0; i < 1500; i++) printf "%d,%s\n", i, (i == 700 ? "NaN" : sprintf("%.4f", sin(i / 7.6) + i / 3000)) }' > "$csv"
