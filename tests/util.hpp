@@ -11,6 +11,7 @@
 #include "catch.hpp"
 #include "core/kokkos_types.hpp"
 #include "core/rng.hpp"
+#include "model/params.hpp"
 
 namespace mmtest {
 
@@ -89,6 +90,20 @@ FDResult fd_check(const V& x, const std::vector<double>& analytic, const std::fu
   }
   from_vec(x, base);
   return r;
+}
+
+// Move a freshly initialised model away from its special values for a gradient check: every parameter gets
+// U(-amplitude, amplitude) added (norm weights and D are no longer all ones, biases no longer zero), and dt_bias is
+// redrawn in U(-1, 1), i.e. softplus(dt_bias) in 0.3-1.3. At mamba_ssm's initial dt (1e-3 to 0.1) the gradients of
+// dt_bias and A_log are so small that finite differences of the loss resolve them to a few digits only.
+inline void jitter_params(mm::ParamStore<double>& ps, std::uint64_t seed, double amplitude) {
+  auto v = ps.values();
+  const mm::CounterRNG rng{seed, 7};
+  mm::par_for("test::jitter", v.extent(0), KOKKOS_LAMBDA(index_t i) { v(i) += amplitude * rng.uniform(i, -1, 1); });
+  for (const auto& e : ps.entries())
+    if (e.name.size() >= 7 && e.name.compare(e.name.size() - 7, 7, "dt_bias") == 0)
+      fill_uniform(ps.v1(ps.index(e.name)), mm::stream_id(e.name), -1.0, 1.0);
+  Kokkos::fence();
 }
 
 }  // namespace mmtest

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "files.hpp"
 #include "core/error.hpp"
 #include "io/checkpoint.hpp"
 
@@ -22,40 +23,10 @@ namespace fs = std::filesystem;
 using mm::io::CheckpointReader;
 using mm::io::CheckpointWriter;
 
+using mmtest::error_of;
+using mmtest::TempDir;
+
 namespace {
-
-// A fresh directory per test case, unique to this process, removed with everything in it.
-struct TempDir {
-  fs::path dir;
-  explicit TempDir(const std::string& tag)
-      : dir(fs::temp_directory_path() / ("mambamoe_ckpt_" + std::to_string(::getpid()) + "_" + tag)) {
-    fs::remove_all(dir);
-    fs::create_directories(dir);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(dir, ec);
-  }
-  std::string file(const std::string& name) const { return (dir / name).string(); }
-  std::vector<std::string> entries() const {
-    std::vector<std::string> names;
-    for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
-    std::sort(names.begin(), names.end());
-    return names;
-  }
-};
-
-// The message of the mm::Error that `f` throws; the test fails when it throws nothing.
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const mm::Error& e) {
-    return e.what();
-  }
-  FAIL("no mm::Error was thrown");
-  return {};
-}
 
 template <class T>
 bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
@@ -290,7 +261,7 @@ TEST_CASE("Checkpoint errors name the file and the dataset or attribute", "[chec
     std::ofstream(text) << "this is not HDF5\n";
     CHECK_THAT(error_of([&] { CheckpointReader{text}; }), ContainsSubstring(text) && ContainsSubstring("not an HDF5"));
 
-    CHECK_THAT(error_of([&] { CheckpointReader{tmp.dir.string()}; }), ContainsSubstring(tmp.dir.string()));
+    CHECK_THAT(error_of([&] { CheckpointReader{tmp.path()}; }), ContainsSubstring(tmp.path()));
 
     const std::string truncated = tmp.file("truncated.h5");
     fs::copy_file(path, truncated);

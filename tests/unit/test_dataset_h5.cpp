@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "files.hpp"
 #include "core/error.hpp"
 #include "io/checkpoint.hpp"
 #include "io/dataset_h5.hpp"
@@ -32,40 +33,10 @@ using mm::io::H5SeriesSource;
 using mm::io::H5TokenSource;
 using mm::io::TimeSeries;
 
+using mmtest::error_of;
+using mmtest::TempDir;
+
 namespace {
-
-// A fresh directory per test case, unique to this process, removed with everything in it.
-struct TempDir {
-  fs::path dir;
-  explicit TempDir(const std::string& tag)
-      : dir(fs::temp_directory_path() / ("mambamoe_dataset_" + std::to_string(::getpid()) + "_" + tag)) {
-    fs::remove_all(dir);
-    fs::create_directories(dir);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(dir, ec);
-  }
-  std::string file(const std::string& name) const { return (dir / name).string(); }
-  std::vector<std::string> entries() const {
-    std::vector<std::string> names;
-    for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
-    std::sort(names.begin(), names.end());
-    return names;
-  }
-};
-
-// The message of the mm::Error that `f` throws; the test fails when it throws nothing.
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const mm::Error& e) {
-    return e.what();
-  }
-  FAIL("no mm::Error was thrown");
-  return {};
-}
 
 // What read_fasta makes of sequence text: upper case, U as T, every other letter N.
 std::string normalise(std::string s) {

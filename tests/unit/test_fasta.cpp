@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "files.hpp"
 #include "core/error.hpp"
 #include "io/fasta.hpp"
 #include "io/tokens.hpp"
@@ -18,45 +19,20 @@ using mm::io::FastaRecord;
 using mm::io::read_fasta;
 namespace fs = std::filesystem;
 
+using mmtest::TempDir;
+
 namespace {
 
-// A fresh directory per test case, removed afterwards; pid and a counter keep concurrent test runs apart.
-class TempDir {
- public:
-  TempDir() {
-    static int counter = 0;
-    path_ = fs::temp_directory_path() /
-            ("mambamoe_test_fasta_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::create_directories(path_);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-
-  std::string write_plain(const std::string& name, const std::string& content) const {
-    const std::string p = (path_ / name).string();
-    std::ofstream(p, std::ios::binary) << content;
-    return p;
-  }
-
-  // Through htslib's writer so the test needs no external tool: mode "w" writes BGZF, "wg" plain gzip.
-  std::string write_compressed(const std::string& name, const std::string& content, const char* mode) const {
-    const std::string p = (path_ / name).string();
-    BGZF* fp = bgzf_open(p.c_str(), mode);
-    REQUIRE(fp != nullptr);
-    REQUIRE(bgzf_write(fp, content.data(), content.size()) == ssize_t(content.size()));
-    REQUIRE(bgzf_close(fp) == 0);
-    return p;
-  }
-
-  std::string path() const { return path_.string(); }
-
- private:
-  fs::path path_;
-};
+// Through htslib's writer so the test needs no external tool: mode "w" writes BGZF, "wg" plain gzip.
+std::string write_compressed(const TempDir& dir, const std::string& name, const std::string& content,
+                             const char* mode) {
+  const std::string p = dir.file(name);
+  BGZF* fp = bgzf_open(p.c_str(), mode);
+  REQUIRE(fp != nullptr);
+  REQUIRE(bgzf_write(fp, content.data(), content.size()) == ssize_t(content.size()));
+  REQUIRE(bgzf_close(fp) == 0);
+  return p;
+}
 
 // What htslib detects from the content: 0 plain, 1 gzip, 2 BGZF (htsCompression). Checked so that each test
 // really exercises the reader path it is named after.
@@ -87,7 +63,7 @@ std::string large_fasta(std::string& seq0) {
 TEST_CASE("read_fasta reads a plain multi-record file", "[io]") {
   TempDir dir;
   const auto p =
-      dir.write_plain("multi.fa", ">chr1 first chromosome, v2\nACGT\nTTGA\n\n>chr2\nGGCC\n>chr3  \tpadded  \nA\n");
+      dir.write("multi.fa", ">chr1 first chromosome, v2\nACGT\nTTGA\n\n>chr2\nGGCC\n>chr3  \tpadded  \nA\n");
   REQUIRE(compression_of(p) == 0);
   const std::vector<FastaRecord> r = read_fasta(p);
   REQUIRE(r.size() == 3);
@@ -104,7 +80,7 @@ TEST_CASE("read_fasta reads a plain multi-record file", "[io]") {
 
 TEST_CASE("read_fasta upper-cases, maps IUPAC codes to N and U to T", "[io]") {
   TempDir dir;
-  const auto p = dir.write_plain("iupac.fa", ">x\nacgtACGT\nRYSWKMBDHVN\nryswkmbdhvn\nUuAc\n");
+  const auto p = dir.write("iupac.fa", ">x\nacgtACGT\nRYSWKMBDHVN\nryswkmbdhvn\nUuAc\n");
   const auto r = read_fasta(p);
   REQUIRE(r.size() == 1);
   CHECK(r[0].seq == "ACGTACGT" + std::string(22, 'N') + "TTAC");
@@ -112,7 +88,7 @@ TEST_CASE("read_fasta upper-cases, maps IUPAC codes to N and U to T", "[io]") {
 
 TEST_CASE("read_fasta ignores CRLF line endings, blank lines and whitespace inside lines", "[io]") {
   TempDir dir;
-  const auto p = dir.write_plain("crlf.fa", "\r\n>r1 some text\r\nAC GT\t\r\n\r\nGG\r\n>r2\r\nT\r\n");
+  const auto p = dir.write("crlf.fa", "\r\n>r1 some text\r\nAC GT\t\r\n\r\nGG\r\n>r2\r\nT\r\n");
   const auto r = read_fasta(p);
   REQUIRE(r.size() == 2);
   CHECK(r[0].name == "r1");
@@ -126,13 +102,13 @@ TEST_CASE("read_fasta gives the same records from plain, gzip and bgzip files", 
   TempDir dir;
   std::string seq0;
   const std::string text = large_fasta(seq0);
-  const auto plain = dir.write_plain("big.fa", text);
-  const auto gz = dir.write_compressed("big.fa.gz", text, "wg");
-  const auto bgz = dir.write_compressed("big.bgz.fa.gz", text, "w");
+  const auto plain = dir.write("big.fa", text);
+  const auto gz = write_compressed(dir, "big.fa.gz", text, "wg");
+  const auto bgz = write_compressed(dir, "big.bgz.fa.gz", text, "w");
   REQUIRE(compression_of(gz) == 1);
   REQUIRE(compression_of(bgz) == 2);
   // The name says nothing: a gzip file without .gz is still recognised from its content.
-  const auto gz_no_suffix = dir.write_compressed("big_gzip.fa", text, "wg");
+  const auto gz_no_suffix = write_compressed(dir, "big_gzip.fa", text, "wg");
 
   for (const auto& p : {plain, gz, bgz, gz_no_suffix}) {
     INFO(p);
@@ -168,48 +144,48 @@ TEST_CASE("read_fasta errors name the file, the line and the problem", "[io]") {
   TempDir dir;
 
   SECTION("sequence before the first header") {
-    const auto p = dir.write_plain("pre.fa", "\nACGT\n>r\nAC\n");
+    const auto p = dir.write("pre.fa", "\nACGT\n>r\nAC\n");
     CHECK_THROWS_WITH(read_fasta(p),
                       ContainsSubstring(p + ":2") && ContainsSubstring("sequence data before the first '>' header"));
   }
   SECTION("invalid character, quoted with line and column") {
-    const auto p = dir.write_plain("bad.fa", ">r\nACGT\nAC!T\n");
+    const auto p = dir.write("bad.fa", ">r\nACGT\nAC!T\n");
     CHECK_THROWS_WITH(read_fasta(p), ContainsSubstring(p + ":3") &&
                                          ContainsSubstring("invalid character '!' at line 3, column 3 of record 'r'"));
   }
   SECTION("invalid character inside a gzip file is located the same way") {
-    const auto p = dir.write_compressed("bad.fa.gz", ">r\nACGT\nACGT\nACG-\n", "wg");
+    const auto p = write_compressed(dir, "bad.fa.gz", ">r\nACGT\nACGT\nACG-\n", "wg");
     CHECK_THROWS_WITH(read_fasta(p),
                       ContainsSubstring(p + ":4") && ContainsSubstring("invalid character '-' at line 4, column 4"));
   }
   SECTION("non-printable character is escaped") {
-    const auto p = dir.write_plain("bin.fa", std::string(">r\nAC\x01T\n"));
+    const auto p = dir.write("bin.fa", std::string(">r\nAC\x01T\n"));
     CHECK_THROWS_WITH(read_fasta(p), ContainsSubstring(p + ":2") && ContainsSubstring("invalid character '\\x01'"));
   }
   SECTION("empty file") {
-    const auto p = dir.write_plain("empty.fa", "");
+    const auto p = dir.write("empty.fa", "");
     CHECK_THROWS_WITH(read_fasta(p), ContainsSubstring(p) && ContainsSubstring("empty"));
   }
   SECTION("only blank lines") {
-    const auto p = dir.write_plain("blank.fa", "\n \n\r\n");
+    const auto p = dir.write("blank.fa", "\n \n\r\n");
     CHECK_THROWS_WITH(read_fasta(p), ContainsSubstring(p) && ContainsSubstring("no FASTA records"));
   }
   SECTION("header without sequence, in the middle and at the end") {
-    const auto mid = dir.write_plain("mid.fa", ">a\nAC\n>b desc\n>c\nGG\n");
+    const auto mid = dir.write("mid.fa", ">a\nAC\n>b desc\n>c\nGG\n");
     CHECK_THROWS_WITH(read_fasta(mid),
                       ContainsSubstring(mid + ":3") && ContainsSubstring("record 'b' has no sequence"));
-    const auto end = dir.write_plain("end.fa", ">a\nAC\n>b\n  \n");
+    const auto end = dir.write("end.fa", ">a\nAC\n>b\n  \n");
     CHECK_THROWS_WITH(read_fasta(end),
                       ContainsSubstring(end + ":3") && ContainsSubstring("record 'b' has no sequence"));
   }
   SECTION("header without a name") {
-    const auto bare = dir.write_plain("bare.fa", ">\nACGT\n");
+    const auto bare = dir.write("bare.fa", ">\nACGT\n");
     CHECK_THROWS_WITH(read_fasta(bare), ContainsSubstring(bare + ":1") && ContainsSubstring("header has no name"));
-    const auto spaced = dir.write_plain("spaced.fa", ">a\nA\n> desc only\nACGT\n");
+    const auto spaced = dir.write("spaced.fa", ">a\nA\n> desc only\nACGT\n");
     CHECK_THROWS_WITH(read_fasta(spaced), ContainsSubstring(spaced + ":3") && ContainsSubstring("header has no name"));
   }
   SECTION("duplicate record names") {
-    const auto p = dir.write_plain("dup.fa", ">a x\nAC\n>b\nT\n>a y\nGG\n");
+    const auto p = dir.write("dup.fa", ">a x\nAC\n>b\nT\n>a y\nGG\n");
     CHECK_THROWS_WITH(read_fasta(p), ContainsSubstring(p + ":5") &&
                                          ContainsSubstring("duplicate record name 'a' (first defined at line 1)"));
   }
@@ -219,7 +195,7 @@ TEST_CASE("read_fasta errors name the file, the line and the problem", "[io]") {
     CHECK_THROWS_WITH(read_fasta(dir.path()), ContainsSubstring(dir.path()) && ContainsSubstring("is a directory"));
   }
   SECTION("errors are mm::Error with the location as context") {
-    const auto p = dir.write_plain("ctx.fa", ">r\nACGT\nAC!T\n");
+    const auto p = dir.write("ctx.fa", ">r\nACGT\nAC!T\n");
     try {
       read_fasta(p);
       FAIL("no exception");

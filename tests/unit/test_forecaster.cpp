@@ -51,15 +51,6 @@ SeriesBatch batch(const ForecastConfig& c, index_t windows, std::uint64_t seed, 
   return b;
 }
 
-void jitter(ParamStore<double>& ps) {
-  auto v = ps.values();
-  const CounterRNG rng{77, 7};
-  par_for("test::jitter", v.extent(0), KOKKOS_LAMBDA(index_t i) { v(i) += 0.2 * rng.uniform(i, -1, 1); });
-  for (const auto& e : ps.entries())
-    if (e.name.size() >= 7 && e.name.compare(e.name.size() - 7, 7, "dt_bias") == 0)
-      mmtest::fill_uniform(ps.v1(ps.index(e.name)), mm::stream_id(e.name), -1.0, 1.0);
-  Kokkos::fence();
-}
 
 }  // namespace
 
@@ -88,7 +79,7 @@ TEST_CASE("forecaster backward matches finite differences for every parameter", 
   const ForecastConfig c = tiny();
   Forecaster<double> f(c);
   f.initialize(5);
-  jitter(f.params());
+  mmtest::jitter_params(f.params(), 77, 0.2);
   const SeriesBatch b = batch(c, 2, 9, true);
   const double scale = 0.3;
   f.params().zero_grads();
@@ -107,7 +98,7 @@ TEST_CASE("RevIN makes forecasts follow the scale and offset of each input windo
   const ForecastConfig c = tiny();
   Forecaster<double> f(c);
   f.initialize(8);
-  jitter(f.params());
+  mmtest::jitter_params(f.params(), 77, 0.2);
   SeriesBatch b = batch(c, 2, 4, false);
   for (double& v : b.x) v *= 100;  // variance far above RevIN's epsilon, so the identity holds to rounding
   for (double& v : b.y) v *= 100;

@@ -43,18 +43,6 @@ std::vector<int> seq_vec(const Kokkos::View<std::int32_t**, Layout, Mem>& s) {
   return v;
 }
 
-// Perturb the initial parameters so that norms, D and biases are not all ones/zeros in the checks, and move dt_bias
-// to softplus(dt_bias) ~ 0.3-1.3: at mamba_ssm's initial dt (1e-3 to 0.1) the gradients of dt_bias and A_log are so
-// small that finite differences of the loss resolve them only to a few digits.
-void jitter(ParamStore<double>& ps) {
-  auto v = ps.values();
-  const CounterRNG rng{99, 7};
-  par_for("test::jitter", v.extent(0), KOKKOS_LAMBDA(index_t i) { v(i) += 0.1 * rng.uniform(i, -1, 1); });
-  for (const auto& e : ps.entries())
-    if (e.name.size() >= 7 && e.name.compare(e.name.size() - 7, 7, "dt_bias") == 0)
-      mmtest::fill_uniform(ps.v1(ps.index(e.name)), mm::stream_id(e.name), -1.0, 1.0);
-  Kokkos::fence();
-}
 
 }  // namespace
 
@@ -65,7 +53,7 @@ TEST_CASE("Mamba-2 mixer forward equals the naive double reference", "[mamba2]")
   Mamba2Mixer<double> mixer(cfg, ps, "m.", 2);
   ps.allocate();
   ps.initialize(5);
-  jitter(ps);
+  mmtest::jitter_params(ps, 99, 0.1);
   View2<double> u("u", B * L, cfg.d_model), out("out", B * L, cfg.d_model);
   fill_uniform(u, 1);
   const auto seq = records(B, L);
@@ -88,7 +76,7 @@ TEST_CASE("Mamba-2 mixer backward matches finite differences for the input and e
   Mamba2Mixer<double> mixer(cfg, ps, "m.", 2);
   ps.allocate();
   ps.initialize(5);
-  jitter(ps);
+  mmtest::jitter_params(ps, 99, 0.1);
   View2<double> u("u", B * L, cfg.d_model), out("out", B * L, cfg.d_model), dout("dout", B * L, cfg.d_model);
   View2<double> du("du", B * L, cfg.d_model);
   fill_uniform(u, 1);
@@ -213,7 +201,7 @@ TEST_CASE("whole-model gradient check on a tiny Mamba-2 LM (tied and untied head
     cfg.mixer = tiny_mixer();
     MambaLM<double> model(cfg);
     model.initialize(3);
-    jitter(model.params());
+    mmtest::jitter_params(model.params(), 99, 0.1);
     const Batch b = tiny_batch(2, 11, 5);
     model.params().zero_grads();
     const double scale = 0.25;

@@ -50,22 +50,13 @@ io::HostBatch reverse_complement(const io::HostBatch& hb) {
   return r;
 }
 
-void jitter(ParamStore<double>& ps) {
-  auto v = ps.values();
-  const CounterRNG rng{3, 3};
-  par_for("test::jitter", v.extent(0), KOKKOS_LAMBDA(index_t i) { v(i) += 0.2 * rng.uniform(i, -1, 1); });
-  for (const auto& e : ps.entries())
-    if (e.name.size() >= 7 && e.name.compare(e.name.size() - 7, 7, "dt_bias") == 0)
-      mmtest::fill_uniform(ps.v1(ps.index(e.name)), mm::stream_id(e.name), -1.0, 1.0);
-  Kokkos::fence();
-}
 
 }  // namespace
 
 TEST_CASE("RCPS model is exactly reverse-complement equivariant", "[rcps]") {
   RCPSMaskedLM<double> m(tiny());
   m.initialize(4);
-  jitter(m.params());
+  mmtest::jitter_params(m.params(), 3, 0.2);
   const std::int64_t B = 2, L = 11, V = 8;
   const auto x = windows(B, L, 7);
   const LossSum lx = m.forward(to_device(x));
@@ -87,7 +78,7 @@ TEST_CASE("RCPS model is exactly reverse-complement equivariant", "[rcps]") {
 TEST_CASE("RCPS model backward matches finite differences", "[rcps][gradcheck]") {
   RCPSMaskedLM<double> m(tiny());
   m.initialize(5);
-  jitter(m.params());
+  mmtest::jitter_params(m.params(), 3, 0.2);
   const auto b = to_device(windows(2, 9, 3));
   const double scale = 0.2;
   m.params().zero_grads();

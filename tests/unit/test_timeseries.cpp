@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "files.hpp"
 #include "core/error.hpp"
 #include "io/timeseries.hpp"
 
@@ -20,35 +21,9 @@ using mm::io::read_csv;
 using mm::io::TimeSeries;
 namespace fs = std::filesystem;
 
+using mmtest::TempDir;
+
 namespace {
-
-// A fresh directory per test case, removed afterwards; pid and a counter keep concurrent test runs apart.
-class TempDir {
- public:
-  TempDir() {
-    static int counter = 0;
-    path_ = fs::temp_directory_path() /
-            ("mambamoe_test_timeseries_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::create_directories(path_);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-
-  std::string write(const std::string& name, const std::string& content) const {
-    const std::string p = (path_ / name).string();
-    std::ofstream(p, std::ios::binary) << content;
-    return p;
-  }
-
-  std::string path() const { return path_.string(); }
-
- private:
-  fs::path path_;
-};
 
 std::string taylor_path() {
   return (fs::path(__FILE__).parent_path() / "../../inputs/timeseries/data/taylor.csv").string();
