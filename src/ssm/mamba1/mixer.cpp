@@ -81,14 +81,19 @@ UView2<acc_t<T>> Mamba1Mixer<T>::xproj_bc(const View1<P>& buf) const {
   return UView2<P>(buf.data() + cfg_.rank() * cfg_.d_inner(), 2 * cfg_.d_state, cfg_.d_inner());
 }
 
+namespace {
+// A = -exp(A_log), (E, N). A free function: CUDA lambdas may not sit in private member functions.
+template <class P>
+View2<P> a_from_log(const View1<P>& a_log, index_t E, index_t N) {
+  View2<P> A(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba1::A"), E, N);
+  par_for("mamba1::A", E, N, KOKKOS_LAMBDA(index_t d, index_t n) { A(d, n) = -Kokkos::exp(a_log(d * N + n)); });
+  return A;
+}
+}  // namespace
+
 template <class T>
 View2<acc_t<T>> Mamba1Mixer<T>::A_matrix() const {
-  const View1<P> a_log = store_->v1(A_log_);
-  View2<P> A(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba1::A"), cfg_.d_inner(), cfg_.d_state);
-  const index_t N = cfg_.d_state;
-  par_for("mamba1::A", cfg_.d_inner(), N,
-          KOKKOS_LAMBDA(index_t d, index_t n) { A(d, n) = -Kokkos::exp(a_log(d * N + n)); });
-  return A;
+  return a_from_log<P>(store_->v1(A_log_), cfg_.d_inner(), cfg_.d_state);
 }
 
 template <class T>
