@@ -1,5 +1,6 @@
 #include "layers/conv1d.hpp"
 
+#include "core/error.hpp"
 #include "tensor/ops.hpp"
 
 namespace mm {
@@ -9,27 +10,46 @@ KOKKOS_INLINE_FUNCTION bool same_record(const SeqIdxView& seq, index_t b, index_
   return seq.extent(0) == 0 || seq(b, s) == seq(b, t);
 }
 
+// Input (s, c) as seen by output token t of batch row b: x for s >= 0, the prefix for s < 0; zero when it belongs to
+// another record than t (the prefix belongs to the record of token 0).
+template <class T, class P>
+KOKKOS_INLINE_FUNCTION P conv_tap(const View2<const T>& x, index_t col, const View3<const T>& prefix, index_t L,
+                                  index_t W, const SeqIdxView& seq, index_t b, index_t t, index_t s, index_t c) {
+  if (s >= 0) return same_record(seq, b, t, s) ? P(x(b * L + s, col + c)) : P(0);
+  if (prefix.extent(0) == 0 || !same_record(seq, b, t, 0)) return P(0);
+  return P(prefix(b, c, W - 1 + s));
+}
+
 // The pre-activation of output (row, c): bias + the causal taps of the same record (forward and backward).
 template <class T, class P>
-KOKKOS_INLINE_FUNCTION P conv_pre(const View2<const T>& x, index_t col, index_t L, const View2<const P>& w,
-                                  const View1<const P>& bias, const SeqIdxView& seq, index_t row, index_t c) {
+KOKKOS_INLINE_FUNCTION P conv_pre(const View2<const T>& x, index_t col, const View3<const T>& prefix, index_t L,
+                                  const View2<const P>& w, const View1<const P>& bias, const SeqIdxView& seq,
+                                  index_t row, index_t c) {
   const index_t b = row / L, t = row % L, W = w.extent(1);
   P acc = bias(c);
-  for (index_t k = 0; k < W; ++k) {
-    const index_t s = t - (W - 1) + k;
-    if (s >= 0 && same_record(seq, b, t, s)) acc += w(c, k) * P(x(b * L + s, col + c));
-  }
+  for (index_t k = 0; k < W; ++k) acc += w(c, k) * conv_tap<T, P>(x, col, prefix, L, W, seq, b, t, t - (W - 1) + k, c);
   return acc;
+}
+
+template <class T>
+void check_prefix(const Conv1dIn<T>& in, index_t W, const char* where) {
+  require(in.prefix.extent(0) == 0 ||
+              (index_t(in.prefix.extent(0)) == in.batch && index_t(in.prefix.extent(1)) == in.channels &&
+               index_t(in.prefix.extent(2)) == W - 1),
+          where, "prefix must be (batch, channels, d_conv - 1) = (", in.batch, ", ", in.channels, ", ", W - 1,
+          "), it is (", in.prefix.extent(0), ", ", in.prefix.extent(1), ", ", in.prefix.extent(2), ")");
 }
 }  // namespace
 
 template <class T>
 void conv1d_silu_forward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, const View1<const acc_t<T>>& bias,
                          const SeqIdxView& seq_idx, const View2<T>& y) {
+  check_prefix(in, w.extent(1), "conv1d_silu_forward");
   const auto x = in.x;
+  const auto prefix = in.prefix;
   const index_t col = in.col, L = in.seqlen;
   par_for("conv1d::forward", in.batch * L, in.channels, KOKKOS_LAMBDA(index_t row, index_t c) {
-    y(row, c) = static_cast<T>(silu(conv_pre(x, col, L, w, bias, seq_idx, row, c)));
+    y(row, c) = static_cast<T>(silu(conv_pre(x, col, prefix, L, w, bias, seq_idx, row, c)));
   });
 }
 
@@ -38,12 +58,14 @@ void conv1d_silu_backward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w,
                           const SeqIdxView& seq_idx, const View2<const T>& dy, const UView2<T>& dx, index_t dx_col,
                           const View2<acc_t<T>>& dw, const View1<acc_t<T>>& dbias) {
   using P = acc_t<T>;
+  check_prefix(in, w.extent(1), "conv1d_silu_backward");
   const auto x = in.x;
+  const auto prefix = in.prefix;
   const index_t col = in.col, L = in.seqlen, W = w.extent(1), C = in.channels, n = in.batch * L;
   // dpre(t, c) = dy(t, c) * silu'(pre(t, c)), recomputing pre.
   View2<P> dpre(Kokkos::view_alloc(Kokkos::WithoutInitializing, "conv1d::dpre"), n, C);
   par_for("conv1d::backward_dpre", n, C, KOKKOS_LAMBDA(index_t row, index_t c) {
-    dpre(row, c) = P(dy(row, c)) * dsilu(conv_pre(x, col, L, w, bias, seq_idx, row, c));
+    dpre(row, c) = P(dy(row, c)) * dsilu(conv_pre(x, col, prefix, L, w, bias, seq_idx, row, c));
   });
   // dx(s, c) = sum_k w(c, k) dpre(s + (W-1) - k, c) over outputs t of the same record.
   par_for("conv1d::backward_dx", n, C, KOKKOS_LAMBDA(index_t row, index_t c) {
@@ -62,11 +84,53 @@ void conv1d_silu_backward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w,
       KOKKOS_LAMBDA(index_t row, index_t ck) {
         const index_t c = ck / W, k = ck % W;
         const index_t b = row / L, t = row % L, s = t - (W - 1) + k;
-        return (s >= 0 && same_record(seq_idx, b, t, s)) ? dpre(row, c) * P(x(b * L + s, col + c)) : P(0);
+        return dpre(row, c) * conv_tap<T, P>(x, col, prefix, L, W, seq_idx, b, t, s, c);
       },
       dw_flat, true);
   column_reduce<P>("conv1d::backward_dbias", n, C, KOKKOS_LAMBDA(index_t row, index_t c) { return dpre(row, c); },
                    dbias, true);
+}
+
+template <class T>
+void conv1d_state_out(const Conv1dIn<T>& in, index_t W, const SeqIdxView& seq_idx, const View3<T>& state) {
+  check_prefix(in, W, "conv1d_state_out");
+  require(index_t(state.extent(0)) == in.batch && index_t(state.extent(1)) == in.channels &&
+              index_t(state.extent(2)) == W - 1,
+          "conv1d_state_out", "state must be (batch, channels, d_conv - 1) = (", in.batch, ", ", in.channels, ", ",
+          W - 1, ")");
+  using P = acc_t<T>;
+  const auto x = in.x;
+  const auto prefix = in.prefix;
+  const index_t col = in.col, L = in.seqlen;
+  // One work item per (b, c) walks k upwards: it reads prefix index k + L > k before overwriting it, so the
+  // state may be the prefix itself.
+  par_for("conv1d::state_out", in.batch, in.channels, KOKKOS_LAMBDA(index_t b, index_t c) {
+    for (index_t k = 0; k < W - 1; ++k) {
+      const index_t s = L - (W - 1) + k;
+      state(b, c, k) = static_cast<T>(conv_tap<T, P>(x, col, prefix, L, W, seq_idx, b, L - 1, s, c));
+    }
+  });
+}
+
+template <class T>
+void conv1d_silu_step(const View2<const T>& x, index_t col, const View2<const acc_t<T>>& w,
+                      const View1<const acc_t<T>>& bias, const View3<T>& state, const View2<T>& y) {
+  using P = acc_t<T>;
+  const index_t Bsz = y.extent(0), C = y.extent(1), W = w.extent(1);
+  require(index_t(x.extent(0)) == Bsz && col + C <= index_t(x.extent(1)) && index_t(w.extent(0)) == C &&
+              index_t(state.extent(0)) == Bsz && index_t(state.extent(1)) == C && index_t(state.extent(2)) == W - 1,
+          "conv1d_silu_step", "shapes: x (", x.extent(0), ", ", x.extent(1), ") at column ", col, ", w (",
+          w.extent(0), ", ", W, "), state (", state.extent(0), ", ", state.extent(1), ", ", state.extent(2),
+          "), y (", Bsz, ", ", C, ")");
+  par_for("conv1d::step", Bsz, C, KOKKOS_LAMBDA(index_t b, index_t c) {
+    const P xt = P(x(b, col + c));
+    P acc = bias(c) + w(c, W - 1) * xt;
+    for (index_t k = 0; k < W - 1; ++k) {
+      acc += w(c, k) * P(state(b, c, k));
+      state(b, c, k) = k + 1 < W - 1 ? state(b, c, k + 1) : static_cast<T>(xt);
+    }
+    y(b, c) = static_cast<T>(silu(acc));
+  });
 }
 
 #define MM_INSTANTIATE(T)                                                                                       \
@@ -74,7 +138,10 @@ void conv1d_silu_backward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w,
                                        const View1<const acc_t<T>>&, const SeqIdxView&, const View2<T>&);     \
   template void conv1d_silu_backward<T>(const Conv1dIn<T>&, const View2<const acc_t<T>>&,                     \
                                         const View1<const acc_t<T>>&, const SeqIdxView&, const View2<const T>&, \
-                                        const UView2<T>&, index_t, const View2<acc_t<T>>&, const View1<acc_t<T>>&);
+                                        const UView2<T>&, index_t, const View2<acc_t<T>>&, const View1<acc_t<T>>&); \
+  template void conv1d_state_out<T>(const Conv1dIn<T>&, index_t, const SeqIdxView&, const View3<T>&);                     \
+  template void conv1d_silu_step<T>(const View2<const T>&, index_t, const View2<const acc_t<T>>&,              \
+                                    const View1<const acc_t<T>>&, const View3<T>&, const View2<T>&);
 MM_INSTANTIATE(float)
 MM_INSTANTIATE(double)
 #undef MM_INSTANTIATE

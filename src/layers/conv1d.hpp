@@ -4,6 +4,10 @@
 //
 // Tokens are rows b * L + t of 2-D matrices. x(s, c) counts only when s >= 0 and seq_idx(b, s) == seq_idx(b, t),
 // so packed records never see each other (the conv_state of a fresh record is zero).
+//
+// Decode / windowed processing: an optional `prefix` (batch, channels, W-1) holds the W-1 inputs that precede
+// token 0 (the previous window's last inputs, mamba_ssm's conv_state); it belongs to the record of token 0.
+// conv1d_state_out gives the prefix of the next window, conv1d_silu_step advances one token.
 #pragma once
 
 #include "core/kokkos_types.hpp"
@@ -17,6 +21,7 @@ struct Conv1dIn {
   View2<const T> x;  // (batch * seqlen, >= col + channels)
   index_t col = 0;    // first input column
   index_t batch = 0, seqlen = 0, channels = 0;
+  View3<const T> prefix;  // (batch, channels, W-1): inputs before token 0, oldest first; empty: zeros
 };
 
 // w (channels, W), bias (channels), y (batch * seqlen, channels).
@@ -29,5 +34,16 @@ template <class T>
 void conv1d_silu_backward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, const View1<const acc_t<T>>& bias,
                           const SeqIdxView& seq_idx, const View2<const T>& dy, const UView2<T>& dx, index_t dx_col,
                           const View2<acc_t<T>>& dw, const View1<acc_t<T>>& dbias);
+
+// The prefix of the next window: state(b, c, k) = input at position seqlen - (W-1) + k (from in.prefix where that
+// is negative), zero where it belongs to an older record than the last token. state may be in.prefix itself.
+template <class T>
+void conv1d_state_out(const Conv1dIn<T>& in, index_t W, const SeqIdxView& seq_idx, const View3<T>& state);
+
+// One token per batch row: x (batch, >= col + channels) at column col; state (batch, channels, W-1) is shifted in
+// place; y (batch, channels) = silu(bias + sum_k w(c, k) [state | x](k)).
+template <class T>
+void conv1d_silu_step(const View2<const T>& x, index_t col, const View2<const acc_t<T>>& w,
+                      const View1<const acc_t<T>>& bias, const View3<T>& state, const View2<T>& y);
 
 }  // namespace mm

@@ -69,12 +69,13 @@ SSDIn<T> Mamba2Mixer<T>::ssd_in(const Mamba2Acts<T>& acts, const SeqIdxView& seq
   in.dt_bias = store_->v1(dt_bias_);
   in.D = store_->v1(D_);
   in.seq_idx = seq;
+  in.init_state = acts.ssm_init;
   return in;
 }
 
 template <class T>
 void Mamba2Mixer<T>::run_internals(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq,
-                                   Mamba2Acts<T>& a) const {
+                                   Mamba2Acts<T>& a, const View4<P>& final_ssm) const {
   const index_t n = batch * seqlen, E = cfg_.d_inner(), G = cfg_.ngroups;
   a.u = u;
   a.zxbcdt = make_uninit<View2<T>>("mamba2::zxbcdt", n, cfg_.d_in_proj());
@@ -83,9 +84,9 @@ void Mamba2Mixer<T>::run_internals(const View2<T>& u, index_t batch, index_t seq
   a.yn = make_uninit<View2<T>>("mamba2::yn", n, E);
   a.rstd = make_uninit<View2<P>>("mamba2::rstd", n, G);
   linear_forward<T>(u, store_->v2(in_proj_), View1<const P>(), a.zxbcdt);
-  conv1d_silu_forward<T>(Conv1dIn<T>{a.zxbcdt, E, batch, seqlen, cfg_.conv_dim()}, store_->v2(conv_w_),
-                         store_->v1(conv_b_), seq, a.xbc);
-  ssd_forward<T>(ssd_shape(batch, seqlen), ssd_in(a, seq), a.y, View4<P>());
+  conv1d_silu_forward<T>(Conv1dIn<T>{a.zxbcdt, E, batch, seqlen, cfg_.conv_dim(), a.conv_init},
+                         store_->v2(conv_w_), store_->v1(conv_b_), seq, a.xbc);
+  ssd_forward<T>(ssd_shape(batch, seqlen), ssd_in(a, seq), a.y, final_ssm);
   gated_rmsnorm_forward<T>(GatedNormIn<T>{a.y, 0, a.zxbcdt, 0}, E, E / G, GateOrder::gate_first,
                            store_->v1(norm_w_), cfg_.norm_eps, a.yn, a.rstd);
 }
@@ -93,15 +94,42 @@ void Mamba2Mixer<T>::run_internals(const View2<T>& u, index_t batch, index_t seq
 template <class T>
 void Mamba2Mixer<T>::forward(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq,
                              const View2<T>& out, Mamba2Acts<T>& acts, bool save) const {
-  run_internals(u, batch, seqlen, seq, acts);
+  forward(u, batch, seqlen, seq, out, acts, save, nullptr, nullptr);
+}
+
+template <class T>
+void Mamba2Mixer<T>::forward(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq,
+                             const View2<T>& out, Mamba2Acts<T>& acts, bool save, const Mamba2State<T>* init,
+                             Mamba2State<T>* final) const {
+  acts = Mamba2Acts<T>{};
+  if (init) {  // copies: `final` may be `init`, and the backward needs the state the forward started from
+    check_state(*init, batch, "Mamba2Mixer::forward (initial state)");
+    acts.conv_init = View3<T>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba2::conv_init"),
+                              init->conv.extent(0), init->conv.extent(1), init->conv.extent(2));
+    acts.ssm_init = View4<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba2::ssm_init"),
+                             init->ssm.extent(0), init->ssm.extent(1), init->ssm.extent(2), init->ssm.extent(3));
+    Kokkos::deep_copy(acts.conv_init, init->conv);
+    Kokkos::deep_copy(acts.ssm_init, init->ssm);
+  }
+  if (final) check_state(*final, batch, "Mamba2Mixer::forward (final state)");
+  run_internals(u, batch, seqlen, seq, acts, final ? final->ssm : View4<P>());
   linear_forward<T>(acts.yn, store_->v2(out_proj_), View1<const P>(), out);
-  if (!save) acts = Mamba2Acts<T>{u, {}, {}, {}, {}, {}};
+  if (final)
+    conv1d_state_out<T>(Conv1dIn<T>{acts.zxbcdt, cfg_.d_inner(), batch, seqlen, cfg_.conv_dim(), acts.conv_init},
+                        cfg_.d_conv, seq, final->conv);
+  if (!save) {
+    Mamba2Acts<T> kept;
+    kept.u = u;
+    kept.conv_init = acts.conv_init;
+    kept.ssm_init = acts.ssm_init;
+    acts = kept;
+  }
 }
 
 template <class T>
 void Mamba2Mixer<T>::backward(Mamba2Acts<T>& a, index_t batch, index_t seqlen, const SeqIdxView& seq,
                               const View2<const T>& dout, const View2<T>& du) const {
-  if (a.zxbcdt.extent(0) == 0) run_internals(a.u, batch, seqlen, seq, a);  // recompute policy
+  if (a.zxbcdt.extent(0) == 0) run_internals(a.u, batch, seqlen, seq, a, View4<P>());  // recompute policy
   const index_t n = batch * seqlen, E = cfg_.d_inner(), G = cfg_.ngroups;
   // out_proj
   View2<T> dyn = make_uninit<View2<T>>("mamba2::dyn", n, E);
@@ -121,10 +149,53 @@ void Mamba2Mixer<T>::backward(Mamba2Acts<T>& a, index_t batch, index_t seqlen, c
   g.dD = store_->g1(D_);
   ssd_backward<T>(ssd_shape(batch, seqlen), ssd_in(a, seq), dy, View4<const P>(), g);
   // conv: d([x | B | C]) into its columns of d(zxbcdt)
-  conv1d_silu_backward<T>(Conv1dIn<T>{a.zxbcdt, E, batch, seqlen, cfg_.conv_dim()}, store_->v2(conv_w_),
+  conv1d_silu_backward<T>(Conv1dIn<T>{a.zxbcdt, E, batch, seqlen, cfg_.conv_dim(), a.conv_init}, store_->v2(conv_w_),
                           store_->v1(conv_b_), seq, dxbc, dzxbcdt, E, store_->g2(conv_w_), store_->g1(conv_b_));
   // in_proj
   linear_backward<T>(a.u, store_->v2(in_proj_), dzxbcdt, du, false, store_->g2(in_proj_), View1<P>());
+}
+
+template <class T>
+Mamba2State<T> Mamba2Mixer<T>::make_state(index_t batch) const {
+  require(batch > 0, "Mamba2Mixer::make_state", "batch must be positive (got ", batch, ")");
+  Mamba2State<T> s;
+  s.conv = View3<T>("mamba2::conv_state", batch, cfg_.conv_dim(), cfg_.d_conv - 1);
+  s.ssm = View4<P>("mamba2::ssm_state", batch, cfg_.nheads(), cfg_.headdim, cfg_.d_state);
+  return s;
+}
+
+template <class T>
+void Mamba2Mixer<T>::check_state(const Mamba2State<T>& s, index_t batch, const char* what) const {
+  const index_t C = cfg_.conv_dim(), H = cfg_.nheads();
+  require(index_t(s.conv.extent(0)) == batch && index_t(s.conv.extent(1)) == C &&
+              index_t(s.conv.extent(2)) == cfg_.d_conv - 1,
+          what, "conv state must be (batch, conv_dim, d_conv - 1) = (", batch, ", ", C, ", ", cfg_.d_conv - 1,
+          "), it is (", s.conv.extent(0), ", ", s.conv.extent(1), ", ", s.conv.extent(2), ")");
+  require(index_t(s.ssm.extent(0)) == batch && index_t(s.ssm.extent(1)) == H &&
+              index_t(s.ssm.extent(2)) == cfg_.headdim && index_t(s.ssm.extent(3)) == cfg_.d_state,
+          what, "ssm state must be (batch, nheads, headdim, d_state) = (", batch, ", ", H, ", ", cfg_.headdim, ", ",
+          cfg_.d_state, ")");
+}
+
+template <class T>
+void Mamba2Mixer<T>::step(const View2<T>& u, Mamba2State<T>& state, const View2<T>& out) const {
+  const index_t batch = u.extent(0), E = cfg_.d_inner(), G = cfg_.ngroups;
+  require(index_t(u.extent(1)) == cfg_.d_model && out.extent(0) == u.extent(0) &&
+              index_t(out.extent(1)) == cfg_.d_model,
+          "Mamba2Mixer::step", "u and out must be (batch, d_model) with d_model = ", cfg_.d_model);
+  check_state(state, batch, "Mamba2Mixer::step");
+  Mamba2Acts<T> a;
+  a.zxbcdt = make_uninit<View2<T>>("mamba2::zxbcdt", batch, cfg_.d_in_proj());
+  a.xbc = make_uninit<View2<T>>("mamba2::xbc", batch, cfg_.conv_dim());
+  a.y = make_uninit<View2<T>>("mamba2::y", batch, E);
+  a.yn = make_uninit<View2<T>>("mamba2::yn", batch, E);
+  a.rstd = make_uninit<View2<P>>("mamba2::rstd", batch, G);
+  linear_forward<T>(u, store_->v2(in_proj_), View1<const P>(), a.zxbcdt);
+  conv1d_silu_step<T>(a.zxbcdt, E, store_->v2(conv_w_), store_->v1(conv_b_), state.conv, a.xbc);
+  ssd_step<T>(ssd_shape(batch, 1), ssd_in(a, SeqIdxView()), state.ssm, a.y);
+  gated_rmsnorm_forward<T>(GatedNormIn<T>{a.y, 0, a.zxbcdt, 0}, E, E / G, GateOrder::gate_first,
+                           store_->v1(norm_w_), cfg_.norm_eps, a.yn, a.rstd);
+  linear_forward<T>(a.yn, store_->v2(out_proj_), View1<const P>(), out);
 }
 
 template class Mamba2Mixer<float>;

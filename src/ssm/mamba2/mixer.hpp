@@ -9,6 +9,10 @@
 // Initialisation follows mamba_ssm: in_proj and out_proj like torch.nn.Linear (out_proj then divided by
 // sqrt(n_layer)), conv like torch.nn.Conv1d, A_log = log(U[A_init]), dt_bias = inverse softplus of
 // exp(U[log dt_min, log dt_max]), D = 1, norm weight = 1.
+//
+// Decode: Mamba2State holds the last d_conv - 1 inputs of the conv ([x | B | C] columns) and the SSM state.
+// forward() with an initial and/or final state processes a long sequence in windows (windowed == one pass);
+// step() advances one token (dt_limit is applied there too, unlike mamba_ssm's step, so step == forward).
 #pragma once
 
 #include <limits>
@@ -51,6 +55,16 @@ struct Mamba2Acts {
   View2<T> y;       // scan output (pre-norm)
   View2<T> yn;      // gated-norm output (out_proj input)
   View2<acc_t<T>> rstd;
+  View3<T> conv_init;           // copies of the initial state the forward started from (empty: zero)
+  View4<acc_t<T>> ssm_init;
+};
+
+// Decode state: conv (batch, conv_dim, d_conv - 1), the conv inputs before the next token, oldest first;
+// ssm (batch, nheads, headdim, d_state).
+template <class T>
+struct Mamba2State {
+  View3<T> conv;
+  View4<acc_t<T>> ssm;
 };
 
 template <class T>
@@ -69,15 +83,29 @@ class Mamba2Mixer {
   void forward(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq, const View2<T>& out,
                Mamba2Acts<T>& acts, bool save) const;
 
+  // The same, starting from `init` (nullptr: zero state) and writing the state after the last token into `final`
+  // (nullptr: not wanted). final may be init (the state carried in place). The initial state belongs to the record
+  // of the first token; the final state is that of the last token's record. backward() after this forward gives
+  // the gradients for the given (fixed) initial state.
+  void forward(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq, const View2<T>& out,
+               Mamba2Acts<T>& acts, bool save, const Mamba2State<T>* init, Mamba2State<T>* final) const;
+
   // du (B*L, D) is written; parameter gradients are accumulated into the store's gradient buffer.
   void backward(Mamba2Acts<T>& acts, index_t batch, index_t seqlen, const SeqIdxView& seq,
                 const View2<const T>& dout, const View2<T>& du) const;
 
+  // A zero decode state for `batch` rows.
+  Mamba2State<T> make_state(index_t batch) const;
+
+  // One token per batch row: u (batch, D), state advanced in place, out (batch, D).
+  void step(const View2<T>& u, Mamba2State<T>& state, const View2<T>& out) const;
+
  private:
   void run_internals(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq,
-                     Mamba2Acts<T>& acts) const;
+                     Mamba2Acts<T>& acts, const View4<P>& final_ssm) const;
   SSDShape ssd_shape(index_t batch, index_t seqlen) const;
   SSDIn<T> ssd_in(const Mamba2Acts<T>& acts, const SeqIdxView& seq) const;
+  void check_state(const Mamba2State<T>& s, index_t batch, const char* what) const;
 
   Mamba2Config cfg_;
   ParamStore<P>* store_;

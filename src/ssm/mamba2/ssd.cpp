@@ -502,10 +502,40 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
   });
 }
 
+template <class T>
+void ssd_step(const SSDShape& s, const SSDIn<T>& in, const View4<acc_t<T>>& state, const View2<T>& y) {
+  using P = acc_t<T>;
+  require(s.seqlen == 1, "ssd_step", "seqlen must be 1 (got ", s.seqlen, ")");
+  SSDIn<T> in1 = in;
+  in1.seq_idx = SeqIdxView();
+  in1.init_state = View4<const P>();
+  const Ctx<T> c = make_ctx(s, in1);
+  require(index_t(state.extent(0)) == c.Bsz && index_t(state.extent(1)) == c.H && index_t(state.extent(2)) == c.Pd &&
+              index_t(state.extent(3)) == c.N,
+          "ssd_step", "state must be (batch, nheads, headdim, dstate) = (", c.Bsz, ", ", c.H, ", ", c.Pd, ", ", c.N,
+          ")");
+  require(index_t(y.extent(0)) == c.Bsz && index_t(y.extent(1)) == c.H * c.Pd, "ssd_step",
+          "y must be (batch, nheads * headdim)");
+  par_for("ssd::step", c.Bsz * c.H, c.Pd, KOKKOS_LAMBDA(index_t bh, index_t p) {
+    const index_t b = bh / c.H, h = bh % c.H, g = h / c.hpg;
+    P d = softplus(P(c.dt(b, c.dt_col + h)) + c.dt_bias(h));
+    d = d < c.dt_lo ? c.dt_lo : (d > c.dt_hi ? c.dt_hi : d);
+    const P a = Kokkos::exp(d * c.A(h)), xv = c.x(b, 0, h, p);
+    P acc = 0;
+    for (index_t n = 0; n < c.N; ++n) {
+      const P sn = a * state(b, h, p, n) + d * xv * c.Bm(b, 0, g, n);
+      state(b, h, p, n) = sn;
+      acc += sn * c.Cm(b, 0, g, n);
+    }
+    y(b, h * c.Pd + p) = static_cast<T>(acc + c.D(h) * xv);
+  });
+}
+
 #define MM_INSTANTIATE(T)                                                                                 \
   template void ssd_forward<T>(const SSDShape&, const SSDIn<T>&, const View2<T>&, const View4<acc_t<T>>&); \
   template void ssd_backward<T>(const SSDShape&, const SSDIn<T>&, const View2<const T>&,                  \
-                                const View4<const acc_t<T>>&, const SSDGrad<T>&);
+                                const View4<const acc_t<T>>&, const SSDGrad<T>&);                         \
+  template void ssd_step<T>(const SSDShape&, const SSDIn<T>&, const View4<acc_t<T>>&, const View2<T>&);
 MM_INSTANTIATE(float)
 MM_INSTANTIATE(double)
 #undef MM_INSTANTIATE

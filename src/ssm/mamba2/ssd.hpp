@@ -57,4 +57,10 @@ template <class T>
 void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& dy,
                   const View4<const acc_t<T>>& dfinal_state, const SSDGrad<T>& g);
 
+// One token per batch row (decode): `s.seqlen` must be 1 and the inputs hold `batch` rows; state (batch, H, P, N)
+// is advanced in place (S = exp(Delta A) S + Delta x B^T) and y (batch, H * P) = S C + D x is written. seq_idx and
+// init_state are ignored.
+template <class T>
+void ssd_step(const SSDShape& s, const SSDIn<T>& in, const View4<acc_t<T>>& state, const View2<T>& y);
+
 }  // namespace mm

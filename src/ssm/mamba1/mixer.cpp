@@ -1,0 +1,257 @@
+#include "ssm/mamba1/mixer.hpp"
+
+#include <cmath>
+
+#include "core/error.hpp"
+#include "layers/linear.hpp"
+
+namespace mm {
+
+void Mamba1Config::validate(const std::string& context) const {
+  require(d_model > 0, context, "d_model must be positive (got ", d_model, ")");
+  require(d_state > 0, context, "d_state must be positive (got ", d_state, ")");
+  require(expand > 0, context, "expand must be positive (got ", expand, ")");
+  require(d_conv >= 1, context, "d_conv must be at least 1 (got ", d_conv, ")");
+  require(dt_rank >= 0, context, "dt_rank must be positive, or 0 for ceil(d_model / 16) (got ", dt_rank, ")");
+  require(chunk > 0, context, "chunk_size must be positive (got ", chunk, ")");
+  require(dt_min > 0 && dt_max >= dt_min, context, "need 0 < dt_min <= dt_max (got ", dt_min, ", ", dt_max, ")");
+  require(dt_init_floor >= 0, context, "dt_init_floor must be non-negative (got ", dt_init_floor, ")");
+}
+
+template <class T>
+Mamba1Mixer<T>::Mamba1Mixer(const Mamba1Config& cfg, ParamStore<P>& store, const std::string& prefix,
+                            index_t n_layer)
+    : cfg_(cfg), store_(&store) {
+  cfg_.validate(prefix.empty() ? "mamba1" : prefix);
+  require(n_layer > 0, prefix.empty() ? "mamba1" : prefix, "n_layer must be positive (got ", n_layer, ")");
+  const index_t D = cfg_.d_model, E = cfg_.d_inner(), W = cfg_.d_conv, R = cfg_.rank(), N = cfg_.d_state;
+  const double lin_in = 1.0 / std::sqrt(double(D)), lin_e = 1.0 / std::sqrt(double(E));
+  const double conv = 1.0 / std::sqrt(double(W)), dt_std = 1.0 / std::sqrt(double(R));
+  in_proj_ = store.add(prefix + "in_proj.weight", {2 * E, D}, true, Init::Uniform(-lin_in, lin_in));
+  conv_w_ = store.add(prefix + "conv1d.weight", {E, W}, true, Init::Uniform(-conv, conv));
+  conv_b_ = store.add(prefix + "conv1d.bias", {E}, false, Init::Uniform(-conv, conv));
+  x_proj_ = store.add(prefix + "x_proj.weight", {R + 2 * N, E}, true, Init::Uniform(-lin_e, lin_e));
+  dt_w_ = store.add(prefix + "dt_proj.weight", {E, R}, true, Init::Uniform(-dt_std, dt_std));
+  dt_b_ = store.add(prefix + "dt_proj.bias", {E}, false,
+                    Init::DtBias(cfg_.dt_min, cfg_.dt_max, cfg_.dt_init_floor));
+  A_log_ = store.add(prefix + "A_log", {E, N}, false, Init::Zeros());  // filled by post_initialize()
+  D_ = store.add(prefix + "D", {E}, false, Init::Ones());
+  out_proj_ = store.add(prefix + "out_proj.weight", {D, E}, true,
+                        Init::Uniform(-lin_e, lin_e, 1.0 / std::sqrt(double(n_layer))));
+}
+
+template <class T>
+void Mamba1Mixer<T>::post_initialize() const {
+  const View2<P> a = store_->v2(A_log_);
+  const index_t N = cfg_.d_state;
+  par_for("mamba1::init_A_log", a.extent(0), N,
+          KOKKOS_LAMBDA(index_t d, index_t n) { a(d, n) = P(Kokkos::log(double(n + 1))); });
+  fence("mamba1::init_A_log");
+}
+
+template <class T>
+Mamba1State<T> Mamba1Mixer<T>::make_state(index_t batch) const {
+  require(batch > 0, "Mamba1Mixer::make_state", "batch must be positive (got ", batch, ")");
+  Mamba1State<T> s;
+  s.conv = View3<T>("mamba1::conv_state", batch, cfg_.d_inner(), cfg_.d_conv - 1);
+  s.ssm = View3<P>("mamba1::ssm_state", batch, cfg_.d_inner(), cfg_.d_state);
+  return s;
+}
+
+template <class T>
+void Mamba1Mixer<T>::check_state(const Mamba1State<T>& s, index_t batch, const char* what) const {
+  const index_t E = cfg_.d_inner();
+  require(index_t(s.conv.extent(0)) == batch && index_t(s.conv.extent(1)) == E &&
+              index_t(s.conv.extent(2)) == cfg_.d_conv - 1,
+          what, "conv state must be (batch, d_inner, d_conv - 1) = (", batch, ", ", E, ", ", cfg_.d_conv - 1,
+          "), it is (", s.conv.extent(0), ", ", s.conv.extent(1), ", ", s.conv.extent(2), ")");
+  require(index_t(s.ssm.extent(0)) == batch && index_t(s.ssm.extent(1)) == E &&
+              index_t(s.ssm.extent(2)) == cfg_.d_state,
+          what, "ssm state must be (batch, d_inner, d_state) = (", batch, ", ", E, ", ", cfg_.d_state, "), it is (",
+          s.ssm.extent(0), ", ", s.ssm.extent(1), ", ", s.ssm.extent(2), ")");
+}
+
+template <class T>
+UView2<acc_t<T>> Mamba1Mixer<T>::xproj_dt(const View1<P>& buf) const {
+  return UView2<P>(buf.data(), cfg_.rank(), cfg_.d_inner());
+}
+
+template <class T>
+UView2<acc_t<T>> Mamba1Mixer<T>::xproj_bc(const View1<P>& buf) const {
+  return UView2<P>(buf.data() + cfg_.rank() * cfg_.d_inner(), 2 * cfg_.d_state, cfg_.d_inner());
+}
+
+namespace {
+// A = -exp(A_log), (E, N). A free function: CUDA lambdas may not sit in private member functions.
+template <class P>
+View2<P> a_from_log(const View1<P>& a_log, index_t E, index_t N) {
+  View2<P> A(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba1::A"), E, N);
+  par_for("mamba1::A", E, N, KOKKOS_LAMBDA(index_t d, index_t n) { A(d, n) = -Kokkos::exp(a_log(d * N + n)); });
+  return A;
+}
+}  // namespace
+
+template <class T>
+View2<acc_t<T>> Mamba1Mixer<T>::A_matrix() const {
+  return a_from_log<P>(store_->v1(A_log_), cfg_.d_inner(), cfg_.d_state);
+}
+
+template <class T>
+SelScanShape Mamba1Mixer<T>::scan_shape(index_t batch, index_t seqlen) const {
+  SelScanShape s;
+  s.batch = batch;
+  s.seqlen = seqlen;
+  s.dinner = cfg_.d_inner();
+  s.ngroups = 1;
+  s.dstate = cfg_.d_state;
+  s.chunk = cfg_.chunk;
+  return s;
+}
+
+template <class T>
+SelScanIn<T> Mamba1Mixer<T>::scan_in(const Mamba1Acts<T>& a, const View2<P>& A, const SeqIdxView& seq) const {
+  SelScanIn<T> in;
+  in.u = a.xc;
+  in.delta = a.delta;
+  in.bc = a.bc;
+  in.b_col = 0;
+  in.c_col = cfg_.d_state;
+  in.z = a.xz;
+  in.z_col = cfg_.d_inner();
+  in.A = A;
+  in.D = store_->v1(D_);
+  in.delta_bias = store_->v1(dt_b_);
+  in.seq_idx = seq;
+  in.init_state = a.ssm_init;
+  return in;
+}
+
+template <class T>
+void Mamba1Mixer<T>::run_internals(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq,
+                                   Mamba1Acts<T>& a, bool keep_checkpoints, const View3<P>& final_ssm) const {
+  const index_t n = batch * seqlen, E = cfg_.d_inner(), R = cfg_.rank(), N = cfg_.d_state;
+  require(index_t(u.extent(0)) == n && index_t(u.extent(1)) == cfg_.d_model, "Mamba1Mixer",
+          "u must be (batch * seqlen, d_model) = (", n, ", ", cfg_.d_model, "), it is (", u.extent(0), ", ",
+          u.extent(1), ")");
+  a.u = u;
+  a.xz = make_uninit<View2<T>>("mamba1::xz", n, 2 * E);
+  a.xc = make_uninit<View2<T>>("mamba1::xc", n, E);
+  a.dt_low = make_uninit<View2<T>>("mamba1::dt_low", n, R);
+  a.bc = make_uninit<View2<T>>("mamba1::bc", n, 2 * N);
+  a.delta = make_uninit<View2<T>>("mamba1::delta", n, E);
+  a.y = make_uninit<View2<T>>("mamba1::y", n, E);
+  const SelScanShape ss = scan_shape(batch, seqlen);
+  a.checkpoints = keep_checkpoints ? selective_scan_alloc_checkpoints<T>(ss) : View3<P>();
+  linear_forward<T>(u, store_->v2(in_proj_), View1<const P>(), a.xz);
+  conv1d_silu_forward<T>(Conv1dIn<T>{a.xz, 0, batch, seqlen, E, a.conv_init}, store_->v2(conv_w_),
+                         store_->v1(conv_b_), seq, a.xc);
+  linear_forward<T>(a.xc, xproj_dt(store_->v1(x_proj_)), View1<const P>(), a.dt_low);
+  linear_forward<T>(a.xc, xproj_bc(store_->v1(x_proj_)), View1<const P>(), a.bc);
+  linear_forward<T>(a.dt_low, store_->v2(dt_w_), View1<const P>(), a.delta);
+  selective_scan_forward<T>(ss, scan_in(a, A_matrix(), seq), a.y, final_ssm, a.checkpoints);
+}
+
+template <class T>
+void Mamba1Mixer<T>::forward(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq,
+                             const View2<T>& out, Mamba1Acts<T>& acts, bool save) const {
+  forward(u, batch, seqlen, seq, out, acts, save, nullptr, nullptr);
+}
+
+template <class T>
+void Mamba1Mixer<T>::forward(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq,
+                             const View2<T>& out, Mamba1Acts<T>& acts, bool save, const Mamba1State<T>* init,
+                             Mamba1State<T>* final) const {
+  acts = Mamba1Acts<T>{};
+  if (init) {  // copies: `final` may be `init`, and the backward needs the state the forward started from
+    check_state(*init, batch, "Mamba1Mixer::forward (initial state)");
+    acts.conv_init = View3<T>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba1::conv_init"),
+                              init->conv.extent(0), init->conv.extent(1), init->conv.extent(2));
+    acts.ssm_init = View3<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba1::ssm_init"),
+                             init->ssm.extent(0), init->ssm.extent(1), init->ssm.extent(2));
+    Kokkos::deep_copy(acts.conv_init, init->conv);
+    Kokkos::deep_copy(acts.ssm_init, init->ssm);
+  }
+  if (final) check_state(*final, batch, "Mamba1Mixer::forward (final state)");
+  run_internals(u, batch, seqlen, seq, acts, save, final ? final->ssm : View3<P>());
+  linear_forward<T>(acts.y, store_->v2(out_proj_), View1<const P>(), out);
+  if (final)
+    conv1d_state_out<T>(Conv1dIn<T>{acts.xz, 0, batch, seqlen, cfg_.d_inner(), acts.conv_init}, cfg_.d_conv, seq,
+                        final->conv);
+  if (!save) {
+    Mamba1Acts<T> kept;
+    kept.u = u;
+    kept.conv_init = acts.conv_init;
+    kept.ssm_init = acts.ssm_init;
+    acts = kept;
+  }
+}
+
+template <class T>
+void Mamba1Mixer<T>::backward(Mamba1Acts<T>& a, index_t batch, index_t seqlen, const SeqIdxView& seq,
+                              const View2<const T>& dout, const View2<T>& du) const {
+  if (a.xz.extent(0) == 0) run_internals(a.u, batch, seqlen, seq, a, true, View3<P>());  // recompute policy
+  const index_t n = batch * seqlen, E = cfg_.d_inner(), R = cfg_.rank(), N = cfg_.d_state;
+  const View2<P> A = A_matrix();
+  // out_proj
+  View2<T> dy = make_uninit<View2<T>>("mamba1::dy", n, E);
+  linear_backward<T>(a.y, store_->v2(out_proj_), dout, dy, false, store_->g2(out_proj_), View1<P>());
+  // selective scan: du into dxc, dz into the z columns of d(xz), dB/dC, d(delta), dA, dD, d(dt_proj.bias)
+  View2<T> dxz = make_uninit<View2<T>>("mamba1::dxz", n, 2 * E);
+  View2<T> dxc = make_uninit<View2<T>>("mamba1::dxc", n, E);
+  View2<T> ddelta = make_uninit<View2<T>>("mamba1::ddelta", n, E);
+  View2<T> dbc = make_uninit<View2<T>>("mamba1::dbc", n, 2 * N);
+  View2<P> dA("mamba1::dA", E, N);
+  SelScanGrad<T> g;
+  g.du = dxc;
+  g.ddelta = ddelta;
+  g.dbc = dbc;
+  g.dz = dxz;
+  g.dz_col = E;
+  g.dA = dA;
+  g.dD = store_->g1(D_);
+  g.ddelta_bias = store_->g1(dt_b_);
+  selective_scan_backward<T>(scan_shape(batch, seqlen), scan_in(a, A, seq), dy, View3<const P>(), a.checkpoints, g);
+  const View1<P> gA_log = store_->g1(A_log_);
+  par_for("mamba1::dA_log", E, N, KOKKOS_LAMBDA(index_t d, index_t k) { gA_log(d * N + k) += dA(d, k) * A(d, k); });
+  // dt_proj (its bias gradient came from the scan)
+  View2<T> ddt_low = make_uninit<View2<T>>("mamba1::ddt_low", n, R);
+  linear_backward<T>(a.dt_low, store_->v2(dt_w_), ddelta, ddt_low, false, store_->g2(dt_w_), View1<P>());
+  // x_proj, accumulated into dxc
+  linear_backward<T>(a.xc, xproj_bc(store_->v1(x_proj_)), dbc, dxc, true, xproj_bc(store_->g1(x_proj_)),
+                     View1<P>());
+  linear_backward<T>(a.xc, xproj_dt(store_->v1(x_proj_)), ddt_low, dxc, true, xproj_dt(store_->g1(x_proj_)),
+                     View1<P>());
+  // conv: d(x) into the x columns of d(xz)
+  conv1d_silu_backward<T>(Conv1dIn<T>{a.xz, 0, batch, seqlen, E, a.conv_init}, store_->v2(conv_w_),
+                          store_->v1(conv_b_), seq, dxc, dxz, 0, store_->g2(conv_w_), store_->g1(conv_b_));
+  // in_proj
+  linear_backward<T>(a.u, store_->v2(in_proj_), dxz, du, false, store_->g2(in_proj_), View1<P>());
+}
+
+template <class T>
+void Mamba1Mixer<T>::step(const View2<T>& u, Mamba1State<T>& state, const View2<T>& out) const {
+  const index_t batch = u.extent(0), E = cfg_.d_inner(), R = cfg_.rank(), N = cfg_.d_state;
+  require(index_t(u.extent(1)) == cfg_.d_model && out.extent(0) == u.extent(0) &&
+              index_t(out.extent(1)) == cfg_.d_model,
+          "Mamba1Mixer::step", "u and out must be (batch, d_model) with d_model = ", cfg_.d_model);
+  check_state(state, batch, "Mamba1Mixer::step");
+  Mamba1Acts<T> a;
+  a.xz = make_uninit<View2<T>>("mamba1::xz", batch, 2 * E);
+  a.xc = make_uninit<View2<T>>("mamba1::xc", batch, E);
+  a.dt_low = make_uninit<View2<T>>("mamba1::dt_low", batch, R);
+  a.bc = make_uninit<View2<T>>("mamba1::bc", batch, 2 * N);
+  a.delta = make_uninit<View2<T>>("mamba1::delta", batch, E);
+  a.y = make_uninit<View2<T>>("mamba1::y", batch, E);
+  linear_forward<T>(u, store_->v2(in_proj_), View1<const P>(), a.xz);
+  conv1d_silu_step<T>(a.xz, 0, store_->v2(conv_w_), store_->v1(conv_b_), state.conv, a.xc);
+  linear_forward<T>(a.xc, xproj_dt(store_->v1(x_proj_)), View1<const P>(), a.dt_low);
+  linear_forward<T>(a.xc, xproj_bc(store_->v1(x_proj_)), View1<const P>(), a.bc);
+  linear_forward<T>(a.dt_low, store_->v2(dt_w_), View1<const P>(), a.delta);
+  selective_scan_step<T>(scan_shape(batch, 1), scan_in(a, A_matrix(), SeqIdxView()), state.ssm, a.y);
+  linear_forward<T>(a.y, store_->v2(out_proj_), View1<const P>(), out);
+}
+
+template class Mamba1Mixer<float>;
+template class Mamba1Mixer<double>;
+
+}  // namespace mm

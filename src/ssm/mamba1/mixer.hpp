@@ -1,0 +1,119 @@
+// The Mamba-1 mixer (mamba_ssm's Mamba, the mamba_inner_fn path), forward, backward and decode:
+//
+//   xz     = in_proj(u)                                  columns [x (E) | z (E)], no bias
+//   xc     = silu(causal_conv1d(x))                      (width d_conv, per channel, records never mixed)
+//   x_dbl  = x_proj(xc)                                  [dt_low (R) | B (N) | C (N)], no bias
+//   delta  = dt_proj.weight . dt_low                      (the bias is the scan's delta_bias)
+//   y      = selective_scan(xc, delta, A = -exp(A_log), B, C, D, z, delta_bias = dt_proj.bias)
+//   out    = out_proj(y)
+//
+// Initialisation follows mamba_ssm: in_proj, x_proj and out_proj like torch.nn.Linear (out_proj then divided by
+// sqrt(n_layer), as Mamba2Mixer does), conv like torch.nn.Conv1d, dt_proj.weight U(-R^-1/2, R^-1/2), dt_proj.bias
+// the inverse softplus of exp(U[log dt_min, log dt_max]) floored at dt_init_floor, A_log(d, n) = log(n + 1), D = 1.
+//
+// ParamStore has no initialiser for the per-column A_log = log(1..N); it is registered as zeros and filled by
+// post_initialize(), which must be called after ParamStore::initialize().
+//
+// Decode: Mamba1State holds the last d_conv - 1 conv inputs per channel and the SSM state. forward() with an
+// initial and/or final state processes a long sequence in windows (windowed == one pass); step() advances one token.
+#pragma once
+
+#include <string>
+
+#include "core/kokkos_types.hpp"
+#include "layers/conv1d.hpp"
+#include "model/params.hpp"
+#include "ssm/mamba1/selective_scan.hpp"
+
+namespace mm {
+
+struct Mamba1Config {
+  index_t d_model = 256;
+  index_t d_state = 16;
+  index_t d_conv = 4;
+  index_t expand = 2;
+  index_t dt_rank = 0;  // 0: ceil(d_model / 16)
+  index_t chunk = 256;  // checkpoint interval of the selective scan (does not change results)
+  double dt_min = 1e-3, dt_max = 0.1, dt_init_floor = 1e-4;
+
+  index_t d_inner() const { return expand * d_model; }
+  index_t rank() const { return dt_rank > 0 ? dt_rank : (d_model + 15) / 16; }
+  index_t d_xproj() const { return rank() + 2 * d_state; }
+  // Bad values are an error naming them.
+  void validate(const std::string& context) const;
+};
+
+// What the forward keeps for the backward. Under recompute only `u` (and the initial state) is kept.
+template <class T>
+struct Mamba1Acts {
+  View2<T> u;       // input (B*L, D)
+  View2<T> xz;      // in_proj output (B*L, 2E)
+  View2<T> xc;      // conv output (B*L, E)
+  View2<T> dt_low;  // (B*L, R)
+  View2<T> bc;      // [B | C] (B*L, 2N)
+  View2<T> delta;   // dt_proj output, without bias (B*L, E)
+  View2<T> y;       // scan output (B*L, E)
+  View3<acc_t<T>> checkpoints;  // scan states at chunk starts
+  View3<T> conv_init;           // copies of the initial state the forward started from (empty: zero)
+  View3<acc_t<T>> ssm_init;
+};
+
+// Decode state: conv (batch, E, d_conv - 1), the inputs before the next token, oldest first; ssm (batch, E, N).
+template <class T>
+struct Mamba1State {
+  View3<T> conv;
+  View3<acc_t<T>> ssm;
+};
+
+template <class T>
+class Mamba1Mixer {
+ public:
+  using P = acc_t<T>;
+  static_assert(std::is_same_v<T, P>, "bf16 activations need compute copies of the GEMM weights (GPU path)");
+
+  // Registers the parameters under `prefix` (e.g. "backbone.layers.3.mixer.") in `store`.
+  Mamba1Mixer(const Mamba1Config& cfg, ParamStore<P>& store, const std::string& prefix, index_t n_layer);
+
+  const Mamba1Config& config() const { return cfg_; }
+
+  // Fills A_log(d, n) = log(n + 1); call after store.initialize().
+  void post_initialize() const;
+
+  // A zero decode state for `batch` rows.
+  Mamba1State<T> make_state(index_t batch) const;
+
+  // out (B*L, D) = mixer(u). If `save` is true the intermediates are kept in `acts` for the backward; otherwise
+  // only u is referenced and backward() recomputes them.
+  void forward(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq, const View2<T>& out,
+               Mamba1Acts<T>& acts, bool save) const;
+
+  // The same, starting from `init` (nullptr: zero state) and writing the state after the last token into `final`
+  // (nullptr: not wanted). final may be init (the state carried in place). The initial state belongs to the record
+  // of the first token; the final state is that of the last token's record. backward() after this forward gives
+  // the gradients for the given (fixed) initial state.
+  void forward(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq, const View2<T>& out,
+               Mamba1Acts<T>& acts, bool save, const Mamba1State<T>* init, Mamba1State<T>* final) const;
+
+  // du (B*L, D) is written; parameter gradients are accumulated into the store's gradient buffer.
+  void backward(Mamba1Acts<T>& acts, index_t batch, index_t seqlen, const SeqIdxView& seq,
+                const View2<const T>& dout, const View2<T>& du) const;
+
+  // One token per batch row: u (batch, D), state advanced in place, out (batch, D).
+  void step(const View2<T>& u, Mamba1State<T>& state, const View2<T>& out) const;
+
+ private:
+  void run_internals(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq, Mamba1Acts<T>& acts,
+                     bool keep_checkpoints, const View3<P>& final_ssm) const;
+  SelScanShape scan_shape(index_t batch, index_t seqlen) const;
+  SelScanIn<T> scan_in(const Mamba1Acts<T>& acts, const View2<P>& A, const SeqIdxView& seq) const;
+  View2<P> A_matrix() const;  // A = -exp(A_log)
+  UView2<P> xproj_dt(const View1<P>& buf) const;  // rows [0, R) of an x_proj-shaped (R + 2N, E) slice
+  UView2<P> xproj_bc(const View1<P>& buf) const;  // rows [R, R + 2N)
+  void check_state(const Mamba1State<T>& s, index_t batch, const char* what) const;
+
+  Mamba1Config cfg_;
+  ParamStore<P>* store_;
+  std::size_t in_proj_, conv_w_, conv_b_, x_proj_, dt_w_, dt_b_, A_log_, D_, out_proj_;
+};
+
+}  // namespace mm

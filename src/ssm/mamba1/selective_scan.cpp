@@ -1,0 +1,371 @@
+#include "ssm/mamba1/selective_scan.hpp"
+
+#include "core/error.hpp"
+
+namespace mm {
+
+void SelScanShape::validate(const char* where) const {
+  require(batch > 0 && seqlen > 0, where, "batch (", batch, ") and seqlen (", seqlen, ") must be positive");
+  require(dinner > 0 && dstate > 0 && chunk > 0, where, "d_inner (", dinner, "), d_state (", dstate,
+          ") and chunk (", chunk, ") must be positive");
+  require(ngroups > 0 && dinner % ngroups == 0, where, "d_inner (", dinner, ") is not divisible by ngroups (",
+          ngroups, ")");
+}
+
+namespace {
+
+// Everything a kernel needs, copied by value into the lambdas.
+template <class T>
+struct Ctx {
+  using P = acc_t<T>;
+  View2<const T> u, delta, bc, z;
+  index_t u_col, delta_col, b_col, c_col, z_col;
+  View2<const P> A;
+  View1<const P> D, bias;
+  SeqIdxView seq;
+  index_t Bsz, L, E, G, N, Q, nc, cpg;
+  bool has_z;
+
+  KOKKOS_INLINE_FUNCTION index_t row(index_t b, index_t t) const { return b * L + t; }
+  // The state is reset before token t (t starts a new record).
+  KOKKOS_INLINE_FUNCTION bool reset(index_t b, index_t t) const {
+    return t > 0 && seq.extent(0) > 0 && seq(b, t) != seq(b, t - 1);
+  }
+  KOKKOS_INLINE_FUNCTION index_t chunk_end(index_t c) const { return (c + 1) * Q < L ? (c + 1) * Q : L; }
+  KOKKOS_INLINE_FUNCTION P uval(index_t r, index_t d) const { return P(u(r, u_col + d)); }
+  KOKKOS_INLINE_FUNCTION P Bv(index_t r, index_t g, index_t n) const { return P(bc(r, b_col + g * N + n)); }
+  KOKKOS_INLINE_FUNCTION P Cv(index_t r, index_t g, index_t n) const { return P(bc(r, c_col + g * N + n)); }
+  KOKKOS_INLINE_FUNCTION P raw_delta(index_t r, index_t d) const { return P(delta(r, delta_col + d)) + bias(d); }
+};
+
+template <class T>
+Ctx<T> make_ctx(const SelScanShape& s, const SelScanIn<T>& in, const char* where) {
+  s.validate(where);
+  const index_t n = s.batch * s.seqlen, E = s.dinner, GN = s.ngroups * s.dstate;
+  auto rows_ok = [&](auto v, index_t col, index_t width) {
+    return index_t(v.extent(0)) == n && col >= 0 && col + width <= index_t(v.extent(1));
+  };
+  require(rows_ok(in.u, in.u_col, E), where, "u must have batch * seqlen = ", n, " rows and columns [", in.u_col,
+          ", ", in.u_col + E, "); it is ", in.u.extent(0), " x ", in.u.extent(1));
+  require(rows_ok(in.delta, in.delta_col, E), where, "delta must have ", n, " rows and columns [", in.delta_col,
+          ", ", in.delta_col + E, "); it is ", in.delta.extent(0), " x ", in.delta.extent(1));
+  require(rows_ok(in.bc, in.b_col, GN) && rows_ok(in.bc, in.c_col, GN), where, "B/C must have ", n,
+          " rows and columns [", in.b_col, ", ", in.b_col + GN, ") and [", in.c_col, ", ", in.c_col + GN,
+          "); it is ", in.bc.extent(0), " x ", in.bc.extent(1));
+  require(in.z.extent(0) == 0 || rows_ok(in.z, in.z_col, E), where, "z must have ", n, " rows and columns [",
+          in.z_col, ", ", in.z_col + E, ")");
+  require(index_t(in.A.extent(0)) == E && index_t(in.A.extent(1)) == s.dstate, where, "A must be (", E, ", ",
+          s.dstate, "), it is (", in.A.extent(0), ", ", in.A.extent(1), ")");
+  require(index_t(in.D.extent(0)) == E && index_t(in.delta_bias.extent(0)) == E, where,
+          "D and delta_bias must have d_inner = ", E, " entries");
+  require(in.seq_idx.extent(0) == 0 ||
+              (index_t(in.seq_idx.extent(0)) == s.batch && index_t(in.seq_idx.extent(1)) == s.seqlen),
+          where, "seq_idx must be (batch, seqlen) = (", s.batch, ", ", s.seqlen, ")");
+  require(in.init_state.extent(0) == 0 ||
+              (index_t(in.init_state.extent(0)) == s.batch && index_t(in.init_state.extent(1)) == E &&
+               index_t(in.init_state.extent(2)) == s.dstate),
+          where, "init_state must be (batch, d_inner, d_state) = (", s.batch, ", ", E, ", ", s.dstate, ")");
+  Ctx<T> c;
+  c.u = in.u;
+  c.delta = in.delta;
+  c.bc = in.bc;
+  c.z = in.z;
+  c.u_col = in.u_col;
+  c.delta_col = in.delta_col;
+  c.b_col = in.b_col;
+  c.c_col = in.c_col;
+  c.z_col = in.z_col;
+  c.A = in.A;
+  c.D = in.D;
+  c.bias = in.delta_bias;
+  c.seq = in.seq_idx;
+  c.Bsz = s.batch;
+  c.L = s.seqlen;
+  c.E = E;
+  c.G = s.ngroups;
+  c.N = s.dstate;
+  c.Q = s.chunk;
+  c.nc = s.nchunks();
+  c.cpg = E / s.ngroups;
+  c.has_z = in.z.extent(0) > 0;
+  return c;
+}
+
+template <class P>
+void require_state(const View3<P>& v, const SelScanShape& s, const char* where, const char* what) {
+  require(v.extent(0) == 0 || (index_t(v.extent(0)) == s.batch && index_t(v.extent(1)) == s.dinner &&
+                               index_t(v.extent(2)) == s.dstate),
+          where, what, " must be (batch, d_inner, d_state) = (", s.batch, ", ", s.dinner, ", ", s.dstate,
+          "), it is (", v.extent(0), ", ", v.extent(1), ", ", v.extent(2), ")");
+}
+
+template <class P>
+void require_checkpoints(const View3<P>& v, const SelScanShape& s, const char* where) {
+  require(v.extent(0) == 0 || (index_t(v.extent(0)) == s.nchunks() && index_t(v.extent(1)) == s.dstate &&
+                               index_t(v.extent(2)) == s.batch * s.dinner),
+          where, "checkpoints must be (nchunks, d_state, batch * d_inner) = (", s.nchunks(), ", ", s.dstate, ", ",
+          s.batch * s.dinner, ")");
+}
+
+}  // namespace
+
+template <class T>
+View3<acc_t<T>> selective_scan_alloc_checkpoints(const SelScanShape& s) {
+  return View3<acc_t<T>>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "selective_scan::checkpoints"),
+                         s.nchunks(), s.dstate, s.batch * s.dinner);
+}
+
+template <class T>
+void selective_scan_forward(const SelScanShape& s, const SelScanIn<T>& in, const View2<T>& out,
+                            const View3<acc_t<T>>& final_state, const View3<acc_t<T>>& checkpoints) {
+  using P = acc_t<T>;
+  const Ctx<T> c = make_ctx(s, in, "selective_scan_forward");
+  require(index_t(out.extent(0)) == c.Bsz * c.L && index_t(out.extent(1)) == c.E, "selective_scan_forward",
+          "out must be (batch * seqlen, d_inner) = (", c.Bsz * c.L, ", ", c.E, ")");
+  require_state(final_state, s, "selective_scan_forward", "final_state");
+  require_checkpoints(checkpoints, s, "selective_scan_forward");
+  const auto init = in.init_state;
+  const bool has_init = init.extent(0) > 0, has_final = final_state.extent(0) > 0;
+  const bool has_ckpt = checkpoints.extent(0) > 0;
+  // The running state of every (batch, channel), with the work item index fastest (coalesced on GPUs).
+  View2<P> h(Kokkos::view_alloc(Kokkos::WithoutInitializing, "selective_scan::h"), c.N, c.Bsz * c.E);
+  par_for("selective_scan::forward", c.Bsz * c.E, KOKKOS_LAMBDA(index_t bd) {
+    const index_t b = bd / c.E, d = bd % c.E, g = d / c.cpg;
+    for (index_t n = 0; n < c.N; ++n) h(n, bd) = has_init ? init(b, d, n) : P(0);
+    const P Dd = c.D(d);
+    for (index_t ch = 0; ch < c.nc; ++ch) {
+      if (has_ckpt)
+        for (index_t n = 0; n < c.N; ++n) checkpoints(ch, n, bd) = h(n, bd);
+      for (index_t t = ch * c.Q; t < c.chunk_end(ch); ++t) {
+        const index_t r = c.row(b, t);
+        const P dlt = softplus(c.raw_delta(r, d));
+        const P uu = c.uval(r, d);
+        const bool rs = c.reset(b, t);
+        P y = 0;
+        for (index_t n = 0; n < c.N; ++n) {
+          const P prev = rs ? P(0) : h(n, bd);
+          const P hn = Kokkos::exp(dlt * c.A(d, n)) * prev + dlt * c.Bv(r, g, n) * uu;
+          h(n, bd) = hn;
+          y += c.Cv(r, g, n) * hn;
+        }
+        y += Dd * uu;
+        if (c.has_z) y *= silu(P(c.z(r, c.z_col + d)));
+        out(r, d) = static_cast<T>(y);
+      }
+    }
+    if (has_final)
+      for (index_t n = 0; n < c.N; ++n) final_state(b, d, n) = h(n, bd);
+  });
+}
+
+template <class T>
+void selective_scan_backward(const SelScanShape& s, const SelScanIn<T>& in, const View2<const T>& dout,
+                             const View3<const acc_t<T>>& dfinal_state, const View3<const acc_t<T>>& checkpoints_in,
+                             const SelScanGrad<T>& gr) {
+  using P = acc_t<T>;
+  const char* where = "selective_scan_backward";
+  const Ctx<T> c = make_ctx(s, in, where);
+  const index_t n_tok = c.Bsz * c.L, BE = c.Bsz * c.E;
+  require(index_t(dout.extent(0)) == n_tok && index_t(dout.extent(1)) == c.E, where,
+          "dout must be (batch * seqlen, d_inner) = (", n_tok, ", ", c.E, ")");
+  require_state(dfinal_state, s, where, "dfinal_state");
+  require_state(gr.dinit_state, s, where, "dinit_state");
+  require_checkpoints(checkpoints_in, s, where);
+  require(index_t(gr.du.extent(0)) == n_tok && gr.du_col + c.E <= index_t(gr.du.extent(1)), where,
+          "du must have ", n_tok, " rows and columns [", gr.du_col, ", ", gr.du_col + c.E, ")");
+  require(index_t(gr.ddelta.extent(0)) == n_tok && gr.ddelta_col + c.E <= index_t(gr.ddelta.extent(1)), where,
+          "ddelta must have ", n_tok, " rows and columns [", gr.ddelta_col, ", ", gr.ddelta_col + c.E, ")");
+  require(gr.dbc.extent(0) == c.bc.extent(0) && gr.dbc.extent(1) >= c.bc.extent(1), where,
+          "dbc must have the shape of the B/C input");
+  require(!c.has_z || (index_t(gr.dz.extent(0)) == n_tok && gr.dz_col + c.E <= index_t(gr.dz.extent(1))), where,
+          "dz must have ", n_tok, " rows and columns [", gr.dz_col, ", ", gr.dz_col + c.E, ")");
+  require(index_t(gr.dA.extent(0)) == c.E && index_t(gr.dA.extent(1)) == c.N && index_t(gr.dD.extent(0)) == c.E &&
+              index_t(gr.ddelta_bias.extent(0)) == c.E,
+          where, "dA must be (d_inner, d_state), dD and ddelta_bias (d_inner)");
+
+  View3<const P> ckpt = checkpoints_in;
+  if (ckpt.extent(0) == 0) {  // rebuild the checkpoints with a forward pass
+    View3<P> fresh = selective_scan_alloc_checkpoints<T>(s);
+    View2<T> scratch_out(Kokkos::view_alloc(Kokkos::WithoutInitializing, "selective_scan::out_recompute"), n_tok,
+                         c.E);
+    selective_scan_forward<T>(s, in, scratch_out, View3<P>(), fresh);
+    ckpt = fresh;
+  }
+
+  const auto du = gr.du;
+  const auto ddelta = gr.ddelta;
+  const auto dz = gr.dz;
+  const auto dinit = gr.dinit_state;
+  const index_t du_col = gr.du_col, ddelta_col = gr.ddelta_col, dz_col = gr.dz_col;
+  const bool has_dfinal = dfinal_state.extent(0) > 0, has_dinit = dinit.extent(0) > 0;
+  const index_t Q = c.Q;
+
+  // Pass 1, per (batch, channel): recompute the states of a chunk from its checkpoint, then the reverse scan
+  //   dh_t = C_t g_t + [t+1 same record] exp(Delta_{t+1} A) dh_{t+1}
+  // giving du, d(raw delta), dz and per-(batch, channel) partials of dA, dD, d(delta_bias). It keeps Delta_t and
+  // g_t (the gradient of y_t) per token and the carried dh entering each chunk from the right for pass 2.
+  View3<P> hs(Kokkos::view_alloc(Kokkos::WithoutInitializing, "selective_scan::hs"), Q < c.L ? Q : c.L, c.N, BE);
+  View2<P> dh(Kokkos::view_alloc(Kokkos::WithoutInitializing, "selective_scan::dh"), c.N, BE);
+  View2<P> dlt_buf(Kokkos::view_alloc(Kokkos::WithoutInitializing, "selective_scan::delta"), n_tok, c.E);
+  View2<P> g_buf(Kokkos::view_alloc(Kokkos::WithoutInitializing, "selective_scan::g"), n_tok, c.E);
+  View3<P> dcarry(Kokkos::view_alloc(Kokkos::WithoutInitializing, "selective_scan::dcarry"), c.nc, c.N, BE);
+  View3<P> dA_part(Kokkos::view_alloc(Kokkos::WithoutInitializing, "selective_scan::dA_partial"), c.Bsz, c.E, c.N);
+  View3<P> dv_part(Kokkos::view_alloc(Kokkos::WithoutInitializing, "selective_scan::dD_dbias_partial"), c.Bsz, c.E,
+                   2);
+  par_for("selective_scan::backward_scan", BE, KOKKOS_LAMBDA(index_t bd) {
+    const index_t b = bd / c.E, d = bd % c.E, g = d / c.cpg;
+    const P Dd = c.D(d);
+    for (index_t n = 0; n < c.N; ++n) {
+      dh(n, bd) = has_dfinal ? dfinal_state(b, d, n) : P(0);
+      dA_part(b, d, n) = P(0);
+    }
+    P dD_acc = 0, dbias_acc = 0;
+    for (index_t ch = c.nc - 1; ch >= 0; --ch) {
+      const index_t t0 = ch * Q, t1 = c.chunk_end(ch);
+      // recompute h_t for t in the chunk
+      for (index_t t = t0; t < t1; ++t) {
+        const index_t r = c.row(b, t);
+        const P dlt = softplus(c.raw_delta(r, d));
+        dlt_buf(r, d) = dlt;
+        const P uu = c.uval(r, d);
+        const bool rs = c.reset(b, t);
+        for (index_t n = 0; n < c.N; ++n) {
+          const P prev = rs ? P(0) : (t == t0 ? ckpt(ch, n, bd) : hs(t - 1 - t0, n, bd));
+          hs(t - t0, n, bd) = Kokkos::exp(dlt * c.A(d, n)) * prev + dlt * c.Bv(r, g, n) * uu;
+        }
+      }
+      for (index_t n = 0; n < c.N; ++n) dcarry(ch, n, bd) = dh(n, bd);
+      // reverse scan through the chunk
+      for (index_t t = t1 - 1; t >= t0; --t) {
+        const index_t r = c.row(b, t);
+        const P dlt = dlt_buf(r, d), uu = c.uval(r, d);
+        const bool rs = c.reset(b, t);
+        P gt = P(dout(r, d));
+        if (c.has_z) {
+          P y = Dd * uu;
+          for (index_t n = 0; n < c.N; ++n) y += c.Cv(r, g, n) * hs(t - t0, n, bd);
+          const P zz = P(c.z(r, c.z_col + d));
+          dz(r, dz_col + d) = static_cast<T>(gt * y * dsilu(zz));
+          gt *= silu(zz);
+        }
+        g_buf(r, d) = gt;
+        P dut = Dd * gt, ddl = 0;
+        for (index_t n = 0; n < c.N; ++n) {
+          const P An = c.A(d, n), Bn = c.Bv(r, g, n);
+          const P prev = rs ? P(0) : (t == t0 ? ckpt(ch, n, bd) : hs(t - 1 - t0, n, bd));
+          const P a = Kokkos::exp(dlt * An);
+          const P dhn = dh(n, bd) + c.Cv(r, g, n) * gt;
+          dut += dhn * dlt * Bn;
+          ddl += dhn * (Bn * uu + An * a * prev);
+          dA_part(b, d, n) += dhn * dlt * a * prev;
+          dh(n, bd) = rs ? P(0) : a * dhn;  // carried to t - 1
+        }
+        dD_acc += gt * uu;
+        const P draw = ddl * dsoftplus(c.raw_delta(r, d));
+        dbias_acc += draw;
+        du(r, du_col + d) = static_cast<T>(dut);
+        ddelta(r, ddelta_col + d) = static_cast<T>(draw);
+      }
+    }
+    dv_part(b, d, 0) = dD_acc;
+    dv_part(b, d, 1) = dbias_acc;
+    if (has_dinit)
+      for (index_t n = 0; n < c.N; ++n) dinit(b, d, n) = dh(n, bd);
+  });
+
+  // Pass 2, per (batch, chunk, group, state): dC_t = sum_d g_t,d h_t,d and dB_t = sum_d dh_t,d Delta_t,d u_t,d over
+  // the channels of the group, in channel order (h rebuilt forward from the checkpoint, dh backward from the carry).
+  const auto dbc = gr.dbc;
+  par_for("selective_scan::backward_bc", c.Bsz * c.nc, c.G * c.N, KOKKOS_LAMBDA(index_t bc_id, index_t gn) {
+    const index_t b = bc_id / c.nc, ch = bc_id % c.nc, g = gn / c.N, n = gn % c.N;
+    const index_t t0 = ch * Q, t1 = c.chunk_end(ch);
+    const index_t bcol = c.b_col + g * c.N + n, ccol = c.c_col + g * c.N + n;
+    for (index_t t = t0; t < t1; ++t) {
+      dbc(c.row(b, t), bcol) = T(0);
+      dbc(c.row(b, t), ccol) = T(0);
+    }
+    for (index_t d = g * c.cpg; d < (g + 1) * c.cpg; ++d) {
+      const index_t bd = b * c.E + d;
+      const P An = c.A(d, n);
+      P h = ckpt(ch, n, bd);
+      for (index_t t = t0; t < t1; ++t) {
+        const index_t r = c.row(b, t);
+        const P dlt = dlt_buf(r, d);
+        if (c.reset(b, t)) h = P(0);
+        h = Kokkos::exp(dlt * An) * h + dlt * c.Bv(r, g, n) * c.uval(r, d);
+        dbc(r, ccol) = static_cast<T>(P(dbc(r, ccol)) + g_buf(r, d) * h);
+      }
+      P dhn = dcarry(ch, n, bd);
+      for (index_t t = t1 - 1; t >= t0; --t) {
+        const index_t r = c.row(b, t);
+        const P dlt = dlt_buf(r, d);
+        dhn += c.Cv(r, g, n) * g_buf(r, d);
+        dbc(r, bcol) = static_cast<T>(P(dbc(r, bcol)) + dhn * dlt * c.uval(r, d));
+        dhn = c.reset(b, t) ? P(0) : Kokkos::exp(dlt * An) * dhn;
+      }
+    }
+  });
+
+  // Parameter gradients: the per-(batch, channel) partials summed over the batch in order.
+  const auto dA = gr.dA;
+  const auto dD = gr.dD;
+  const auto dbias = gr.ddelta_bias;
+  par_for("selective_scan::param_reduce", c.E, c.N, KOKKOS_LAMBDA(index_t d, index_t n) {
+    P sa = 0;
+    for (index_t b = 0; b < c.Bsz; ++b) sa += dA_part(b, d, n);
+    dA(d, n) += sa;
+    if (n == 0) {
+      P sd = 0, sb = 0;
+      for (index_t b = 0; b < c.Bsz; ++b) {
+        sd += dv_part(b, d, 0);
+        sb += dv_part(b, d, 1);
+      }
+      dD(d) += sd;
+      dbias(d) += sb;
+    }
+  });
+}
+
+template <class T>
+void selective_scan_step(const SelScanShape& s, const SelScanIn<T>& in, const View3<acc_t<T>>& state,
+                         const View2<T>& out) {
+  using P = acc_t<T>;
+  require(s.seqlen == 1, "selective_scan_step", "seqlen must be 1 (got ", s.seqlen, ")");
+  SelScanIn<T> in1 = in;
+  in1.seq_idx = SeqIdxView();
+  in1.init_state = View3<const P>();
+  const Ctx<T> c = make_ctx(s, in1, "selective_scan_step");
+  require_state(state, s, "selective_scan_step", "state");
+  require(state.extent(0) > 0, "selective_scan_step", "state must be given");
+  require(index_t(out.extent(0)) == c.Bsz && index_t(out.extent(1)) == c.E, "selective_scan_step",
+          "out must be (batch, d_inner) = (", c.Bsz, ", ", c.E, ")");
+  par_for("selective_scan::step", c.Bsz, c.E, KOKKOS_LAMBDA(index_t b, index_t d) {
+    const index_t g = d / c.cpg;
+    const P dlt = softplus(c.raw_delta(b, d));
+    const P uu = c.uval(b, d);
+    P y = 0;
+    for (index_t n = 0; n < c.N; ++n) {
+      const P hn = Kokkos::exp(dlt * c.A(d, n)) * state(b, d, n) + dlt * c.Bv(b, g, n) * uu;
+      state(b, d, n) = hn;
+      y += c.Cv(b, g, n) * hn;
+    }
+    y += c.D(d) * uu;
+    if (c.has_z) y *= silu(P(c.z(b, c.z_col + d)));
+    out(b, d) = static_cast<T>(y);
+  });
+}
+
+#define MM_INSTANTIATE(T)                                                                                         \
+  template View3<acc_t<T>> selective_scan_alloc_checkpoints<T>(const SelScanShape&);                             \
+  template void selective_scan_forward<T>(const SelScanShape&, const SelScanIn<T>&, const View2<T>&,              \
+                                          const View3<acc_t<T>>&, const View3<acc_t<T>>&);                        \
+  template void selective_scan_backward<T>(const SelScanShape&, const SelScanIn<T>&, const View2<const T>&,       \
+                                           const View3<const acc_t<T>>&, const View3<const acc_t<T>>&,            \
+                                           const SelScanGrad<T>&);                                                \
+  template void selective_scan_step<T>(const SelScanShape&, const SelScanIn<T>&, const View3<acc_t<T>>&,          \
+                                       const View2<T>&);
+MM_INSTANTIATE(float)
+MM_INSTANTIATE(double)
+#undef MM_INSTANTIATE
+
+}  // namespace mm
