@@ -335,3 +335,377 @@ TEST_CASE("Mamba-3 scan backward matches finite differences for every input", "[
     WARN("scan FD check variant " << variant << ": worst rel err " << worst);
   }
 }
+
+// ---------------------------------------------------------------------------------------------- the mixer
+namespace {
+
+Mamba3Config tiny_m3(bool mimo, bool norm) {
+  Mamba3Config c;
+  c.d_model = 6;
+  c.d_state = 8;  // rope_fraction 0.5: 2 angles
+  c.headdim = 3;  // 4 heads
+  c.expand = 2;
+  c.ngroups = 2;
+  c.is_mimo = mimo;
+  c.mimo_rank = 2;
+  c.chunk_size = 5;
+  c.is_outproj_norm = norm;
+  return c;
+}
+
+struct MixerRig {
+  Mamba3Config cfg;
+  ParamStore<double> ps;
+  Mamba3Mixer<double> mixer;
+  MixerRig(const Mamba3Config& c, std::uint64_t seed = 5) : cfg(c), mixer(c, ps, "m.", 2) {
+    ps.allocate();
+    ps.initialize(seed);
+    mmtest::jitter_params(ps, 99, 0.1);
+  }
+  std::vector<double> p(const std::string& name) const {
+    return ps.has("m." + name) ? to_vec(ps.v1(ps.index("m." + name))) : std::vector<double>{};
+  }
+  Mamba3State<double> random_state(index_t batch, std::uint64_t seed) const {
+    auto st = mixer.make_state(batch);
+    fill_uniform(st.carry.phi, seed, 0.5, 5.5);
+    fill_uniform(st.carry.S, seed + 1);
+    fill_uniform(st.carry.k, seed + 2);
+    fill_uniform(st.carry.v, seed + 3);
+    return st;
+  }
+  std::vector<double> reference(const View2<double>& u, index_t B, index_t L, const Mamba3State<double>* init,
+                                mmref::M3Carry* fin) const {
+    mmref::M3MixerShape ms;
+    ms.s.B = B;
+    ms.s.L = L;
+    ms.s.H = cfg.nheads();
+    ms.s.P = cfg.headdim;
+    ms.s.G = cfg.ngroups;
+    ms.s.N = cfg.d_state;
+    ms.s.R = cfg.rank();
+    ms.s.S = cfg.nangles();
+    ms.s.halved = cfg.pairing() == RopePairing::halved;
+    ms.s.A_floor = cfg.A_floor;
+    ms.D = cfg.d_model;
+    ms.eps = cfg.norm_eps;
+    mmref::M3Carry ic;
+    if (init) {
+      ic.phi = to_vec(init->carry.phi);
+      ic.S = to_vec(init->carry.S);
+      ic.k = to_vec(init->carry.k);
+      ic.v = to_vec(init->carry.v);
+    }
+    return mmref::mamba3_mixer_reference(ms, to_vec(u), p("in_proj.weight"), p("dt_bias"), p("D"), p("B_norm.weight"),
+                                         p("C_norm.weight"), p("B_bias"), p("C_bias"), p("mimo_x"), p("mimo_z"),
+                                         p("mimo_o"), p("norm.weight"), p("out_proj.weight"), ic, fin);
+  }
+};
+
+const char* variant_name(const Mamba3Config& c) {
+  if (c.is_mimo) return c.is_outproj_norm ? "MIMO + output norm" : "MIMO";
+  return c.is_outproj_norm ? "SISO + output norm" : "SISO";
+}
+
+}  // namespace
+
+TEST_CASE("Mamba-3 mixer forward equals the naive double reference (SISO, MIMO, output norm, both pairings)",
+          "[mamba3]") {
+  double worst = 0;
+  for (bool mimo : {false, true})
+    for (bool norm : {false, true})
+      for (auto pairing : {Mamba3Config::Pairing::interleaved, Mamba3Config::Pairing::halved}) {
+        Mamba3Config cfg = tiny_m3(mimo, norm);
+        cfg.rope_pairing = pairing;
+        MixerRig rig(cfg);
+        const index_t B = 2, L = 13;
+        View2<double> u("u", B * L, cfg.d_model), out("out", B * L, cfg.d_model);
+        fill_uniform(u, 1);
+        const auto init = rig.random_state(B, 40);
+        auto fin = rig.mixer.make_state(B);
+        Mamba3Acts<double> acts;
+        rig.mixer.forward(u, B, L, out, acts, true, &init, &fin);
+        mmref::M3Carry rf;
+        const auto ref = rig.reference(u, B, L, &init, &rf);
+        INFO(variant_name(cfg) << (pairing == Mamba3Config::Pairing::halved ? ", halved" : ", interleaved"));
+        const double e = std::max({rel_err(to_vec(out), ref), rel_err(to_vec(fin.carry.S), rf.S),
+                                   rel_err(to_vec(fin.carry.k), rf.k), rel_err(to_vec(fin.carry.v), rf.v),
+                                   rel_err(to_vec(fin.carry.phi), rf.phi)});
+        CHECK(e < 1e-12);
+        worst = std::max(worst, e);
+      }
+  WARN("mixer vs reference, worst rel err " << worst);
+}
+
+TEST_CASE("Mamba-3 mixer backward matches finite differences for the input, the state and every parameter",
+          "[mamba3]") {
+  for (bool mimo : {false, true})
+    for (bool norm : {false, true}) {
+      const Mamba3Config cfg = tiny_m3(mimo, norm);
+      MixerRig rig(cfg);
+      const index_t B = 2, L = 11;
+      View2<double> u("u", B * L, cfg.d_model), out("out", B * L, cfg.d_model), dout("dout", B * L, cfg.d_model);
+      View2<double> du("du", B * L, cfg.d_model);
+      fill_uniform(u, 1);
+      fill_uniform(dout, 2);
+      auto init = rig.random_state(B, 40);
+      auto dfin = rig.random_state(B, 50);
+      const auto dov = to_vec(dout);
+      const std::vector<double> dfv[4] = {to_vec(dfin.carry.phi), to_vec(dfin.carry.S), to_vec(dfin.carry.k),
+                                          to_vec(dfin.carry.v)};
+      auto loss = [&]() {
+        View2<double> o("o", B * L, cfg.d_model);
+        auto fin = rig.mixer.make_state(B);
+        Mamba3Acts<double> a;
+        rig.mixer.forward(u, B, L, o, a, false, &init, &fin);
+        return mmtest::dot(to_vec(o), dov) + mmtest::dot(to_vec(fin.carry.phi), dfv[0]) +
+               mmtest::dot(to_vec(fin.carry.S), dfv[1]) + mmtest::dot(to_vec(fin.carry.k), dfv[2]) +
+               mmtest::dot(to_vec(fin.carry.v), dfv[3]);
+      };
+      Mamba3Acts<double> acts;
+      auto fin = rig.mixer.make_state(B);
+      rig.mixer.forward(u, B, L, out, acts, false, &init, &fin);  // recompute policy in the backward
+      rig.ps.zero_grads();
+      auto dinit = rig.mixer.make_state(B);
+      rig.mixer.backward(acts, B, L, dout, du, &dfin, &dinit);
+      INFO(variant_name(cfg));
+      double worst = 0;
+      auto chk = [&](const std::string& what, const auto& x, const std::vector<double>& grad, int count) {
+        const auto r = fd_check(x, grad, loss, count);
+        INFO(what << ": max |gradient| " << r.max_ref);
+        CHECK(r.rel() < 1e-6);
+        CHECK(r.max_ref > 1e-4);
+        worst = std::max(worst, r.rel());
+      };
+      chk("u", u, to_vec(du), 40);
+      for (const auto& e : rig.ps.entries()) {
+        const auto idx = rig.ps.index(e.name);
+        chk(e.name, rig.ps.v1(idx), to_vec(rig.ps.g1(idx)), 24);
+      }
+      chk("init phi", init.carry.phi, to_vec(dinit.carry.phi), 24);
+      chk("init S", init.carry.S, to_vec(dinit.carry.S), 24);
+      chk("init k", init.carry.k, to_vec(dinit.carry.k), 24);
+      chk("init v", init.carry.v, to_vec(dinit.carry.v), 24);
+      WARN("mixer FD check (" << variant_name(cfg) << "): worst rel err " << worst);
+    }
+}
+
+TEST_CASE("Mamba-3 MIMO with rank 1 equals SISO", "[mamba3]") {
+  Mamba3Config siso = tiny_m3(false, true), mimo = tiny_m3(true, true);
+  mimo.mimo_rank = 1;
+  siso.rope_pairing = mimo.rope_pairing = Mamba3Config::Pairing::halved;
+  MixerRig a(siso);
+  ParamStore<double> ps;
+  Mamba3Mixer<double> m(mimo, ps, "m.", 2);
+  ps.allocate();
+  ps.initialize(5);  // mimo_x = mimo_z = mimo_o = 1 for rank 1
+  for (const auto& e : a.ps.entries()) Kokkos::deep_copy(ps.v1(ps.index(e.name)), a.ps.v1(a.ps.index(e.name)));
+  const index_t B = 2, L = 17;
+  View2<double> u("u", B * L, siso.d_model), o1("o1", B * L, siso.d_model), o2("o2", B * L, siso.d_model);
+  fill_uniform(u, 1);
+  Mamba3Acts<double> acts;
+  a.mixer.forward(u, B, L, o1, acts, false);
+  m.forward(u, B, L, o2, acts, false);
+  const double e = rel_err(to_vec(o2), to_vec(o1));
+  WARN("MIMO rank 1 vs SISO, rel err " << e);
+  CHECK(e < 1e-14);
+}
+
+TEST_CASE("Mamba-3 prefill + step decoding reproduces the full forward at every position", "[mamba3]") {
+  for (bool mimo : {false, true}) {
+    const Mamba3Config cfg = tiny_m3(mimo, mimo);
+    MixerRig rig(cfg);
+    const index_t B = 2, L = 14, D = cfg.d_model;
+    View2<double> u("u", B * L, D), out("out", B * L, D);
+    fill_uniform(u, 1);
+    Mamba3Acts<double> acts;
+    rig.mixer.forward(u, B, L, out, acts, false);
+    const auto full = to_vec(out), uv = to_vec(u);
+    for (index_t T0 : {0, 6}) {
+      auto state = rig.mixer.make_state(B);
+      std::vector<double> got(B * L * D);
+      if (T0 > 0) {  // prefill the first T0 tokens
+        View2<double> up("up", B * T0, D), op("op", B * T0, D);
+        std::vector<double> uh(B * T0 * D);
+        for (index_t b = 0; b < B; ++b)
+          for (index_t i = 0; i < T0 * D; ++i) uh[b * T0 * D + i] = uv[b * L * D + i];
+        from_vec(up, uh);
+        rig.mixer.forward(up, B, T0, op, acts, false, nullptr, &state);
+        const auto oh = to_vec(op);
+        for (index_t b = 0; b < B; ++b)
+          for (index_t i = 0; i < T0 * D; ++i) got[b * L * D + i] = oh[b * T0 * D + i];
+      }
+      View2<double> ut("ut", B, D), ot("ot", B, D);
+      for (index_t t = T0; t < L; ++t) {
+        std::vector<double> uh(B * D);
+        for (index_t b = 0; b < B; ++b)
+          for (index_t j = 0; j < D; ++j) uh[b * D + j] = uv[(b * L + t) * D + j];
+        from_vec(ut, uh);
+        rig.mixer.step(ut, state, ot);
+        const auto oh = to_vec(ot);
+        for (index_t b = 0; b < B; ++b)
+          for (index_t j = 0; j < D; ++j) got[(b * L + t) * D + j] = oh[b * D + j];
+      }
+      const double e = rel_err(got, full);
+      INFO(variant_name(cfg) << ", prefill " << T0);
+      CHECK(e < 1e-12);
+      WARN("prefill " << T0 << " + step vs full forward (" << variant_name(cfg) << "): rel err " << e);
+    }
+  }
+}
+
+TEST_CASE("Mamba-3 windows with a carried state equal one pass, forward and backward", "[mamba3]") {
+  for (bool mimo : {false, true}) {
+    const Mamba3Config cfg = tiny_m3(mimo, !mimo);
+    MixerRig rig(cfg);
+    const index_t B = 2, L = 23, D = cfg.d_model;
+    const std::vector<index_t> cuts = {0, 7, 16, 23};  // windows of 7, 9 and 7 tokens (chunk 5)
+    View2<double> u("u", B * L, D), out("out", B * L, D), dout("dout", B * L, D), du("du", B * L, D);
+    fill_uniform(u, 1);
+    fill_uniform(dout, 2);
+    const auto init = rig.random_state(B, 40);
+    auto fin = rig.mixer.make_state(B);
+    Mamba3Acts<double> acts;
+    rig.mixer.forward(u, B, L, out, acts, true, &init, &fin);
+    rig.ps.zero_grads();
+    auto dinit = rig.mixer.make_state(B);
+    rig.mixer.backward(acts, B, L, dout, du, nullptr, &dinit);
+    const auto grads_one = to_vec(rig.ps.grads()), du_one = to_vec(du), out_one = to_vec(out);
+    const auto uv = to_vec(u), dov = to_vec(dout);
+    // windows: forward left to right carrying the state, backward right to left carrying its gradient
+    const std::size_t nw = cuts.size() - 1;
+    std::vector<Mamba3State<double>> states;  // state entering window k
+    states.push_back(init);
+    std::vector<Mamba3Acts<double>> wacts(nw);
+    std::vector<View2<double>> wu(nw);
+    std::vector<double> out_w(B * L * D), du_w(B * L * D);
+    auto slice = [&](const std::vector<double>& src, index_t t0, index_t len) {
+      std::vector<double> r(B * len * D);
+      for (index_t b = 0; b < B; ++b)
+        for (index_t i = 0; i < len * D; ++i) r[b * len * D + i] = src[(b * L + t0) * D + i];
+      return r;
+    };
+    auto unslice = [&](std::vector<double>& dst, const std::vector<double>& src, index_t t0, index_t len) {
+      for (index_t b = 0; b < B; ++b)
+        for (index_t i = 0; i < len * D; ++i) dst[(b * L + t0) * D + i] = src[b * len * D + i];
+    };
+    for (std::size_t k = 0; k < nw; ++k) {
+      const index_t t0 = cuts[k], len = cuts[k + 1] - cuts[k];
+      wu[k] = View2<double>("wu", B * len, D);
+      from_vec(wu[k], slice(uv, t0, len));
+      View2<double> wo("wo", B * len, D);
+      states.push_back(rig.mixer.make_state(B));
+      rig.mixer.forward(wu[k], B, len, wo, wacts[k], k % 2 == 0, &states[k], &states[k + 1]);
+      unslice(out_w, to_vec(wo), t0, len);
+    }
+    rig.ps.zero_grads();
+    Mamba3State<double> dcarry;  // gradient of the state leaving the current window
+    bool has_dcarry = false;
+    for (std::size_t k = nw; k-- > 0;) {
+      const index_t t0 = cuts[k], len = cuts[k + 1] - cuts[k];
+      View2<double> wdo("wdo", B * len, D), wdu("wdu", B * len, D);
+      from_vec(wdo, slice(dov, t0, len));
+      auto dprev = rig.mixer.make_state(B);
+      rig.mixer.backward(wacts[k], B, len, wdo, wdu, has_dcarry ? &dcarry : nullptr, &dprev);
+      unslice(du_w, to_vec(wdu), t0, len);
+      dcarry = dprev;
+      has_dcarry = true;
+    }
+    INFO(variant_name(cfg));
+    const double eo = rel_err(out_w, out_one), ef = rel_err(to_vec(states.back().carry.S), to_vec(fin.carry.S));
+    const double eg = rel_err(to_vec(rig.ps.grads()), grads_one), eu = rel_err(du_w, du_one);
+    const double ei = rel_err(to_vec(dcarry.carry.S), to_vec(dinit.carry.S));
+    CHECK(eo < 1e-12);
+    CHECK(ef < 1e-12);
+    CHECK(rel_err(to_vec(states.back().carry.k), to_vec(fin.carry.k)) < 1e-12);
+    CHECK(rel_err(to_vec(states.back().carry.phi), to_vec(fin.carry.phi)) < 1e-12);
+    CHECK(eg < 1e-12);
+    CHECK(eu < 1e-12);
+    CHECK(ei < 1e-12);
+    CHECK(rel_err(to_vec(dcarry.carry.phi), to_vec(dinit.carry.phi)) < 1e-12);
+    WARN("windows vs one pass (" << variant_name(cfg) << "): out " << eo << ", final state " << ef
+                                 << ", param grads " << eg << ", du " << eu << ", d(initial state) " << ei);
+  }
+}
+
+TEST_CASE("Mamba-3 initialisation follows mamba_ssm", "[mamba3]") {
+  Mamba3Config cfg = tiny_m3(true, true);
+  cfg.d_model = 32;
+  cfg.headdim = 16;  // 4 heads
+  cfg.mimo_rank = 4;
+  ParamStore<double> ps;
+  const index_t n_layer = 4;
+  Mamba3Mixer<double> mixer(cfg, ps, "m.", n_layer);
+  ps.allocate();
+  ps.initialize(11);
+  for (double b : to_vec(ps.v1(ps.index("m.dt_bias")))) {
+    const double dt = mmref::m3_softplus(b);
+    CHECK(dt >= cfg.dt_min * (1 - 1e-12));
+    CHECK(dt <= cfg.dt_max * (1 + 1e-12));
+  }
+  for (const char* one : {"m.D", "m.B_norm.weight", "m.C_norm.weight", "m.B_bias", "m.C_bias", "m.mimo_z",
+                          "m.norm.weight"})
+    for (double x : to_vec(ps.v1(ps.index(one)))) CHECK(x == 1.0);
+  for (const char* inv : {"m.mimo_x", "m.mimo_o"})
+    for (double x : to_vec(ps.v1(ps.index(inv)))) CHECK(x == Approx(0.25).epsilon(1e-15));
+  CHECK(ps.entry("m.in_proj.weight").shape == std::vector<index_t>{cfg.d_in_proj(), cfg.d_model});
+  // 2E + 2 R G N + 3H + S = 128 + 2*4*2*8 + 12 + 2
+  CHECK(cfg.d_in_proj() == 128 + 128 + 12 + 2);
+  const double out_bound = 1.0 / std::sqrt(double(cfg.d_inner())) / std::sqrt(double(n_layer));
+  double out_max = 0;
+  for (double w : to_vec(ps.v1(ps.index("m.out_proj.weight")))) out_max = std::max(out_max, std::abs(w));
+  CHECK(out_max <= out_bound);
+  CHECK(out_max > 0.9 * out_bound);
+  CHECK(ps.entry("m.in_proj.weight").decay);
+  CHECK(ps.entry("m.out_proj.weight").decay);
+  CHECK_FALSE(ps.entry("m.B_bias").decay);
+  // defaults: d_state 128, rope_fraction 0.5 -> 32 angles; SISO pairs interleaved, MIMO halved
+  Mamba3Config def;
+  CHECK(def.nangles() == 32);
+  CHECK(def.pairing() == RopePairing::interleaved);
+  def.is_mimo = true;
+  CHECK(def.pairing() == RopePairing::halved);
+}
+
+TEST_CASE("Mamba-3 bad configurations are errors naming the values", "[mamba3]") {
+  ParamStore<double> ps;
+  Mamba3Config c = tiny_m3(false, false);
+  c.headdim = 5;  // d_inner 12 % 5
+  CHECK_THROWS_WITH(Mamba3Mixer<double>(c, ps, "m.", 1), ContainsSubstring("not divisible by headdim = 5"));
+  c = tiny_m3(false, false);
+  c.ngroups = 3;  // 4 heads % 3
+  CHECK_THROWS_WITH(Mamba3Mixer<double>(c, ps, "m.", 1), ContainsSubstring("not divisible by ngroups = 3"));
+  c = tiny_m3(true, false);
+  c.mimo_rank = 0;
+  CHECK_THROWS_WITH(Mamba3Mixer<double>(c, ps, "m.", 1), ContainsSubstring("mimo_rank must be at least 1 (got 0)"));
+  c = tiny_m3(false, false);
+  c.rope_fraction = 1.5;
+  CHECK_THROWS_WITH(Mamba3Mixer<double>(c, ps, "m.", 1), ContainsSubstring("rope_fraction must be in [0, 1] (got 1.5)"));
+  c = tiny_m3(false, false);
+  c.chunk_size = 0;
+  CHECK_THROWS_WITH(Mamba3Mixer<double>(c, ps, "m.", 1), ContainsSubstring("chunk_size (0)"));
+  c = tiny_m3(false, false);
+  c.d_state = 7;
+  c.rope_fraction = 1.0;
+  c.rope_pairing = Mamba3Config::Pairing::halved;
+  CHECK_THROWS_WITH(Mamba3Mixer<double>(c, ps, "m.", 1), ContainsSubstring("even d_state (got 7)"));
+  c = tiny_m3(false, false);
+  c.dt_min = 0.2;
+  c.dt_max = 0.1;
+  CHECK_THROWS_WITH(Mamba3Mixer<double>(c, ps, "m.", 1), ContainsSubstring("got 0.2, 0.1"));
+  // shapes handed to the mixer and the scan
+  MixerRig rig(tiny_m3(false, false));
+  View2<double> u("u", 10, 6), out("out", 10, 6);
+  Mamba3Acts<double> acts;
+  CHECK_THROWS_WITH(rig.mixer.forward(u, 2, 4, out, acts, false), ContainsSubstring("expected (batch * seqlen, d_model) = (8, 6)"));
+  auto st = rig.mixer.make_state(3);
+  CHECK_THROWS_WITH(rig.mixer.forward(u, 2, 5, out, acts, false, &st), ContainsSubstring("batch 3, not 2"));
+  Mamba3ScanShape s;
+  s.nheads = 4;
+  s.ngroups = 3;
+  s.seqlen = 5;
+  CHECK_THROWS_WITH(s.validate("scan"), ContainsSubstring("nheads (4) is not divisible by ngroups (3)"));
+  s.ngroups = 1;
+  s.dstate = 4;
+  s.nangles = 3;
+  CHECK_THROWS_WITH(s.validate("scan"), ContainsSubstring("nangles (3) rotary pairs do not fit in dstate (4)"));
+}
