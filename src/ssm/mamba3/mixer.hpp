@@ -96,8 +96,9 @@ class Mamba3Mixer {
   Mamba3State<T> make_state(index_t batch) const;
 
   // out (B*L, D) = mixer(u). `init` (optional) is the state before the first token; `final_state` (optional) gets
-  // the state after the last token (it may be the same object as `init`). If `save` is false only u and the initial
-  // state are kept and backward() recomputes the rest.
+  // the state after the last token (it may be the same object as `init`, as in step(); then the backward cannot
+  // use this forward, since the initial state is overwritten). If `save` is false only u and the initial state are
+  // kept (by reference) and backward() recomputes the rest.
   void forward(const View2<T>& u, index_t batch, index_t seqlen, const View2<T>& out, Mamba3Acts<T>& acts,
                bool save, const Mamba3State<T>* init = nullptr, Mamba3State<T>* final_state = nullptr) const;
 

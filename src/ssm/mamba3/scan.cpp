@@ -134,28 +134,31 @@ Ctx<T> make_ctx(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in) {
   return c;
 }
 
-// Per-token scalars: Delta, lambda, A_t, the in-chunk cumsum of A Delta and the weight w_t = gamma_t + gamma'_t.
+// Per-token scalars: Delta, lambda, A_t, the in-chunk cumsum of A Delta and the weight w_t = gamma_t + gamma'_t
+// (gamma'_t = Delta_{t+1} (1 - lambda_{t+1}) is recomputed from the next token's inputs, so chunks are independent).
 template <class T>
 void token_scalars(const Ctx<T>& c) {
   using P = acc_t<T>;
-  par_for("mamba3::token_scalars", c.Bsz * c.H, KOKKOS_LAMBDA(index_t bh) {
+  par_for("mamba3::token_scalars", c.Bsz * c.H, c.nc, KOKKOS_LAMBDA(index_t bh, index_t ch) {
     const index_t b = bh / c.H, h = bh % c.H;
     P run = 0;
-    for (index_t t = 0; t < c.L; ++t) {
+    for (index_t t = ch * c.Q; t < c.chunk_end(ch); ++t) {
       const index_t rw = c.row(b, t);
       const P d = softplus(P(c.dd(rw, c.dt_col + h)) + c.dt_bias(h));
       const P f = heavy_tail(P(c.dd(rw, c.A_col + h)));
       const P A = -(f > c.A_floor ? f : c.A_floor);
+      const P lm = sigmoid(P(c.dd(rw, c.trap_col + h)));
       c.delta(b, h, t) = d;
-      c.lam(b, h, t) = sigmoid(P(c.dd(rw, c.trap_col + h)));
+      c.lam(b, h, t) = lm;
       c.Av(b, h, t) = A;
-      if (t % c.Q == 0) run = 0;
       run += A * d;
       c.acs(b, h, t) = run;
-    }
-    for (index_t t = 0; t < c.L; ++t) {
-      const P gp = t + 1 < c.L ? c.delta(b, h, t + 1) * (P(1) - c.lam(b, h, t + 1)) : P(0);
-      c.w(b, h, t) = c.gamma(b, h, t) + gp;
+      P gp = 0;
+      if (t + 1 < c.L) {
+        const P dn = softplus(P(c.dd(rw + 1, c.dt_col + h)) + c.dt_bias(h));
+        gp = dn * (P(1) - sigmoid(P(c.dd(rw + 1, c.trap_col + h))));
+      }
+      c.w(b, h, t) = lm * d + gp;
     }
   });
 }
@@ -653,29 +656,28 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
     });
   }
 
-  // Per-token chain: Delta, lambda, A_t -> dd_dt, dd_A, trap. ddg becomes d(dd_dt) in the accumulation type.
+  // Per-token chain: Delta, lambda, A_t -> dd_dt, dd_A, trap; dut keeps d(dd_dt) in the accumulation type.
   const auto ddd = gr.ddd;
-  par_for("mamba3::token_bwd", c.Bsz * c.H, KOKKOS_LAMBDA(index_t bh) {
+  View3<P> dut(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::dut"), c.Bsz, c.H, c.L);
+  par_for("mamba3::token_bwd", c.Bsz * c.H, c.L, KOKKOS_LAMBDA(index_t bh, index_t t) {
     const index_t b = bh / c.H, h = bh % c.H;
     const P pi = Kokkos::numbers::pi_v<P>;
-    for (index_t t = 0; t < c.L; ++t) {
-      const index_t rw = c.row(b, t);
-      const P d = c.delta(b, h, t), lm = c.lam(b, h, t), A = c.Av(b, h, t), dat = da(b, h, t);
-      const P dgam = dw(b, h, t) + ddg(b, h, t);
-      const P dgp_prev = t > 0 ? dw(b, h, t - 1) : dgp0(b, h);
-      P dphase = 0;
-      for (index_t i = 0; i < c.S; ++i) dphase += dphi(b, h, t, i) * pi * Kokkos::tanh(P(c.dd(rw, c.angle_col + i)));
-      const P ddelta = dgam * lm + dgp_prev * (P(1) - lm) + dat * A + dphase;
-      const P dlam = (dgam - dgp_prev) * d;
-      const P u = P(c.dd(rw, c.dt_col + h)) + c.dt_bias(h);
-      const P du = ddelta * dsoftplus(u);
-      const P xa = P(c.dd(rw, c.A_col + h));
-      const P dxa = heavy_tail(xa) > c.A_floor ? -dat * d * dheavy_tail(xa) : P(0);
-      ddd(rw, c.dt_col + h) = static_cast<T>(du);
-      ddd(rw, c.A_col + h) = static_cast<T>(dxa);
-      ddd(rw, c.trap_col + h) = static_cast<T>(dlam * lm * (P(1) - lm));
-      ddg(b, h, t) = du;
-    }
+    const index_t rw = c.row(b, t);
+    const P d = c.delta(b, h, t), lm = c.lam(b, h, t), A = c.Av(b, h, t), dat = da(b, h, t);
+    const P dgam = dw(b, h, t) + ddg(b, h, t);
+    const P dgp_prev = t > 0 ? dw(b, h, t - 1) : dgp0(b, h);
+    P dphase = 0;
+    for (index_t i = 0; i < c.S; ++i) dphase += dphi(b, h, t, i) * pi * Kokkos::tanh(P(c.dd(rw, c.angle_col + i)));
+    const P ddelta = dgam * lm + dgp_prev * (P(1) - lm) + dat * A + dphase;
+    const P dlam = (dgam - dgp_prev) * d;
+    const P u = P(c.dd(rw, c.dt_col + h)) + c.dt_bias(h);
+    const P du = ddelta * dsoftplus(u);
+    const P xa = P(c.dd(rw, c.A_col + h));
+    const P dxa = heavy_tail(xa) > c.A_floor ? -dat * d * dheavy_tail(xa) : P(0);
+    ddd(rw, c.dt_col + h) = static_cast<T>(du);
+    ddd(rw, c.A_col + h) = static_cast<T>(dxa);
+    ddd(rw, c.trap_col + h) = static_cast<T>(dlam * lm * (P(1) - lm));
+    dut(b, h, t) = du;
   });
   // Angles: dtheta_{t,i} = sum_h dphi_{t,h,i} pi (1 - tanh^2) Delta_{t,h}.
   par_for("mamba3::angles_bwd", rows, c.S, KOKKOS_LAMBDA(index_t rw, index_t i) {
@@ -705,7 +707,7 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
                    gr.dk_bias, true);
   const index_t L = c.L;
   column_reduce<P>("mamba3::ddt_bias", rows, c.H,
-                   KOKKOS_LAMBDA(index_t i, index_t h) { return ddg(i / L, h, i % L); }, gr.ddt_bias, true);
+                   KOKKOS_LAMBDA(index_t i, index_t h) { return dut(i / L, h, i % L); }, gr.ddt_bias, true);
   const auto dD = gr.dD;
   par_for("mamba3::dD", c.H, KOKKOS_LAMBDA(index_t h) {
     P acc = 0;
