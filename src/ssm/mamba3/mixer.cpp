@@ -132,6 +132,59 @@ struct Gate {
   }
 };
 
+
+// RMSNorm of every N-group of C (-> q, columns [0, RGN)) and B (-> k, columns [RGN, 2 RGN)) of the in_proj output.
+template <class T>
+void bc_norm_forward(const View2<T>& proj, const View1<const acc_t<T>>& wB, const View1<const acc_t<T>>& wC,
+                     acc_t<T> eps, index_t E, index_t N, index_t RG, const View2<T>& qk,
+                     const View2<acc_t<T>>& rstd) {
+  using P = acc_t<T>;
+  const index_t RGN = RG * N;
+  par_for("mamba3::bc_norm", proj.extent(0), 2 * RG, KOKKOS_LAMBDA(index_t i, index_t j) {
+    const index_t part = j / RG, grp = j % RG;
+    const index_t src = 2 * E + (part == 0 ? RGN : 0) + grp * N, dst = part * RGN + grp * N;
+    const auto& wt = part == 0 ? wC : wB;
+    P ss = 0;
+    for (index_t m = 0; m < N; ++m) ss += P(proj(i, src + m)) * P(proj(i, src + m));
+    const P r = P(1) / Kokkos::sqrt(ss / P(N) + eps);
+    rstd(i, j) = r;
+    for (index_t m = 0; m < N; ++m) qk(i, dst + m) = static_cast<T>(P(proj(i, src + m)) * r * wt(m));
+  });
+}
+
+// MIMO up-projection v_{h,r,p} = x_{h,p} mimo_x[h,r,p].
+template <class T>
+void mimo_x_forward(const View2<T>& proj, const View1<const acc_t<T>>& mx, index_t E, index_t R, index_t Pd,
+                    const View2<T>& v) {
+  using P = acc_t<T>;
+  par_for("mamba3::mimo_x", v.extent(0), v.extent(1), KOKKOS_LAMBDA(index_t i, index_t hrp) {
+    const index_t h = hrp / (R * Pd), p = hrp % Pd;
+    v(i, hrp) = static_cast<T>(P(proj(i, E + h * Pd + p)) * mx(hrp));
+  });
+}
+
+// Gate (and the per-head norm, whose rstd it stores) and the MIMO down-projection into o.
+template <class T>
+void gate_forward(const Gate<T>& gt, acc_t<T> eps, const View2<T>& o) {
+  using P = acc_t<T>;
+  par_for("mamba3::gate", o.extent(0), gt.H, KOKKOS_LAMBDA(index_t i, index_t h) {
+    for (index_t p = 0; p < gt.Pd; ++p) o(i, h * gt.Pd + p) = T(0);
+    for (index_t r = 0; r < gt.R; ++r) {
+      if (gt.norm) {
+        P ss = 0;
+        for (index_t p = 0; p < gt.Pd; ++p) {
+          const P yv = P(gt.y(i, (h * gt.R + r) * gt.Pd + p));
+          ss += yv * yv;
+        }
+        gt.rstd(i, h * gt.R + r) = P(1) / Kokkos::sqrt(ss / P(gt.Pd) + eps);
+      }
+      for (index_t p = 0; p < gt.Pd; ++p)
+        o(i, h * gt.Pd + p) = static_cast<T>(P(o(i, h * gt.Pd + p)) +
+                                             gt.mo_of(h, r, p) * gt.yw(i, h, r, p) * silu(gt.zz(i, h, r, p)));
+    }
+  });
+}
+
 }  // namespace
 
 template <class T>
@@ -147,33 +200,10 @@ void Mamba3Mixer<T>::run_internals(const View2<T>& u, index_t batch, index_t seq
   a.rstd_qk = make_uninit<View2<P>>("mamba3::rstd_qk", n, 2 * RG);
   linear_forward<T>(u, store_->v2(in_proj_), View1<const P>(), a.proj);
 
-  // RMSNorm of every N-group of C (-> q, columns [0, RGN)) and B (-> k, columns [RGN, 2 RGN)).
-  {
-    const auto proj = a.proj;
-    const auto qk = a.qk;
-    const auto rstd = a.rstd_qk;
-    const View1<const P> wB = store_->v1(B_norm_), wC = store_->v1(C_norm_);
-    const P eps = P(cfg_.norm_eps);
-    par_for("mamba3::bc_norm", n, 2 * RG, KOKKOS_LAMBDA(index_t i, index_t j) {
-      const index_t part = j / RG, grp = j % RG;
-      const index_t src = 2 * E + (part == 0 ? RGN : 0) + grp * N, dst = part * RGN + grp * N;
-      const auto& wt = part == 0 ? wC : wB;
-      P ss = 0;
-      for (index_t m = 0; m < N; ++m) ss += P(proj(i, src + m)) * P(proj(i, src + m));
-      const P r = P(1) / Kokkos::sqrt(ss / P(N) + eps);
-      rstd(i, j) = r;
-      for (index_t m = 0; m < N; ++m) qk(i, dst + m) = static_cast<T>(P(proj(i, src + m)) * r * wt(m));
-    });
-  }
+  bc_norm_forward<T>(a.proj, store_->v1(B_norm_), store_->v1(C_norm_), P(cfg_.norm_eps), E, N, RG, a.qk, a.rstd_qk);
   if (cfg_.is_mimo) {
     a.v = make_uninit<View2<T>>("mamba3::v", n, H * R * Pd);
-    const auto proj = a.proj;
-    const auto v = a.v;
-    const View1<const P> mx = store_->v1(mimo_x_);
-    par_for("mamba3::mimo_x", n, H * R * Pd, KOKKOS_LAMBDA(index_t i, index_t hrp) {
-      const index_t h = hrp / (R * Pd), p = hrp % Pd;
-      v(i, hrp) = static_cast<T>(P(proj(i, E + h * Pd + p)) * mx(hrp));
-    });
+    mimo_x_forward<T>(a.proj, store_->v1(mimo_x_), E, R, Pd, a.v);
   }
   mamba3_scan_forward<T>(scan_shape(batch, seqlen), scan_in(a), a.y, fin);
 
@@ -195,24 +225,7 @@ void Mamba3Mixer<T>::run_internals(const View2<T>& u, index_t batch, index_t seq
     gt.rstd = a.rstd_out;
     gt.w = store_->v1(norm_w_);
   }
-  const auto o = a.o;
-  const P eps = P(cfg_.norm_eps);
-  par_for("mamba3::gate", n, H, KOKKOS_LAMBDA(index_t i, index_t h) {
-    for (index_t p = 0; p < gt.Pd; ++p) o(i, h * gt.Pd + p) = T(0);
-    for (index_t r = 0; r < gt.R; ++r) {
-      if (gt.norm) {
-        P ss = 0;
-        for (index_t p = 0; p < gt.Pd; ++p) {
-          const P yv = P(gt.y(i, (h * gt.R + r) * gt.Pd + p));
-          ss += yv * yv;
-        }
-        gt.rstd(i, h * gt.R + r) = P(1) / Kokkos::sqrt(ss / P(gt.Pd) + eps);
-      }
-      for (index_t p = 0; p < gt.Pd; ++p)
-        o(i, h * gt.Pd + p) = static_cast<T>(P(o(i, h * gt.Pd + p)) +
-                                             gt.mo_of(h, r, p) * gt.yw(i, h, r, p) * silu(gt.zz(i, h, r, p)));
-    }
-  });
+  gate_forward<T>(gt, P(cfg_.norm_eps), a.o);
 }
 
 template <class T>
