@@ -1,0 +1,427 @@
+#include "ssm/mamba3/mixer.hpp"
+
+#include <cmath>
+
+#include "core/error.hpp"
+#include "layers/linear.hpp"
+#include "tensor/ops.hpp"
+
+namespace mm {
+
+void Mamba3Config::validate(const std::string& context) const {
+  require(d_model > 0 && d_state > 0 && expand > 0 && headdim > 0 && ngroups > 0 && chunk_size > 0, context,
+          "d_model (", d_model, "), d_state (", d_state, "), expand (", expand, "), headdim (", headdim,
+          "), ngroups (", ngroups, ") and chunk_size (", chunk_size, ") must be positive");
+  require(d_inner() % headdim == 0, context, "d_inner = expand * d_model = ", d_inner(),
+          " is not divisible by headdim = ", headdim);
+  require(nheads() % ngroups == 0, context, "nheads = d_inner / headdim = ", nheads(),
+          " is not divisible by ngroups = ", ngroups);
+  require(!is_mimo || mimo_rank >= 1, context, "mimo_rank must be at least 1 (got ", mimo_rank, ")");
+  require(rope_fraction >= 0 && rope_fraction <= 1, context, "rope_fraction must be in [0, 1] (got ", rope_fraction,
+          ")");
+  require(pairing() != RopePairing::halved || nangles() == 0 || d_state % 2 == 0, context,
+          "halved rotary pairs need an even d_state (got ", d_state, ")");
+  require(A_floor >= 0, context, "A_floor must be non-negative (got ", A_floor, ")");
+  require(dt_min > 0 && dt_max >= dt_min, context, "need 0 < dt_min <= dt_max (got ", dt_min, ", ", dt_max, ")");
+  require(norm_eps > 0, context, "norm_eps must be positive (got ", norm_eps, ")");
+}
+
+template <class T>
+Mamba3Mixer<T>::Mamba3Mixer(const Mamba3Config& cfg, ParamStore<P>& store, const std::string& prefix,
+                            index_t n_layer)
+    : cfg_(cfg), store_(&store) {
+  cfg_.validate(prefix.empty() ? "mamba3" : prefix);
+  require(n_layer > 0, prefix.empty() ? "mamba3" : prefix, "n_layer must be positive (got ", n_layer, ")");
+  const index_t D = cfg.d_model, E = cfg.d_inner(), H = cfg.nheads(), N = cfg.d_state, R = cfg_.rank(),
+                Pd = cfg.headdim;
+  const double lin_in = 1.0 / std::sqrt(double(D)), lin_out = 1.0 / std::sqrt(double(E));
+  Init inv_rank;
+  inv_rank.kind = Init::constant;
+  inv_rank.a = 1.0 / double(R);
+  in_proj_ = store.add(prefix + "in_proj.weight", {cfg_.d_in_proj(), D}, true, Init::Uniform(-lin_in, lin_in));
+  dt_bias_ = store.add(prefix + "dt_bias", {H}, false, Init::DtBias(cfg.dt_min, cfg.dt_max, cfg.dt_init_floor));
+  D_ = store.add(prefix + "D", {H}, false, Init::Ones());
+  B_norm_ = store.add(prefix + "B_norm.weight", {N}, false, Init::Ones());
+  C_norm_ = store.add(prefix + "C_norm.weight", {N}, false, Init::Ones());
+  B_bias_ = store.add(prefix + "B_bias", {H, R, N}, false, Init::Ones());
+  C_bias_ = store.add(prefix + "C_bias", {H, R, N}, false, Init::Ones());
+  if (cfg.is_mimo) {
+    mimo_x_ = store.add(prefix + "mimo_x", {H, R, Pd}, false, inv_rank);
+    mimo_z_ = store.add(prefix + "mimo_z", {H, R, Pd}, false, Init::Ones());
+    mimo_o_ = store.add(prefix + "mimo_o", {H, R, Pd}, false, inv_rank);
+  }
+  if (cfg.is_outproj_norm) norm_w_ = store.add(prefix + "norm.weight", {E}, false, Init::Ones());
+  out_proj_ = store.add(prefix + "out_proj.weight", {D, E}, true,
+                        Init::Uniform(-lin_out, lin_out, 1.0 / std::sqrt(double(n_layer))));
+}
+
+template <class T>
+Mamba3ScanShape Mamba3Mixer<T>::scan_shape(index_t batch, index_t seqlen) const {
+  Mamba3ScanShape s;
+  s.batch = batch;
+  s.seqlen = seqlen;
+  s.nheads = cfg_.nheads();
+  s.headdim = cfg_.headdim;
+  s.ngroups = cfg_.ngroups;
+  s.dstate = cfg_.d_state;
+  s.rank = cfg_.rank();
+  s.nangles = cfg_.nangles();
+  s.chunk = cfg_.chunk_size;
+  s.pairing = cfg_.pairing();
+  s.A_floor = cfg_.A_floor;
+  return s;
+}
+
+template <class T>
+Mamba3State<T> Mamba3Mixer<T>::make_state(index_t batch) const {
+  Mamba3State<T> st;
+  st.batch = batch;
+  st.carry = Mamba3Carry<P>::allocate("mamba3::state", scan_shape(batch, 1));
+  return st;
+}
+
+template <class T>
+Mamba3ScanIn<T> Mamba3Mixer<T>::scan_in(const Mamba3Acts<T>& a) const {
+  const index_t E = cfg_.d_inner(), H = cfg_.nheads(), RGN = cfg_.rank() * cfg_.ngroups * cfg_.d_state;
+  Mamba3ScanIn<T> in;
+  if (cfg_.is_mimo) {
+    in.v = a.v;
+    in.v_col = 0;
+  } else {
+    in.v = a.proj;
+    in.v_col = E;
+  }
+  in.qk = a.qk;
+  in.q_col = 0;
+  in.k_col = RGN;
+  in.dd = a.proj;
+  in.dt_col = 2 * E + 2 * RGN;
+  in.A_col = in.dt_col + H;
+  in.trap_col = in.dt_col + 2 * H;
+  in.angle_col = in.dt_col + 3 * H;
+  in.dt_bias = store_->v1(dt_bias_);
+  in.D = store_->v1(D_);
+  in.q_bias = store_->v1(C_bias_);
+  in.k_bias = store_->v1(B_bias_);
+  in.init = a.init;
+  return in;
+}
+
+namespace {
+
+// The output gate of one (token, head, rank, p): g = (norm ? y rstd w : y) silu(z mimo_z), o += mimo_o g.
+template <class T>
+struct Gate {
+  using P = acc_t<T>;
+  View2<const T> y, proj;
+  View2<P> rstd;  // (rows, H R) with the norm
+  View1<const P> mz, mo, w;
+  index_t H, R, Pd;
+  bool mimo, norm;
+  KOKKOS_INLINE_FUNCTION P zz(index_t i, index_t h, index_t r, index_t p) const {
+    const P z = P(proj(i, h * Pd + p));  // z is the first E columns of the in_proj output
+    return mimo ? z * mz((h * R + r) * Pd + p) : z;
+  }
+  KOKKOS_INLINE_FUNCTION P mo_of(index_t h, index_t r, index_t p) const {
+    return mimo ? mo((h * R + r) * Pd + p) : P(1);
+  }
+  // the normalised (or plain) y times the norm weight
+  KOKKOS_INLINE_FUNCTION P yw(index_t i, index_t h, index_t r, index_t p) const {
+    const P yv = P(y(i, (h * R + r) * Pd + p));
+    return norm ? yv * rstd(i, h * R + r) * w(h * Pd + p) : yv;
+  }
+};
+
+
+// RMSNorm of every N-group of C (-> q, columns [0, RGN)) and B (-> k, columns [RGN, 2 RGN)) of the in_proj output.
+template <class T>
+void bc_norm_forward(const View2<T>& proj, const View1<const acc_t<T>>& wB, const View1<const acc_t<T>>& wC,
+                     acc_t<T> eps, index_t E, index_t N, index_t RG, const View2<T>& qk,
+                     const View2<acc_t<T>>& rstd) {
+  using P = acc_t<T>;
+  const index_t RGN = RG * N;
+  par_for("mamba3::bc_norm", proj.extent(0), 2 * RG, KOKKOS_LAMBDA(index_t i, index_t j) {
+    const index_t part = j / RG, grp = j % RG;
+    const index_t src = 2 * E + (part == 0 ? RGN : 0) + grp * N, dst = part * RGN + grp * N;
+    const auto& wt = part == 0 ? wC : wB;
+    P ss = 0;
+    for (index_t m = 0; m < N; ++m) ss += P(proj(i, src + m)) * P(proj(i, src + m));
+    const P r = P(1) / Kokkos::sqrt(ss / P(N) + eps);
+    rstd(i, j) = r;
+    for (index_t m = 0; m < N; ++m) qk(i, dst + m) = static_cast<T>(P(proj(i, src + m)) * r * wt(m));
+  });
+}
+
+// MIMO up-projection v_{h,r,p} = x_{h,p} mimo_x[h,r,p].
+template <class T>
+void mimo_x_forward(const View2<T>& proj, const View1<const acc_t<T>>& mx, index_t E, index_t R, index_t Pd,
+                    const View2<T>& v) {
+  using P = acc_t<T>;
+  par_for("mamba3::mimo_x", v.extent(0), v.extent(1), KOKKOS_LAMBDA(index_t i, index_t hrp) {
+    const index_t h = hrp / (R * Pd), p = hrp % Pd;
+    v(i, hrp) = static_cast<T>(P(proj(i, E + h * Pd + p)) * mx(hrp));
+  });
+}
+
+// Gate (and the per-head norm, whose rstd it stores) and the MIMO down-projection into o.
+template <class T>
+void gate_forward(const Gate<T>& gt, acc_t<T> eps, const View2<T>& o) {
+  using P = acc_t<T>;
+  par_for("mamba3::gate", o.extent(0), gt.H, KOKKOS_LAMBDA(index_t i, index_t h) {
+    for (index_t p = 0; p < gt.Pd; ++p) o(i, h * gt.Pd + p) = T(0);
+    for (index_t r = 0; r < gt.R; ++r) {
+      if (gt.norm) {
+        P ss = 0;
+        for (index_t p = 0; p < gt.Pd; ++p) {
+          const P yv = P(gt.y(i, (h * gt.R + r) * gt.Pd + p));
+          ss += yv * yv;
+        }
+        gt.rstd(i, h * gt.R + r) = P(1) / Kokkos::sqrt(ss / P(gt.Pd) + eps);
+      }
+      for (index_t p = 0; p < gt.Pd; ++p)
+        o(i, h * gt.Pd + p) = static_cast<T>(P(o(i, h * gt.Pd + p)) +
+                                             gt.mo_of(h, r, p) * gt.yw(i, h, r, p) * silu(gt.zz(i, h, r, p)));
+    }
+  });
+}
+
+}  // namespace
+
+template <class T>
+void Mamba3Mixer<T>::run_internals(const View2<T>& u, index_t batch, index_t seqlen, Mamba3Acts<T>& a,
+                                   const Mamba3Carry<P>& fin) const {
+  const index_t n = batch * seqlen, E = cfg_.d_inner(), H = cfg_.nheads(), N = cfg_.d_state, R = cfg_.rank(),
+                G = cfg_.ngroups, Pd = cfg_.headdim, RG = R * G, RGN = RG * N;
+  a.u = u;
+  a.proj = make_uninit<View2<T>>("mamba3::proj", n, cfg_.d_in_proj());
+  a.qk = make_uninit<View2<T>>("mamba3::qk", n, 2 * RGN);
+  a.y = make_uninit<View2<T>>("mamba3::y", n, H * R * Pd);
+  a.o = make_uninit<View2<T>>("mamba3::o", n, E);
+  a.rstd_qk = make_uninit<View2<P>>("mamba3::rstd_qk", n, 2 * RG);
+  linear_forward<T>(u, store_->v2(in_proj_), View1<const P>(), a.proj);
+
+  bc_norm_forward<T>(a.proj, store_->v1(B_norm_), store_->v1(C_norm_), P(cfg_.norm_eps), E, N, RG, a.qk, a.rstd_qk);
+  if (cfg_.is_mimo) {
+    a.v = make_uninit<View2<T>>("mamba3::v", n, H * R * Pd);
+    mimo_x_forward<T>(a.proj, store_->v1(mimo_x_), E, R, Pd, a.v);
+  }
+  mamba3_scan_forward<T>(scan_shape(batch, seqlen), scan_in(a), a.y, fin);
+
+  // Gate (and the per-head norm) and the MIMO down-projection.
+  Gate<T> gt;
+  gt.y = a.y;
+  gt.proj = a.proj;
+  gt.H = H;
+  gt.R = R;
+  gt.Pd = Pd;
+  gt.mimo = cfg_.is_mimo;
+  gt.norm = cfg_.is_outproj_norm;
+  if (gt.mimo) {
+    gt.mz = store_->v1(mimo_z_);
+    gt.mo = store_->v1(mimo_o_);
+  }
+  if (gt.norm) {
+    a.rstd_out = make_uninit<View2<P>>("mamba3::rstd_out", n, H * R);
+    gt.rstd = a.rstd_out;
+    gt.w = store_->v1(norm_w_);
+  }
+  gate_forward<T>(gt, P(cfg_.norm_eps), a.o);
+}
+
+template <class T>
+void Mamba3Mixer<T>::forward(const View2<T>& u, index_t batch, index_t seqlen, const View2<T>& out,
+                             Mamba3Acts<T>& acts, bool save, const Mamba3State<T>* init,
+                             Mamba3State<T>* final_state) const {
+  const std::string ctx = "mamba3_mixer";
+  require(index_t(u.extent(0)) == batch * seqlen && index_t(u.extent(1)) == cfg_.d_model, ctx, "u is (",
+          u.extent(0), ", ", u.extent(1), "), expected (batch * seqlen, d_model) = (", batch * seqlen, ", ",
+          cfg_.d_model, ")");
+  require(index_t(out.extent(0)) == batch * seqlen && index_t(out.extent(1)) == cfg_.d_model, ctx,
+          "out must be (batch * seqlen, d_model)");
+  if (init) require(init->batch == batch, ctx, "initial state is for batch ", init->batch, ", not ", batch);
+  if (final_state)
+    require(final_state->batch == batch, ctx, "final state is for batch ", final_state->batch, ", not ", batch);
+  acts = Mamba3Acts<T>{};
+  acts.init = init ? init->carry : Mamba3Carry<P>{};
+  run_internals(u, batch, seqlen, acts, final_state ? final_state->carry : Mamba3Carry<P>{});
+  linear_forward<T>(acts.o, store_->v2(out_proj_), View1<const P>(), out);
+  if (!save) {
+    Mamba3Acts<T> keep;
+    keep.u = u;
+    keep.init = acts.init;
+    acts = keep;
+  }
+}
+
+template <class T>
+void Mamba3Mixer<T>::backward(Mamba3Acts<T>& a, index_t batch, index_t seqlen, const View2<const T>& dout,
+                              const View2<T>& du, const Mamba3State<T>* dfinal, Mamba3State<T>* dinit) const {
+  if (a.proj.extent(0) == 0) run_internals(a.u, batch, seqlen, a, Mamba3Carry<P>{});  // recompute policy
+  const index_t n = batch * seqlen, E = cfg_.d_inner(), H = cfg_.nheads(), N = cfg_.d_state, R = cfg_.rank(),
+                G = cfg_.ngroups, Pd = cfg_.headdim, RG = R * G, RGN = RG * N;
+  // out_proj
+  View2<T> dO = make_uninit<View2<T>>("mamba3::dO", n, E);
+  linear_backward<T>(a.o, store_->v2(out_proj_), dout, dO, false, store_->g2(out_proj_), View1<P>());
+
+  View2<T> dproj("mamba3::dproj", n, cfg_.d_in_proj());
+  View2<T> dy = make_uninit<View2<T>>("mamba3::dy", n, H * R * Pd);
+  // Gate backward: dy, and dz into the z columns of dproj.
+  Gate<T> gt;
+  gt.y = a.y;
+  gt.proj = a.proj;
+  gt.H = H;
+  gt.R = R;
+  gt.Pd = Pd;
+  gt.mimo = cfg_.is_mimo;
+  gt.norm = cfg_.is_outproj_norm;
+  if (gt.mimo) {
+    gt.mz = store_->v1(mimo_z_);
+    gt.mo = store_->v1(mimo_o_);
+  }
+  if (gt.norm) {
+    gt.rstd = a.rstd_out;
+    gt.w = store_->v1(norm_w_);
+  }
+  par_for("mamba3::gate_bwd", n, H, KOKKOS_LAMBDA(index_t i, index_t h) {
+    for (index_t p = 0; p < gt.Pd; ++p) dproj(i, h * gt.Pd + p) = T(0);
+    for (index_t r = 0; r < gt.R; ++r) {
+      // dn = dL/d(yw) per p; with the norm, yw = y rstd w and dy = rstd (dn w - nrm * mean(dn w nrm))
+      P dot = 0;
+      if (gt.norm)
+        for (index_t p = 0; p < gt.Pd; ++p) {
+          const P G_ = P(dO(i, h * gt.Pd + p)) * gt.mo_of(h, r, p);
+          const P nrm = P(gt.y(i, (h * gt.R + r) * gt.Pd + p)) * gt.rstd(i, h * gt.R + r);
+          dot += G_ * silu(gt.zz(i, h, r, p)) * gt.w(h * gt.Pd + p) * nrm;
+        }
+      for (index_t p = 0; p < gt.Pd; ++p) {
+        const P G_ = P(dO(i, h * gt.Pd + p)) * gt.mo_of(h, r, p);
+        const P z2 = gt.zz(i, h, r, p), s = silu(z2);
+        P dyv;
+        if (gt.norm) {
+          const P rs = gt.rstd(i, h * gt.R + r);
+          const P nrm = P(gt.y(i, (h * gt.R + r) * gt.Pd + p)) * rs;
+          dyv = rs * (G_ * s * gt.w(h * gt.Pd + p) - nrm * dot / P(gt.Pd));
+        } else {
+          dyv = G_ * s;
+        }
+        dy(i, (h * gt.R + r) * gt.Pd + p) = static_cast<T>(dyv);
+        const P dzz = G_ * gt.yw(i, h, r, p) * dsilu(z2);
+        const P dz = gt.mimo ? dzz * gt.mz((h * gt.R + r) * gt.Pd + p) : dzz;
+        dproj(i, h * gt.Pd + p) = static_cast<T>(P(dproj(i, h * gt.Pd + p)) + dz);
+      }
+    }
+  });
+  if (gt.norm) {
+    const index_t Rr = R, Pp = Pd;
+    column_reduce<P>(
+        "mamba3::dnorm_w", n, E,
+        KOKKOS_LAMBDA(index_t i, index_t hp) {
+          const index_t h = hp / Pp, p = hp % Pp;
+          P acc = 0;
+          for (index_t r = 0; r < Rr; ++r) {
+            const P nrm = P(gt.y(i, (h * Rr + r) * Pp + p)) * gt.rstd(i, h * Rr + r);
+            acc += P(dO(i, hp)) * gt.mo_of(h, r, p) * nrm * silu(gt.zz(i, h, r, p));
+          }
+          return acc;
+        },
+        store_->g1(norm_w_), true);
+  }
+  if (gt.mimo) {
+    const index_t Rr = R, Pp = Pd;
+    column_reduce<P>(
+        "mamba3::dmimo_o", n, H * R * Pd,
+        KOKKOS_LAMBDA(index_t i, index_t hrp) {
+          const index_t h = hrp / (Rr * Pp), r = (hrp / Pp) % Rr, p = hrp % Pp;
+          return P(dO(i, h * Pp + p)) * gt.yw(i, h, r, p) * silu(gt.zz(i, h, r, p));
+        },
+        store_->g1(mimo_o_), true);
+    column_reduce<P>(
+        "mamba3::dmimo_z", n, H * R * Pd,
+        KOKKOS_LAMBDA(index_t i, index_t hrp) {
+          const index_t h = hrp / (Rr * Pp), r = (hrp / Pp) % Rr, p = hrp % Pp;
+          const P G_ = P(dO(i, h * Pp + p)) * gt.mo_of(h, r, p);
+          return G_ * gt.yw(i, h, r, p) * dsilu(gt.zz(i, h, r, p)) * P(gt.proj(i, h * Pp + p));
+        },
+        store_->g1(mimo_z_), true);
+  }
+
+  // Scan backward: dv (SISO: straight into the x columns of dproj), dqk, and the dd columns of dproj.
+  View2<T> dqk = make_uninit<View2<T>>("mamba3::dqk", n, 2 * RGN);
+  View2<T> dv = cfg_.is_mimo ? make_uninit<View2<T>>("mamba3::dv", n, H * R * Pd) : dproj;
+  Mamba3ScanGrad<T> g;
+  g.dv = dv;
+  g.dqk = dqk;
+  g.ddd = dproj;
+  g.ddt_bias = store_->g1(dt_bias_);
+  g.dD = store_->g1(D_);
+  g.dq_bias = store_->g1(C_bias_);
+  g.dk_bias = store_->g1(B_bias_);
+  if (dinit) {
+    require(dinit->batch == batch, "mamba3_mixer", "dinit is for batch ", dinit->batch, ", not ", batch);
+    g.dinit = dinit->carry;
+  }
+  if (dfinal) require(dfinal->batch == batch, "mamba3_mixer", "dfinal is for batch ", dfinal->batch, ", not ", batch);
+  mamba3_scan_backward<T>(scan_shape(batch, seqlen), scan_in(a), dy, dfinal ? dfinal->carry : Mamba3Carry<P>{}, g);
+
+  const auto proj = a.proj;
+  if (cfg_.is_mimo) {
+    const View1<const P> mx = store_->v1(mimo_x_);
+    par_for("mamba3::mimo_x_bwd", n, E, KOKKOS_LAMBDA(index_t i, index_t hp) {
+      const index_t h = hp / Pd, p = hp % Pd;
+      P acc = 0;
+      for (index_t r = 0; r < R; ++r) acc += P(dv(i, (h * R + r) * Pd + p)) * mx((h * R + r) * Pd + p);
+      dproj(i, E + hp) = static_cast<T>(acc);
+    });
+    column_reduce<P>(
+        "mamba3::dmimo_x", n, H * R * Pd,
+        KOKKOS_LAMBDA(index_t i, index_t hrp) {
+          const index_t h = hrp / (R * Pd), p = hrp % Pd;
+          return P(dv(i, hrp)) * P(proj(i, E + h * Pd + p));
+        },
+        store_->g1(mimo_x_), true);
+  }
+
+  // B / C RMSNorm backward into their columns of dproj; the norm weights' gradients.
+  {
+    const auto rstd = a.rstd_qk;
+    const View1<const P> wB = store_->v1(B_norm_), wC = store_->v1(C_norm_);
+    par_for("mamba3::bc_norm_bwd", n, 2 * RG, KOKKOS_LAMBDA(index_t i, index_t j) {
+      const index_t part = j / RG, grp = j % RG;
+      const index_t src = 2 * E + (part == 0 ? RGN : 0) + grp * N, dst = part * RGN + grp * N;
+      const auto& wt = part == 0 ? wC : wB;
+      const P r = rstd(i, j);
+      P dot = 0;
+      for (index_t m = 0; m < N; ++m) dot += P(dqk(i, dst + m)) * wt(m) * P(proj(i, src + m));
+      const P cc = r * r * dot / P(N);
+      for (index_t m = 0; m < N; ++m)
+        dproj(i, src + m) = static_cast<T>(r * (P(dqk(i, dst + m)) * wt(m) - P(proj(i, src + m)) * cc));
+    });
+    for (int part = 0; part < 2; ++part) {
+      const index_t src0 = 2 * E + (part == 0 ? RGN : 0), dst0 = part * RGN, jo = part * RG;
+      column_reduce<P>(
+          part == 0 ? "mamba3::dC_norm" : "mamba3::dB_norm", n, N,
+          KOKKOS_LAMBDA(index_t i, index_t m) {
+            P acc = 0;
+            for (index_t grp = 0; grp < RG; ++grp)
+              acc += P(dqk(i, dst0 + grp * N + m)) * P(proj(i, src0 + grp * N + m)) * rstd(i, jo + grp);
+            return acc;
+          },
+          store_->g1(part == 0 ? C_norm_ : B_norm_), true);
+    }
+  }
+  // in_proj
+  linear_backward<T>(a.u, store_->v2(in_proj_), dproj, du, false, store_->g2(in_proj_), View1<P>());
+}
+
+template <class T>
+void Mamba3Mixer<T>::step(const View2<T>& u, Mamba3State<T>& state, const View2<T>& out) const {
+  // One token is a sequence of length 1 that starts from and ends in `state` (the scan reads the whole initial
+  // carry before it writes the final one).
+  Mamba3Acts<T> a;
+  forward(u, index_t(u.extent(0)), 1, out, a, false, &state, &state);
+}
+
+template class Mamba3Mixer<float>;
+template class Mamba3Mixer<double>;
+
+}  // namespace mm

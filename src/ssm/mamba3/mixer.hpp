@@ -1,0 +1,125 @@
+// The Mamba-3 mixer (mamba_ssm's Mamba3, SISO or MIMO of rank R), forward, backward and single-token step:
+//
+//   proj = in_proj(u)      columns [z (E) | x (E) | B (R G N) | C (R G N) | dd_dt (H) | dd_A (H) | trap (H) | angles (S)]
+//   kn = RMSNorm_N(B) * B_norm,  qn = RMSNorm_N(C) * C_norm          (per (r, g) group of N, eps norm_eps)
+//   v_{t,h,r} = x_{t,h} (* mimo_x[h, r] for MIMO)
+//   y_{t,h,r} = Mamba-3 scan (see ssm/mamba3/scan.hpp: trapezoidal rule, data-dependent A, rotary, biases, D)
+//   g_{t,h,r} = y * silu(z_h (* mimo_z[h, r]))                    or, with is_outproj_norm (norm_before_gate):
+//             = RMSNorm_P(y) * norm_w[h] * silu(z_h (* mimo_z[h, r]))
+//   o_{t,h} = sum_r (mimo_o[h, r] *) g_{t,h,r}
+//   out = out_proj(o)
+// There is no conv1d and no A_log. Initialisation follows mamba_ssm: in_proj and out_proj like torch.nn.Linear
+// (out_proj then divided by sqrt(n_layer)), dt_bias = inverse softplus of exp(U[log dt_min, log dt_max]), D = 1,
+// B_norm = C_norm = 1, B_bias = C_bias = 1, mimo_x = 1/R, mimo_z = 1, mimo_o = 1/R, norm weight = 1.
+// The state (phi, S, k_prev, v_prev) lets a long sequence run in windows, and decoding run one token at a time.
+#pragma once
+
+#include <string>
+
+#include "core/kokkos_types.hpp"
+#include "model/params.hpp"
+#include "ssm/mamba3/scan.hpp"
+
+namespace mm {
+
+struct Mamba3Config {
+  // Rotary pair convention: upstream SISO uses interleaved pairs, upstream MIMO halved ones (by_variant).
+  enum class Pairing { by_variant, interleaved, halved };
+
+  index_t d_model = 256;
+  index_t d_state = 128;
+  index_t headdim = 64;
+  index_t expand = 2;
+  index_t ngroups = 1;
+  bool is_mimo = false;
+  index_t mimo_rank = 4;
+  index_t chunk_size = 64;
+  bool is_outproj_norm = false;
+  double rope_fraction = 0.5;
+  Pairing rope_pairing = Pairing::by_variant;
+  double A_floor = 1e-4;
+  double dt_min = 1e-3, dt_max = 0.1, dt_init_floor = 1e-4;
+  double norm_eps = 1e-5;
+
+  index_t d_inner() const { return expand * d_model; }
+  index_t nheads() const { return d_inner() / headdim; }
+  index_t rank() const { return is_mimo ? mimo_rank : 1; }
+  // S = floor_even(N * rope_fraction) / 2 rotary angles
+  index_t nangles() const {
+    const index_t n = static_cast<index_t>(double(d_state) * rope_fraction);
+    return (n - n % 2) / 2;
+  }
+  RopePairing pairing() const {
+    if (rope_pairing == Pairing::interleaved) return RopePairing::interleaved;
+    if (rope_pairing == Pairing::halved) return RopePairing::halved;
+    return is_mimo ? RopePairing::halved : RopePairing::interleaved;
+  }
+  index_t d_in_proj() const { return 2 * d_inner() + 2 * rank() * ngroups * d_state + 3 * nheads() + nangles(); }
+  // Shapes that do not divide and out-of-range values are errors naming the values.
+  void validate(const std::string& context) const;
+};
+
+// The recurrent state of one mixer for `batch` sequences (decode cache / window carry).
+template <class T>
+struct Mamba3State {
+  Mamba3Carry<acc_t<T>> carry;
+  index_t batch = 0;
+};
+
+// What the forward keeps for the backward. Under recompute only u (and the initial state) is kept.
+template <class T>
+struct Mamba3Acts {
+  View2<T> u;     // input (B*L, D)
+  View2<T> proj;  // in_proj output
+  View2<T> qk;    // [qn (R G N) | kn (R G N)]
+  View2<T> v;     // MIMO only: x * mimo_x (B*L, H R P)
+  View2<T> y;     // scan output (B*L, H R P)
+  View2<T> o;     // out_proj input (B*L, E)
+  View2<acc_t<T>> rstd_qk;   // (B*L, 2 R G)
+  View2<acc_t<T>> rstd_out;  // (B*L, H R) with is_outproj_norm
+  Mamba3Carry<acc_t<T>> init;  // the initial state the forward started from (empty = zero)
+};
+
+template <class T>
+class Mamba3Mixer {
+ public:
+  using P = acc_t<T>;
+  static_assert(std::is_same_v<T, P>, "bf16 activations need compute copies of the GEMM weights (GPU path)");
+
+  // Registers the parameters under `prefix` in `store`.
+  Mamba3Mixer(const Mamba3Config& cfg, ParamStore<P>& store, const std::string& prefix, index_t n_layer);
+
+  const Mamba3Config& config() const { return cfg_; }
+  Mamba3ScanShape scan_shape(index_t batch, index_t seqlen) const;
+
+  // A zero state for `batch` sequences.
+  Mamba3State<T> make_state(index_t batch) const;
+
+  // out (B*L, D) = mixer(u). `init` (optional) is the state before the first token; `final_state` (optional) gets
+  // the state after the last token (it may be the same object as `init`, as in step(); then the backward cannot
+  // use this forward, since the initial state is overwritten). If `save` is false only u and the initial state are
+  // kept (by reference) and backward() recomputes the rest.
+  void forward(const View2<T>& u, index_t batch, index_t seqlen, const View2<T>& out, Mamba3Acts<T>& acts,
+               bool save, const Mamba3State<T>* init = nullptr, Mamba3State<T>* final_state = nullptr) const;
+
+  // du (B*L, D) is written; parameter gradients are accumulated into the store's gradient buffer. `dfinal`
+  // (optional) is the gradient of the final state; `dinit` (optional, allocated by the caller with make_state) gets
+  // the gradient of the initial state.
+  void backward(Mamba3Acts<T>& acts, index_t batch, index_t seqlen, const View2<const T>& dout, const View2<T>& du,
+                const Mamba3State<T>* dfinal = nullptr, Mamba3State<T>* dinit = nullptr) const;
+
+  // One decoding step: u (batch, D) -> out (batch, D), state updated in place.
+  void step(const View2<T>& u, Mamba3State<T>& state, const View2<T>& out) const;
+
+ private:
+  void run_internals(const View2<T>& u, index_t batch, index_t seqlen, Mamba3Acts<T>& acts,
+                     const Mamba3Carry<P>& final_carry) const;
+  Mamba3ScanIn<T> scan_in(const Mamba3Acts<T>& acts) const;
+
+  Mamba3Config cfg_;
+  ParamStore<P>* store_;
+  std::size_t in_proj_, dt_bias_, D_, B_norm_, C_norm_, B_bias_, C_bias_, out_proj_;
+  std::size_t mimo_x_ = 0, mimo_z_ = 0, mimo_o_ = 0, norm_w_ = 0;
+};
+
+}  // namespace mm

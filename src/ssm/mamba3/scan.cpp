@@ -1,0 +1,729 @@
+#include "ssm/mamba3/scan.hpp"
+
+#include "core/error.hpp"
+#include "tensor/ops.hpp"
+
+namespace mm {
+
+void Mamba3ScanShape::validate(const char* where) const {
+  require(batch > 0 && seqlen > 0, where, "batch (", batch, ") and seqlen (", seqlen, ") must be positive");
+  require(nheads > 0 && headdim > 0 && dstate > 0 && rank > 0 && chunk > 0, where,
+          "nheads (", nheads, "), headdim (", headdim, "), dstate (", dstate, "), rank (", rank, ") and chunk (",
+          chunk, ") must be positive");
+  require(ngroups > 0 && nheads % ngroups == 0, where, "nheads (", nheads, ") is not divisible by ngroups (",
+          ngroups, ")");
+  require(nangles >= 0 && 2 * nangles <= dstate, where, "nangles (", nangles, ") rotary pairs do not fit in dstate (",
+          dstate, ")");
+  require(pairing != RopePairing::halved || nangles == 0 || dstate % 2 == 0, where,
+          "halved rotary pairs need an even dstate (got ", dstate, ")");
+  require(A_floor >= 0, where, "A_floor (", A_floor, ") must be non-negative");
+}
+
+namespace {
+
+template <class P>
+KOKKOS_INLINE_FUNCTION P heavy_tail(P x) {
+  return x >= P(0) ? P(1) + x : P(1) / (P(1) - x);
+}
+template <class P>
+KOKKOS_INLINE_FUNCTION P dheavy_tail(P x) {
+  return x >= P(0) ? P(1) : P(1) / ((P(1) - x) * (P(1) - x));
+}
+
+// Everything a kernel needs, copied by value into the lambdas.
+template <class T>
+struct Ctx {
+  using P = acc_t<T>;
+  View2<const T> v, qk, dd;
+  index_t v_col, q_col, k_col, dt_col, A_col, trap_col, angle_col;
+  View1<const P> dt_bias, D, q_bias, k_bias;
+  index_t Bsz, L, H, Pd, G, N, R, S, Q, nc, hpg;
+  bool halved;
+  P A_floor;
+  View3<P> delta, lam, Av, acs, w;  // (batch, H, L): Delta, lambda, A_t, in-chunk cumsum of A Delta, weight w
+  View4<P> phi;                     // (batch, H, L, S)
+  View2<P> qt, kt;                  // (batch * L, H * R * N): rotated, biased q and k
+  View5<P> states;                  // (batch, nchunks, H, P, N): chunk-local states, then the state entering
+
+  KOKKOS_INLINE_FUNCTION index_t row(index_t b, index_t t) const { return b * L + t; }
+  KOKKOS_INLINE_FUNCTION index_t chunk_end(index_t c) const { return (c + 1) * Q < L ? (c + 1) * Q : L; }
+  KOKKOS_INLINE_FUNCTION void decode(index_t id, index_t& b, index_t& ch, index_t& h) const {
+    h = id % H;
+    ch = (id / H) % nc;
+    b = id / (H * nc);
+  }
+  KOKKOS_INLINE_FUNCTION void pair(index_t i, index_t& i0, index_t& i1) const {
+    i0 = halved ? i : 2 * i;
+    i1 = halved ? i + N / 2 : 2 * i + 1;
+  }
+  KOKKOS_INLINE_FUNCTION P gamma(index_t b, index_t h, index_t t) const { return lam(b, h, t) * delta(b, h, t); }
+  // rows of length P (v of rank r) and N (rotated q, k of rank r) of token t, head h
+  KOKKOS_INLINE_FUNCTION const T* vrow(index_t rw, index_t h, index_t r) const {
+    return &v(rw, v_col + (h * R + r) * Pd);
+  }
+  KOKKOS_INLINE_FUNCTION const P* qrow(index_t rw, index_t h, index_t r) const { return &qt(rw, (h * R + r) * N); }
+  KOKKOS_INLINE_FUNCTION const P* krow(index_t rw, index_t h, index_t r) const { return &kt(rw, (h * R + r) * N); }
+};
+
+template <class T>
+Ctx<T> make_ctx(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in) {
+  using P = acc_t<T>;
+  s.validate("mamba3_scan");
+  const index_t rows = s.batch * s.seqlen;
+  require(index_t(in.v.extent(0)) == rows && index_t(in.qk.extent(0)) == rows && index_t(in.dd.extent(0)) == rows,
+          "mamba3_scan", "inputs have ", in.v.extent(0), ", ", in.qk.extent(0), " and ", in.dd.extent(0),
+          " rows, expected batch * seqlen = ", rows);
+  require(index_t(in.v.extent(1)) >= in.v_col + s.nheads * s.rank * s.headdim, "mamba3_scan",
+          "v has ", in.v.extent(1), " columns, too few for column ", in.v_col, " + H*R*P = ",
+          s.nheads * s.rank * s.headdim);
+  const index_t RGN = s.rank * s.ngroups * s.dstate;
+  require(index_t(in.qk.extent(1)) >= in.q_col + RGN && index_t(in.qk.extent(1)) >= in.k_col + RGN, "mamba3_scan",
+          "qk has ", in.qk.extent(1), " columns, too few for R*G*N = ", RGN);
+  require(index_t(in.dd.extent(1)) >= in.angle_col + s.nangles, "mamba3_scan", "dd has too few columns");
+  const index_t HRN = s.nheads * s.rank * s.dstate;
+  require(index_t(in.dt_bias.extent(0)) == s.nheads && index_t(in.D.extent(0)) == s.nheads &&
+              index_t(in.q_bias.extent(0)) == HRN && index_t(in.k_bias.extent(0)) == HRN,
+          "mamba3_scan", "dt_bias and D must have nheads = ", s.nheads, " entries and the biases H*R*N = ", HRN);
+  if (!in.init.empty())
+    require(index_t(in.init.S.extent(0)) == s.batch && index_t(in.init.S.extent(1)) == s.nheads &&
+                index_t(in.init.S.extent(2)) == s.headdim && index_t(in.init.S.extent(3)) == s.dstate &&
+                index_t(in.init.k.extent(2)) == s.rank && index_t(in.init.v.extent(2)) == s.rank &&
+                index_t(in.init.phi.extent(2)) == s.nangles,
+            "mamba3_scan", "initial carry does not match (batch ", s.batch, ", nheads ", s.nheads, ", headdim ",
+            s.headdim, ", dstate ", s.dstate, ", rank ", s.rank, ", nangles ", s.nangles, ")");
+  Ctx<T> c;
+  c.v = in.v;
+  c.qk = in.qk;
+  c.dd = in.dd;
+  c.v_col = in.v_col;
+  c.q_col = in.q_col;
+  c.k_col = in.k_col;
+  c.dt_col = in.dt_col;
+  c.A_col = in.A_col;
+  c.trap_col = in.trap_col;
+  c.angle_col = in.angle_col;
+  c.dt_bias = in.dt_bias;
+  c.D = in.D;
+  c.q_bias = in.q_bias;
+  c.k_bias = in.k_bias;
+  c.Bsz = s.batch;
+  c.L = s.seqlen;
+  c.H = s.nheads;
+  c.Pd = s.headdim;
+  c.G = s.ngroups;
+  c.N = s.dstate;
+  c.R = s.rank;
+  c.S = s.nangles;
+  c.Q = s.chunk;
+  c.nc = s.nchunks();
+  c.hpg = s.nheads / s.ngroups;
+  c.halved = s.pairing == RopePairing::halved;
+  c.A_floor = P(s.A_floor);
+  auto v3 = [&](const std::string& l) { return View3<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, l), s.batch, s.nheads, s.seqlen); };
+  c.delta = v3("mamba3::delta");
+  c.lam = v3("mamba3::lambda");
+  c.Av = v3("mamba3::A");
+  c.acs = v3("mamba3::acs");
+  c.w = v3("mamba3::w");
+  c.phi = View4<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::phi"), s.batch, s.nheads, s.seqlen,
+                   s.nangles);
+  c.qt = View2<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::qt"), rows, HRN);
+  c.kt = View2<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::kt"), rows, HRN);
+  c.states = View5<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::states"), s.batch, c.nc, s.nheads,
+                      s.headdim, s.dstate);
+  return c;
+}
+
+// Per-token scalars: Delta, lambda, A_t, the in-chunk cumsum of A Delta and the weight w_t = gamma_t + gamma'_t
+// (gamma'_t = Delta_{t+1} (1 - lambda_{t+1}) is recomputed from the next token's inputs, so chunks are independent).
+template <class T>
+void token_scalars(const Ctx<T>& c) {
+  using P = acc_t<T>;
+  par_for("mamba3::token_scalars", c.Bsz * c.H, c.nc, KOKKOS_LAMBDA(index_t bh, index_t ch) {
+    const index_t b = bh / c.H, h = bh % c.H;
+    P run = 0;
+    for (index_t t = ch * c.Q; t < c.chunk_end(ch); ++t) {
+      const index_t rw = c.row(b, t);
+      const P d = softplus(P(c.dd(rw, c.dt_col + h)) + c.dt_bias(h));
+      const P f = heavy_tail(P(c.dd(rw, c.A_col + h)));
+      const P A = -(f > c.A_floor ? f : c.A_floor);
+      const P lm = sigmoid(P(c.dd(rw, c.trap_col + h)));
+      c.delta(b, h, t) = d;
+      c.lam(b, h, t) = lm;
+      c.Av(b, h, t) = A;
+      run += A * d;
+      c.acs(b, h, t) = run;
+      P gp = 0;
+      if (t + 1 < c.L) {
+        const P dn = softplus(P(c.dd(rw + 1, c.dt_col + h)) + c.dt_bias(h));
+        gp = dn * (P(1) - sigmoid(P(c.dd(rw + 1, c.trap_col + h))));
+      }
+      c.w(b, h, t) = lm * d + gp;
+    }
+  });
+}
+
+// Cumulative rotary phases phi_t = (phi_{t-1} + pi tanh(theta_t) Delta_t) mod 2 pi.
+template <class T>
+void phases(const Ctx<T>& c, const View3<acc_t<T>>& init_phi) {
+  using P = acc_t<T>;
+  const bool has_init = init_phi.extent(0) > 0;
+  par_for("mamba3::phases", c.Bsz * c.H, c.S, KOKKOS_LAMBDA(index_t bh, index_t i) {
+    const index_t b = bh / c.H, h = bh % c.H;
+    const P pi = Kokkos::numbers::pi_v<P>, two_pi = P(2) * pi;
+    P ph = has_init ? init_phi(b, h, i) : P(0);
+    for (index_t t = 0; t < c.L; ++t) {
+      ph += pi * Kokkos::tanh(P(c.dd(c.row(b, t), c.angle_col + i))) * c.delta(b, h, t);
+      ph -= two_pi * Kokkos::floor(ph / two_pi);
+      c.phi(b, h, t, i) = ph;
+    }
+  });
+}
+
+// q~ = Rot(phi) (qn + q_bias), k~ = Rot(phi) (kn + k_bias), per token, head and rank.
+template <class T>
+void rotate(const Ctx<T>& c) {
+  using P = acc_t<T>;
+  par_for("mamba3::rotate", c.Bsz * c.L, c.H * c.R, KOKKOS_LAMBDA(index_t rw, index_t hr) {
+    const index_t b = rw / c.L, t = rw % c.L, h = hr / c.R, r = hr % c.R, g = h / c.hpg;
+    P* qo = &c.qt(rw, hr * c.N);
+    P* ko = &c.kt(rw, hr * c.N);
+    for (index_t n = 0; n < c.N; ++n) {
+      qo[n] = P(c.qk(rw, c.q_col + (r * c.G + g) * c.N + n)) + c.q_bias(hr * c.N + n);
+      ko[n] = P(c.qk(rw, c.k_col + (r * c.G + g) * c.N + n)) + c.k_bias(hr * c.N + n);
+    }
+    for (index_t i = 0; i < c.S; ++i) {
+      index_t i0, i1;
+      c.pair(i, i0, i1);
+      const P ph = c.phi(b, h, t, i), cs = Kokkos::cos(ph), sn = Kokkos::sin(ph);
+      const P q0 = qo[i0], q1 = qo[i1], k0 = ko[i0], k1 = ko[i1];
+      qo[i0] = q0 * cs - q1 * sn;
+      qo[i1] = q0 * sn + q1 * cs;
+      ko[i0] = k0 * cs - k1 * sn;
+      ko[i1] = k0 * sn + k1 * cs;
+    }
+  });
+}
+
+// states(b, c, h) = sum_{s in c} exp(Acs_last - Acs_s) w_s sum_r v_{s,r} k~_{s,r}^T
+template <class T>
+void chunk_state(const Ctx<T>& c) {
+  using P = acc_t<T>;
+  par_for_team("mamba3::chunk_state", c.Bsz * c.nc * c.H, KOKKOS_LAMBDA(const Team& tm) {
+    index_t b, ch, h;
+    c.decode(tm.league_rank(), b, ch, h);
+    const index_t t0 = ch * c.Q, t1 = c.chunk_end(ch);
+    const P acs_last = c.acs(b, h, t1 - 1);
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, c.Pd), [&](index_t p) {
+      P* st = &c.states(b, ch, h, p, 0);
+      for (index_t n = 0; n < c.N; ++n) st[n] = P(0);
+      for (index_t s = t0; s < t1; ++s) {
+        const index_t rs = c.row(b, s);
+        const P e = exp_nonpos(acs_last - c.acs(b, h, s)) * c.w(b, h, s);
+        for (index_t r = 0; r < c.R; ++r) {
+          const P vv = e * P(c.vrow(rs, h, r)[p]);
+          const P* k = c.krow(rs, h, r);
+          for (index_t n = 0; n < c.N; ++n) st[n] += vv * k[n];
+        }
+      }
+    });
+  });
+}
+
+// In place: states(b, c) becomes the state entering chunk c (Sh_{t0 - 1}); final.S gets the state after the last.
+template <class T>
+void state_passing(const Ctx<T>& c, const Mamba3Carry<acc_t<T>>& init, const View4<acc_t<T>>& final_S) {
+  using P = acc_t<T>;
+  const bool has_init = !init.empty(), has_final = final_S.extent(0) > 0;
+  const auto iS = init.S;
+  const auto ik = init.k;
+  const auto iv = init.v;
+  par_for("mamba3::state_passing", c.Bsz * c.H, c.Pd * c.N, KOKKOS_LAMBDA(index_t bh, index_t pn) {
+    const index_t b = bh / c.H, h = bh % c.H, p = pn / c.N, n = pn % c.N;
+    P Sh = 0;
+    if (has_init) {
+      const P gp0 = c.delta(b, h, 0) * (P(1) - c.lam(b, h, 0));
+      P kv = 0;
+      for (index_t r = 0; r < c.R; ++r) kv += iv(b, h, r, p) * ik(b, h, r, n);
+      Sh = iS(b, h, p, n) + gp0 * kv;
+    }
+    for (index_t ch = 0; ch < c.nc; ++ch) {
+      const P local = c.states(b, ch, h, p, n);
+      c.states(b, ch, h, p, n) = Sh;
+      Sh = exp_nonpos(c.acs(b, h, c.chunk_end(ch) - 1)) * Sh + local;
+    }
+    if (has_final) final_S(b, h, p, n) = Sh;
+  });
+}
+
+template <class T>
+void recompute(const Ctx<T>& c, const Mamba3Carry<acc_t<T>>& init, const View4<acc_t<T>>& final_S) {
+  token_scalars(c);
+  phases(c, init.phi);
+  rotate(c);
+  chunk_state(c);
+  state_passing(c, init, final_S);
+}
+
+}  // namespace
+
+template <class T>
+void mamba3_scan_forward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, const View2<T>& y,
+                         const Mamba3Carry<acc_t<T>>& fin) {
+  using P = acc_t<T>;
+  const Ctx<T> c = make_ctx(s, in);
+  require(index_t(y.extent(0)) == c.Bsz * c.L && index_t(y.extent(1)) == c.H * c.R * c.Pd, "mamba3_scan_forward",
+          "y must be (batch * seqlen, nheads * rank * headdim) = (", c.Bsz * c.L, ", ", c.H * c.R * c.Pd, ")");
+  const bool has_final = !fin.empty();
+  if (has_final)
+    require(index_t(fin.S.extent(0)) == c.Bsz && index_t(fin.S.extent(1)) == c.H &&
+                index_t(fin.S.extent(2)) == c.Pd && index_t(fin.S.extent(3)) == c.N &&
+                index_t(fin.k.extent(2)) == c.R && index_t(fin.v.extent(2)) == c.R &&
+                index_t(fin.phi.extent(2)) == c.S,
+            "mamba3_scan_forward", "final carry does not match the shape");
+  token_scalars(c);
+  phases(c, in.init.phi);
+  rotate(c);
+  chunk_state(c);
+  state_passing(c, in.init, fin.S);
+
+  par_for_team(
+      "mamba3::chunk_scan", c.Bsz * c.nc * c.H,
+      KOKKOS_LAMBDA(const Team& tm) {
+        index_t b, ch, h;
+        c.decode(tm.league_rank(), b, ch, h);
+        const index_t t0 = ch * c.Q, t1 = c.chunk_end(ch);
+        const P Dh = c.D(h);
+        Scratch1<P> acc(tm.thread_scratch(1), c.R * c.Pd);
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, t0, t1), [&](index_t t) {
+          const index_t rt = c.row(b, t);
+          const P acs_t = c.acs(b, h, t), e_in = exp_nonpos(acs_t);
+          for (index_t r = 0; r < c.R; ++r) {
+            const T* vt = c.vrow(rt, h, r);
+            const P* q = c.qrow(rt, h, r);
+            for (index_t p = 0; p < c.Pd; ++p) {
+              const P* Sp = &c.states(b, ch, h, p, 0);
+              P sq = 0;
+              for (index_t n = 0; n < c.N; ++n) sq += Sp[n] * q[n];
+              acc(r * c.Pd + p) = Dh * P(vt[p]) + e_in * sq;
+            }
+          }
+          for (index_t s2 = t0; s2 <= t; ++s2) {
+            const index_t rs = c.row(b, s2);
+            const P coef = s2 < t ? exp_nonpos(acs_t - c.acs(b, h, s2)) * c.w(b, h, s2) : c.gamma(b, h, t);
+            for (index_t r2 = 0; r2 < c.R; ++r2) {
+              const P* k = c.krow(rs, h, r2);
+              const T* vs = c.vrow(rs, h, r2);
+              for (index_t r = 0; r < c.R; ++r) {
+                const P* q = c.qrow(rt, h, r);
+                P dot = 0;
+                for (index_t n = 0; n < c.N; ++n) dot += q[n] * k[n];
+                const P f = coef * dot;
+                for (index_t p = 0; p < c.Pd; ++p) acc(r * c.Pd + p) += f * P(vs[p]);
+              }
+            }
+          }
+          T* yt = &y(rt, h * c.R * c.Pd);
+          for (index_t i = 0; i < c.R * c.Pd; ++i) yt[i] = static_cast<T>(acc(i));
+        });
+      },
+      0, Scratch1<P>::shmem_size(c.R * c.Pd), 1);
+
+  if (has_final) {
+    const auto fphi = fin.phi;
+    const auto fk = fin.k;
+    const auto fv = fin.v;
+    par_for("mamba3::final_carry", c.Bsz * c.H, KOKKOS_LAMBDA(index_t bh) {
+      const index_t b = bh / c.H, h = bh % c.H, rl = c.row(b, c.L - 1);
+      for (index_t i = 0; i < c.S; ++i) fphi(b, h, i) = c.phi(b, h, c.L - 1, i);
+      for (index_t r = 0; r < c.R; ++r) {
+        const P* k = c.krow(rl, h, r);
+        const T* vv = c.vrow(rl, h, r);
+        for (index_t n = 0; n < c.N; ++n) fk(b, h, r, n) = k[n];
+        for (index_t p = 0; p < c.Pd; ++p) fv(b, h, r, p) = P(vv[p]);
+      }
+    });
+  }
+}
+
+template <class T>
+void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, const View2<const T>& dy,
+                          const Mamba3Carry<acc_t<T>>& dfin, const Mamba3ScanGrad<T>& gr) {
+  using P = acc_t<T>;
+  const Ctx<T> c = make_ctx(s, in);
+  const index_t rows = c.Bsz * c.L, HRN = c.H * c.R * c.N;
+  require(index_t(dy.extent(0)) == rows && index_t(dy.extent(1)) == c.H * c.R * c.Pd, "mamba3_scan_backward",
+          "dy must be (batch * seqlen, nheads * rank * headdim) = (", rows, ", ", c.H * c.R * c.Pd, ")");
+  require(index_t(gr.dv.extent(0)) == rows && gr.dv.extent(1) == in.v.extent(1) && index_t(gr.dqk.extent(0)) == rows &&
+              gr.dqk.extent(1) == in.qk.extent(1) && index_t(gr.ddd.extent(0)) == rows &&
+              gr.ddd.extent(1) == in.dd.extent(1),
+          "mamba3_scan_backward", "gradient matrices must have the shapes of the inputs");
+  recompute(c, in.init, View4<P>());
+  const bool has_dfinal = !dfin.empty(), has_init = !in.init.empty(), want_dinit = !gr.dinit.empty();
+
+  // dstates(b, c) = sum_{t in c} exp(Acs_t) sum_r dy_{t,r} q~_{t,r}^T  (gradient of Sh_in from chunk c's outputs)
+  View5<P> dstates(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::dstates"), c.Bsz, c.nc, c.H, c.Pd, c.N);
+  par_for_team("mamba3::dstates_local", c.Bsz * c.nc * c.H, KOKKOS_LAMBDA(const Team& tm) {
+    index_t b, ch, h;
+    c.decode(tm.league_rank(), b, ch, h);
+    const index_t t0 = ch * c.Q, t1 = c.chunk_end(ch);
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, c.Pd), [&](index_t p) {
+      P* ds = &dstates(b, ch, h, p, 0);
+      for (index_t n = 0; n < c.N; ++n) ds[n] = P(0);
+      for (index_t t = t0; t < t1; ++t) {
+        const index_t rt = c.row(b, t);
+        const P e = exp_nonpos(c.acs(b, h, t));
+        for (index_t r = 0; r < c.R; ++r) {
+          const P d = e * P(dy(rt, (h * c.R + r) * c.Pd + p));
+          const P* q = c.qrow(rt, h, r);
+          for (index_t n = 0; n < c.N; ++n) ds[n] += d * q[n];
+        }
+      }
+    });
+  });
+
+  // Reverse state passing, in place: dstates(b, c) becomes dL/dSh_out(c); dsh0 = dL/dSh_{-1}.
+  View4<P> dsh0(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::dsh0"), c.Bsz, c.H, c.Pd, c.N);
+  {
+    const auto dS = dfin.S;
+    par_for("mamba3::state_passing_bwd", c.Bsz * c.H, c.Pd * c.N, KOKKOS_LAMBDA(index_t bh, index_t pn) {
+      const index_t b = bh / c.H, h = bh % c.H, p = pn / c.N, n = pn % c.N;
+      P dH = has_dfinal ? dS(b, h, p, n) : P(0);
+      for (index_t ch = c.nc - 1; ch >= 0; --ch) {
+        const P local = dstates(b, ch, h, p, n);
+        dstates(b, ch, h, p, n) = dH;
+        dH = local + exp_nonpos(c.acs(b, h, c.chunk_end(ch) - 1)) * dH;
+      }
+      dsh0(b, h, p, n) = dH;
+    });
+  }
+
+  // Initial carry: Sh_{-1} = S_init + gp0 sum_r v_r k_r^T with gp0 = Delta_0 (1 - lambda_0).
+  View2<P> dgp0("mamba3::dgp0", c.Bsz, c.H);
+  {
+    const auto iv = in.init.v;
+    const auto ik = in.init.k;
+    const auto dS = gr.dinit.S;
+    const auto dk = gr.dinit.k;
+    const auto dv = gr.dinit.v;
+    par_for("mamba3::init_carry_bwd", c.Bsz * c.H, KOKKOS_LAMBDA(index_t bh) {
+      const index_t b = bh / c.H, h = bh % c.H;
+      const P gp0 = c.delta(b, h, 0) * (P(1) - c.lam(b, h, 0));
+      P acc = 0;
+      for (index_t r = 0; r < c.R; ++r) {
+        for (index_t p = 0; p < c.Pd; ++p) {
+          P dk_row = 0;  // sum_n dSh[p, n] k_r[n]
+          for (index_t n = 0; n < c.N; ++n) dk_row += dsh0(b, h, p, n) * (has_init ? ik(b, h, r, n) : P(0));
+          const P vv = has_init ? iv(b, h, r, p) : P(0);
+          acc += vv * dk_row;
+          if (want_dinit) dv(b, h, r, p) = gp0 * dk_row;
+        }
+        if (want_dinit)
+          for (index_t n = 0; n < c.N; ++n) {
+            P s2 = 0;
+            for (index_t p = 0; p < c.Pd; ++p) s2 += dsh0(b, h, p, n) * (has_init ? iv(b, h, r, p) : P(0));
+            dk(b, h, r, n) = gp0 * s2;
+          }
+      }
+      dgp0(b, h) = has_init ? acc : P(0);
+      if (want_dinit)
+        for (index_t p = 0; p < c.Pd; ++p)
+          for (index_t n = 0; n < c.N; ++n) dS(b, h, p, n) = dsh0(b, h, p, n);
+    });
+  }
+
+  // Per chunk and head: dv, dq~, dk~, and the per-token scalar gradients da (of A_t Delta_t), dw, and dgamma_diag.
+  View2<P> dqt(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::dqt"), rows, HRN);
+  View2<P> dkt(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::dkt"), rows, HRN);
+  View3<P> da(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::da"), c.Bsz, c.H, c.L);
+  View3<P> dw(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::dw"), c.Bsz, c.H, c.L);
+  View3<P> ddg(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::ddiag"), c.Bsz, c.H, c.L);
+  View3<P> dD_part(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::dD_part"), c.Bsz, c.nc, c.H);
+  {
+    const auto dvo = gr.dv;
+    const index_t v_col = in.v_col, Q = c.Q;
+    const auto fv = dfin.v;
+    const auto fk = dfin.k;
+    // Team scratch: M (s <= t: sum_{r,r'} (q~_{t,r}.k~_{s,r'}) (dy_{t,r}.v_{s,r'})), Cf (the coefficient of the
+    // pair: exp(Acs_t - Acs_s) w_s below the diagonal, gamma_t on it), Ex (exp(Acs_t - Acs_s)); six vectors of Q.
+    const std::size_t team_bytes = 3 * Scratch2<P>::shmem_size(Q, Q) + 6 * Scratch1<P>::shmem_size(Q);
+    const std::size_t thread_bytes = Scratch1<P>::shmem_size(c.R * c.Pd) + Scratch1<P>::shmem_size(c.R * c.N);
+    par_for_team(
+        "mamba3::chunk_bwd", c.Bsz * c.nc * c.H,
+        KOKKOS_LAMBDA(const Team& tm) {
+          index_t b, ch, h;
+          c.decode(tm.league_rank(), b, ch, h);
+          const index_t t0 = ch * c.Q, t1 = c.chunk_end(ch), q = t1 - t0;
+          const P Dh = c.D(h), acs_last = c.acs(b, h, t1 - 1);
+          const bool last_chunk = t1 == c.L;
+          Scratch2<P> M(tm.team_scratch(1), Q, Q), Cf(tm.team_scratch(1), Q, Q), Ex(tm.team_scratch(1), Q, Q);
+          Scratch1<P> insum(tm.team_scratch(1), Q), outsum(tm.team_scratch(1), Q), inter(tm.team_scratch(1), Q),
+              wstate(tm.team_scratch(1), Q), dwv(tm.team_scratch(1), Q), ddot(tm.team_scratch(1), Q);
+          Scratch1<P> accP(tm.thread_scratch(1), c.R * c.Pd), accN(tm.thread_scratch(1), c.R * c.N);
+          const P* dH = &dstates(b, ch, h, 0, 0);  // dL/dSh_out, (P, N)
+          const P* Sin = &c.states(b, ch, h, 0, 0);
+          auto dyrow = [&](index_t rw, index_t r) { return &dy(rw, (h * c.R + r) * c.Pd); };
+
+          // Phase A: pair quantities.
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, q), [&](index_t il) {
+            const index_t t = t0 + il, rt = c.row(b, t);
+            const P acs_t = c.acs(b, h, t);
+            for (index_t is = 0; is <= il; ++is) {
+              const index_t s2 = t0 + is, rs = c.row(b, s2);
+              P m = 0;
+              for (index_t r = 0; r < c.R; ++r) {
+                const P* qv = c.qrow(rt, h, r);
+                const T* dyv = dyrow(rt, r);
+                for (index_t r2 = 0; r2 < c.R; ++r2) {
+                  const P* kv = c.krow(rs, h, r2);
+                  const T* vv = c.vrow(rs, h, r2);
+                  P gqk = 0, dxv = 0;
+                  for (index_t n = 0; n < c.N; ++n) gqk += qv[n] * kv[n];
+                  for (index_t p = 0; p < c.Pd; ++p) dxv += P(dyv[p]) * P(vv[p]);
+                  m += gqk * dxv;
+                }
+              }
+              M(il, is) = m;
+              const P e = is < il ? exp_nonpos(acs_t - c.acs(b, h, s2)) : P(1);
+              Ex(il, is) = e;
+              Cf(il, is) = is < il ? e * c.w(b, h, s2) : c.gamma(b, h, t);
+            }
+          });
+          tm.team_barrier();
+
+          // Phase B (output token t): dq~_t (intra + inter), the inter and incoming-intra terms of dAcs_t.
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, q), [&](index_t il) {
+            const index_t t = t0 + il, rt = c.row(b, t);
+            const P e_in = exp_nonpos(c.acs(b, h, t));
+            P in_term = 0;
+            for (index_t r = 0; r < c.R; ++r) {
+              const T* dyv = dyrow(rt, r);
+              const P* qv = c.qrow(rt, h, r);
+              for (index_t n = 0; n < c.N; ++n) accN(r * c.N + n) = 0;
+              for (index_t p = 0; p < c.Pd; ++p) {
+                const P d = e_in * P(dyv[p]);
+                for (index_t n = 0; n < c.N; ++n) accN(r * c.N + n) += d * Sin[p * c.N + n];
+              }
+              for (index_t n = 0; n < c.N; ++n) in_term += qv[n] * accN(r * c.N + n);
+            }
+            P ins = 0;
+            for (index_t is = 0; is <= il; ++is) {
+              const index_t rs = c.row(b, t0 + is);
+              const P cf = Cf(il, is);
+              if (is < il) ins += M(il, is) * cf;
+              for (index_t r = 0; r < c.R; ++r) {
+                const T* dyv = dyrow(rt, r);
+                for (index_t r2 = 0; r2 < c.R; ++r2) {
+                  const T* vv = c.vrow(rs, h, r2);
+                  P dxv = 0;
+                  for (index_t p = 0; p < c.Pd; ++p) dxv += P(dyv[p]) * P(vv[p]);
+                  const P f = cf * dxv;
+                  const P* kv = c.krow(rs, h, r2);
+                  for (index_t n = 0; n < c.N; ++n) accN(r * c.N + n) += f * kv[n];
+                }
+              }
+            }
+            for (index_t i = 0; i < c.R * c.N; ++i) dqt(rt, h * c.R * c.N + i) = accN(i);
+            inter(il) = in_term;
+            insum(il) = ins;
+            ddg(b, h, t) = M(il, il);
+          });
+
+          // Phase C (source token s): dv_s, dk~_s, the outgoing-intra and state terms of dAcs_s, dw_s.
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, q), [&](index_t is) {
+            const index_t s2 = t0 + is, rs = c.row(b, s2);
+            const P es = exp_nonpos(acs_last - c.acs(b, h, s2)), ws = c.w(b, h, s2);
+            P vdk = 0, dd = 0;
+            for (index_t r2 = 0; r2 < c.R; ++r2) {
+              const P* kv = c.krow(rs, h, r2);
+              const T* vv = c.vrow(rs, h, r2);
+              const T* dys = dyrow(rs, r2);
+              for (index_t n = 0; n < c.N; ++n) accN(r2 * c.N + n) = 0;
+              for (index_t p = 0; p < c.Pd; ++p) {
+                const P* dHp = dH + p * c.N;
+                P hk = 0;
+                for (index_t n = 0; n < c.N; ++n) hk += dHp[n] * kv[n];
+                const P vp = P(vv[p]);
+                vdk += vp * hk;
+                dd += P(dys[p]) * vp;
+                accP(r2 * c.Pd + p) = Dh * P(dys[p]) + es * ws * hk;
+                for (index_t n = 0; n < c.N; ++n) accN(r2 * c.N + n) += es * ws * dHp[n] * vp;
+              }
+            }
+            P outs = 0, dwi = 0;
+            for (index_t il = is; il < q; ++il) {
+              const index_t rt = c.row(b, t0 + il);
+              const P cf = Cf(il, is);
+              if (il > is) {
+                outs += M(il, is) * cf;
+                dwi += M(il, is) * Ex(il, is);
+              }
+              for (index_t r2 = 0; r2 < c.R; ++r2) {
+                const P* kv = c.krow(rs, h, r2);
+                const T* vv = c.vrow(rs, h, r2);
+                for (index_t r = 0; r < c.R; ++r) {
+                  const P* qv = c.qrow(rt, h, r);
+                  const T* dyv = dyrow(rt, r);
+                  P gqk = 0, dxv = 0;
+                  for (index_t n = 0; n < c.N; ++n) gqk += qv[n] * kv[n];
+                  for (index_t p = 0; p < c.Pd; ++p) dxv += P(dyv[p]) * P(vv[p]);
+                  const P fv2 = cf * gqk, fk2 = cf * dxv;
+                  for (index_t p = 0; p < c.Pd; ++p) accP(r2 * c.Pd + p) += fv2 * P(dyv[p]);
+                  for (index_t n = 0; n < c.N; ++n) accN(r2 * c.N + n) += fk2 * qv[n];
+                }
+              }
+            }
+            if (has_dfinal && last_chunk && s2 == c.L - 1) {
+              for (index_t r2 = 0; r2 < c.R; ++r2) {
+                for (index_t p = 0; p < c.Pd; ++p) accP(r2 * c.Pd + p) += fv(b, h, r2, p);
+                for (index_t n = 0; n < c.N; ++n) accN(r2 * c.N + n) += fk(b, h, r2, n);
+              }
+            }
+            for (index_t r2 = 0; r2 < c.R; ++r2)
+              for (index_t p = 0; p < c.Pd; ++p)
+                dvo(rs, v_col + (h * c.R + r2) * c.Pd + p) = static_cast<T>(accP(r2 * c.Pd + p));
+            for (index_t i = 0; i < c.R * c.N; ++i) dkt(rs, h * c.R * c.N + i) = accN(i);
+            outsum(is) = outs;
+            wstate(is) = es * ws * vdk;
+            dwv(is) = dwi + es * vdk;
+            ddot(is) = dd;
+          });
+
+          // Decay of the state passing: dAcs_last += exp(Acs_last) <dSh_out, Sh_in>.
+          P wdecay = 0;
+          Kokkos::parallel_reduce(
+              Kokkos::TeamThreadRange(tm, c.Pd * c.N), [&](index_t pn, P& a) { a += dH[pn] * Sin[pn]; }, wdecay);
+          wdecay *= exp_nonpos(acs_last);
+          tm.team_barrier();
+
+          Kokkos::single(Kokkos::PerTeam(tm), [&]() {
+            P wtot = 0, dsum = 0;
+            for (index_t i = 0; i < q; ++i) {
+              wtot += wstate(i);
+              dsum += ddot(i);
+            }
+            P run = 0;
+            for (index_t ij = q - 1; ij >= 0; --ij) {
+              P dacs = insum(ij) - outsum(ij) + inter(ij) - wstate(ij);
+              if (ij == q - 1) dacs += wtot + wdecay;
+              run += dacs;
+              da(b, h, t0 + ij) = run;
+              dw(b, h, t0 + ij) = dwv(ij);
+            }
+            dD_part(b, ch, h) = dsum;
+          });
+        },
+        team_bytes, thread_bytes, 1);
+  }
+
+  // Rotation backward: dphi (direct) and the un-rotated gradients of the biased q, k (in place in dqt, dkt).
+  View4<P> dphi(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::dphi"), c.Bsz, c.H, c.L, c.S);
+  par_for("mamba3::rotate_bwd", rows, c.H, KOKKOS_LAMBDA(index_t rw, index_t h) {
+    const index_t b = rw / c.L, t = rw % c.L;
+    for (index_t i = 0; i < c.S; ++i) {
+      index_t i0, i1;
+      c.pair(i, i0, i1);
+      const P ph = c.phi(b, h, t, i), cs = Kokkos::cos(ph), sn = Kokkos::sin(ph);
+      P acc = 0;
+      for (index_t r = 0; r < c.R; ++r) {
+        const index_t base = (h * c.R + r) * c.N;
+        for (int which = 0; which < 2; ++which) {
+          const View2<P>& val = which == 0 ? c.qt : c.kt;
+          const View2<P>& grd = which == 0 ? dqt : dkt;
+          const P y0 = val(rw, base + i0), y1 = val(rw, base + i1);
+          const P g0 = grd(rw, base + i0), g1 = grd(rw, base + i1);
+          acc += -g0 * y1 + g1 * y0;
+          grd(rw, base + i0) = g0 * cs + g1 * sn;
+          grd(rw, base + i1) = -g0 * sn + g1 * cs;
+        }
+      }
+      dphi(b, h, t, i) = acc;
+    }
+  });
+
+  // Phase cumsum backward, in place: dphi(t) becomes the total gradient of the increment at t.
+  {
+    const auto fphi = dfin.phi;
+    const auto dphi0 = gr.dinit.phi;
+    par_for("mamba3::phases_bwd", c.Bsz * c.H, c.S, KOKKOS_LAMBDA(index_t bh, index_t i) {
+      const index_t b = bh / c.H, h = bh % c.H;
+      P run = has_dfinal ? fphi(b, h, i) : P(0);
+      for (index_t t = c.L - 1; t >= 0; --t) {
+        run += dphi(b, h, t, i);
+        dphi(b, h, t, i) = run;
+      }
+      if (want_dinit) dphi0(b, h, i) = run;
+    });
+  }
+
+  // Per-token chain: Delta, lambda, A_t -> dd_dt, dd_A, trap; dut keeps d(dd_dt) in the accumulation type.
+  const auto ddd = gr.ddd;
+  View3<P> dut(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::dut"), c.Bsz, c.H, c.L);
+  par_for("mamba3::token_bwd", c.Bsz * c.H, c.L, KOKKOS_LAMBDA(index_t bh, index_t t) {
+    const index_t b = bh / c.H, h = bh % c.H;
+    const P pi = Kokkos::numbers::pi_v<P>;
+    const index_t rw = c.row(b, t);
+    const P d = c.delta(b, h, t), lm = c.lam(b, h, t), A = c.Av(b, h, t), dat = da(b, h, t);
+    const P dgam = dw(b, h, t) + ddg(b, h, t);
+    const P dgp_prev = t > 0 ? dw(b, h, t - 1) : dgp0(b, h);
+    P dphase = 0;
+    for (index_t i = 0; i < c.S; ++i) dphase += dphi(b, h, t, i) * pi * Kokkos::tanh(P(c.dd(rw, c.angle_col + i)));
+    const P ddelta = dgam * lm + dgp_prev * (P(1) - lm) + dat * A + dphase;
+    const P dlam = (dgam - dgp_prev) * d;
+    const P u = P(c.dd(rw, c.dt_col + h)) + c.dt_bias(h);
+    const P du = ddelta * dsoftplus(u);
+    const P xa = P(c.dd(rw, c.A_col + h));
+    const P dxa = heavy_tail(xa) > c.A_floor ? -dat * d * dheavy_tail(xa) : P(0);
+    ddd(rw, c.dt_col + h) = static_cast<T>(du);
+    ddd(rw, c.A_col + h) = static_cast<T>(dxa);
+    ddd(rw, c.trap_col + h) = static_cast<T>(dlam * lm * (P(1) - lm));
+    dut(b, h, t) = du;
+  });
+  // Angles: dtheta_{t,i} = sum_h dphi_{t,h,i} pi (1 - tanh^2) Delta_{t,h}.
+  par_for("mamba3::angles_bwd", rows, c.S, KOKKOS_LAMBDA(index_t rw, index_t i) {
+    const index_t b = rw / c.L, t = rw % c.L;
+    const P th = Kokkos::tanh(P(c.dd(rw, c.angle_col + i))), pi = Kokkos::numbers::pi_v<P>;
+    P acc = 0;
+    for (index_t h = 0; h < c.H; ++h) acc += dphi(b, h, t, i) * c.delta(b, h, t);
+    ddd(rw, c.angle_col + i) = static_cast<T>(acc * pi * (P(1) - th * th));
+  });
+  // q and k: sum over the heads of each group.
+  const auto dqk = gr.dqk;
+  const index_t q_col = in.q_col, k_col = in.k_col;
+  par_for("mamba3::qk_group_reduce", rows, c.R * c.G * c.N, KOKKOS_LAMBDA(index_t rw, index_t rgn) {
+    const index_t r = rgn / (c.G * c.N), g = (rgn / c.N) % c.G, n = rgn % c.N;
+    P sq = 0, sk = 0;
+    for (index_t h = g * c.hpg; h < (g + 1) * c.hpg; ++h) {
+      sq += dqt(rw, (h * c.R + r) * c.N + n);
+      sk += dkt(rw, (h * c.R + r) * c.N + n);
+    }
+    dqk(rw, q_col + rgn) = static_cast<T>(sq);
+    dqk(rw, k_col + rgn) = static_cast<T>(sk);
+  });
+  // Parameter gradients, ordered sums over rows.
+  column_reduce<P>("mamba3::dq_bias", rows, HRN, KOKKOS_LAMBDA(index_t i, index_t j) { return dqt(i, j); },
+                   gr.dq_bias, true);
+  column_reduce<P>("mamba3::dk_bias", rows, HRN, KOKKOS_LAMBDA(index_t i, index_t j) { return dkt(i, j); },
+                   gr.dk_bias, true);
+  const index_t L = c.L;
+  column_reduce<P>("mamba3::ddt_bias", rows, c.H,
+                   KOKKOS_LAMBDA(index_t i, index_t h) { return dut(i / L, h, i % L); }, gr.ddt_bias, true);
+  const auto dD = gr.dD;
+  par_for("mamba3::dD", c.H, KOKKOS_LAMBDA(index_t h) {
+    P acc = 0;
+    for (index_t b = 0; b < c.Bsz; ++b)
+      for (index_t ch = 0; ch < c.nc; ++ch) acc += dD_part(b, ch, h);
+    dD(h) += acc;
+  });
+}
+
+#define MM_INSTANTIATE(T)                                                                                     \
+  template void mamba3_scan_forward<T>(const Mamba3ScanShape&, const Mamba3ScanIn<T>&, const View2<T>&,      \
+                                       const Mamba3Carry<acc_t<T>>&);                                        \
+  template void mamba3_scan_backward<T>(const Mamba3ScanShape&, const Mamba3ScanIn<T>&, const View2<const T>&, \
+                                        const Mamba3Carry<acc_t<T>>&, const Mamba3ScanGrad<T>&);
+MM_INSTANTIATE(float)
+MM_INSTANTIATE(double)
+#undef MM_INSTANTIATE
+
+}  // namespace mm

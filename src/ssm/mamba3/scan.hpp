@@ -1,0 +1,96 @@
+// Mamba-3 chunked scan (SISO, and MIMO of rank R), forward and backward: the portable Kokkos implementation.
+//
+// Per batch row b and head h (group g = h / (H/G); rank copies r < R; SISO is R = 1):
+//   Delta_t = softplus(dd_dt_t + dt_bias_h)         A_t = -max(heavy_tail(dd_A_t), A_floor)
+//   lambda_t = sigmoid(trap_t)      alpha_t = exp(A_t Delta_t)
+//   beta_t = (1 - lambda_t) Delta_t alpha_t         gamma_t = lambda_t Delta_t      (exponential-trapezoidal rule)
+//   phi_t = (phi_{t-1} + pi tanh(theta_t) Delta_t) mod 2 pi      (S angles theta per token, shared by the heads)
+//   q_{t,r} = Rot(phi_t) (qn_{t,r,g} + q_bias_{h,r}),  k_{t,r} = Rot(phi_t) (kn_{t,r,g} + k_bias_{h,r})
+//   S_t = alpha_t S_{t-1} + beta_t sum_r v_{t-1,r} k_{t-1,r}^T + gamma_t sum_r v_{t,r} k_{t,r}^T       (P x N)
+//   y_{t,r} = S_t q_{t,r} + D_h v_{t,r}
+// qn and kn are the RMS-normalised C and B (the mixer applies the norm); the rotation acts on S pairs of state
+// dimensions: interleaved (2i, 2i+1) (upstream SISO) or halved (i, i + N/2) (upstream MIMO); the others are not
+// rotated. The decode carry is (phi, S, k_prev, v_prev) of the last token; it is both the optional initial state
+// and the final state, so a long sequence can be processed in windows, or one token at a time.
+//
+// Chunked algorithm (chunk Q): with gamma'_t = Delta_{t+1} (1 - lambda_{t+1}) (0 at the last token) the beta term
+// of token t+1 folds into a per-token weight w_t = gamma_t + gamma'_t, and inside a chunk (Acs = in-chunk cumsum of
+// A Delta)
+//   y_{t,r} = D v_{t,r} + exp(Acs_t) Sh_in q_{t,r} + sum_{s<t} exp(Acs_t - Acs_s) w_s sum_r' (q_{t,r}.k_{s,r'}) v_{s,r'}
+//             + gamma_t sum_r' (q_{t,r}.k_{t,r'}) v_{t,r'}
+//   Sh_out = exp(Acs_last) Sh_in + sum_s exp(Acs_last - Acs_s) w_s sum_r' v_{s,r'} k_{s,r'}^T
+// where Sh_{-1} = S_init + Delta_0 (1 - lambda_0) sum_r v_prev,r k_prev,r^T. The backward recomputes the per-token
+// quantities, rotated q/k and the chunk states instead of storing them; every reduction is ordered (no atomics).
+#pragma once
+
+#include <string>
+
+#include "core/kokkos_types.hpp"
+
+namespace mm {
+
+enum class RopePairing { interleaved, halved };
+
+struct Mamba3ScanShape {
+  index_t batch = 1, seqlen = 0, nheads = 1, headdim = 1, ngroups = 1, dstate = 2, rank = 1;
+  index_t nangles = 0;  // S rotary angles (pairs of state dimensions)
+  index_t chunk = 64;
+  RopePairing pairing = RopePairing::interleaved;
+  double A_floor = 1e-4;
+  index_t nchunks() const { return (seqlen + chunk - 1) / chunk; }
+  void validate(const char* where) const;
+};
+
+// The decode carry. All views empty = a zero carry. Only (batch, nheads, ...) extents are used.
+template <class P>
+struct Mamba3Carry {
+  View3<P> phi;  // (batch, H, S)     cumulative rotary phase of the last token
+  View4<P> S;    // (batch, H, P, N)  state after the last token
+  View4<P> k;    // (batch, H, R, N)  rotated, biased k of the last token
+  View4<P> v;    // (batch, H, R, P)  v of the last token
+  bool empty() const { return S.extent(0) == 0; }
+  static Mamba3Carry allocate(const std::string& label, const Mamba3ScanShape& s) {
+    Mamba3Carry c;
+    c.phi = View3<P>(label + "::phi", s.batch, s.nheads, s.nangles);
+    c.S = View4<P>(label + "::S", s.batch, s.nheads, s.headdim, s.dstate);
+    c.k = View4<P>(label + "::k", s.batch, s.nheads, s.rank, s.dstate);
+    c.v = View4<P>(label + "::v", s.batch, s.nheads, s.rank, s.headdim);
+    return c;
+  }
+};
+
+// Inputs are column windows of row-major matrices with rows b * L + t (the mixer passes its in_proj output).
+template <class T>
+struct Mamba3ScanIn {
+  View2<const T> v;  // v_{t,h,r,p} at column v_col + (h R + r) P + p
+  index_t v_col = 0;
+  View2<const T> qk;  // q (normalised C) at q_col + (r G + g) N + n; k (normalised B) at k_col + (r G + g) N + n
+  index_t q_col = 0, k_col = 0;
+  View2<const T> dd;  // dd_dt at dt_col + h, dd_A at A_col + h, trap at trap_col + h, angles at angle_col + i
+  index_t dt_col = 0, A_col = 0, trap_col = 0, angle_col = 0;
+  View1<const acc_t<T>> dt_bias, D;       // (H)
+  View1<const acc_t<T>> q_bias, k_bias;   // (H, R, N) flattened
+  Mamba3Carry<acc_t<T>> init;             // optional initial carry
+};
+
+template <class T>
+struct Mamba3ScanGrad {
+  View2<T> dv;   // written at the columns of v
+  View2<T> dqk;  // written at the columns of q and k
+  View2<T> ddd;  // written at the columns of dd_dt, dd_A, trap and angles
+  View1<acc_t<T>> ddt_bias, dD, dq_bias, dk_bias;  // accumulated (+=)
+  Mamba3Carry<acc_t<T>> dinit;                     // written when non-empty
+};
+
+// y (batch * seqlen, H * R * P) is written; the final carry is written when non-empty. The final carry may be
+// the same views as the initial carry (it is written after the initial one has been read).
+template <class T>
+void mamba3_scan_forward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, const View2<T>& y,
+                         const Mamba3Carry<acc_t<T>>& final_carry);
+
+// dy (batch * seqlen, H * R * P); dfinal: gradient of the final carry, or empty.
+template <class T>
+void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, const View2<const T>& dy,
+                          const Mamba3Carry<acc_t<T>>& dfinal, const Mamba3ScanGrad<T>& g);
+
+}  // namespace mm

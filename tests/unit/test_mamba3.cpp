@@ -1,0 +1,711 @@
+// Mamba-3 (SISO and MIMO): the chunked scan against the token-by-token double recurrence and the chunked-form
+// reference, the reduction to Mamba-2's SSD, finite-difference gradients of every scan input and mixer parameter,
+// prefill + step decoding, windowed processing with a carried state, and configuration errors.
+#include <cmath>
+#include <vector>
+
+#include "catch.hpp"
+#include "reference/mamba3_ref.hpp"
+#include "reference/ssd_ref.hpp"
+#include "ssm/mamba2/ssd.hpp"
+#include "ssm/mamba3/mixer.hpp"
+#include "ssm/mamba3/scan.hpp"
+#include "util.hpp"
+
+using namespace mm;
+using mmtest::fd_check;
+using mmtest::fill_uniform;
+using mmtest::from_vec;
+using mmtest::rel_err;
+using mmtest::to_vec;
+
+namespace {
+
+struct M3Case {
+  index_t B = 2, L = 23, H = 2, P = 3, G = 1, N = 6, R = 1, S = 2, Q = 8;
+  bool halved = false, init = true;
+};
+
+template <class T>
+struct M3Data {
+  using Pt = acc_t<T>;
+  M3Case cs;
+  Mamba3ScanShape shape;
+  View2<T> v, qk, dd;
+  View1<Pt> dt_bias, D, qb, kb;
+  Mamba3Carry<Pt> init;
+
+  explicit M3Data(const M3Case& c) : cs(c) {
+    shape.batch = c.B;
+    shape.seqlen = c.L;
+    shape.nheads = c.H;
+    shape.headdim = c.P;
+    shape.ngroups = c.G;
+    shape.dstate = c.N;
+    shape.rank = c.R;
+    shape.nangles = c.S;
+    shape.chunk = c.Q;
+    shape.pairing = c.halved ? RopePairing::halved : RopePairing::interleaved;
+    const index_t rows = c.B * c.L, RGN = c.R * c.G * c.N;
+    v = View2<T>("v", rows, c.H * c.R * c.P);
+    qk = View2<T>("qk", rows, 2 * RGN);
+    dd = View2<T>("dd", rows, 3 * c.H + c.S);
+    dt_bias = View1<Pt>("dt_bias", c.H);
+    D = View1<Pt>("D", c.H);
+    qb = View1<Pt>("qb", c.H * c.R * c.N);
+    kb = View1<Pt>("kb", c.H * c.R * c.N);
+    fill_uniform(v, 1);
+    fill_uniform(qk, 2);
+    fill_uniform(dd, 3, -1.5, 1.0);
+    fill_uniform(dt_bias, 4, -1.0, 0.0);
+    fill_uniform(D, 5);
+    fill_uniform(qb, 6, 0.5, 1.5);
+    fill_uniform(kb, 7, 0.5, 1.5);
+    if (c.init) {
+      init = Mamba3Carry<Pt>::allocate("init", shape);
+      fill_uniform(init.phi, 8, 0.5, 5.5);
+      fill_uniform(init.S, 9);
+      fill_uniform(init.k, 10);
+      fill_uniform(init.v, 11);
+    }
+  }
+
+  Mamba3ScanIn<T> in() const {
+    Mamba3ScanIn<T> i;
+    i.v = v;
+    i.qk = qk;
+    i.q_col = 0;
+    i.k_col = cs.R * cs.G * cs.N;
+    i.dd = dd;
+    i.dt_col = 0;
+    i.A_col = cs.H;
+    i.trap_col = 2 * cs.H;
+    i.angle_col = 3 * cs.H;
+    i.dt_bias = dt_bias;
+    i.D = D;
+    i.q_bias = qb;
+    i.k_bias = kb;
+    i.init = init;
+    return i;
+  }
+
+  mmref::M3Shape ref_shape() const {
+    mmref::M3Shape s;
+    s.B = cs.B;
+    s.L = cs.L;
+    s.H = cs.H;
+    s.P = cs.P;
+    s.G = cs.G;
+    s.N = cs.N;
+    s.R = cs.R;
+    s.S = cs.S;
+    s.halved = cs.halved;
+    s.A_floor = shape.A_floor;
+    return s;
+  }
+  mmref::M3Carry ref_init() const {
+    mmref::M3Carry c;
+    if (cs.init) {
+      c.phi = to_vec(init.phi);
+      c.S = to_vec(init.S);
+      c.k = to_vec(init.k);
+      c.v = to_vec(init.v);
+    }
+    return c;
+  }
+  std::vector<double> reference(mmref::M3Carry* fin) const {
+    return mmref::mamba3_scan_reference(ref_shape(), to_vec(v), to_vec(qk), to_vec(dd), to_vec(dt_bias), to_vec(D),
+                                        to_vec(qb), to_vec(kb), ref_init(), fin);
+  }
+  std::vector<double> quadratic() const {
+    return mmref::mamba3_quadratic_reference(ref_shape(), to_vec(v), to_vec(qk), to_vec(dd), to_vec(dt_bias),
+                                             to_vec(D), to_vec(qb), to_vec(kb), ref_init());
+  }
+};
+
+// Worst relative error of the chunked scan (y and the four parts of the final carry) against the recurrence.
+template <class T>
+double scan_error(const M3Case& c) {
+  M3Data<T> d(c);
+  View2<T> y("y", c.B * c.L, c.H * c.R * c.P);
+  auto fin = Mamba3Carry<acc_t<T>>::allocate("fin", d.shape);
+  mamba3_scan_forward<T>(d.shape, d.in(), y, fin);
+  mmref::M3Carry rf;
+  const auto yr = d.reference(&rf);
+  double e = rel_err(to_vec(y), yr);
+  e = std::max(e, rel_err(to_vec(fin.S), rf.S));
+  e = std::max(e, rel_err(to_vec(fin.k), rf.k));
+  e = std::max(e, rel_err(to_vec(fin.v), rf.v));
+  if (c.S > 0) e = std::max(e, rel_err(to_vec(fin.phi), rf.phi));
+  return e;
+}
+
+}  // namespace
+
+TEST_CASE("Mamba-3 step reference equals the chunked-form (quadratic) reference", "[mamba3]") {
+  double worst = 0;
+  for (index_t R : {1, 3})
+    for (bool halved : {false, true})
+      for (bool init : {false, true}) {
+        M3Case c;
+        c.L = 31;
+        c.R = R;
+        c.halved = halved;
+        c.init = init;
+        M3Data<double> d(c);
+        const double e = rel_err(d.quadratic(), d.reference(nullptr));
+        INFO("R=" << R << " halved=" << halved << " init=" << init);
+        CHECK(e < 1e-12);
+        worst = std::max(worst, e);
+      }
+  WARN("step vs quadratic reference, worst rel err " << worst);
+}
+
+TEST_CASE("Mamba-3 chunked scan equals the token-by-token recurrence (double)", "[mamba3]") {
+  double worst = 0;
+  int cases = 0;
+  for (index_t R : {1, 2})
+    for (bool halved : {false, true})
+      for (index_t L : {1, 7, 23, 40})
+        for (index_t Q : {1, 4, 8, 16, 64}) {
+          M3Case c;
+          c.L = L;
+          c.Q = Q;
+          c.R = R;
+          c.halved = halved;
+          c.init = (L + Q) % 2 == 1;
+          if (Q == 8) {  // groups: 4 heads in 2 groups
+            c.H = 4;
+            c.G = 2;
+          }
+          const double e = scan_error<double>(c);
+          INFO("R=" << R << " halved=" << halved << " L=" << L << " Q=" << Q << " init=" << c.init);
+          CHECK(e < 1e-10);
+          worst = std::max(worst, e);
+          ++cases;
+        }
+  WARN("chunked vs recurrence over " << cases << " cases, worst rel err " << worst);
+}
+
+TEST_CASE("Mamba-3 chunked scan in float stays close to the double recurrence", "[mamba3]") {
+  M3Case c;
+  c.L = 70;
+  c.Q = 16;
+  c.R = 2;
+  const double e = scan_error<float>(c);
+  WARN("float chunked vs double recurrence, rel err " << e);
+  CHECK(e < 1e-4);
+}
+
+TEST_CASE("Mamba-3 with lambda = 1 and no rotary reduces to Mamba-2's SSD recurrence", "[mamba3]") {
+  // trap = 800 gives sigmoid(trap) == 1 exactly in double (the beta term vanishes: exponential-Euler); no angles;
+  // zero biases; dd_A chosen per head so that heavy_tail(dd_A) = exp(A_log_h) (a constant A per head).
+  M3Case c;
+  c.L = 45;
+  c.H = 4;
+  c.G = 2;
+  c.S = 0;
+  c.Q = 16;
+  M3Data<double> d(c);
+  const index_t rows = c.B * c.L, W = 3 * c.H, RGN = c.G * c.N, E = c.H * c.P;
+  const std::vector<double> A_log = {-0.7, 0.0, 0.4, 1.3};
+  auto dd = to_vec(d.dd);
+  for (index_t i = 0; i < rows; ++i)
+    for (index_t h = 0; h < c.H; ++h) {
+      const double a = std::exp(A_log[h]);
+      dd[i * W + c.H + h] = a >= 1 ? a - 1 : 1 - 1 / a;
+      dd[i * W + 2 * c.H + h] = 800.0;
+    }
+  from_vec(d.dd, dd);
+  Kokkos::deep_copy(d.qb, 0.0);
+  Kokkos::deep_copy(d.kb, 0.0);
+  View2<double> y("y", rows, E);
+  auto fin = Mamba3Carry<double>::allocate("fin", d.shape);
+  mamba3_scan_forward<double>(d.shape, d.in(), y, fin);
+  // SSD inputs: xbc = [x = v | B = k | C = q], dt = dd_dt
+  const auto v = to_vec(d.v), qk = to_vec(d.qk);
+  std::vector<double> xbc(rows * (E + 2 * RGN)), dt(rows * c.H);
+  for (index_t i = 0; i < rows; ++i) {
+    for (index_t j = 0; j < E; ++j) xbc[i * (E + 2 * RGN) + j] = v[i * E + j];
+    for (index_t j = 0; j < RGN; ++j) {
+      xbc[i * (E + 2 * RGN) + E + j] = qk[i * 2 * RGN + RGN + j];
+      xbc[i * (E + 2 * RGN) + E + RGN + j] = qk[i * 2 * RGN + j];
+    }
+    for (index_t h = 0; h < c.H; ++h) dt[i * c.H + h] = dd[i * W + h];
+  }
+  mmref::SSDRefShape ss{c.B, c.L, c.H, c.P, c.G, c.N};
+  std::vector<double> ssd_fin;
+  const auto y_ssd = mmref::ssd_reference(ss, xbc, dt, A_log, to_vec(d.dt_bias), to_vec(d.D), {}, to_vec(d.init.S),
+                                          &ssd_fin);
+  const double e = rel_err(to_vec(y), y_ssd), ef = rel_err(to_vec(fin.S), ssd_fin);
+  WARN("Mamba-3 (lambda = 1) vs Mamba-2 SSD reference: y " << e << ", final state " << ef);
+  CHECK(e < 1e-12);
+  CHECK(ef < 1e-12);
+  // and the Kokkos SSD agrees with the same numbers
+  SSDShape sh;
+  sh.batch = c.B;
+  sh.seqlen = c.L;
+  sh.nheads = c.H;
+  sh.headdim = c.P;
+  sh.ngroups = c.G;
+  sh.dstate = c.N;
+  sh.chunk = 8;
+  View2<double> xbc_v("xbc", rows, E + 2 * RGN), dt_v("dt", rows, c.H), y2("y2", rows, E);
+  View1<double> A_log_v("A_log", c.H);
+  from_vec(xbc_v, xbc);
+  from_vec(dt_v, dt);
+  from_vec(A_log_v, A_log);
+  SSDIn<double> si;
+  si.xbc = xbc_v;
+  si.b_col = E;
+  si.c_col = E + RGN;
+  si.dt = dt_v;
+  si.A_log = A_log_v;
+  si.dt_bias = d.dt_bias;
+  si.D = d.D;
+  si.init_state = d.init.S;
+  ssd_forward<double>(sh, si, y2, View4<double>());
+  CHECK(rel_err(to_vec(y), to_vec(y2)) < 1e-12);
+}
+
+TEST_CASE("Mamba-3 scan backward matches finite differences for every input", "[mamba3]") {
+  for (int variant = 0; variant < 2; ++variant) {
+    M3Case c;
+    if (variant == 0) {  // SISO, interleaved pairs
+      c.L = 21;
+      c.Q = 8;
+    } else {  // MIMO rank 2, halved pairs, groups
+      c.L = 17;
+      c.Q = 5;
+      c.R = 2;
+      c.H = 4;
+      c.G = 2;
+      c.N = 4;
+      c.halved = true;
+    }
+    M3Data<double> d(c);
+    const index_t rows = c.B * c.L;
+    View2<double> dy("dy", rows, c.H * c.R * c.P);
+    fill_uniform(dy, 20);
+    auto dfin = Mamba3Carry<double>::allocate("dfin", d.shape);
+    fill_uniform(dfin.phi, 21);
+    fill_uniform(dfin.S, 22);
+    fill_uniform(dfin.k, 23);
+    fill_uniform(dfin.v, 24);
+    const auto dyv = to_vec(dy);
+    const auto dphi = to_vec(dfin.phi), dS = to_vec(dfin.S), dk = to_vec(dfin.k), dvv = to_vec(dfin.v);
+    auto loss = [&]() {
+      View2<double> y("y", rows, c.H * c.R * c.P);
+      auto fin = Mamba3Carry<double>::allocate("fin", d.shape);
+      mamba3_scan_forward<double>(d.shape, d.in(), y, fin);
+      return mmtest::dot(to_vec(y), dyv) + mmtest::dot(to_vec(fin.phi), dphi) + mmtest::dot(to_vec(fin.S), dS) +
+             mmtest::dot(to_vec(fin.k), dk) + mmtest::dot(to_vec(fin.v), dvv);
+    };
+    Mamba3ScanGrad<double> g;
+    g.dv = View2<double>("dv", rows, d.v.extent(1));
+    g.dqk = View2<double>("dqk", rows, d.qk.extent(1));
+    g.ddd = View2<double>("ddd", rows, d.dd.extent(1));
+    g.ddt_bias = View1<double>("ddt_bias", c.H);
+    g.dD = View1<double>("dD", c.H);
+    g.dq_bias = View1<double>("dqb", c.H * c.R * c.N);
+    g.dk_bias = View1<double>("dkb", c.H * c.R * c.N);
+    g.dinit = Mamba3Carry<double>::allocate("dinit", d.shape);
+    mamba3_scan_backward<double>(d.shape, d.in(), dy, dfin, g);
+    INFO("variant " << variant);
+    double worst = 0;
+    auto chk = [&](const char* what, const auto& x, const auto& grad, int count) {
+      const auto r = fd_check(x, to_vec(grad), loss, count);
+      const double e = r.rel();
+      INFO(what << ": max |gradient| " << r.max_ref);
+      CHECK(e < 1e-6);
+      CHECK(r.max_ref > 1e-3);  // the gradient is not trivially zero
+      worst = std::max(worst, e);
+    };
+    chk("v", d.v, g.dv, 40);
+    chk("qk", d.qk, g.dqk, 40);
+    chk("dd (dd_dt, dd_A, trap, angles)", d.dd, g.ddd, 100000);  // every element
+    chk("dt_bias", d.dt_bias, g.ddt_bias, 24);
+    chk("D", d.D, g.dD, 24);
+    chk("q_bias", d.qb, g.dq_bias, 24);
+    chk("k_bias", d.kb, g.dk_bias, 24);
+    chk("init phi", d.init.phi, g.dinit.phi, 24);
+    chk("init S", d.init.S, g.dinit.S, 24);
+    chk("init k", d.init.k, g.dinit.k, 24);
+    chk("init v", d.init.v, g.dinit.v, 24);
+    WARN("scan FD check variant " << variant << ": worst rel err " << worst);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------- the mixer
+namespace {
+
+Mamba3Config tiny_m3(bool mimo, bool norm) {
+  Mamba3Config c;
+  c.d_model = 6;
+  c.d_state = 8;  // rope_fraction 0.5: 2 angles
+  c.headdim = 3;  // 4 heads
+  c.expand = 2;
+  c.ngroups = 2;
+  c.is_mimo = mimo;
+  c.mimo_rank = 2;
+  c.chunk_size = 5;
+  c.is_outproj_norm = norm;
+  return c;
+}
+
+struct MixerRig {
+  Mamba3Config cfg;
+  ParamStore<double> ps;
+  Mamba3Mixer<double> mixer;
+  MixerRig(const Mamba3Config& c, std::uint64_t seed = 5) : cfg(c), mixer(c, ps, "m.", 2) {
+    ps.allocate();
+    ps.initialize(seed);
+    mmtest::jitter_params(ps, 99, 0.1);
+  }
+  std::vector<double> p(const std::string& name) const {
+    return ps.has("m." + name) ? to_vec(ps.v1(ps.index("m." + name))) : std::vector<double>{};
+  }
+  Mamba3State<double> random_state(index_t batch, std::uint64_t seed) const {
+    auto st = mixer.make_state(batch);
+    fill_uniform(st.carry.phi, seed, 0.5, 5.5);
+    fill_uniform(st.carry.S, seed + 1);
+    fill_uniform(st.carry.k, seed + 2);
+    fill_uniform(st.carry.v, seed + 3);
+    return st;
+  }
+  std::vector<double> reference(const View2<double>& u, index_t B, index_t L, const Mamba3State<double>* init,
+                                mmref::M3Carry* fin) const {
+    mmref::M3MixerShape ms;
+    ms.s.B = B;
+    ms.s.L = L;
+    ms.s.H = cfg.nheads();
+    ms.s.P = cfg.headdim;
+    ms.s.G = cfg.ngroups;
+    ms.s.N = cfg.d_state;
+    ms.s.R = cfg.rank();
+    ms.s.S = cfg.nangles();
+    ms.s.halved = cfg.pairing() == RopePairing::halved;
+    ms.s.A_floor = cfg.A_floor;
+    ms.D = cfg.d_model;
+    ms.eps = cfg.norm_eps;
+    mmref::M3Carry ic;
+    if (init) {
+      ic.phi = to_vec(init->carry.phi);
+      ic.S = to_vec(init->carry.S);
+      ic.k = to_vec(init->carry.k);
+      ic.v = to_vec(init->carry.v);
+    }
+    return mmref::mamba3_mixer_reference(ms, to_vec(u), p("in_proj.weight"), p("dt_bias"), p("D"), p("B_norm.weight"),
+                                         p("C_norm.weight"), p("B_bias"), p("C_bias"), p("mimo_x"), p("mimo_z"),
+                                         p("mimo_o"), p("norm.weight"), p("out_proj.weight"), ic, fin);
+  }
+};
+
+const char* variant_name(const Mamba3Config& c) {
+  if (c.is_mimo) return c.is_outproj_norm ? "MIMO + output norm" : "MIMO";
+  return c.is_outproj_norm ? "SISO + output norm" : "SISO";
+}
+
+}  // namespace
+
+TEST_CASE("Mamba-3 mixer forward equals the naive double reference (SISO, MIMO, output norm, both pairings)",
+          "[mamba3]") {
+  double worst = 0;
+  for (bool mimo : {false, true})
+    for (bool norm : {false, true})
+      for (auto pairing : {Mamba3Config::Pairing::interleaved, Mamba3Config::Pairing::halved}) {
+        Mamba3Config cfg = tiny_m3(mimo, norm);
+        cfg.rope_pairing = pairing;
+        MixerRig rig(cfg);
+        const index_t B = 2, L = 13;
+        View2<double> u("u", B * L, cfg.d_model), out("out", B * L, cfg.d_model);
+        fill_uniform(u, 1);
+        const auto init = rig.random_state(B, 40);
+        auto fin = rig.mixer.make_state(B);
+        Mamba3Acts<double> acts;
+        rig.mixer.forward(u, B, L, out, acts, true, &init, &fin);
+        mmref::M3Carry rf;
+        const auto ref = rig.reference(u, B, L, &init, &rf);
+        INFO(variant_name(cfg) << (pairing == Mamba3Config::Pairing::halved ? ", halved" : ", interleaved"));
+        const double e = std::max({rel_err(to_vec(out), ref), rel_err(to_vec(fin.carry.S), rf.S),
+                                   rel_err(to_vec(fin.carry.k), rf.k), rel_err(to_vec(fin.carry.v), rf.v),
+                                   rel_err(to_vec(fin.carry.phi), rf.phi)});
+        CHECK(e < 1e-12);
+        worst = std::max(worst, e);
+      }
+  WARN("mixer vs reference, worst rel err " << worst);
+}
+
+TEST_CASE("Mamba-3 mixer backward matches finite differences for the input, the state and every parameter",
+          "[mamba3]") {
+  for (bool mimo : {false, true})
+    for (bool norm : {false, true}) {
+      const Mamba3Config cfg = tiny_m3(mimo, norm);
+      MixerRig rig(cfg);
+      const index_t B = 2, L = 11;
+      View2<double> u("u", B * L, cfg.d_model), out("out", B * L, cfg.d_model), dout("dout", B * L, cfg.d_model);
+      View2<double> du("du", B * L, cfg.d_model);
+      fill_uniform(u, 1);
+      fill_uniform(dout, 2);
+      auto init = rig.random_state(B, 40);
+      auto dfin = rig.random_state(B, 50);
+      const auto dov = to_vec(dout);
+      const std::vector<double> dfv[4] = {to_vec(dfin.carry.phi), to_vec(dfin.carry.S), to_vec(dfin.carry.k),
+                                          to_vec(dfin.carry.v)};
+      auto loss = [&]() {
+        View2<double> o("o", B * L, cfg.d_model);
+        auto fin = rig.mixer.make_state(B);
+        Mamba3Acts<double> a;
+        rig.mixer.forward(u, B, L, o, a, false, &init, &fin);
+        return mmtest::dot(to_vec(o), dov) + mmtest::dot(to_vec(fin.carry.phi), dfv[0]) +
+               mmtest::dot(to_vec(fin.carry.S), dfv[1]) + mmtest::dot(to_vec(fin.carry.k), dfv[2]) +
+               mmtest::dot(to_vec(fin.carry.v), dfv[3]);
+      };
+      Mamba3Acts<double> acts;
+      auto fin = rig.mixer.make_state(B);
+      rig.mixer.forward(u, B, L, out, acts, false, &init, &fin);  // recompute policy in the backward
+      rig.ps.zero_grads();
+      auto dinit = rig.mixer.make_state(B);
+      rig.mixer.backward(acts, B, L, dout, du, &dfin, &dinit);
+      INFO(variant_name(cfg));
+      double worst = 0;
+      auto chk = [&](const std::string& what, const auto& x, const std::vector<double>& grad, int count) {
+        const auto r = fd_check(x, grad, loss, count);
+        INFO(what << ": max |gradient| " << r.max_ref);
+        CHECK(r.rel() < 1e-6);
+        CHECK(r.max_ref > 1e-4);
+        worst = std::max(worst, r.rel());
+      };
+      chk("u", u, to_vec(du), 40);
+      for (const auto& e : rig.ps.entries()) {
+        const auto idx = rig.ps.index(e.name);
+        chk(e.name, rig.ps.v1(idx), to_vec(rig.ps.g1(idx)), 24);
+      }
+      chk("init phi", init.carry.phi, to_vec(dinit.carry.phi), 24);
+      chk("init S", init.carry.S, to_vec(dinit.carry.S), 24);
+      chk("init k", init.carry.k, to_vec(dinit.carry.k), 24);
+      chk("init v", init.carry.v, to_vec(dinit.carry.v), 24);
+      WARN("mixer FD check (" << variant_name(cfg) << "): worst rel err " << worst);
+    }
+}
+
+TEST_CASE("Mamba-3 MIMO with rank 1 equals SISO", "[mamba3]") {
+  Mamba3Config siso = tiny_m3(false, true), mimo = tiny_m3(true, true);
+  mimo.mimo_rank = 1;
+  siso.rope_pairing = mimo.rope_pairing = Mamba3Config::Pairing::halved;
+  MixerRig a(siso);
+  ParamStore<double> ps;
+  Mamba3Mixer<double> m(mimo, ps, "m.", 2);
+  ps.allocate();
+  ps.initialize(5);  // mimo_x = mimo_z = mimo_o = 1 for rank 1
+  for (const auto& e : a.ps.entries()) Kokkos::deep_copy(ps.v1(ps.index(e.name)), a.ps.v1(a.ps.index(e.name)));
+  const index_t B = 2, L = 17;
+  View2<double> u("u", B * L, siso.d_model), o1("o1", B * L, siso.d_model), o2("o2", B * L, siso.d_model);
+  fill_uniform(u, 1);
+  Mamba3Acts<double> acts;
+  a.mixer.forward(u, B, L, o1, acts, false);
+  m.forward(u, B, L, o2, acts, false);
+  const double e = rel_err(to_vec(o2), to_vec(o1));
+  WARN("MIMO rank 1 vs SISO, rel err " << e);
+  CHECK(e < 1e-14);
+}
+
+TEST_CASE("Mamba-3 prefill + step decoding reproduces the full forward at every position", "[mamba3]") {
+  for (bool mimo : {false, true}) {
+    const Mamba3Config cfg = tiny_m3(mimo, mimo);
+    MixerRig rig(cfg);
+    const index_t B = 2, L = 14, D = cfg.d_model;
+    View2<double> u("u", B * L, D), out("out", B * L, D);
+    fill_uniform(u, 1);
+    Mamba3Acts<double> acts;
+    rig.mixer.forward(u, B, L, out, acts, false);
+    const auto full = to_vec(out), uv = to_vec(u);
+    for (index_t T0 : {0, 6}) {
+      auto state = rig.mixer.make_state(B);
+      std::vector<double> got(B * L * D);
+      if (T0 > 0) {  // prefill the first T0 tokens
+        View2<double> up("up", B * T0, D), op("op", B * T0, D);
+        std::vector<double> uh(B * T0 * D);
+        for (index_t b = 0; b < B; ++b)
+          for (index_t i = 0; i < T0 * D; ++i) uh[b * T0 * D + i] = uv[b * L * D + i];
+        from_vec(up, uh);
+        rig.mixer.forward(up, B, T0, op, acts, false, nullptr, &state);
+        const auto oh = to_vec(op);
+        for (index_t b = 0; b < B; ++b)
+          for (index_t i = 0; i < T0 * D; ++i) got[b * L * D + i] = oh[b * T0 * D + i];
+      }
+      View2<double> ut("ut", B, D), ot("ot", B, D);
+      for (index_t t = T0; t < L; ++t) {
+        std::vector<double> uh(B * D);
+        for (index_t b = 0; b < B; ++b)
+          for (index_t j = 0; j < D; ++j) uh[b * D + j] = uv[(b * L + t) * D + j];
+        from_vec(ut, uh);
+        rig.mixer.step(ut, state, ot);
+        const auto oh = to_vec(ot);
+        for (index_t b = 0; b < B; ++b)
+          for (index_t j = 0; j < D; ++j) got[(b * L + t) * D + j] = oh[b * D + j];
+      }
+      const double e = rel_err(got, full);
+      INFO(variant_name(cfg) << ", prefill " << T0);
+      CHECK(e < 1e-12);
+      WARN("prefill " << T0 << " + step vs full forward (" << variant_name(cfg) << "): rel err " << e);
+    }
+  }
+}
+
+TEST_CASE("Mamba-3 windows with a carried state equal one pass, forward and backward", "[mamba3]") {
+  for (bool mimo : {false, true}) {
+    const Mamba3Config cfg = tiny_m3(mimo, !mimo);
+    MixerRig rig(cfg);
+    const index_t B = 2, L = 23, D = cfg.d_model;
+    const std::vector<index_t> cuts = {0, 7, 16, 23};  // windows of 7, 9 and 7 tokens (chunk 5)
+    View2<double> u("u", B * L, D), out("out", B * L, D), dout("dout", B * L, D), du("du", B * L, D);
+    fill_uniform(u, 1);
+    fill_uniform(dout, 2);
+    const auto init = rig.random_state(B, 40);
+    auto fin = rig.mixer.make_state(B);
+    Mamba3Acts<double> acts;
+    rig.mixer.forward(u, B, L, out, acts, true, &init, &fin);
+    rig.ps.zero_grads();
+    auto dinit = rig.mixer.make_state(B);
+    rig.mixer.backward(acts, B, L, dout, du, nullptr, &dinit);
+    const auto grads_one = to_vec(rig.ps.grads()), du_one = to_vec(du), out_one = to_vec(out);
+    const auto uv = to_vec(u), dov = to_vec(dout);
+    // windows: forward left to right carrying the state, backward right to left carrying its gradient
+    const std::size_t nw = cuts.size() - 1;
+    std::vector<Mamba3State<double>> states;  // state entering window k
+    states.push_back(init);
+    std::vector<Mamba3Acts<double>> wacts(nw);
+    std::vector<View2<double>> wu(nw);
+    std::vector<double> out_w(B * L * D), du_w(B * L * D);
+    auto slice = [&](const std::vector<double>& src, index_t t0, index_t len) {
+      std::vector<double> r(B * len * D);
+      for (index_t b = 0; b < B; ++b)
+        for (index_t i = 0; i < len * D; ++i) r[b * len * D + i] = src[(b * L + t0) * D + i];
+      return r;
+    };
+    auto unslice = [&](std::vector<double>& dst, const std::vector<double>& src, index_t t0, index_t len) {
+      for (index_t b = 0; b < B; ++b)
+        for (index_t i = 0; i < len * D; ++i) dst[(b * L + t0) * D + i] = src[b * len * D + i];
+    };
+    for (std::size_t k = 0; k < nw; ++k) {
+      const index_t t0 = cuts[k], len = cuts[k + 1] - cuts[k];
+      wu[k] = View2<double>("wu", B * len, D);
+      from_vec(wu[k], slice(uv, t0, len));
+      View2<double> wo("wo", B * len, D);
+      states.push_back(rig.mixer.make_state(B));
+      rig.mixer.forward(wu[k], B, len, wo, wacts[k], k % 2 == 0, &states[k], &states[k + 1]);
+      unslice(out_w, to_vec(wo), t0, len);
+    }
+    rig.ps.zero_grads();
+    Mamba3State<double> dcarry;  // gradient of the state leaving the current window
+    bool has_dcarry = false;
+    for (std::size_t k = nw; k-- > 0;) {
+      const index_t t0 = cuts[k], len = cuts[k + 1] - cuts[k];
+      View2<double> wdo("wdo", B * len, D), wdu("wdu", B * len, D);
+      from_vec(wdo, slice(dov, t0, len));
+      auto dprev = rig.mixer.make_state(B);
+      rig.mixer.backward(wacts[k], B, len, wdo, wdu, has_dcarry ? &dcarry : nullptr, &dprev);
+      unslice(du_w, to_vec(wdu), t0, len);
+      dcarry = dprev;
+      has_dcarry = true;
+    }
+    INFO(variant_name(cfg));
+    const double eo = rel_err(out_w, out_one), ef = rel_err(to_vec(states.back().carry.S), to_vec(fin.carry.S));
+    const double eg = rel_err(to_vec(rig.ps.grads()), grads_one), eu = rel_err(du_w, du_one);
+    const double ei = rel_err(to_vec(dcarry.carry.S), to_vec(dinit.carry.S));
+    CHECK(eo < 1e-12);
+    CHECK(ef < 1e-12);
+    CHECK(rel_err(to_vec(states.back().carry.k), to_vec(fin.carry.k)) < 1e-12);
+    CHECK(rel_err(to_vec(states.back().carry.phi), to_vec(fin.carry.phi)) < 1e-12);
+    CHECK(eg < 1e-12);
+    CHECK(eu < 1e-12);
+    CHECK(ei < 1e-12);
+    CHECK(rel_err(to_vec(dcarry.carry.phi), to_vec(dinit.carry.phi)) < 1e-12);
+    WARN("windows vs one pass (" << variant_name(cfg) << "): out " << eo << ", final state " << ef
+                                 << ", param grads " << eg << ", du " << eu << ", d(initial state) " << ei);
+  }
+}
+
+TEST_CASE("Mamba-3 initialisation follows mamba_ssm", "[mamba3]") {
+  Mamba3Config cfg = tiny_m3(true, true);
+  cfg.d_model = 32;
+  cfg.headdim = 16;  // 4 heads
+  cfg.mimo_rank = 4;
+  ParamStore<double> ps;
+  const index_t n_layer = 4;
+  Mamba3Mixer<double> mixer(cfg, ps, "m.", n_layer);
+  ps.allocate();
+  ps.initialize(11);
+  for (double b : to_vec(ps.v1(ps.index("m.dt_bias")))) {
+    const double dt = mmref::m3_softplus(b);
+    CHECK(dt >= cfg.dt_min * (1 - 1e-12));
+    CHECK(dt <= cfg.dt_max * (1 + 1e-12));
+  }
+  for (const char* one : {"m.D", "m.B_norm.weight", "m.C_norm.weight", "m.B_bias", "m.C_bias", "m.mimo_z",
+                          "m.norm.weight"})
+    for (double x : to_vec(ps.v1(ps.index(one)))) CHECK(x == 1.0);
+  for (const char* inv : {"m.mimo_x", "m.mimo_o"})
+    for (double x : to_vec(ps.v1(ps.index(inv)))) CHECK(x == Approx(0.25).epsilon(1e-15));
+  CHECK(ps.entry("m.in_proj.weight").shape == std::vector<index_t>{cfg.d_in_proj(), cfg.d_model});
+  // 2E + 2 R G N + 3H + S = 128 + 2*4*2*8 + 12 + 2
+  CHECK(cfg.d_in_proj() == 128 + 128 + 12 + 2);
+  const double out_bound = 1.0 / std::sqrt(double(cfg.d_inner())) / std::sqrt(double(n_layer));
+  double out_max = 0;
+  for (double w : to_vec(ps.v1(ps.index("m.out_proj.weight")))) out_max = std::max(out_max, std::abs(w));
+  CHECK(out_max <= out_bound);
+  CHECK(out_max > 0.9 * out_bound);
+  CHECK(ps.entry("m.in_proj.weight").decay);
+  CHECK(ps.entry("m.out_proj.weight").decay);
+  CHECK_FALSE(ps.entry("m.B_bias").decay);
+  // defaults: d_state 128, rope_fraction 0.5 -> 32 angles; SISO pairs interleaved, MIMO halved
+  Mamba3Config def;
+  CHECK(def.nangles() == 32);
+  CHECK(def.pairing() == RopePairing::interleaved);
+  def.is_mimo = true;
+  CHECK(def.pairing() == RopePairing::halved);
+}
+
+TEST_CASE("Mamba-3 bad configurations are errors naming the values", "[mamba3]") {
+  ParamStore<double> ps;
+  Mamba3Config c = tiny_m3(false, false);
+  c.headdim = 5;  // d_inner 12 % 5
+  CHECK_THROWS_WITH(Mamba3Mixer<double>(c, ps, "m.", 1), ContainsSubstring("not divisible by headdim = 5"));
+  c = tiny_m3(false, false);
+  c.ngroups = 3;  // 4 heads % 3
+  CHECK_THROWS_WITH(Mamba3Mixer<double>(c, ps, "m.", 1), ContainsSubstring("not divisible by ngroups = 3"));
+  c = tiny_m3(true, false);
+  c.mimo_rank = 0;
+  CHECK_THROWS_WITH(Mamba3Mixer<double>(c, ps, "m.", 1), ContainsSubstring("mimo_rank must be at least 1 (got 0)"));
+  c = tiny_m3(false, false);
+  c.rope_fraction = 1.5;
+  CHECK_THROWS_WITH(Mamba3Mixer<double>(c, ps, "m.", 1), ContainsSubstring("rope_fraction must be in [0, 1] (got 1.5)"));
+  c = tiny_m3(false, false);
+  c.chunk_size = 0;
+  CHECK_THROWS_WITH(Mamba3Mixer<double>(c, ps, "m.", 1), ContainsSubstring("chunk_size (0)"));
+  c = tiny_m3(false, false);
+  c.d_state = 7;
+  c.rope_fraction = 1.0;
+  c.rope_pairing = Mamba3Config::Pairing::halved;
+  CHECK_THROWS_WITH(Mamba3Mixer<double>(c, ps, "m.", 1), ContainsSubstring("even d_state (got 7)"));
+  c = tiny_m3(false, false);
+  c.dt_min = 0.2;
+  c.dt_max = 0.1;
+  CHECK_THROWS_WITH(Mamba3Mixer<double>(c, ps, "m.", 1), ContainsSubstring("got 0.2, 0.1"));
+  // shapes handed to the mixer and the scan
+  MixerRig rig(tiny_m3(false, false));
+  View2<double> u("u", 10, 6), out("out", 10, 6);
+  Mamba3Acts<double> acts;
+  CHECK_THROWS_WITH(rig.mixer.forward(u, 2, 4, out, acts, false), ContainsSubstring("expected (batch * seqlen, d_model) = (8, 6)"));
+  auto st = rig.mixer.make_state(3);
+  CHECK_THROWS_WITH(rig.mixer.forward(u, 2, 5, out, acts, false, &st), ContainsSubstring("batch 3, not 2"));
+  Mamba3ScanShape s;
+  s.nheads = 4;
+  s.ngroups = 3;
+  s.seqlen = 5;
+  CHECK_THROWS_WITH(s.validate("scan"), ContainsSubstring("nheads (4) is not divisible by ngroups (3)"));
+  s.ngroups = 1;
+  s.dstate = 4;
+  s.nangles = 3;
+  CHECK_THROWS_WITH(s.validate("scan"), ContainsSubstring("nangles (3) rotary pairs do not fit in dstate (4)"));
+}
