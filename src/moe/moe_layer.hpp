@@ -49,7 +49,9 @@ struct MoEConfig {
   index_t shared_d_ff = 0;          // 0: no shared expert
   bool state_aware = false;         // router input [x | s] (experimental)
   bool recompute = false;           // keep no expert activations; recompute them in the backward
-  bool deterministic = true;        // bit-identical runs (every kernel here is deterministic; see README note)
+  // Bit-identical runs. Every kernel of this layer is deterministic today (ordered gathers and reductions, no
+  // atomics), so the flag selects nothing yet: it is where a faster atomic scatter-add path would be switched off.
+  bool deterministic = true;
 
   index_t router_in() const { return state_aware ? 2 * d_model : d_model; }
   // Parameters of the layer (the expert bias buffer excluded), total and used per token (router, k experts, shared).
