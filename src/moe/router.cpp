@@ -1,0 +1,273 @@
+#include "moe/router.hpp"
+
+#include <cmath>
+
+#include "core/error.hpp"
+#include "tensor/ops.hpp"
+
+namespace mm {
+
+ScoreFunc parse_score_func(const std::string& name, const std::string& context) {
+  if (name == "softmax") return ScoreFunc::softmax;
+  if (name == "sigmoid") return ScoreFunc::sigmoid;
+  throw Error(context, "unknown router score function '" + name + "' (known: softmax, sigmoid)");
+}
+
+const char* score_func_name(ScoreFunc f) { return f == ScoreFunc::softmax ? "softmax" : "sigmoid"; }
+
+index_t expert_capacity(const RouterOptions& opt, index_t n) {
+  if (opt.capacity_factor <= 0) return -1;
+  return static_cast<index_t>(std::ceil(opt.capacity_factor * double(n) * double(opt.top_k) / double(opt.n_experts)));
+}
+
+template <class P>
+void router_select(const RouterOptions& opt, const View1<const P>& bias, Routing<P>& r) {
+  const index_t n = r.logits.extent(0), E = opt.n_experts, k = opt.top_k;
+  require(index_t(r.logits.extent(1)) == E, "moe::router", "logits have ", r.logits.extent(1),
+          " columns, expected n_experts = ", E);
+  require(bias.extent(0) == 0 || index_t(bias.extent(0)) == E, "moe::router", "expert bias has ", bias.extent(0),
+          " entries, expected n_experts = ", E);
+  r.n = n;
+  r.probs = make_uninit<View2<P>>("moe::probs", n, E);
+  r.lse = make_uninit<View1<P>>("moe::lse", n);
+  r.psum = make_uninit<View1<P>>("moe::psum", n);
+  r.expert = make_uninit<View2<std::int32_t>>("moe::expert", n, k);
+  r.gate = make_uninit<View2<P>>("moe::gate", n, k);
+  auto logits = r.logits;
+  auto probs = r.probs;
+  auto lse = r.lse;
+  auto psum = r.psum;
+  auto expert = r.expert;
+  auto gate = r.gate;
+  const P inv_tau = P(1.0 / opt.temperature), scale = P(opt.output_scale);
+  const bool softmax = opt.score == ScoreFunc::softmax, renorm = opt.renormalize, has_bias = bias.extent(0) > 0;
+  par_for("moe::router_select", n, KOKKOS_LAMBDA(index_t x) {
+    P mx = -Kokkos::Experimental::infinity<P>::value;
+    for (index_t i = 0; i < E; ++i) {
+      const P l = logits(x, i) * inv_tau;
+      logits(x, i) = l;
+      mx = l > mx ? l : mx;
+    }
+    P se = 0;
+    for (index_t i = 0; i < E; ++i) se += Kokkos::exp(logits(x, i) - mx);
+    lse(x) = mx + Kokkos::log(se);
+    P ps = 0;
+    for (index_t i = 0; i < E; ++i) {
+      const P p = softmax ? Kokkos::exp(logits(x, i) - mx) / se : sigmoid(logits(x, i));
+      probs(x, i) = p;
+      ps += p;
+    }
+    psum(x) = ps;
+    // top-k of p + bias; strict '>' in increasing index order gives ties to the lower expert index
+    P chosen_sum = 0;
+    for (index_t j = 0; j < k; ++j) {
+      index_t best = -1;
+      P best_v = 0;
+      for (index_t i = 0; i < E; ++i) {
+        bool taken = false;
+        for (index_t m = 0; m < j; ++m) taken = taken || expert(x, m) == i;
+        if (taken) continue;
+        const P v = probs(x, i) + (has_bias ? bias(i) : P(0));
+        if (best < 0 || v > best_v) {
+          best = i;
+          best_v = v;
+        }
+      }
+      expert(x, j) = static_cast<std::int32_t>(best);
+      chosen_sum += probs(x, best);
+    }
+    for (index_t j = 0; j < k; ++j) {
+      const P p = probs(x, expert(x, j));
+      gate(x, j) = scale * (renorm ? p / chosen_sum : p);
+    }
+  });
+}
+
+namespace {
+constexpr index_t kPlanBlock = 256;  // tokens per counting block of the dispatch plan
+}
+
+template <class P>
+void router_plan(const RouterOptions& opt, Routing<P>& r) {
+  const index_t n = r.n, E = opt.n_experts, k = opt.top_k;
+  const index_t nb = (n + kPlanBlock - 1) / kPlanBlock, items = k * nb;
+  // Work item it = j * nb + b covers slot j of the tokens of block b: items in increasing order enumerate the
+  // assignments in the slot-major order of the header. No atomics: each item owns its row of `pos`.
+  View2<index_t> pos("moe::plan_pos", items > 0 ? items : 1, E);
+  r.row = make_uninit<View2<index_t>>("moe::row", n, k);
+  r.count = make_uninit<View1<index_t>>("moe::count", E);
+  auto expert = r.expert;
+  auto row = r.row;
+  auto count = r.count;
+  par_for("moe::plan_count", items, KOKKOS_LAMBDA(index_t it) {
+    const index_t j = it / nb, b = it % nb;
+    const index_t x1 = (b + 1) * kPlanBlock < n ? (b + 1) * kPlanBlock : n;
+    for (index_t x = b * kPlanBlock; x < x1; ++x) pos(it, expert(x, j)) += 1;
+  });
+  par_for("moe::plan_scan", E, KOKKOS_LAMBDA(index_t e) {
+    index_t run = 0;
+    for (index_t it = 0; it < items; ++it) {
+      const index_t c = pos(it, e);
+      pos(it, e) = run;
+      run += c;
+    }
+    count(e) = run;
+  });
+  par_for("moe::plan_position", items, KOKKOS_LAMBDA(index_t it) {
+    const index_t j = it / nb, b = it % nb;
+    const index_t x1 = (b + 1) * kPlanBlock < n ? (b + 1) * kPlanBlock : n;
+    for (index_t x = b * kPlanBlock; x < x1; ++x) {
+      const index_t e = expert(x, j);
+      row(x, j) = pos(it, e);
+      pos(it, e) += 1;
+    }
+  });
+  // kept per expert and group offsets (host: the grouped GEMM needs them there anyway)
+  auto hcount = Kokkos::create_mirror_view_and_copy(HostMem(), count);
+  r.capacity = expert_capacity(opt, n);
+  r.routed.assign(E, 0);
+  r.offsets.assign(E + 1, 0);
+  for (index_t e = 0; e < E; ++e) {
+    r.routed[e] = hcount(e);
+    const index_t kept = r.capacity < 0 ? hcount(e) : (hcount(e) < r.capacity ? hcount(e) : r.capacity);
+    r.offsets[e + 1] = r.offsets[e] + kept;
+  }
+  const index_t m = r.offsets[E];
+  View1<index_t> off("moe::offsets", E + 1);
+  {
+    auto h = Kokkos::create_mirror_view(off);
+    for (index_t e = 0; e <= E; ++e) h(e) = r.offsets[e];
+    Kokkos::deep_copy(off, h);
+  }
+  r.perm_token = make_uninit<View1<index_t>>("moe::perm_token", m);
+  r.perm_slot = make_uninit<View1<std::int32_t>>("moe::perm_slot", m);
+  auto perm_token = r.perm_token;
+  auto perm_slot = r.perm_slot;
+  par_for("moe::plan_rows", n, KOKKOS_LAMBDA(index_t x) {
+    for (index_t j = 0; j < k; ++j) {
+      const index_t e = expert(x, j), p = row(x, j);
+      if (p < off(e + 1) - off(e)) {
+        const index_t rr = off(e) + p;
+        row(x, j) = rr;
+        perm_token(rr) = x;
+        perm_slot(rr) = static_cast<std::int32_t>(j);
+      } else {
+        row(x, j) = -1;
+      }
+    }
+  });
+}
+
+template <class P>
+RouterLosses router_losses(const RouterOptions& opt, const Routing<P>& r) {
+  RouterLosses L;
+  const index_t n = r.n, E = opt.n_experts;
+  if (n == 0) return L;
+  if (opt.aux_loss_coef != 0) {
+    View1<P> colsum("moe::aux_colsum", E);
+    auto probs = r.probs;
+    auto psum = r.psum;
+    const bool softmax = opt.score == ScoreFunc::softmax;
+    column_reduce<P>("moe::aux_probs", n, E, KOKKOS_LAMBDA(index_t x, index_t i) {
+      return softmax ? probs(x, i) : probs(x, i) / psum(x);
+    }, colsum, false);
+    auto hs = Kokkos::create_mirror_view_and_copy(HostMem(), colsum);
+    double s = 0;
+    for (index_t i = 0; i < E; ++i) s += double(r.routed[i]) * double(hs(i));
+    L.aux = opt.aux_loss_coef * double(E) / (double(opt.top_k) * double(n) * double(n)) * s;
+  }
+  if (opt.z_loss_coef != 0) {
+    auto lse = r.lse;
+    const double s = ordered_sum<P>("moe::z_loss", n, KOKKOS_LAMBDA(index_t x) { return lse(x) * lse(x); });
+    L.z = opt.z_loss_coef * s / double(n);
+  }
+  return L;
+}
+
+template <class P>
+void router_backward(const RouterOptions& opt, const Routing<P>& r, const View2<const P>& dgate, double aux_scale,
+                     const View2<P>& dl) {
+  const index_t n = r.n, E = opt.n_experts, k = opt.top_k;
+  require(index_t(dl.extent(0)) == n && index_t(dl.extent(1)) == E, "moe::router_backward",
+          "dlogits must be (", n, ", ", E, "), got (", dl.extent(0), ", ", dl.extent(1), ")");
+  auto probs = r.probs;
+  auto logits = r.logits;
+  auto lse = r.lse;
+  auto psum = r.psum;
+  auto expert = r.expert;
+  auto count = r.count;
+  const bool softmax = opt.score == ScoreFunc::softmax, renorm = opt.renormalize;
+  const P scale = P(opt.output_scale), inv_tau = P(1.0 / opt.temperature);
+  const P c_aux = n > 0 ? P(aux_scale * opt.aux_loss_coef * double(E) / (double(k) * double(n) * double(n))) : P(0);
+  const P c_z = n > 0 ? P(aux_scale * opt.z_loss_coef * 2.0 / double(n)) : P(0);
+  par_for("moe::router_backward", n, KOKKOS_LAMBDA(index_t x) {
+    // dp (into dl's row): load-balancing loss first
+    if (c_aux != P(0)) {
+      if (softmax) {
+        for (index_t i = 0; i < E; ++i) dl(x, i) = c_aux * P(count(i));
+      } else {  // q = p / S: dp_i = (dq_i - sum_j dq_j q_j) / S
+        const P S = psum(x);
+        P dot = 0;
+        for (index_t i = 0; i < E; ++i) dot += c_aux * P(count(i)) * probs(x, i) / S;
+        for (index_t i = 0; i < E; ++i) dl(x, i) = (c_aux * P(count(i)) - dot) / S;
+      }
+    } else {
+      for (index_t i = 0; i < E; ++i) dl(x, i) = P(0);
+    }
+    // through the gates
+    if (renorm) {  // g_j = s p_j / Sc: dp_m += s (dg_m - sum_j dg_j p_j / Sc) / Sc
+      P Sc = 0, dot = 0;
+      for (index_t j = 0; j < k; ++j) Sc += probs(x, expert(x, j));
+      for (index_t j = 0; j < k; ++j) dot += dgate(x, j) * probs(x, expert(x, j));
+      for (index_t j = 0; j < k; ++j) dl(x, expert(x, j)) += scale * (dgate(x, j) - dot / Sc) / Sc;
+    } else {
+      for (index_t j = 0; j < k; ++j) dl(x, expert(x, j)) += scale * dgate(x, j);
+    }
+    // scores -> tempered logits
+    if (softmax) {
+      P dot = 0;
+      for (index_t i = 0; i < E; ++i) dot += probs(x, i) * dl(x, i);
+      for (index_t i = 0; i < E; ++i) dl(x, i) = probs(x, i) * (dl(x, i) - dot);
+    } else {
+      for (index_t i = 0; i < E; ++i) dl(x, i) *= probs(x, i) * (P(1) - probs(x, i));
+    }
+    // z-loss: d/dl_i (lse^2) = 2 lse softmax(l)_i
+    if (c_z != P(0)) {
+      const P z = lse(x);
+      for (index_t i = 0; i < E; ++i) dl(x, i) += c_z * z * Kokkos::exp(logits(x, i) - z);
+    }
+    // tempered logits -> raw router output
+    for (index_t i = 0; i < E; ++i) dl(x, i) *= inv_tau;
+  });
+}
+
+template <class P>
+void update_expert_bias(const View1<P>& bias, const std::vector<double>& load, double rate) {
+  const index_t E = bias.extent(0);
+  require(index_t(load.size()) == E, "moe::update_expert_bias", "load has ", load.size(),
+          " entries, expected n_experts = ", E);
+  if (E == 0) return;
+  double mean = 0;
+  for (double v : load) mean += v;
+  mean /= double(E);
+  auto h = Kokkos::create_mirror_view_and_copy(HostMem(), bias);
+  for (index_t i = 0; i < E; ++i) {
+    const double d = mean - load[i];
+    const double sgn = d > 0 ? 1.0 : (d < 0 ? -1.0 : 0.0);
+    h(i) = P(double(h(i)) + rate * sgn);
+  }
+  Kokkos::deep_copy(bias, h);
+}
+
+#define MM_INSTANTIATE(P)                                                                                   \
+  template void router_select<P>(const RouterOptions&, const View1<const P>&, Routing<P>&);                \
+  template void router_plan<P>(const RouterOptions&, Routing<P>&);                                         \
+  template RouterLosses router_losses<P>(const RouterOptions&, const Routing<P>&);                         \
+  template void router_backward<P>(const RouterOptions&, const Routing<P>&, const View2<const P>&, double, \
+                                   const View2<P>&);                                                       \
+  template void update_expert_bias<P>(const View1<P>&, const std::vector<double>&, double);
+MM_INSTANTIATE(float)
+MM_INSTANTIATE(double)
+#undef MM_INSTANTIATE
+
+}  // namespace mm
