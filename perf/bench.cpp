@@ -1,0 +1,291 @@
+// mambamoe_bench: times the device ceilings (copy bandwidth, GEMM rate) and our kernels on the shapes of the GPU
+// acceptance criteria, and prints one table. Every figure is a median over repetitions after warm-up, timed
+// around Kokkos::fence(); inputs are random (never zeros).
+//
+//   mambamoe_bench [--out DIR] [--only copy,gemm,ssd,lm] [--reps N] [--lm-batch B --lm-seqlen L]
+//
+// Each case writes "name,metric,value,unit" rows to DIR/ours.csv (the perf script joins them with the peers').
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/kokkos_types.hpp"
+#include "core/rng.hpp"
+#include "model/lm.hpp"
+#include "ssm/mamba2/ssd.hpp"
+#include "tensor/gemm.hpp"
+#include "train/optimizer.hpp"
+
+#if defined(KOKKOS_ENABLE_CUDA)
+#include <cuda_runtime.h>
+#endif
+
+using namespace mm;
+
+namespace {
+
+struct Row {
+  std::string name, metric;
+  double value;
+  std::string unit;
+};
+std::vector<Row> g_rows;
+
+void record(const std::string& name, const std::string& metric, double value, const std::string& unit) {
+  g_rows.push_back({name, metric, value, unit});
+  std::printf("  %-34s %-22s %14.4g %s\n", name.c_str(), metric.c_str(), value, unit.c_str());
+  std::fflush(stdout);
+}
+
+// Median seconds of `reps` runs of f after `warm` runs.
+double time_median(int warm, int reps, const std::function<void()>& f) {
+  for (int i = 0; i < warm; ++i) f();
+  Kokkos::fence();
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    Kokkos::fence();
+    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+template <class V>
+void fill(const V& v, std::uint64_t stream, double lo = -1, double hi = 1) {
+  using T = typename V::non_const_value_type;
+  auto p = v.data();
+  const CounterRNG rng{977, stream};
+  par_for("bench::fill", index_t(v.span()), KOKKOS_LAMBDA(index_t i) { p[i] = T(rng.uniform(i, lo, hi)); });
+  Kokkos::fence();
+}
+
+// Device memory in use, sampled by a background thread (peak of the samples; CUDA only).
+class MemSampler {
+ public:
+  MemSampler() {
+#if defined(KOKKOS_ENABLE_CUDA)
+    base_ = used();
+    th_ = std::thread([this] {
+      cudaSetDevice(0);
+      while (!stop_) {
+        const double u = used();
+        if (u > peak_) peak_ = u;
+        std::this_thread::sleep_for(std::chrono::microseconds(500));
+      }
+    });
+#endif
+  }
+  ~MemSampler() {
+    stop_ = true;
+    if (th_.joinable()) th_.join();
+  }
+  double peak_gib() const { return peak_ / double(1 << 30); }
+  double base_gib() const { return base_ / double(1 << 30); }
+
+ private:
+#if defined(KOKKOS_ENABLE_CUDA)
+  static double used() {
+    std::size_t f = 0, t = 0;
+    cudaMemGetInfo(&f, &t);
+    return double(t - f);
+  }
+#endif
+  std::atomic<bool> stop_{false};
+  std::atomic<double> peak_{0};
+  double base_ = 0;
+  std::thread th_;
+};
+
+void bench_copy(int reps) {
+  const index_t n = index_t(1) << 29;  // 2 GiB of float
+  View1<float> a("a", n), b("b", n);
+  fill(a, 1);
+  const double t = time_median(3, reps, [&] {
+    auto pa = a.data();
+    auto pb = b.data();
+    par_for("bench::copy", n, KOKKOS_LAMBDA(index_t i) { pb[i] = pa[i]; });
+  });
+  record("copy (Kokkos 1-D par_for, fp32)", "bandwidth", 2.0 * n * 4 / t / 1e12, "TB/s");
+  const double t2 = time_median(3, reps, [&] { Kokkos::deep_copy(b, a); });
+  record("copy (Kokkos deep_copy)", "bandwidth", 2.0 * n * 4 / t2 / 1e12, "TB/s");
+}
+
+template <class T>
+void bench_gemm_one(const char* label, index_t m, index_t n, index_t k, int reps) {
+  View2<T> A("A", m, k), B("B", k, n), C("C", m, n);
+  fill(A, 2);
+  fill(B, 3);
+  const double t = time_median(3, reps, [&] { gemm(Trans::N, Trans::N, 1.0f, A, B, 0.0f, C); });
+  record(label, "rate", 2.0 * m * n * k / t / 1e12, "TFLOP/s");
+}
+
+void bench_gemm(int reps) {
+  bench_gemm_one<float>("gemm fp32 8192^3", 8192, 8192, 8192, reps);
+#if defined(KOKKOS_ENABLE_CUDA)
+  bench_gemm_one<bf16>("gemm bf16 8192^3", 8192, 8192, 8192, reps);
+#endif
+}
+
+// The SSD of issue 3: batch 1, length 65,536, 24 heads, headdim 64, d_state 128, one group, chunk 256, fp32.
+void bench_ssd(int reps) {
+  SSDShape s;
+  s.batch = 1;
+  s.seqlen = 65536;
+  s.nheads = 24;
+  s.headdim = 64;
+  s.ngroups = 1;
+  s.dstate = 128;
+  s.chunk = 256;
+  using T = float;
+  const index_t BL = s.batch * s.seqlen, E = s.nheads * s.headdim, GN = s.ngroups * s.dstate;
+  View2<T> xbc("xbc", BL, E + 2 * GN), dt("dt", BL, s.nheads), y("y", BL, E), dy("dy", BL, E);
+  View2<T> dxbc("dxbc", BL, E + 2 * GN), ddt("ddt", BL, s.nheads);
+  View1<float> A_log("A_log", s.nheads), dt_bias("dt_bias", s.nheads), D("D", s.nheads);
+  View1<float> dA("dA", s.nheads), ddtb("ddtb", s.nheads), dD("dD", s.nheads);
+  fill(xbc, 4);
+  fill(dt, 5, -3, 0);
+  fill(A_log, 6, 0, 2.7);
+  fill(dt_bias, 7, -4, -2);
+  fill(D, 8);
+  fill(dy, 9);
+  SSDIn<T> in;
+  in.xbc = xbc;
+  in.x_col = 0;
+  in.b_col = E;
+  in.c_col = E + GN;
+  in.dt = dt;
+  in.A_log = A_log;
+  in.dt_bias = dt_bias;
+  in.D = D;
+  SSDGrad<T> g;
+  g.dxbc = dxbc;
+  g.ddt = ddt;
+  g.dA_log = dA;
+  g.ddt_bias = ddtb;
+  g.dD = dD;
+  // Bytes a fused kernel must move at least: read x, B, C, dt; write y (forward); backward also reads dy and
+  // writes dx, dB, dC, ddt. FLOPs: the chunked algorithm's matrix work (CB, intra-chunk, chunk state, output).
+  const double Q = s.chunk, L = s.seqlen, H = s.nheads, P = s.headdim, N = s.dstate;
+  const double fwd_flops = 2 * L * Q * N /*CB, per group*/ + H * (2 * L * Q * P /*intra*/ + 2 * L * P * N * 2);
+  const double fwd_bytes = 4.0 * (L * (E + 2 * GN + H) + L * E);
+  const double t_f = time_median(2, reps, [&] { ssd_forward<T>(s, in, y, View4<float>()); });
+  record("ssd fwd fp32 L=65536 H24 P64 N128", "time", t_f * 1e3, "ms");
+  record("ssd fwd fp32 L=65536 H24 P64 N128", "bandwidth", fwd_bytes / t_f / 1e12, "TB/s");
+  record("ssd fwd fp32 L=65536 H24 P64 N128", "rate", fwd_flops / t_f / 1e12, "TFLOP/s");
+  const double t_fb = time_median(2, reps, [&] {
+    ssd_forward<T>(s, in, y, View4<float>());
+    ssd_backward<T>(s, in, dy, View4<const float>(), g);
+  });
+  record("ssd fwd+bwd fp32 L=65536 H24 P64 N128", "time", t_fb * 1e3, "ms");
+}
+
+// Training step of the issue-3 LM: 24 layers, d_model 768, d_state 128, headdim 64, expand 2, vocab 16, AdamW.
+void bench_lm(index_t batch, index_t seqlen, int reps) {
+  LMConfig cfg;
+  cfg.vocab_size = 16;
+  cfg.n_layer = 24;
+  cfg.mixer.d_model = 768;
+  cfg.mixer.d_state = 128;
+  cfg.mixer.headdim = 64;
+  cfg.mixer.expand = 2;
+  cfg.mixer.chunk = 256;
+  MambaLM<float> lm(cfg);
+  lm.initialize(1);
+  AdamWConfig ocfg;
+  AdamW<float> opt(lm.params(), ocfg);
+  Batch b;
+  b.batch = batch;
+  b.seqlen = seqlen;
+  b.tokens = Kokkos::View<std::int32_t*, Layout, Mem>("tokens", batch * seqlen);
+  b.targets = Kokkos::View<std::int32_t*, Layout, Mem>("targets", batch * seqlen);
+  {
+    auto tk = b.tokens;
+    auto tg = b.targets;
+    const CounterRNG rng{5, 11};
+    par_for("bench::tokens", batch * seqlen, KOKKOS_LAMBDA(index_t i) {
+      tk[i] = std::int32_t(rng.below(i, 4));
+      tg[i] = std::int32_t(rng.below(i + 7, 4));
+    });
+  }
+  const std::string name = "lm train step fp32 " + std::to_string(batch) + "x" + std::to_string(seqlen);
+  record(name, "parameters", double(lm.params().count()) / 1e6, "M");
+  std::int64_t step = 0;
+  auto one = [&] {
+    lm.params().zero_grads();
+    lm.forward_backward(b, 1.0 / double(batch * seqlen), Recompute::mixer);
+    opt.step(lm.params(), 1e-4, ++step);
+  };
+  one();  // warm
+  Kokkos::fence();
+  double t = 0;
+  {
+    MemSampler mem;
+    t = time_median(1, reps, one);
+    record(name, "peak device memory", mem.peak_gib(), "GiB");
+  }
+  record(name, "time", t * 1e3, "ms");
+  record(name, "throughput", double(batch * seqlen) / t / 1e3, "k tokens/s");
+  const double flops = 6.0 * double(lm.params().count()) * double(batch * seqlen);
+  record(name, "model FLOP rate (6 N T)", flops / t / 1e12, "TFLOP/s");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Kokkos::ScopeGuard kokkos(argc, argv);
+  std::string out = ".", only = "copy,gemm,ssd,lm";
+  int reps = 10;
+  index_t lm_batch = 4, lm_seqlen = 8192;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::cerr << "mambamoe_bench: " << a << " needs a value\n";
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--out") out = next();
+    else if (a == "--only") only = next();
+    else if (a == "--reps") reps = std::stoi(next());
+    else if (a == "--lm-batch") lm_batch = std::stoll(next());
+    else if (a == "--lm-seqlen") lm_seqlen = std::stoll(next());
+    else {
+      std::cerr << "mambamoe_bench: unknown option " << a
+                << " (known: --out DIR, --only copy,gemm,ssd,lm, --reps N, --lm-batch B, --lm-seqlen L)\n";
+      return 2;
+    }
+  }
+  std::set<std::string> want;
+  {
+    std::stringstream ss(only);
+    for (std::string w; std::getline(ss, w, ',');) want.insert(w);
+  }
+  std::printf("mambamoe_bench on %s, gemm backend %s\n", Exec::name(), gemm_backend_name());
+  try {
+    if (want.count("copy")) bench_copy(reps);
+    if (want.count("gemm")) bench_gemm(reps);
+    if (want.count("ssd")) bench_ssd(reps);
+    if (want.count("lm")) bench_lm(lm_batch, lm_seqlen, std::max(3, reps / 3));
+  } catch (const std::exception& e) {
+    std::cerr << "mambamoe_bench: " << e.what() << "\n";
+    return 1;
+  }
+  std::ofstream f(out + "/ours.csv");
+  f << "name,metric,value,unit\n";
+  for (const auto& r : g_rows) f << '"' << r.name << "\"," << r.metric << ',' << r.value << ',' << r.unit << '\n';
+  return 0;
+}

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# One run on a GPU machine: build the project with the cuda preset, run the test suite on the GPU, then time our
+# kernels (perf/bench.cpp) and the peers (perf/peers.py) on the same shapes, in the same run. Builds nothing but
+# this project: Kokkos (CUDA), Boost.Program_options, htslib and the peers are given by path.
+#
+#   perf/gpu_bench.sh --kokkos PREFIX --out DIR --mamba-ssm DIR [--causal-conv1d DIR] [--boost-po LIB]
+#                     [--htslib PREFIX] [--stages build,test,bench] [--test-timeout S] [--bench-only LIST]
+#
+# Writes under DIR: build.log, ctest.log, ours.csv, peers.csv, bench.log, and summary.txt (the table, also printed).
+set -uo pipefail
+
+kokkos="" out="" mamba="" cc1d="" po="" hts="" stages="build,test,bench" test_timeout=300 bench_only="copy,gemm,ssd,lm"
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --kokkos) kokkos=$2; shift 2 ;;
+    --out) out=$2; shift 2 ;;
+    --mamba-ssm) mamba=$2; shift 2 ;;
+    --causal-conv1d) cc1d=$2; shift 2 ;;
+    --boost-po) po=$2; shift 2 ;;
+    --htslib) hts=$2; shift 2 ;;
+    --stages) stages=$2; shift 2 ;;
+    --test-timeout) test_timeout=$2; shift 2 ;;
+    --bench-only) bench_only=$2; shift 2 ;;
+    *) echo "gpu_bench.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+[[ -n $kokkos && -n $out ]] || { echo "gpu_bench.sh: --kokkos and --out are required" >&2; exit 2; }
+root=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+has() { [[ ",$stages," == *",$1,"* ]]; }
+rc=0
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv > "$out/gpu.txt" 2>&1
+commit=$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)
+echo "commit $commit on $(head -2 "$out/gpu.txt" | tail -1)"
+
+if has build; then
+  t0=$SECONDS
+  extra=()
+  [[ -n $po ]] && extra+=("-DMAMBAMOE_BOOST_PO_LIBRARY=$po")
+  [[ -n $hts ]] && extra+=("-DMAMBAMOE_HTSLIB_ROOT=$hts")
+  (cd "$root" && cmake --preset cuda -DKokkos_ROOT="$kokkos" "${extra[@]}" && \
+    cmake --build build/cuda -j"$(nproc)") > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+  cp "$root/build/cuda/.ninja_log" "$out/ninja_log.txt" 2>/dev/null
+  echo "build: $((SECONDS - t0)) s"
+fi
+
+if has test; then
+  t0=$SECONDS
+  (cd "$root/build/cuda" && ctest --output-on-failure -j 4 --timeout "$test_timeout") > "$out/ctest.log" 2>&1 || rc=1
+  grep -E "tests passed|\(Failed\)|\(Timeout\)|Exception|\*\*\*Failed" "$out/ctest.log" | tail -20
+  echo "tests: $((SECONDS - t0)) s"
+fi
+
+if has bench; then
+  "$root/build/cuda/perf/mambamoe_bench" --out "$out" --only "$bench_only" > "$out/bench.log" 2>&1 || { tail -20 "$out/bench.log"; rc=1; }
+  if [[ -n $mamba ]]; then
+    python3 "$root/perf/peers.py" --mamba-ssm "$mamba" ${cc1d:+--causal-conv1d "$cc1d"} --out "$out" \
+      --only "$bench_only" > "$out/peers.log" 2>&1 || { tail -20 "$out/peers.log"; rc=1; }
+  fi
+  { echo "commit $commit, $(date -u +%F), $(head -2 "$out/gpu.txt" | tail -1)"; cat "$out/bench.log"; cat "$out/peers.log" 2>/dev/null; } \
+    | tee "$out/summary.txt"
+fi
+exit $rc
