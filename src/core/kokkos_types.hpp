@@ -96,6 +96,39 @@ inline void par_for_team(const char* label, index_t league, const F& f, std::siz
   Kokkos::parallel_for(label, policy, f);
 }
 
+// Hierarchical loop with vector lanes: on a GPU, teams of `gpu_team` threads of `gpu_vector` lanes each (a warp's
+// lanes share a thread's work through ThreadVectorRange, so row accesses coalesce); on host backends one lane per
+// thread and an AUTO team size. Scratch as in par_for_team.
+template <class F>
+inline void par_for_team_vec(const char* label, index_t league, int gpu_team, int gpu_vector, const F& f,
+                             std::size_t team_bytes = 0, std::size_t thread_bytes = 0, int scratch_level = 0) {
+#if defined(KOKKOS_ENABLE_CUDA)
+  constexpr bool gpu = std::is_same_v<Exec, Kokkos::Cuda>;
+#else
+  constexpr bool gpu = false;
+#endif
+  auto policy = gpu ? Kokkos::TeamPolicy<Exec>(static_cast<int>(league), gpu_team, gpu_vector)
+                    : Kokkos::TeamPolicy<Exec>(static_cast<int>(league), Kokkos::AUTO);
+  if (team_bytes > 0 || thread_bytes > 0)
+    policy = policy.set_scratch_size(scratch_level, Kokkos::PerTeam(team_bytes), Kokkos::PerThread(thread_bytes));
+  Kokkos::parallel_for(label, policy, f);
+}
+
+// The same with per-team scratch at both levels: `fast_bytes` on chip (level 0), `large_bytes` in global memory.
+template <class F>
+inline void par_for_team_vec2(const char* label, index_t league, int gpu_team, int gpu_vector, const F& f,
+                              std::size_t fast_bytes, std::size_t large_bytes) {
+#if defined(KOKKOS_ENABLE_CUDA)
+  constexpr bool gpu = std::is_same_v<Exec, Kokkos::Cuda>;
+#else
+  constexpr bool gpu = false;
+#endif
+  auto policy = gpu ? Kokkos::TeamPolicy<Exec>(static_cast<int>(league), gpu_team, gpu_vector)
+                    : Kokkos::TeamPolicy<Exec>(static_cast<int>(league), Kokkos::AUTO);
+  policy = policy.set_scratch_size(0, Kokkos::PerTeam(fast_bytes)).set_scratch_size(1, Kokkos::PerTeam(large_bytes));
+  Kokkos::parallel_for(label, policy, f);
+}
+
 // Allocate a device view without initialising it (for outputs that every kernel overwrites).
 template <class V, class... Extents>
 inline V make_uninit(const std::string& label, Extents... ext) {

@@ -22,6 +22,12 @@ namespace {
 // x86 (a trained model's strongly decaying heads made scoring 10x slower before this cutoff).
 constexpr double kNegligibleDecay = 1e-30;
 
+// GPU launch shape of the hierarchical kernels: 8 threads of 32 vector lanes (one warp each) per team.
+constexpr int kTeam = 8, kVector = 32;
+// On-chip team scratch is asked for only up to this size (the default per-block limit of CUDA, less a margin);
+// larger staging buffers (big headdim x d_state) go to global-memory scratch instead.
+constexpr std::size_t kFastScratchLimit = 46 * 1024;
+
 // Everything a kernel needs, copied by value into the lambdas.
 template <class T>
 struct Ctx {
@@ -124,34 +130,46 @@ void dt_cumsum(const Ctx<T>& c) {
 }
 
 // states(b, c, h) = sum_{s in c, same record as the chunk's last token} exp(Acs_last - Acs_s) Delta_s x_s B_s^T
+// Threads over p, vector lanes over n (coalesced rows of B), the per-token weight computed once per team.
 template <class T>
 void chunk_state(const Ctx<T>& c) {
   using P = acc_t<T>;
-  par_for_team("ssd::chunk_state", c.Bsz * c.nc * c.H, KOKKOS_LAMBDA(const Team& tm) {
-    const index_t id = tm.league_rank();
-    index_t b, ch, h;
-    c.decode(id, b, ch, h);
-    const index_t g = h / c.hpg, t0 = ch * c.Q, t1 = c.chunk_end(ch), last = t1 - 1;
-    const P acs_last = c.acs(b, h, last);
-    const int r_last = c.rec(b, last);
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, c.Pd), [&](index_t p) {
-      for (index_t n = 0; n < c.N; ++n) c.states(b, ch, h, p, n) = P(0);
-      for (index_t s = t0; s < t1; ++s) {
-        if (c.rec(b, s) != r_last) continue;
-        const P e = exp_nonpos(acs_last - c.acs(b, h, s));
-        if (e < P(kNegligibleDecay)) continue;
-        const P w = e * c.delta(b, h, s) * c.x(b, s, h, p);
-        for (index_t n = 0; n < c.N; ++n) c.states(b, ch, h, p, n) += w * c.Bm(b, s, g, n);
-      }
-    });
-  });
+  par_for_team_vec(
+      "ssd::chunk_state", c.Bsz * c.nc * c.H, kTeam, kVector,
+      KOKKOS_LAMBDA(const Team& tm) {
+        const index_t id = tm.league_rank();
+        index_t b, ch, h;
+        c.decode(id, b, ch, h);
+        const index_t g = h / c.hpg, t0 = ch * c.Q, t1 = c.chunk_end(ch), last = t1 - 1;
+        const P acs_last = c.acs(b, h, last);
+        const int r_last = c.rec(b, last);
+        Scratch1<P> wt(tm.team_scratch(0), c.Q);  // exp(Acs_last - Acs_s) Delta_s, 0 where cut off
+        Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, t0, t1), [&](index_t s2) {
+          const P e = exp_nonpos(acs_last - c.acs(b, h, s2));
+          wt(s2 - t0) = (c.rec(b, s2) != r_last || e < P(kNegligibleDecay)) ? P(0) : e * c.delta(b, h, s2);
+        });
+        tm.team_barrier();
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, c.Pd), [&](index_t p) {
+          Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.N), [&](index_t n) {
+            P acc = 0;
+            for (index_t s2 = t0; s2 < t1; ++s2) {
+              const P w = wt(s2 - t0);
+              if (w == P(0)) continue;
+              acc += w * c.x(b, s2, h, p) * c.Bm(b, s2, g, n);
+            }
+            c.states(b, ch, h, p, n) = acc;
+          });
+        });
+      },
+      Scratch1<P>::shmem_size(c.Q), 0, 0);
 }
 
 // cb(b, c, g, l, s) = C_l . B_s for s <= l within chunk c (the Q x Q "bmm" of the SSD; records are masked later).
+// Threads over l, a vector-lane reduction over n per (l, s).
 template <class T>
 void chunk_bmm(const Ctx<T>& c) {
   using P = acc_t<T>;
-  par_for_team("ssd::bmm", c.Bsz * c.nc * c.G, KOKKOS_LAMBDA(const Team& tm) {
+  par_for_team_vec("ssd::bmm", c.Bsz * c.nc * c.G, kTeam, kVector, KOKKOS_LAMBDA(const Team& tm) {
     const index_t id = tm.league_rank();
     const index_t g = id % c.G, ch = (id / c.G) % c.nc, b = id / (c.G * c.nc);
     const index_t t0 = ch * c.Q, q = c.chunk_end(ch) - t0;
@@ -160,8 +178,9 @@ void chunk_bmm(const Ctx<T>& c) {
       for (index_t is = 0; is <= il; ++is) {
         const T* Bs = c.brow(b, t0 + is, g);
         P acc = 0;
-        for (index_t n = 0; n < c.N; ++n) acc += P(Cl[n]) * P(Bs[n]);
-        c.cb(b, ch, g, il, is) = acc;
+        Kokkos::parallel_reduce(
+            Kokkos::ThreadVectorRange(tm, c.N), [&](index_t n, P& a) { a += P(Cl[n]) * P(Bs[n]); }, acc);
+        Kokkos::single(Kokkos::PerThread(tm), [&]() { c.cb(b, ch, g, il, is) = acc; });
       }
     });
   });
@@ -201,8 +220,13 @@ void ssd_forward(const SSDShape& s, const SSDIn<T>& in, const View2<T>& y, const
   // y_l = D x_l + [rec(l) == rec_in] exp(Acs_l) C_l . S_in + sum_{s <= l, same record} (C_l . B_s) exp(Acs_l - Acs_s)
   //       Delta_s x_s
   chunk_bmm(c);
-  par_for_team(
-      "ssd::chunk_scan", c.Bsz * c.nc * c.H,
+  // Threads over output tokens l, vector lanes over p; the entering state is staged on chip with rows padded to
+  // N + 1 so that the lanes (one row each) hit distinct banks.
+  const index_t ldS = c.N + 1;
+  const std::size_t fwd_bytes = Scratch1<P>::shmem_size(c.Q) + Scratch1<P>::shmem_size(c.Pd * ldS);
+  const int lvl = fwd_bytes <= kFastScratchLimit ? 0 : 1;
+  par_for_team_vec(
+      "ssd::chunk_scan", c.Bsz * c.nc * c.H, kTeam, kVector,
       KOKKOS_LAMBDA(const Team& tm) {
         const index_t id = tm.league_rank();
         index_t b, ch, h;
@@ -210,11 +234,14 @@ void ssd_forward(const SSDShape& s, const SSDIn<T>& in, const View2<T>& y, const
         const index_t g = h / c.hpg, t0 = ch * c.Q, t1 = c.chunk_end(ch);
         const int r_in = c.rec_in(b, ch);
         const P Dh = c.D(h);
-        Scratch1<P> acc(tm.thread_scratch(1), c.Pd);  // the output row being accumulated
-        Scratch1<P> ea(tm.team_scratch(1), c.Q);       // exp(a_t) = exp(Delta_t A): one exponential per token
         const P A = c.A(h);
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, t0, t1),
+        Scratch1<P> ea(tm.team_scratch(lvl), c.Q);         // exp(a_t) = exp(Delta_t A): one exponential per token
+        Scratch1<P> S(tm.team_scratch(lvl), c.Pd * ldS);   // state entering the chunk, (P, N + 1)
+        Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, t0, t1),
                              [&](index_t t) { ea(t - t0) = exp_nonpos(c.delta(b, h, t) * A); });
+        Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, c.Pd * c.N), [&](index_t pn) {
+          S((pn / c.N) * ldS + pn % c.N) = c.states(b, ch, h, pn / c.N, pn % c.N);
+        });
         tm.team_barrier();
         Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, t0, t1), [&](index_t l) {
           const int r_l = c.rec(b, l);
@@ -223,31 +250,30 @@ void ssd_forward(const SSDShape& s, const SSDIn<T>& in, const View2<T>& y, const
           e_in = e_in < P(kNegligibleDecay) ? P(0) : e_in;
           const T* xl = c.xrow(b, l, h);
           const T* Cl = c.crow(b, l, g);
-          for (index_t p = 0; p < c.Pd; ++p) acc(p) = Dh * P(xl[p]);
-          if (e_in != P(0)) {
-            for (index_t p = 0; p < c.Pd; ++p) {
-              const P* S = &c.states(b, ch, h, p, 0);
-              P cs = 0;
-              for (index_t n = 0; n < c.N; ++n) cs += P(Cl[n]) * S[n];
-              acc(p) += e_in * cs;
-            }
-          }
-          // Sources from l back to the chunk start: exp(Acs_l - Acs_s) = prod_{s < j <= l} exp(a_j), built up one
-          // factor per step (each factor <= 1, so it can only underflow to 0). Records are contiguous runs, so the
-          // first source of another record ends the loop.
-          P decay = 1;
-          for (index_t s2 = l; s2 >= t0; --s2) {
-            if (c.rec(b, s2) != r_l || decay < P(kNegligibleDecay)) break;
-            const P w = c.cb(b, ch, g, l - t0, s2 - t0) * decay * c.delta(b, h, s2);
-            const T* xs = c.xrow(b, s2, h);
-            for (index_t p = 0; p < c.Pd; ++p) acc(p) += w * P(xs[p]);
-            decay *= ea(s2 - t0);
-          }
           T* yl = &y(c.row(b, l), h * c.Pd);
-          for (index_t p = 0; p < c.Pd; ++p) yl[p] = static_cast<T>(acc(p));
+          Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.Pd), [&](index_t p) {
+            P acc = Dh * P(xl[p]);
+            if (e_in != P(0)) {
+              const P* Sp = &S(p * ldS);
+              P cs = 0;
+              for (index_t n = 0; n < c.N; ++n) cs += P(Cl[n]) * Sp[n];
+              acc += e_in * cs;
+            }
+            // Sources from l back to the chunk start: exp(Acs_l - Acs_s) = prod_{s < j <= l} exp(a_j), built up one
+            // factor per step (each factor <= 1, so it can only underflow to 0). Records are contiguous runs, so
+            // the first source of another record ends the loop.
+            P decay = 1;
+            for (index_t s2 = l; s2 >= t0; --s2) {
+              if (c.rec(b, s2) != r_l || decay < P(kNegligibleDecay)) break;
+              const P w = c.cb(b, ch, g, l - t0, s2 - t0) * decay * c.delta(b, h, s2);
+              acc += w * P(c.xrow(b, s2, h)[p]);
+              decay *= ea(s2 - t0);
+            }
+            yl[p] = static_cast<T>(acc);
+          });
         });
       },
-      Scratch1<P>::shmem_size(c.Q), Scratch1<P>::shmem_size(c.Pd), 1);
+      fwd_bytes, 0, lvl);
 }
 
 template <class T>
@@ -265,22 +291,33 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
   // dstates(b, c) = gradient w.r.t. the state entering chunk c from chunk c's own outputs:
   //   sum_{l in c, rec(l) == rec_in} exp(Acs_l) dy_l C_l^T
   View5<P> dstates(Kokkos::view_alloc(Kokkos::WithoutInitializing, "ssd::dstates"), c.Bsz, c.nc, c.H, c.Pd, c.N);
-  par_for_team("ssd::dstates_local", c.Bsz * c.nc * c.H, KOKKOS_LAMBDA(const Team& tm) {
-    const index_t id = tm.league_rank();
-    index_t b, ch, h;
-    c.decode(id, b, ch, h);
-    const index_t g = h / c.hpg, t0 = ch * c.Q, t1 = c.chunk_end(ch);
-    const int r_in = c.rec_in(b, ch);
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, c.Pd), [&](index_t p) {
-      for (index_t n = 0; n < c.N; ++n) dstates(b, ch, h, p, n) = P(0);
-      for (index_t l = t0; l < t1; ++l) {
-        const P e = exp_nonpos(c.acs(b, h, l));
-        if (c.rec(b, l) != r_in || e < P(kNegligibleDecay)) continue;
-        const P w = e * P(dy(c.row(b, l), h * c.Pd + p));
-        for (index_t n = 0; n < c.N; ++n) dstates(b, ch, h, p, n) += w * c.Cm(b, l, g, n);
-      }
-    });
-  });
+  par_for_team_vec(
+      "ssd::dstates_local", c.Bsz * c.nc * c.H, kTeam, kVector,
+      KOKKOS_LAMBDA(const Team& tm) {
+        const index_t id = tm.league_rank();
+        index_t b, ch, h;
+        c.decode(id, b, ch, h);
+        const index_t g = h / c.hpg, t0 = ch * c.Q, t1 = c.chunk_end(ch);
+        const int r_in = c.rec_in(b, ch);
+        Scratch1<P> wt(tm.team_scratch(0), c.Q);  // exp(Acs_l), 0 where cut off or another record
+        Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, t0, t1), [&](index_t l) {
+          const P e = exp_nonpos(c.acs(b, h, l));
+          wt(l - t0) = (c.rec(b, l) != r_in || e < P(kNegligibleDecay)) ? P(0) : e;
+        });
+        tm.team_barrier();
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, c.Pd), [&](index_t p) {
+          Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.N), [&](index_t n) {
+            P acc = 0;
+            for (index_t l = t0; l < t1; ++l) {
+              const P e = wt(l - t0);
+              if (e == P(0)) continue;
+              acc += e * P(dy(c.row(b, l), h * c.Pd + p)) * c.Cm(b, l, g, n);
+            }
+            dstates(b, ch, h, p, n) = acc;
+          });
+        });
+      },
+      Scratch1<P>::shmem_size(c.Q), 0, 0);
 
   // Reverse state passing, in place: dstates(b, c) becomes dL/dH_c (the state at the end of chunk c);
   // dinit = dL/dH_{-1}.
@@ -309,12 +346,17 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
   const auto dxbc = gr.dxbc;
   const auto ddt = gr.ddt;
   const index_t Q = c.Q;
-  // Team scratch: K = E' (C.B), DX = dy_l . x_s, E' = [same record] exp(Acs_l - Acs_s)  (Q x Q each, s <= l),
-  // plus seven per-token vectors. Thread scratch: accumulators of one row (P) and two of N.
-  const std::size_t team_bytes = 3 * Scratch2<P>::shmem_size(Q, Q) + 7 * Scratch1<P>::shmem_size(Q);
-  const std::size_t thread_bytes = Scratch1<P>::shmem_size(c.Pd) + 2 * Scratch1<P>::shmem_size(c.N);
-  par_for_team(
-      "ssd::chunk_bwd", c.Bsz * c.nc * c.H,
+  // Large (global-memory) team scratch: K = E' (C.B), DX = dy_l . x_s, E' = [same record] exp(Acs_l - Acs_s)
+  // (Q x Q each, s <= l). On chip: seven per-token vectors and dL/dH_c with rows padded to N + 1 (lanes over p read
+  // distinct banks).
+  const index_t ldS = c.N + 1;
+  const std::size_t dh_bytes = Scratch1<P>::shmem_size(c.Pd * ldS);
+  const bool dh_fast = 7 * Scratch1<P>::shmem_size(Q) + dh_bytes <= kFastScratchLimit;
+  const int dh_lvl = dh_fast ? 0 : 1;
+  const std::size_t large_bytes = 3 * Scratch2<P>::shmem_size(Q, Q) + (dh_fast ? 0 : dh_bytes);
+  const std::size_t fast_bytes = 7 * Scratch1<P>::shmem_size(Q) + (dh_fast ? dh_bytes : 0);
+  par_for_team_vec2(
+      "ssd::chunk_bwd", c.Bsz * c.nc * c.H, kTeam, kVector,
       KOKKOS_LAMBDA(const Team& tm) {
         const index_t id = tm.league_rank();
         index_t b, ch, h;
@@ -323,18 +365,19 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
         const int r_in = c.rec_in(b, ch), r_last = c.rec(b, last);
         const P A = c.A(h), Dh = c.D(h), acs_last = c.acs(b, h, last);
         Scratch2<P> K(tm.team_scratch(1), Q, Q), DX(tm.team_scratch(1), Q, Q), E(tm.team_scratch(1), Q, Q);
-        Scratch1<P> in_sum(tm.team_scratch(1), Q), out_sum(tm.team_scratch(1), Q), w_inter(tm.team_scratch(1), Q),
-            w_state(tm.team_scratch(1), Q), ddelta(tm.team_scratch(1), Q), ddot(tm.team_scratch(1), Q),
-            ea(tm.team_scratch(1), Q);
-        Scratch1<P> accP(tm.thread_scratch(1), c.Pd), accN(tm.thread_scratch(1), c.N),
-            accN2(tm.thread_scratch(1), c.N);
+        Scratch1<P> in_sum(tm.team_scratch(0), Q), out_sum(tm.team_scratch(0), Q), w_inter(tm.team_scratch(0), Q),
+            w_state(tm.team_scratch(0), Q), ddelta(tm.team_scratch(0), Q), ddot(tm.team_scratch(0), Q),
+            ea(tm.team_scratch(0), Q);
+        Scratch1<P> dHs(tm.team_scratch(dh_lvl), c.Pd * ldS);
         auto dyrow = [&](index_t t) { return &dy(c.row(b, t), h * c.Pd); };
         const P* dH = &dstates(b, ch, h, 0, 0);        // dL/dH_c, (P, N) row-major
         const P* Sin = &c.states(b, ch, h, 0, 0);      // state entering the chunk, (P, N)
 
         // Phase A: pairwise quantities for s <= l; the decays are products of exp(a_t) as in the forward.
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, q),
+        Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, q),
                              [&](index_t it) { ea(it) = exp_nonpos(c.delta(b, h, t0 + it) * A); });
+        Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, c.Pd * c.N),
+                             [&](index_t pn) { dHs((pn / c.N) * ldS + pn % c.N) = dH[pn]; });
         tm.team_barrier();
         Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, q), [&](index_t il) {
           const index_t l = t0 + il;
@@ -346,55 +389,60 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
             const index_t s2 = t0 + is;
             same = same && c.rec(b, s2) == r_l && decay >= P(kNegligibleDecay);  // records are contiguous runs
             if (!same) {
-              E(il, is) = K(il, is) = DX(il, is) = P(0);
+              Kokkos::single(Kokkos::PerThread(tm), [&]() { E(il, is) = K(il, is) = DX(il, is) = P(0); });
               continue;
             }
             const T* xs = c.xrow(b, s2, h);
             P dxv = 0;
-            for (index_t p = 0; p < c.Pd; ++p) dxv += P(dyl[p]) * P(xs[p]);
-            E(il, is) = decay;
-            K(il, is) = decay * c.cb(b, ch, g, il, is);
-            DX(il, is) = dxv;
+            Kokkos::parallel_reduce(
+                Kokkos::ThreadVectorRange(tm, c.Pd), [&](index_t p, P& a) { a += P(dyl[p]) * P(xs[p]); }, dxv);
+            const P kv = decay * c.cb(b, ch, g, il, is);
+            Kokkos::single(Kokkos::PerThread(tm), [&]() {
+              E(il, is) = decay;
+              K(il, is) = kv;
+              DX(il, is) = dxv;
+            });
             decay *= ea(is);
           }
         });
         tm.team_barrier();
 
-        // Phase B (per output token l): dC_l (intra + inter), the inter term of dAcs_l, and the incoming intra sum.
+        // Phase B (per output token l; lanes over n): dC_l (intra + inter), the inter term of dAcs_l, and the
+        // incoming intra sum.
         Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, q), [&](index_t il) {
           const index_t l = t0 + il, rl = c.row(b, l);
           P e_in = c.rec(b, l) == r_in ? exp_nonpos(c.acs(b, h, l)) : P(0);
           e_in = e_in < P(kNegligibleDecay) ? P(0) : e_in;  // as in the forward
           const T* dyl = dyrow(l);
           const T* Cl = c.crow(b, l, g);
-          for (index_t n = 0; n < c.N; ++n) accN(n) = 0;
           P insum = 0;
-          for (index_t is = 0; is <= il; ++is) {
-            const P dlt = c.delta(b, h, t0 + is);
-            const P coef = dlt * E(il, is) * DX(il, is);
-            const T* Bs = c.brow(b, t0 + is, g);
-            for (index_t n = 0; n < c.N; ++n) accN(n) += coef * P(Bs[n]);
-            if (is < il) insum += dlt * K(il, is) * DX(il, is);
-          }
+          for (index_t is = 0; is < il; ++is) insum += c.delta(b, h, t0 + is) * K(il, is) * DX(il, is);
           P winter = 0;
-          for (index_t n = 0; n < c.N; ++n) accN2(n) = 0;
-          if (e_in != P(0)) {
-            for (index_t p = 0; p < c.Pd; ++p) {
-              const P d = P(dyl[p]);
-              for (index_t n = 0; n < c.N; ++n) accN2(n) += d * Sin[p * c.N + n];
-            }
-          }
-          for (index_t n = 0; n < c.N; ++n) {
-            const P inter = e_in * accN2(n);
-            dCh(rl, h, n) = accN(n) + inter;
-            winter += inter * P(Cl[n]);
-          }
-          w_inter(il) = winter;
-          in_sum(il) = insum;
-          ddot(il) = DX(il, il);
+          Kokkos::parallel_reduce(
+              Kokkos::ThreadVectorRange(tm, c.N),
+              [&](index_t n, P& wacc) {
+                P a = 0;
+                for (index_t is = 0; is <= il; ++is) {
+                  const P coef = c.delta(b, h, t0 + is) * E(il, is) * DX(il, is);
+                  a += coef * c.Bm(b, t0 + is, g, n);
+                }
+                P a2 = 0;
+                if (e_in != P(0))
+                  for (index_t p = 0; p < c.Pd; ++p) a2 += P(dyl[p]) * Sin[p * c.N + n];
+                const P inter = e_in * a2;
+                dCh(rl, h, n) = a + inter;
+                wacc += inter * P(Cl[n]);
+              },
+              winter);
+          Kokkos::single(Kokkos::PerThread(tm), [&]() {
+            w_inter(il) = winter;
+            in_sum(il) = insum;
+            ddot(il) = DX(il, il);
+          });
         });
 
-        // Phase C (per source token s): dx_s, dB_s, the direct part of dDelta_s, outgoing intra and state sums.
+        // Phase C (per source token s; lanes over p, then over n): dx_s, dB_s, the direct part of dDelta_s,
+        // outgoing intra and state sums.
         Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, q), [&](index_t is) {
           const index_t s2 = t0 + is, rs = c.row(b, s2);
           const P dlt = c.delta(b, h, s2);
@@ -402,46 +450,48 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
           es = es < P(kNegligibleDecay) ? P(0) : es;  // as in chunk_state
           const T* xs = c.xrow(b, s2, h);
           const T* Bs = c.brow(b, s2, g);
-          for (index_t p = 0; p < c.Pd; ++p) accP(p) = 0;
-          for (index_t n = 0; n < c.N; ++n) accN(n) = 0;
           P dd = 0, outsum = 0;
           for (index_t il = is; il < q; ++il) {
-            const P k = K(il, is), dxv = DX(il, is), coef = E(il, is) * dxv;
+            const P k = K(il, is), dxv = DX(il, is);
             dd += k * dxv;
             if (il > is) outsum += dlt * k * dxv;
-            const T* dyl = dyrow(t0 + il);
-            for (index_t p = 0; p < c.Pd; ++p) accP(p) += k * P(dyl[p]);
-            const T* Cl = c.crow(b, t0 + il, g);
-            for (index_t n = 0; n < c.N; ++n) accN(n) += coef * P(Cl[n]);
           }
           // the chunk-state term (dH_c flows back into the tokens that built the chunk's final state)
-          for (index_t n = 0; n < c.N; ++n) accN2(n) = 0;
-          P dd_state = 0;
           const T* dys = dyrow(s2);
           T* dxs = &dxbc(rs, c.x_col + h * c.Pd);
-          for (index_t p = 0; p < c.Pd; ++p) {
-            const P* dHp = dH + p * c.N;
-            const P xp = P(xs[p]);
-            P bdh = 0;
-            for (index_t n = 0; n < c.N; ++n) {
-              bdh += P(Bs[n]) * dHp[n];
-              accN2(n) += xp * dHp[n];
-            }
-            dd_state += xp * bdh;
-            dxs[p] = static_cast<T>(Dh * P(dys[p]) + dlt * accP(p) + dlt * es * bdh);
-          }
-          for (index_t n = 0; n < c.N; ++n) dBh(rs, h, n) = dlt * accN(n) + dlt * es * accN2(n);
+          P dd_state = 0;
+          Kokkos::parallel_reduce(
+              Kokkos::ThreadVectorRange(tm, c.Pd),
+              [&](index_t p, P& dacc) {
+                P ap = 0;
+                for (index_t il = is; il < q; ++il) ap += K(il, is) * P(dyrow(t0 + il)[p]);
+                const P* dHp = &dHs(p * ldS);
+                P bdh = 0;
+                for (index_t n = 0; n < c.N; ++n) bdh += P(Bs[n]) * dHp[n];
+                dacc += P(xs[p]) * bdh;
+                dxs[p] = static_cast<T>(Dh * P(dys[p]) + dlt * ap + dlt * es * bdh);
+              },
+              dd_state);
+          Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.N), [&](index_t n) {
+            P an = 0;
+            for (index_t il = is; il < q; ++il) an += E(il, is) * DX(il, is) * c.Cm(b, t0 + il, g, n);
+            P an2 = 0;
+            for (index_t p = 0; p < c.Pd; ++p) an2 += P(xs[p]) * dH[p * c.N + n];
+            dBh(rs, h, n) = dlt * an + dlt * es * an2;
+          });
           dd_state *= es;
-          ddelta(is) = dd + dd_state;
-          out_sum(is) = outsum;
-          w_state(is) = dlt * dd_state;
+          Kokkos::single(Kokkos::PerThread(tm), [&]() {
+            ddelta(is) = dd + dd_state;
+            out_sum(is) = outsum;
+            w_state(is) = dlt * dd_state;
+          });
         });
 
         // Decay term of the state passing: dAcs_last += exp(Acs_last) [same record] sum(dH_c * S_in_c).
         P wdecay = 0;
         if (r_last == r_in) {
           Kokkos::parallel_reduce(
-              Kokkos::TeamThreadRange(tm, c.Pd * c.N), [&](index_t pn, P& acc) { acc += dH[pn] * Sin[pn]; }, wdecay);
+              Kokkos::TeamVectorRange(tm, c.Pd * c.N), [&](index_t pn, P& acc) { acc += dH[pn] * Sin[pn]; }, wdecay);
           wdecay *= exp_nonpos(acs_last);
         }
         tm.team_barrier();
@@ -471,7 +521,7 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
           partial(b, ch, h, 2) = dD;
         });
       },
-      team_bytes, thread_bytes, 1);
+      fast_bytes, large_bytes);
 
   // Sum dB and dC over the heads of each group into the input's gradient columns.
   par_for("ssd::group_reduce", c.Bsz * c.L, c.G * c.N, KOKKOS_LAMBDA(index_t r, index_t gn) {
