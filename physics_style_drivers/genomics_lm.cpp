@@ -53,9 +53,15 @@ int train(const io::Deck& d, const io::GenomeDataset& data, const LMConfig& lm, 
 
   Model model(lm);
   model.initialize(tc.seed);
+  auto& bb = model.backbone();
+  const index_t total = model.params().count() - bb.buffer_count();
+  const index_t active = total - (bb.param_count() - bb.active_param_count());
   std::printf("model: %s, %lld layers, d_model %lld, d_state %lld, %lld heads of %lld, %lld parameters\n", what,
               (long long)lm.n_layer, (long long)lm.mixer.d_model, (long long)lm.mixer.d_state,
-              (long long)lm.mixer.nheads(), (long long)lm.mixer.headdim, (long long)model.params().count());
+              (long long)lm.mixer.nheads(), (long long)lm.mixer.headdim, (long long)total);
+  std::printf("layers: %s | parameters: %lld total, %lld active per token (backbone %lld total, %lld active)\n",
+              pattern_string(bb.pattern()).c_str(), (long long)total, (long long)active, (long long)bb.param_count(),
+              (long long)bb.active_param_count());
   std::printf("train: %lld steps of %lld x %lld x %lld tokens, lr %g -> %g (warmup %lld), recompute %s\n",
               (long long)tc.steps, (long long)tc.grad_accum, (long long)batch, (long long)seqlen, tc.schedule.lr,
               tc.schedule.min_lr, (long long)tc.schedule.warmup,

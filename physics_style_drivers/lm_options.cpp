@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "core/error.hpp"
+#include "moe/router.hpp"
 
 namespace mm::drivers {
 
@@ -21,7 +22,7 @@ void declare_run(io::Deck& d) {
 void declare_backbone_options(io::Deck& d) {
   const Mamba2Config m;
   d.add<I>("model.d_model", 128, "model width")
-      .add<I>("model.n_layer", 4, "number of Mamba-2 blocks")
+      .add<I>("model.n_layer", 4, "number of blocks (Mamba-2 unless model.pattern says otherwise)")
       .add<I>("model.d_state", m.d_state, "SSM state size N")
       .add<I>("model.d_conv", m.d_conv, "causal conv1d width")
       .add<I>("model.expand", m.expand, "d_inner = expand * d_model")
@@ -36,7 +37,112 @@ void declare_backbone_options(io::Deck& d) {
       .add<double>("model.dt_limit_min", m.dt_limit_lo, "clamp of softplus(dt + dt_bias), lower")
       .add<double>("model.dt_limit_max", std::numeric_limits<double>::infinity(),
                    "clamp of softplus(dt + dt_bias), upper (inf: none)")
-      .add<double>("model.norm_eps", m.norm_eps, "RMSNorm epsilon");
+      .add<double>("model.norm_eps", m.norm_eps, "RMSNorm epsilon")
+      .add<std::string>("model.pattern", "",
+                        "layer pattern, one code per pre-norm residual block, spaced (M2 M2 M3 E) or together "
+                        "(M2M2M3E): M1 Mamba-1, M2 Mamba-2, M3 Mamba-3, E MoE feed-forward, D dense SwiGLU "
+                        "feed-forward. Empty: n_layer x M2. With a pattern, n_layer may be left out (it is the "
+                        "pattern's length)")
+      .add<I>("model.dense_d_ff", 0, "D layers: SwiGLU hidden size (0: moe.d_ff, i.e. one expert's size)");
+  const Mamba1Config m1;
+  d.add<I>("mamba1.d_state", m1.d_state, "M1 layers: SSM state size N (dt ranges, d_conv: [model])")
+      .add<I>("mamba1.expand", 0, "M1 layers: d_inner = expand * d_model (0: model.expand)")
+      .add<I>("mamba1.dt_rank", m1.dt_rank, "M1 layers: rank of the dt projection (0: ceil(d_model / 16))")
+      .add<I>("mamba1.chunk_size", m1.chunk, "M1 layers: scan checkpoint interval (results do not depend on it)");
+  const Mamba3Config m3;
+  d.add<I>("mamba3.d_state", 0, "M3 layers: state size N (0: model.d_state)")
+      .add<I>("mamba3.headdim", 0, "M3 layers: head dimension P (0: model.headdim)")
+      .add<I>("mamba3.expand", 0, "M3 layers: d_inner = expand * d_model (0: model.expand)")
+      .add<I>("mamba3.ngroups", m3.ngroups, "M3 layers: B/C groups")
+      .add<bool>("mamba3.mimo", m3.is_mimo, "M3 layers: multi-input multi-output (MIMO) variant")
+      .add<I>("mamba3.mimo_rank", m3.mimo_rank, "M3 layers: MIMO rank R")
+      .add<I>("mamba3.chunk_size", m3.chunk_size, "M3 layers: scan chunk length (results do not depend on it)")
+      .add<double>("mamba3.rope_fraction", m3.rope_fraction, "M3 layers: fraction of the state dimensions rotated")
+      .add<std::string>("mamba3.rope_pairing", "by_variant",
+                        "M3 layers: rotary pairs: by_variant (SISO interleaved, MIMO halved) | interleaved | halved")
+      .add<bool>("mamba3.outproj_norm", m3.is_outproj_norm, "M3 layers: RMSNorm of y before the gate")
+      .add<double>("mamba3.A_floor", m3.A_floor, "M3 layers: floor of the data-dependent decay rate");
+  const MoEConfig e;
+  d.add<I>("moe.n_experts", e.n_experts, "E layers: routed experts")
+      .add<I>("moe.top_k", e.top_k, "E layers: experts per token")
+      .add<I>("moe.d_ff", e.d_ff, "E layers: SwiGLU hidden size of each expert")
+      .add<std::string>("moe.score_func", "softmax", "E layers: router scores: softmax | sigmoid")
+      .add<bool>("moe.renormalize", e.renormalize, "E layers: renormalise the top_k gates to sum to 1")
+      .add<double>("moe.temperature", e.temperature, "E layers: router logits are divided by it")
+      .add<double>("moe.output_scale", e.output_scale, "E layers: multiplies every gate")
+      .add<double>("moe.capacity_factor", e.capacity_factor,
+                   "E layers: expert capacity = factor * tokens * top_k / n_experts (0: dropless)")
+      .add<double>("moe.jitter", e.jitter, "E layers: multiplicative router-input jitter while training (0: off)")
+      .add<double>("moe.aux_loss_coef", e.aux_loss_coef,
+                   "E layers: load-balancing loss coefficient (added to the mean token loss)")
+      .add<double>("moe.z_loss_coef", e.z_loss_coef, "E layers: router z-loss coefficient")
+      .add<double>("moe.bias_update_rate", e.bias_update_rate,
+                   "E layers: aux-loss-free expert-bias step per optimizer step (0: off)")
+      .add<I>("moe.shared_d_ff", e.shared_d_ff, "E layers: hidden size of an always-on shared expert (0: none)")
+      .add<bool>("moe.recompute", e.recompute, "E layers: keep no expert activations, recompute in the backward");
+}
+
+LayerStackConfig make_layer_stack_config(const io::Deck& d) {
+  const std::string ctx = d.path().empty() ? "[model]" : d.path() + " [model]";
+  LayerStackConfig c;
+  c.pattern = parse_layer_pattern(d.get<std::string>("model.pattern"), ctx + " pattern");
+  c.dense_d_ff = d.get<I>("model.dense_d_ff");
+  const I expand = d.get<I>("model.expand");
+  Mamba1Config& m1 = c.mamba1;
+  m1.d_state = d.get<I>("mamba1.d_state");
+  m1.expand = d.get<I>("mamba1.expand") > 0 ? d.get<I>("mamba1.expand") : expand;
+  m1.dt_rank = d.get<I>("mamba1.dt_rank");
+  m1.chunk = d.get<I>("mamba1.chunk_size");
+  m1.d_conv = d.get<I>("model.d_conv");
+  m1.dt_min = d.get<double>("model.dt_min");
+  m1.dt_max = d.get<double>("model.dt_max");
+  m1.dt_init_floor = d.get<double>("model.dt_init_floor");
+  Mamba3Config& m3 = c.mamba3;
+  m3.d_state = d.get<I>("mamba3.d_state") > 0 ? d.get<I>("mamba3.d_state") : d.get<I>("model.d_state");
+  m3.headdim = d.get<I>("mamba3.headdim") > 0 ? d.get<I>("mamba3.headdim") : d.get<I>("model.headdim");
+  m3.expand = d.get<I>("mamba3.expand") > 0 ? d.get<I>("mamba3.expand") : expand;
+  m3.ngroups = d.get<I>("mamba3.ngroups");
+  m3.is_mimo = d.get<bool>("mamba3.mimo");
+  m3.mimo_rank = d.get<I>("mamba3.mimo_rank");
+  m3.chunk_size = d.get<I>("mamba3.chunk_size");
+  m3.rope_fraction = d.get<double>("mamba3.rope_fraction");
+  const std::string pairing = d.get<std::string>("mamba3.rope_pairing");
+  require(pairing == "by_variant" || pairing == "interleaved" || pairing == "halved", "[mamba3] rope_pairing", "'",
+          pairing, "' is not one of: by_variant interleaved halved");
+  m3.rope_pairing = pairing == "interleaved" ? Mamba3Config::Pairing::interleaved
+                    : pairing == "halved"    ? Mamba3Config::Pairing::halved
+                                             : Mamba3Config::Pairing::by_variant;
+  m3.is_outproj_norm = d.get<bool>("mamba3.outproj_norm");
+  m3.A_floor = d.get<double>("mamba3.A_floor");
+  m3.dt_min = d.get<double>("model.dt_min");
+  m3.dt_max = d.get<double>("model.dt_max");
+  m3.dt_init_floor = d.get<double>("model.dt_init_floor");
+  m3.norm_eps = d.get<double>("model.norm_eps");
+  MoEConfig& e = c.moe;
+  e.n_experts = d.get<I>("moe.n_experts");
+  e.top_k = d.get<I>("moe.top_k");
+  e.d_ff = d.get<I>("moe.d_ff");
+  e.score_func = parse_score_func(d.get<std::string>("moe.score_func"), "[moe] score_func");
+  e.renormalize = d.get<bool>("moe.renormalize");
+  e.temperature = d.get<double>("moe.temperature");
+  e.output_scale = d.get<double>("moe.output_scale");
+  e.capacity_factor = d.get<double>("moe.capacity_factor");
+  e.jitter = d.get<double>("moe.jitter");
+  e.aux_loss_coef = d.get<double>("moe.aux_loss_coef");
+  e.z_loss_coef = d.get<double>("moe.z_loss_coef");
+  e.bias_update_rate = d.get<double>("moe.bias_update_rate");
+  e.shared_d_ff = d.get<I>("moe.shared_d_ff");
+  e.recompute = d.get<bool>("moe.recompute");
+  return c;
+}
+
+std::int64_t make_n_layer(const io::Deck& d, const LayerStackConfig& layers) {
+  const I n = d.get<I>("model.n_layer");
+  if (layers.pattern.empty()) return n;
+  const I np = I(layers.pattern.size());
+  require(d.defaulted("model.n_layer") || n == np, "[model] n_layer", "n_layer = ", n, " but the pattern '",
+          pattern_string(layers.pattern), "' has ", np, " layers (leave n_layer out, or make them agree)");
+  return np;
 }
 
 void declare_train_options(io::Deck& d) {
@@ -95,7 +201,8 @@ Mamba2Config make_mixer_config(const io::Deck& d) {
 LMConfig make_lm_config(const io::Deck& d) {
   LMConfig c;
   c.vocab_size = d.get<I>("model.vocab_size");
-  c.n_layer = d.get<I>("model.n_layer");
+  c.layers = make_layer_stack_config(d);
+  c.n_layer = make_n_layer(d, c.layers);
   c.tie_embeddings = d.get<bool>("model.tie_embeddings");
   c.norm_eps = d.get<double>("model.norm_eps");
   c.mixer = make_mixer_config(d);

@@ -9,11 +9,15 @@
 namespace mm::drivers {
 
 void declare_run(io::Deck& deck);              // [run]: driver, seed, deterministic, output_dir
-void declare_backbone_options(io::Deck& deck);  // [model]: the Mamba-2 backbone
+// [model]: the backbone (Mamba-2 keys, the layer pattern, model.dense_d_ff), [mamba1], [mamba3], [moe]
+void declare_backbone_options(io::Deck& deck);
 void declare_train_options(io::Deck& deck);     // [train] (model-independent keys) and [checkpoint]
 void declare_lm_options(io::Deck& deck);        // the above plus the language-model keys
 
 Mamba2Config make_mixer_config(const io::Deck& deck);
+LayerStackConfig make_layer_stack_config(const io::Deck& deck);  // model.pattern and the other kinds' configs
+// model.n_layer, or the pattern's length when a pattern is given (a given n_layer must agree).
+std::int64_t make_n_layer(const io::Deck& deck, const LayerStackConfig& layers);
 LMConfig make_lm_config(const io::Deck& deck);
 TrainConfig make_train_config(const io::Deck& deck);
 

@@ -207,7 +207,8 @@ int run_timeseries_forecast(const io::Deck& d) {
   fc.patch_len = d.get<I>("forecast.patch_len");
   fc.channels = C;
   fc.revin_affine = d.get<bool>("forecast.revin_affine");
-  fc.n_layer = d.get<I>("model.n_layer");
+  fc.layers = make_layer_stack_config(d);
+  fc.n_layer = make_n_layer(d, fc.layers);
   fc.norm_eps = d.get<double>("model.norm_eps");
   fc.mixer = make_mixer_config(d);
   fc.validate(d.path() + " [forecast]");

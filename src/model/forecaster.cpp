@@ -20,6 +20,7 @@ void ForecastConfig::validate(const std::string& context) const {
   require(channels >= 1, context, "the series needs at least one channel");
   require(n_layer >= 1, context, "n_layer must be at least 1");
   mixer.validate(context);
+  layers.validate(mixer.d_model, n_layer, context);
 }
 
 std::int64_t SeriesBatch::scored() const {
@@ -37,7 +38,8 @@ Forecaster<T>::Forecaster(const ForecastConfig& cfg) : cfg_(cfg) {
   const double bp = 1.0 / std::sqrt(double(p)), bf = 1.0 / std::sqrt(double(F));
   patch_w_ = params_.add("patch_embed.weight", {D, p}, true, Init::Uniform(-bp, bp));
   patch_b_ = params_.add("patch_embed.bias", {D}, false, Init::Uniform(-bp, bp));
-  backbone_ = std::make_unique<MambaBackbone<T>>(cfg.mixer, cfg.n_layer, cfg.norm_eps, params_, "backbone.");
+  backbone_ =
+      std::make_unique<MambaBackbone<T>>(cfg.mixer, cfg.n_layer, cfg.norm_eps, params_, "backbone.", cfg.layers);
   head_w_ = params_.add("head.weight", {H, F}, true, Init::Uniform(-bf, bf));
   head_b_ = params_.add("head.bias", {H}, false, Init::Uniform(-bf, bf));
   params_.allocate();
@@ -139,7 +141,7 @@ LossSum Forecaster<T>::forward_backward(const SeriesBatch& hb, double grad_scale
   const UView2<T> dflat(dflat_v.data(), N, K * D);
   linear_backward<T>(flat, params_.v2(head_w_), dyp, dflat, false, params_.g2(head_w_), params_.g1(head_b_));
   View2<R> dh = make_uninit<View2<R>>("forecast::dh", N * K, D);
-  backbone_->backward(dflat_v, dh);
+  backbone_->backward(dflat_v, dh, grad_scale * double(loss.count));  // MoE aux losses: see lm.hpp
   View2<T> dxhat = make_uninit<View2<T>>("forecast::dxhat", N, L);
   const UView2<T> dpatches(dxhat.data(), N * K, p);
   linear_backward<T>(patches, params_.v2(patch_w_), dh, dpatches, false, params_.g2(patch_w_),

@@ -31,6 +31,7 @@ struct ForecastConfig {
   index_t n_layer = 2;
   double norm_eps = 1e-5;
   Mamba2Config mixer;
+  LayerStackConfig layers;  // the layer pattern (empty: n_layer x M2); MoE aux losses are added as in lm.hpp
   index_t n_patch() const { return input_len / patch_len; }
   void validate(const std::string& context) const;
 };
@@ -65,6 +66,8 @@ class Forecaster {
 
   // Forecasts of the last forward, rows x horizon, in the units of the batch's values.
   std::vector<double> predictions() const;
+
+  MambaBackbone<T>& backbone() { return *backbone_; }
 
   static std::int64_t scored(const SeriesBatch& b) { return b.scored(); }
   static std::int64_t tokens(const SeriesBatch& b) { return b.rows * b.input_len; }

@@ -13,6 +13,7 @@ void LMConfig::validate(const std::string& context) const {
   require(n_layer >= 1, context, "n_layer must be at least 1 (got ", n_layer, ")");
   require(norm_eps > 0, context, "norm_eps must be positive");
   mixer.validate(context);
+  layers.validate(mixer.d_model, n_layer, context);
 }
 
 Batch to_device(const io::HostBatch& hb) {
@@ -37,7 +38,8 @@ MambaLM<T>::MambaLM(const LMConfig& cfg) : cfg_(cfg) {
   cfg_.validate("model");
   const index_t D = cfg.mixer.d_model, V = cfg.vocab_size;
   embedding_ = params_.add("backbone.embedding.weight", {V, D}, true, Init::Normal(0.0, cfg.initializer_range));
-  backbone_ = std::make_unique<MambaBackbone<T>>(cfg.mixer, cfg.n_layer, cfg.norm_eps, params_, "backbone.");
+  backbone_ =
+      std::make_unique<MambaBackbone<T>>(cfg.mixer, cfg.n_layer, cfg.norm_eps, params_, "backbone.", cfg.layers);
   lm_head_ = cfg.tie_embeddings ? embedding_
                                 : params_.add("lm_head.weight", {V, D}, true,
                                               Init::Uniform(-1.0 / std::sqrt(double(D)), 1.0 / std::sqrt(double(D))));
@@ -72,9 +74,46 @@ LossSum MambaLM<T>::forward_backward(const Batch& b, double grad_scale, Recomput
   View2<T> dhf = make_uninit<View2<T>>("lm::dhf", n, D);
   linear_backward<T>(hf, params_.v2(lm_head_), dlogits, dhf, false, params_.g2(lm_head_), View1<P>());
   View2<R> dh = make_uninit<View2<R>>("lm::dh", n, D);
-  backbone_->backward(dhf, dh);
+  backbone_->backward(dhf, dh, grad_scale * double(loss.count));
   embedding_backward<R>(dh, b.tokens, params_.g2(embedding_));
   return loss;
+}
+
+template <class T>
+index_t MambaLM<T>::param_count() const {
+  // the expert-bias buffers are in the store (checkpoints carry them) but are not trained parameters
+  return params_.count() - backbone_->buffer_count();
+}
+
+template <class T>
+index_t MambaLM<T>::active_param_count() const {
+  return param_count() - (backbone_->param_count() - backbone_->active_param_count());
+}
+
+template <class T>
+View2<T> MambaLM<T>::prefill(const Kokkos::View<const std::int32_t*, Layout, Mem>& tokens, index_t batch,
+                             index_t seqlen, BackboneState<T>& state) {
+  const index_t n = batch * seqlen, D = cfg_.mixer.d_model, V = cfg_.vocab_size;
+  require(index_t(tokens.extent(0)) == n, "model prefill", "tokens must have batch * seqlen = ", n, " entries");
+  View2<R> h = make_uninit<View2<R>>("lm::h", n, D);
+  embedding_forward<R>(params_.v2(embedding_), tokens, h);
+  View2<T> hf = make_uninit<View2<T>>("lm::hf", n, D);
+  backbone_->prefill(h, batch, seqlen, state, hf);
+  View2<T> logits = make_uninit<View2<T>>("lm::logits", n, V);
+  linear_forward<T>(hf, params_.v2(lm_head_), View1<const P>(), logits);
+  return logits;
+}
+
+template <class T>
+View2<T> MambaLM<T>::step(const Kokkos::View<const std::int32_t*, Layout, Mem>& tokens, BackboneState<T>& state) {
+  const index_t B = tokens.extent(0), D = cfg_.mixer.d_model, V = cfg_.vocab_size;
+  View2<R> h = make_uninit<View2<R>>("lm::h", B, D);
+  embedding_forward<R>(params_.v2(embedding_), tokens, h);
+  View2<T> hf = make_uninit<View2<T>>("lm::hf", B, D);
+  backbone_->step(h, state, hf);
+  View2<T> logits = make_uninit<View2<T>>("lm::logits", B, V);
+  linear_forward<T>(hf, params_.v2(lm_head_), View1<const P>(), logits);
+  return logits;
 }
 
 template class MambaLM<float>;

@@ -1,6 +1,9 @@
-// A Mamba-2 language model over single-nucleotide tokens (mamba_ssm's MambaLMHeadModel with Mamba-2 mixers and
-// no MLP): embedding -> MambaBackbone (pre-norm residual blocks on an fp32 residual stream, final RMSNorm) ->
-// LM head (tied to the embedding or not) -> cross-entropy.
+// A Mamba language model over single-nucleotide tokens (mamba_ssm's MambaLMHeadModel): embedding -> MambaBackbone
+// (a pattern of pre-norm residual blocks, Mamba-2 by default, on an fp32 residual stream, final RMSNorm) -> LM head
+// (tied to the embedding or not) -> cross-entropy. With MoE layers the training objective is
+//   mean cross-entropy over the step's scored targets + the MoE auxiliary losses,
+// each micro-batch's auxiliary losses weighted by its share of the step's scored targets (grad_scale * count), so
+// the auxiliary term is their (token-weighted) mean over the micro-batches, independent of gradient accumulation.
 #pragma once
 
 #include <memory>
@@ -19,6 +22,7 @@ struct LMConfig {
   double norm_eps = 1e-5;
   double initializer_range = 0.02;
   Mamba2Config mixer;  // mixer.d_model is the model width
+  LayerStackConfig layers;  // the layer pattern (empty: n_layer x M2) and the other layer kinds' configs
   void validate(const std::string& context) const;
 };
 
@@ -60,6 +64,19 @@ class MambaLM {
 
   // Logits of the last forward (batch * seqlen, vocab), kept for scoring and tests.
   const View2<T>& logits() const { return logits_; }
+
+  MambaBackbone<T>& backbone() { return *backbone_; }
+  // Parameters: all, and those used per token (MoE layers: router, top_k experts, shared expert).
+  index_t param_count() const;
+  index_t active_param_count() const;
+
+  // Decode: a zero per-layer state cache for `batch` rows; prefill reads tokens (batch * seqlen, rows b * L + t)
+  // from the state, leaving the state after the last token, and returns their logits (batch * seqlen, vocab);
+  // step reads one token per row (batch) and returns its logits (batch, vocab).
+  BackboneState<T> make_decode_state(index_t batch) const { return backbone_->make_state(batch); }
+  View2<T> prefill(const Kokkos::View<const std::int32_t*, Layout, Mem>& tokens, index_t batch, index_t seqlen,
+                   BackboneState<T>& state);
+  View2<T> step(const Kokkos::View<const std::int32_t*, Layout, Mem>& tokens, BackboneState<T>& state);
 
   // What the trainer needs to know of a model: its loss and its reporting metric.
   static std::int64_t scored(const HostBatch& hb) { return hb.scored(); }

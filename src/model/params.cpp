@@ -29,6 +29,7 @@ void ParamStore<P>::initialize(std::uint64_t seed) {
           break;
         }
         case Init::a_log: val = Kokkos::log(rng.uniform(k, in.a, in.b)); break;
+        case Init::log_column: val = Kokkos::log(double(k % index_t(in.a) + 1)); break;
       }
       v(k) = P(val * in.scale);
     });

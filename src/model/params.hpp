@@ -16,8 +16,9 @@ namespace mm {
 // How a parameter is initialised (drawn with the counter RNG from (seed, hash(name), element index), so the values
 // do not depend on the backend, the thread count or how the model is later sharded).
 struct Init {
-  enum Kind { zeros, ones, constant, uniform, normal, dt_bias, a_log } kind = zeros;
-  double a = 0, b = 0;   // uniform: [a, b); normal: mean a, std b; constant: a; a_log: U[a, b]; dt_bias: see init.cpp
+  enum Kind { zeros, ones, constant, uniform, normal, dt_bias, a_log, log_column } kind = zeros;
+  double a = 0, b = 0;   // uniform: [a, b); normal: mean a, std b; constant: a; a_log: U[a, b]; dt_bias: see init.cpp;
+                         // log_column: element k of a row-major (., a) matrix is log(k % a + 1) (no draw)
   double c = 0;          // dt_bias: floor
   double scale = 1;      // applied after drawing (out_proj rescaling by 1/sqrt(n_layer))
   static Init Zeros() { return {zeros}; }
@@ -26,6 +27,8 @@ struct Init {
   static Init Normal(double mean, double std) { return {normal, mean, std}; }
   static Init DtBias(double dt_min, double dt_max, double floor) { return {dt_bias, dt_min, dt_max, floor}; }
   static Init ALog(double lo, double hi) { return {a_log, lo, hi}; }
+  // Mamba-1's A_log(d, n) = log(n + 1) for a matrix of `cols` columns (S4D-real initialisation).
+  static Init LogColumn(index_t cols) { return {log_column, double(cols)}; }
 };
 
 struct ParamEntry {

@@ -15,7 +15,8 @@ RCPSMaskedLM<T>::RCPSMaskedLM(const LMConfig& cfg) : cfg_(cfg) {
           ")");
   const index_t D = cfg.mixer.d_model, V = cfg.vocab_size;
   embedding_ = params_.add("backbone.embedding.weight", {V, D}, true, Init::Normal(0.0, cfg.initializer_range));
-  backbone_ = std::make_unique<MambaBackbone<T>>(cfg.mixer, cfg.n_layer, cfg.norm_eps, params_, "backbone.");
+  backbone_ =
+      std::make_unique<MambaBackbone<T>>(cfg.mixer, cfg.n_layer, cfg.norm_eps, params_, "backbone.", cfg.layers);
   params_.allocate();
 }
 
@@ -65,7 +66,7 @@ LossSum RCPSMaskedLM<T>::forward_backward(const Batch& b, double grad_scale, Rec
   View2<T> dhf = make_uninit<View2<T>>("rcps::dhf", 2 * n, D);
   linear_backward<T>(hf, params_.v2(embedding_), dl2, dhf, false, params_.g2(embedding_), View1<P>());
   View2<R> dh = make_uninit<View2<R>>("rcps::dh", 2 * n, D);
-  backbone_->backward(dhf, dh);
+  backbone_->backward(dhf, dh, grad_scale * double(loss.count));  // MoE aux losses: see lm.hpp
   embedding_backward<R>(dh, tok2, params_.g2(embedding_));
   return loss;
 }

@@ -45,6 +45,7 @@ class RCPSMaskedLM {
   LossSum forward(const Batch& b) { return forward_backward(b, 0.0, Recompute::mixer); }
   std::vector<double> token_nats(const Batch& b);
   const View2<T>& logits() const { return logits_; }
+  MambaBackbone<T>& backbone() { return *backbone_; }
 
   static std::int64_t scored(const HostBatch& hb) { return hb.scored(); }
   static std::int64_t tokens(const HostBatch& hb) { return hb.batch * hb.seqlen; }

@@ -1,6 +1,8 @@
 #include "train/trainer.hpp"
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
@@ -29,6 +31,28 @@ std::string si(double v) {
   else if (v >= 1e3) std::snprintf(buf, sizeof buf, "%.1fk", v / 1e3);
   else std::snprintf(buf, sizeof buf, "%.0f", v);
   return buf;
+}
+
+// tokens per expert of every MoE layer of a step, for the metrics file: "L1:12/9/...|L3:..." (no commas)
+std::string moe_tokens_field(const std::vector<MoELayerStats>& moe) {
+  std::string s;
+  for (const auto& m : moe) {
+    s += (s.empty() ? "L" : "|L") + std::to_string(m.layer) + ":";
+    for (std::size_t e = 0; e < m.routed.size(); ++e) s += (e ? "/" : "") + std::to_string(std::llround(m.routed[e]));
+  }
+  return s;
+}
+
+double moe_dropped_fraction(const std::vector<MoELayerStats>& moe) {
+  double a = 0, d = 0;
+  for (const auto& m : moe) a += m.assignments, d += m.dropped;
+  return a > 0 ? d / a : 0.0;
+}
+
+double moe_max_imbalance(const std::vector<MoELayerStats>& moe) {
+  double x = 0;
+  for (const auto& m : moe) x = std::max(x, m.imbalance());
+  return x;
 }
 
 std::vector<std::int64_t> shape_of(const ParamEntry& e) {
@@ -119,7 +143,8 @@ void Trainer<Model>::log_eval(const LossSum& l, double seconds) {
                 format_duration(seconds).c_str());
   if (!cfg_.metrics_path.empty()) {
     std::ofstream f(cfg_.metrics_path, std::ios::app);
-    f << "eval," << step_ << "," << l.mean_nats() << "," << Model::metric(l) << ",,,," << seconds << "\n";
+    f << "eval," << step_ << "," << l.mean_nats() << "," << Model::metric(l) << ",,,," << seconds
+      << (has_moe() ? ",,,,\n" : "\n");
   }
   std::fflush(stdout);
 }
@@ -132,7 +157,9 @@ std::int64_t Trainer<Model>::run(const NextBatch& next, const Evaluate& eval) {
     const bool fresh = !std::filesystem::exists(cfg_.metrics_path) || std::filesystem::file_size(cfg_.metrics_path) == 0;
     std::ofstream f(cfg_.metrics_path, std::ios::app);
     require(bool(f), cfg_.metrics_path, "cannot open the metrics file for writing");
-    if (fresh) f << "kind,step,loss," << Model::metric_name << ",lr,grad_norm,tokens_per_s,elapsed_s\n";
+    if (fresh)
+      f << "kind,step,loss," << Model::metric_name << ",lr,grad_norm,tokens_per_s,elapsed_s"
+        << (has_moe() ? ",aux_loss,moe_dropped_frac,moe_max_imbalance,moe_tokens_per_expert\n" : "\n");
   }
   g_stop_signal = 0;
   auto old_term = std::signal(SIGTERM, on_stop_signal);
@@ -158,18 +185,23 @@ std::int64_t Trainer<Model>::run(const NextBatch& next, const Evaluate& eval) {
     }
     require(scored > 0, "train", "step ", step_, " has no scored targets");
     model_.params().zero_grads();
+    if constexpr (kHasBackbone) model_.backbone().set_step(cfg_.seed, std::uint64_t(step_));
     LossSum total;
+    double aux = 0;  // the MoE auxiliary term of the objective (each micro-batch weighted by its scored share)
     for (std::int64_t k = 0; k < cfg_.grad_accum; ++k) {
       const LossSum l = model_.forward_backward(micro[k], 1.0 / double(scored), cfg_.recompute);
       total.nats += l.nats;
       total.aux += l.aux;
       total.count += l.count;
+      if constexpr (kHasBackbone) aux += model_.backbone().last_aux() * double(l.count) / double(scored);
       tokens_since_log += Model::tokens(micro[k]);
     }
     const double lr = cfg_.schedule.at(step_);
     const double gnorm = opt_.step(model_.params(), lr, step_ + 1);
+    std::vector<MoELayerStats> moe;
+    if constexpr (kHasBackbone) moe = model_.backbone().end_step();  // expert-bias update, once per step
     ++step_;
-    history_.push_back({step_, total.mean_nats(), gnorm, lr});
+    history_.push_back({step_, total.mean_nats(), gnorm, lr, aux, moe});
 
     const bool last = step_ == cfg_.steps;
     if (cfg_.time_limit_minutes > 0 && seconds_since(t_start) > 60.0 * cfg_.time_limit_minutes)
@@ -186,10 +218,24 @@ std::int64_t Trainer<Model>::run(const NextBatch& next, const Evaluate& eval) {
                     (long long)step_, (long long)cfg_.steps, total.mean_nats(), Model::metric_name,
                     Model::metric(total), lr, gnorm, si(tps).c_str(), format_duration(elapsed).c_str(),
                     format_duration(eta).c_str());
+      if (cfg_.verbose && !moe.empty()) {
+        std::printf("       moe: aux loss %.5f | dropped %.2f%% of assignments\n", aux,
+                    100.0 * moe_dropped_fraction(moe));
+        for (const auto& m : moe) {
+          std::printf("       moe layer %lld: imbalance %.3f, dropped %.0f/%.0f, tokens per expert [",
+                      (long long)m.layer, m.imbalance(), m.dropped, m.assignments);
+          for (std::size_t e = 0; e < m.routed.size(); ++e) std::printf("%s%.0f", e ? " " : "", m.routed[e]);
+          std::printf("]\n");
+        }
+      }
       if (!cfg_.metrics_path.empty()) {
         std::ofstream f(cfg_.metrics_path, std::ios::app);
         f << "train," << step_ << "," << total.mean_nats() << "," << Model::metric(total) << "," << lr << ","
-          << gnorm << "," << tps << "," << elapsed << "\n";
+          << gnorm << "," << tps << "," << elapsed;
+        if (has_moe())
+          f << "," << aux << "," << moe_dropped_fraction(moe) << "," << moe_max_imbalance(moe) << ","
+            << moe_tokens_field(moe);
+        f << "\n";
       }
       std::fflush(stdout);
       tokens_since_log = 0;

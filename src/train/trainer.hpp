@@ -40,6 +40,8 @@ struct StepRecord {
   std::int64_t step = 0;
   double loss = 0;  // mean nats per scored target over the whole step (all micro-batches)
   double grad_norm = 0, lr = 0;
+  double aux_loss = 0;  // MoE auxiliary losses of the step (coefficients included; 0 without MoE layers)
+  std::vector<MoELayerStats> moe;  // routing statistics of the step's training forwards, per MoE layer
 };
 
 struct EvalRecord {
@@ -49,7 +51,10 @@ struct EvalRecord {
 
 // Model is any model with: a HostBatch type; LossSum forward_backward(const HostBatch&, double grad_scale,
 // Recompute); ParamStore<P>& params(); static scored(hb) (targets in the batch) and tokens(hb) (inputs, for
-// throughput); and a reporting metric (metric_name, metric(LossSum)) next to the mean loss.
+// throughput); and a reporting metric (metric_name, metric(LossSum)) next to the mean loss. A model with a
+// backbone() (MambaBackbone) also gets the MoE hooks: the router-jitter step before each step, the auxiliary loss
+// in the progress lines, the expert-bias update (end_step) after each optimizer step, and the expert utilisation
+// in the progress output and the metrics file.
 template <class Model>
 class Trainer {
  public:
@@ -73,6 +78,11 @@ class Trainer {
 
  private:
   void log_eval(const LossSum& l, double seconds);
+  static constexpr bool kHasBackbone = requires(Model& m) { m.backbone().end_step(); };
+  bool has_moe() const {
+    if constexpr (kHasBackbone) return model_.backbone().has_moe();
+    else return false;
+  }
   Model& model_;
   TrainConfig cfg_;
   std::string deck_;

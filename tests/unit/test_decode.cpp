@@ -48,7 +48,6 @@ struct Setup {
     mixer = std::make_unique<Mixer>(cfg, ps, "m.", 2);
     ps.allocate();
     ps.initialize(5);
-    if constexpr (std::is_same_v<Mixer, Mamba1Mixer<double>>) mixer->post_initialize();
     mmtest::jitter_params(ps, 99, 0.1);
   }
 };

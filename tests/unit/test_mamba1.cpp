@@ -357,7 +357,6 @@ TEST_CASE("Mamba-1 mixer forward equals the naive double reference", "[mamba1]")
   Mamba1Mixer<double> mixer(cfg, ps, "m.", 2);
   ps.allocate();
   ps.initialize(5);
-  mixer.post_initialize();
   mmtest::jitter_params(ps, 99, 0.1);
   fill_uniform(ps.v1(ps.index("m.dt_proj.bias")), 77, -1.0, 1.0);
   View2<double> u("u", B * L, cfg.d_model), out("out", B * L, cfg.d_model);
@@ -384,7 +383,6 @@ TEST_CASE("Mamba-1 mixer backward matches finite differences for the input and e
   Mamba1Mixer<double> mixer(cfg, ps, "m.", 2);
   ps.allocate();
   ps.initialize(5);
-  mixer.post_initialize();
   mmtest::jitter_params(ps, 99, 0.1);
   fill_uniform(ps.v1(ps.index("m.dt_proj.bias")), 77, -1.0, 1.0);
   View2<double> u("u", B * L, cfg.d_model), out("out", B * L, cfg.d_model), dout("dout", B * L, cfg.d_model);
@@ -423,7 +421,6 @@ TEST_CASE("Mamba-1 mixer recompute policy gives bit-identical gradients", "[mamb
   Mamba1Mixer<float> mixer(cfg, ps, "m.", 2);
   ps.allocate();
   ps.initialize(5);
-  mixer.post_initialize();
   View2<float> u("u", B * L, cfg.d_model), out("out", B * L, cfg.d_model), dout("dout", B * L, cfg.d_model);
   fill_uniform(u, 1);
   fill_uniform(dout, 2);
@@ -449,7 +446,6 @@ TEST_CASE("Mamba-1 initialisation follows mamba_ssm", "[mamba1]") {
   Mamba1Mixer<double> mixer(cfg, ps, "m.", n_layer);
   ps.allocate();
   ps.initialize(11);
-  mixer.post_initialize();
   CHECK(cfg.rank() == 3);
   CHECK(ps.entry("m.x_proj.weight").shape == std::vector<index_t>{3 + 2 * 16, 80});
   CHECK(ps.entry("m.dt_proj.weight").shape == std::vector<index_t>{80, 3});
@@ -497,7 +493,6 @@ TEST_CASE("Mamba-1 bad configurations are errors naming the values", "[mamba1]")
   Mamba1Mixer<double> mixer(c, ps, "ok.", 1);
   ps.allocate();
   ps.initialize(1);
-  mixer.post_initialize();
   auto st = mixer.make_state(3);
   View2<double> u("u", 2, c.d_model), out("out", 2, c.d_model);
   CHECK_THROWS_WITH(mixer.step(u, st, out), ContainsSubstring("conv state must be (batch, d_inner, d_conv - 1) = (2"));

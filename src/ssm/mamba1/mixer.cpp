@@ -34,19 +34,10 @@ Mamba1Mixer<T>::Mamba1Mixer(const Mamba1Config& cfg, ParamStore<P>& store, const
   dt_w_ = store.add(prefix + "dt_proj.weight", {E, R}, true, Init::Uniform(-dt_std, dt_std));
   dt_b_ = store.add(prefix + "dt_proj.bias", {E}, false,
                     Init::DtBias(cfg_.dt_min, cfg_.dt_max, cfg_.dt_init_floor));
-  A_log_ = store.add(prefix + "A_log", {E, N}, false, Init::Zeros());  // filled by post_initialize()
+  A_log_ = store.add(prefix + "A_log", {E, N}, false, Init::LogColumn(N));  // log(n + 1)
   D_ = store.add(prefix + "D", {E}, false, Init::Ones());
   out_proj_ = store.add(prefix + "out_proj.weight", {D, E}, true,
                         Init::Uniform(-lin_e, lin_e, 1.0 / std::sqrt(double(n_layer))));
-}
-
-template <class T>
-void Mamba1Mixer<T>::post_initialize() const {
-  const View2<P> a = store_->v2(A_log_);
-  const index_t N = cfg_.d_state;
-  par_for("mamba1::init_A_log", a.extent(0), N,
-          KOKKOS_LAMBDA(index_t d, index_t n) { a(d, n) = P(Kokkos::log(double(n + 1))); });
-  fence("mamba1::init_A_log");
 }
 
 template <class T>

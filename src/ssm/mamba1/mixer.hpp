@@ -11,9 +11,6 @@
 // sqrt(n_layer), as Mamba2Mixer does), conv like torch.nn.Conv1d, dt_proj.weight U(-R^-1/2, R^-1/2), dt_proj.bias
 // the inverse softplus of exp(U[log dt_min, log dt_max]) floored at dt_init_floor, A_log(d, n) = log(n + 1), D = 1.
 //
-// ParamStore has no initialiser for the per-column A_log = log(1..N); it is registered as zeros and filled by
-// post_initialize(), which must be called after ParamStore::initialize().
-//
 // Decode: Mamba1State holds the last d_conv - 1 conv inputs per channel and the SSM state. forward() with an
 // initial and/or final state processes a long sequence in windows (windowed == one pass); step() advances one token.
 #pragma once
@@ -75,9 +72,6 @@ class Mamba1Mixer {
   Mamba1Mixer(const Mamba1Config& cfg, ParamStore<P>& store, const std::string& prefix, index_t n_layer);
 
   const Mamba1Config& config() const { return cfg_; }
-
-  // Fills A_log(d, n) = log(n + 1); call after store.initialize().
-  void post_initialize() const;
 
   // A zero decode state for `batch` rows.
   Mamba1State<T> make_state(index_t batch) const;
