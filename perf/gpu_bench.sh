@@ -5,11 +5,12 @@
 #
 #   perf/gpu_bench.sh --kokkos PREFIX --out DIR --mamba-ssm DIR [--causal-conv1d DIR] [--boost-po LIB]
 #                     [--htslib PREFIX] [--stages build,test,bench] [--test-timeout S] [--bench-only LIST]
+#                     [--commit HASH]   (the commit to print, where the copy on the GPU machine has no usable .git)
 #
 # Writes under DIR: build.log, ctest.log, ours.csv, peers.csv, bench.log, and summary.txt (the table, also printed).
 set -uo pipefail
 
-kokkos="" out="" mamba="" cc1d="" po="" hts="" stages="build,test,bench" test_timeout=300 bench_only="copy,gemm,ssd,lm"
+commit="" kokkos="" out="" mamba="" cc1d="" po="" hts="" stages="build,test,bench" test_timeout=300 bench_only="copy,gemm,ssd,lm"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --kokkos) kokkos=$2; shift 2 ;;
@@ -21,6 +22,7 @@ while [[ $# -gt 0 ]]; do
     --stages) stages=$2; shift 2 ;;
     --test-timeout) test_timeout=$2; shift 2 ;;
     --bench-only) bench_only=$2; shift 2 ;;
+    --commit) commit=$2; shift 2 ;;
     *) echo "gpu_bench.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -32,7 +34,7 @@ has() { [[ ",$stages," == *",$1,"* ]]; }
 rc=0
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv > "$out/gpu.txt" 2>&1
-commit=$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)
+[[ -n $commit ]] || commit=$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)
 echo "commit $commit on $(head -2 "$out/gpu.txt" | tail -1)"
 
 if has build; then
