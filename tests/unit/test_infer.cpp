@@ -106,6 +106,20 @@ void check_streaming(double tol) {
       CHECK(sc.consumed() == L);
     }
   }
+  // control: without the carried state (a fresh scorer per window of 5) the scores differ, so the context matters
+  {
+    std::vector<double> cut(std::size_t(L), 0.0), part, ref = want;
+    for (index_t at = 0; at < L; at += 5) {
+      StreamingScorer<T> fresh(lm, 5);
+      fresh.feed(tok.data() + at, std::min<index_t>(5, L - at), part);
+      for (std::size_t i = 1; i < part.size(); ++i) cut[std::size_t(at) + i] = part[i];
+      ref[std::size_t(at)] = 0;  // the first token of each piece has no score without context
+    }
+    const double e = rel_err(cut, ref);
+    INFO("without the carried state: rel err " << e);
+    CHECK(e > 1e3 * tol);
+    WARN("control without the carried state: rel err " << e);
+  }
   WARN("streaming vs one-pass scoring, worst rel err " << worst << (sizeof(T) == 8 ? " (double)" : " (float)"));
 }
 
