@@ -88,10 +88,10 @@ awk -F'\t' 'NR > 1 && $8 == "OK" { d = $12 - $13; if (d < 0) d = -d; if (d > m) 
 echo "ok   RC-equivariant model: forward- and reverse-strand variant scores agree"
 
 # 3c. streaming scoring and seeded generation with the lambda checkpoint ------------------------------------------
-sc=(--score.checkpoint="$work/fa/checkpoint.h5" --score.fasta="$lambda" --score.region=NC_001416:1001-2300
-    --score.context=100 --score.progress_interval=500)
+sc=(--score.checkpoint="$work/fa/checkpoint.h5" --score.fasta="$lambda" --score.context=100
+    --score.progress_interval=500)
 for w in 1400 97; do
-  "$exe" "$src/inputs/genomics/lambda_score.in" "${sc[@]}" --score.window=$w --run.output_dir="$work/score_$w" \
+  "$exe" "$src/inputs/genomics/lambda_score.in" "${sc[@]}" --score.region=NC_001416:1001-2300 --score.window=$w --run.output_dir="$work/score_$w" \
     > "$work/score_$w.log" 2>&1 || { cat "$work/score_$w.log"; fail "lm_score (window $w)"; }
 done
 tsv=$work/score_97/score.tsv
