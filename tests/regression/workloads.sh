@@ -4,7 +4,8 @@
 #   2. a series preprocessed into HDF5 trains exactly as its CSV does (identical losses and test metrics);
 #   3. variant_effect on the lambda genome with a small model: every ALT allele listed, a wrong REF reported (not
 #      scored), a symbolic allele reported, names mapped by accession, TSV and VCF written;
-#   3c. lm_score streams a region in windows of two sizes to the same total and names a bad region; lm_generate
+#   3c. lm_score streams a region in windows of two sizes to the same total (also a mixed M1 M2 E D pattern, down
+#      to windows of 1), names a bad region and refuses a masked-LM checkpoint; lm_generate
 #      gives identical output for the same seed;
 #   4. a CSV with a NaN stops with an error naming the line, and trains when the deck masks missing values.
 # usage: workloads.sh <mambamoe> <source dir> <scratch dir>
@@ -118,6 +119,26 @@ if out=$("$exe" "$src/inputs/genomics/lambda_score.in" "${sc[@]}" --score.region
 fi
 [[ $out == *"NC_001416:10-x"* && $out == *"START-END"* ]] || fail "the malformed-region error is unclear: $out"
 echo "ok   lm_score: windows of 1400 and 97 give the same total ($a vs $b bits); bad regions name the value"
+# a mixed pattern (Mamba-1, Mamba-2, MoE, dense layers): pure steps (window 1) and windows of 300 agree
+"$exe" "$src/inputs/genomics/lambda.in" "--model.pattern=M1 M2 E D" --model.n_layer=4 --train.steps=4 \
+  --train.eval_interval=0 --train.warmup_steps=1 --run.output_dir="$work/mixed" > "$work/mixed.log" 2>&1 ||
+  { cat "$work/mixed.log"; fail "genomics_lm with pattern M1 M2 E D"; }
+for w in 1 300; do
+  "$exe" "$src/inputs/genomics/lambda_score.in" --score.checkpoint="$work/mixed/checkpoint.h5" \
+    --score.fasta="$lambda" --score.region=NC_001416:1001-1400 --score.window=$w \
+    --run.output_dir="$work/mixed_score_$w" > "$work/mixed_score_$w.log" 2>&1 ||
+    { cat "$work/mixed_score_$w.log"; fail "lm_score, mixed pattern (window $w)"; }
+done
+a=$(total "$work/mixed_score_1") b=$(total "$work/mixed_score_300")
+awk -v a="$a" -v b="$b" 'BEGIN { d = (a - b) / a; if (d < 0) d = -d; exit !(a > 0 && d < 1e-5) }' ||
+  fail "lm_score, mixed pattern: windows of 1 and 300 give different totals ($a vs $b bits)"
+echo "ok   lm_score, pattern M1 M2 E D: windows of 1 and 300 give the same total ($a vs $b bits)"
+# a masked-LM checkpoint cannot score or generate
+if out=$("$exe" "$src/inputs/genomics/lambda_score.in" --score.checkpoint="$work/rcps/checkpoint.h5" \
+         --score.fasta="$lambda" --run.output_dir="$work/score_bad" 2>&1); then
+  fail "lm_score accepted a masked-LM checkpoint"
+fi
+[[ $out == *"rc_equivariant_mlm"* && $out == *"causal"* ]] || fail "the masked-LM error is unclear: $out"
 gen=(--generate.checkpoint="$work/fa/checkpoint.h5" --generate.prompt_fasta="$lambda" --generate.n_tokens=120
      --generate.num_samples=2 --generate.top_k=3 --generate.top_p=0.9 --generate.temperature=1.2)
 for r in a b; do
