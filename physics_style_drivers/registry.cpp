@@ -16,6 +16,10 @@ const std::vector<Driver>& all() {
       {"variant_effect",
        "score the variants of a VCF against a reference FASTA with a trained genomics_lm checkpoint",
        declare_variant_effect, run_variant_effect},
+      {"lm_score", "per-base log-likelihood of a FASTA region under a trained genomics_lm checkpoint (streamed)",
+       declare_lm_score, run_lm_score},
+      {"lm_generate", "sample DNA after a prompt from a trained genomics_lm checkpoint (temperature/top-k/top-p)",
+       declare_lm_generate, run_lm_generate},
       {"preprocess", "turn a FASTA or CSV file into an HDF5 dataset the training drivers stream from",
        declare_preprocess, run_preprocess},
   };

@@ -25,6 +25,10 @@ void declare_timeseries_forecast(io::Deck& deck);
 int run_timeseries_forecast(const io::Deck& deck);
 void declare_variant_effect(io::Deck& deck);
 int run_variant_effect(const io::Deck& deck);
+void declare_lm_score(io::Deck& deck);
+int run_lm_score(const io::Deck& deck);
+void declare_lm_generate(io::Deck& deck);
+int run_lm_generate(const io::Deck& deck);
 void declare_preprocess(io::Deck& deck);
 int run_preprocess(const io::Deck& deck);
 

@@ -4,6 +4,9 @@
 #   2. a series preprocessed into HDF5 trains exactly as its CSV does (identical losses and test metrics);
 #   3. variant_effect on the lambda genome with a small model: every ALT allele listed, a wrong REF reported (not
 #      scored), a symbolic allele reported, names mapped by accession, TSV and VCF written;
+#   3c. lm_score streams a region in windows of two sizes to the same total (also a mixed M1 M2 E D pattern, down
+#      to windows of 1), names a bad region and refuses a masked-LM checkpoint; lm_generate
+#      gives identical output for the same seed;
 #   4. a CSV with a NaN stops with an error naming the line, and trains when the deck masks missing values.
 # usage: workloads.sh <mambamoe> <source dir> <scratch dir>
 set -euo pipefail
@@ -84,6 +87,73 @@ awk -F'\t' 'NR > 1 && $8 == "OK" { d = $12 - $13; if (d < 0) d = -d; if (d > m) 
              END { exit !(n == 5 && m < 1e-4) }' "$work/ve_rcps/variant_effect.tsv" ||
   fail "RCPS scores differ between strands"
 echo "ok   RC-equivariant model: forward- and reverse-strand variant scores agree"
+
+# 3c. streaming scoring and seeded generation with the lambda checkpoint ------------------------------------------
+sc=(--score.checkpoint="$work/fa/checkpoint.h5" --score.fasta="$lambda" --score.context=100
+    --score.progress_interval=500)
+for w in 1400 97; do
+  "$exe" "$src/inputs/genomics/lambda_score.in" "${sc[@]}" --score.region=NC_001416:1001-2300 --score.window=$w --run.output_dir="$work/score_$w" \
+    > "$work/score_$w.log" 2>&1 || { cat "$work/score_$w.log"; fail "lm_score (window $w)"; }
+done
+tsv=$work/score_97/score.tsv
+[[ $(grep -vc '^#' "$tsv") -eq 1301 ]] || fail "lm_score: expected a header and 1300 rows in $tsv"
+awk -F'\t' 'NR == 2 && $1 == 1001 && $3 != "" { ok = 1 } END { exit !ok }' "$tsv" ||
+  fail "lm_score: the region's first base (with context) is not scored at position 1001"
+grep -q "^progress: " "$work/score_97.log" || fail "lm_score: no progress output"
+total() { sed -n 's/.*total_bits=\([0-9.]*\).*/\1/p' "$1/score.tsv"; }
+a=$(total "$work/score_1400") b=$(total "$work/score_97")
+awk -v a="$a" -v b="$b" 'BEGIN { d = (a - b) / a; if (d < 0) d = -d; exit !(a > 0 && d < 1e-5) }' ||
+  fail "lm_score: windows of 1400 and 97 give different totals ($a vs $b bits)"
+paste <(grep -v '^#' "$work/score_1400/score.tsv" | cut -f4) <(grep -v '^#' "$tsv" | cut -f4) |
+  awk -F'\t' 'NR > 1 { d = $1 - $2; if (d < 0) d = -d; if (d > m) m = d } END { exit !(m < 1e-4) }' ||
+  fail "lm_score: per-base scores differ between windows"
+if out=$("$exe" "$src/inputs/genomics/lambda_score.in" "${sc[@]}" --score.region=NC_001416:48000-49000 \
+         --run.output_dir="$work/score_bad" 2>&1); then
+  fail "lm_score accepted a region beyond the record"
+fi
+[[ $out == *"NC_001416:48000-49000"* && $out == *"outside record"* && $out == *"48502"* ]] ||
+  fail "the bad-region error does not name the value and the record length: $out"
+if out=$("$exe" "$src/inputs/genomics/lambda_score.in" "${sc[@]}" --score.region=NC_001416:10-x \
+         --run.output_dir="$work/score_bad" 2>&1); then
+  fail "lm_score accepted a malformed region"
+fi
+[[ $out == *"NC_001416:10-x"* && $out == *"START-END"* ]] || fail "the malformed-region error is unclear: $out"
+echo "ok   lm_score: windows of 1400 and 97 give the same total ($a vs $b bits); bad regions name the value"
+# a mixed pattern (Mamba-1, Mamba-2, MoE, dense layers): pure steps (window 1) and windows of 300 agree
+"$exe" "$src/inputs/genomics/lambda.in" "--model.pattern=M1 M2 E D" --model.n_layer=4 --train.steps=4 \
+  --train.eval_interval=0 --train.warmup_steps=1 --run.output_dir="$work/mixed" > "$work/mixed.log" 2>&1 ||
+  { cat "$work/mixed.log"; fail "genomics_lm with pattern M1 M2 E D"; }
+for w in 1 300; do
+  "$exe" "$src/inputs/genomics/lambda_score.in" --score.checkpoint="$work/mixed/checkpoint.h5" \
+    --score.fasta="$lambda" --score.region=NC_001416:1001-1400 --score.window=$w \
+    --run.output_dir="$work/mixed_score_$w" > "$work/mixed_score_$w.log" 2>&1 ||
+    { cat "$work/mixed_score_$w.log"; fail "lm_score, mixed pattern (window $w)"; }
+done
+a=$(total "$work/mixed_score_1") b=$(total "$work/mixed_score_300")
+awk -v a="$a" -v b="$b" 'BEGIN { d = (a - b) / a; if (d < 0) d = -d; exit !(a > 0 && d < 1e-5) }' ||
+  fail "lm_score, mixed pattern: windows of 1 and 300 give different totals ($a vs $b bits)"
+echo "ok   lm_score, pattern M1 M2 E D: windows of 1 and 300 give the same total ($a vs $b bits)"
+# a masked-LM checkpoint cannot score or generate
+if out=$("$exe" "$src/inputs/genomics/lambda_score.in" --score.checkpoint="$work/rcps/checkpoint.h5" \
+         --score.fasta="$lambda" --run.output_dir="$work/score_bad" 2>&1); then
+  fail "lm_score accepted a masked-LM checkpoint"
+fi
+[[ $out == *"rc_equivariant_mlm"* && $out == *"causal"* ]] || fail "the masked-LM error is unclear: $out"
+gen=(--generate.checkpoint="$work/fa/checkpoint.h5" --generate.prompt_fasta="$lambda" --generate.n_tokens=120
+     --generate.num_samples=2 --generate.top_k=3 --generate.top_p=0.9 --generate.temperature=1.2)
+for r in a b; do
+  "$exe" "$src/inputs/genomics/lambda_generate.in" "${gen[@]}" --generate.seed=5 --run.output_dir="$work/gen_$r" \
+    > "$work/gen_$r.log" 2>&1 || { cat "$work/gen_$r.log"; fail "lm_generate"; }
+done
+"$exe" "$src/inputs/genomics/lambda_generate.in" "${gen[@]}" --generate.seed=6 --generate.window=7 \
+  --run.output_dir="$work/gen_c" > "$work/gen_c.log" 2>&1 || { cat "$work/gen_c.log"; fail "lm_generate (seed 6)"; }
+cmp -s "$work/gen_a/generated.fa" "$work/gen_b/generated.fa" || fail "lm_generate: the same seed gave different output"
+[[ $(grep -c '^>' "$work/gen_a/generated.fa") -eq 2 ]] || fail "lm_generate: expected 2 records"
+[[ $(grep -v '^>' "$work/gen_a/generated.fa" | tr -d '\n' | tr -d 'ACGT' | wc -c) -eq 0 &&
+   $(grep -v '^>' "$work/gen_a/generated.fa" | tr -d '\n' | wc -c) -eq 240 ]] ||
+  fail "lm_generate: expected 2 x 120 bases of A C G T"
+! cmp -s "$work/gen_a/generated.fa" "$work/gen_c/generated.fa" || fail "lm_generate: another seed gave the same output"
+echo "ok   lm_generate: the same seed gives identical FASTA, another seed another"
 
 # 4. a NaN in a CSV ---------------------------------------------------------------------------------------------
 csv=$work/nan.csv
