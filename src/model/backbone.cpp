@@ -202,17 +202,6 @@ index_t MambaBackbone<T>::active_param_count() const {
 }
 
 template <class T>
-void MambaBackbone<T>::check_m3_records(const SeqIdxView& seq, index_t batch, index_t seqlen) const {
-  if (seq.extent(0) == 0 || std::find(kinds_.begin(), kinds_.end(), LayerKind::mamba3) == kinds_.end()) return;
-  auto h = Kokkos::create_mirror_view_and_copy(HostMem(), seq);
-  for (index_t b = 0; b < batch; ++b)
-    for (index_t t = 1; t < seqlen; ++t)
-      require(h(b, t) == h(b, 0), "backbone",
-              "Mamba-3 layers cannot reset their state at a record boundary (row ", b, " changes record at token ",
-              t, "): use windows within one record");
-}
-
-template <class T>
 double MambaBackbone<T>::layer_forward(index_t l, const View2<T>& xn, index_t batch, index_t seqlen,
                                        const SeqIdxView& seq, const View2<T>& m, Acts& a, bool save, bool train,
                                        LayerState<T>* state) {
@@ -234,7 +223,7 @@ double MambaBackbone<T>::layer_forward(index_t l, const View2<T>& xn, index_t ba
     }
     case LayerKind::mamba3: {
       auto* s = state ? &std::get<Mamba3State<T>>(*state) : nullptr;
-      L.m3->forward(xn, batch, seqlen, m, a.m3, save, s, s);
+      L.m3->forward(xn, batch, seqlen, seq, m, a.m3, save, s, s);
       return 0;
     }
     case LayerKind::moe: {
@@ -262,7 +251,6 @@ void MambaBackbone<T>::forward(const View2<R>& h, index_t batch, index_t seqlen,
   const index_t n = batch * seqlen, D = cfg_.d_model, NL = n_layer_;
   require(index_t(h.extent(0)) == n && index_t(h.extent(1)) == D && index_t(out.extent(0)) == n, "backbone",
           "inputs must be (batch * seqlen, d_model)");
-  check_m3_records(seq, batch, seqlen);
   const bool save = train && policy == Recompute::none;
   batch_ = batch;
   seqlen_ = seqlen;
@@ -306,7 +294,7 @@ void MambaBackbone<T>::backward(const View2<const T>& dout, const View2<R>& dh, 
     switch (L.kind) {
       case LayerKind::mamba1: L.m1->backward(a.m1, batch_, seqlen_, seq_, dh, dxn); break;
       case LayerKind::mamba2: L.m2->backward(a.m2, batch_, seqlen_, seq_, dh, dxn); break;
-      case LayerKind::mamba3: L.m3->backward(a.m3, batch_, seqlen_, dh, dxn); break;
+      case LayerKind::mamba3: L.m3->backward(a.m3, batch_, seqlen_, seq_, dh, dxn); break;
       case LayerKind::moe: L.moe->backward(a.moe, dh, dxn, aux_scale); break;
       case LayerKind::dense: L.dense->backward(a.dense, dh, dxn); break;
     }

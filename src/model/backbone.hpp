@@ -104,8 +104,8 @@ class MambaBackbone {
   void set_step(std::uint64_t seed, std::uint64_t step) { step_seed_ = seed, step_ = step; }
 
   // h (batch * seqlen, d_model): the residual stream entering block 0 (kept when training, overwritten otherwise);
-  // out: the final-norm output. Mamba-3 layers take no record ids: a batch whose rows cross a record boundary is
-  // an error with M3 layers.
+  // out: the final-norm output. seq (batch, seqlen) record ids, or empty: every mixer resets its state at a record
+  // boundary.
   void forward(const View2<R>& h, index_t batch, index_t seqlen, const SeqIdxView& seq, bool train, Recompute policy,
                const View2<T>& out);
 
@@ -130,7 +130,6 @@ class MambaBackbone {
   struct Layer;
   struct Acts;
   void check_state(const BackboneState<T>& s, index_t batch) const;
-  void check_m3_records(const SeqIdxView& seq, index_t batch, index_t seqlen) const;
   // One block's layer on xn (n rows) -> m; decode states optional (nullptr: zero / not wanted).
   double layer_forward(index_t l, const View2<T>& xn, index_t batch, index_t seqlen, const SeqIdxView& seq,
                        const View2<T>& m, Acts& a, bool save, bool train, LayerState<T>* state);

@@ -31,7 +31,13 @@ struct M3Shape {
   long B = 1, L = 1, H = 1, P = 1, G = 1, N = 2, R = 1, S = 0;
   bool halved = false;
   double A_floor = 1e-4;
+  std::vector<int> seq;  // (B, L) record ids, or empty: at a new record the recurrence restarts from a zero carry
 };
+
+// token t of row b starts a record (t > 0 and its record id differs from token t-1's)
+inline bool m3_new_record(const M3Shape& s, long b, long t) {
+  return t > 0 && !s.seq.empty() && s.seq[b * s.L + t] != s.seq[b * s.L + t - 1];
+}
 
 struct M3Carry {
   std::vector<double> phi, S, k, v;  // empty = zero
@@ -86,6 +92,7 @@ inline void m3_rotated(const M3Shape& s, const std::vector<double>& qk, const st
   for (long t = 0; t < s.L; ++t) {
     const long row = b * s.L + t;
     const M3Token tk = m3_token(s, dd, dt_bias, row, h);
+    if (m3_new_record(s, b, t)) std::fill(ph.begin(), ph.end(), 0.0);
     for (long i = 0; i < s.S; ++i) {
       double p = ph[i] + pi * std::tanh(dd[row * W + 3 * s.H + i]) * tk.delta;
       p -= 2 * pi * std::floor(p / (2 * pi));
@@ -134,6 +141,11 @@ inline std::vector<double> mamba3_scan_reference(const M3Shape& s, const std::ve
         const double* vt = &v[row * HRP + h * s.R * s.P];
         const double* kt = &k[t * s.R * s.N];
         const double* qt = &q[t * s.R * s.N];
+        if (m3_new_record(s, b, t)) {  // a fresh sequence: zero S, k_prev, v_prev
+          std::fill(S.begin(), S.end(), 0.0);
+          std::fill(kp.begin(), kp.end(), 0.0);
+          std::fill(vp.begin(), vp.end(), 0.0);
+        }
         for (long p = 0; p < s.P; ++p)
           for (long n = 0; n < s.N; ++n) {
             double add = 0;

@@ -24,7 +24,23 @@ namespace {
 struct M3Case {
   index_t B = 2, L = 23, H = 2, P = 3, G = 1, N = 6, R = 1, S = 2, Q = 8;
   bool halved = false, init = true;
+  std::vector<int> seq;  // (B*L) record ids, or empty (one record per row)
 };
+
+// Record ids for B rows of L tokens: row b starts a new record at each position of starts[b % starts.size()].
+std::vector<int> make_records(index_t B, index_t L, const std::vector<std::vector<index_t>>& starts) {
+  std::vector<int> seq(B * L);
+  for (index_t b = 0; b < B; ++b) {
+    const auto& st = starts[b % starts.size()];
+    int id = int(100 * b);
+    for (index_t t = 0; t < L; ++t) {
+      for (index_t x : st)
+        if (x == t && t > 0) ++id;
+      seq[b * L + t] = id;
+    }
+  }
+  return seq;
+}
 
 template <class T>
 struct M3Data {
@@ -34,6 +50,7 @@ struct M3Data {
   View2<T> v, qk, dd;
   View1<Pt> dt_bias, D, qb, kb;
   Mamba3Carry<Pt> init;
+  Kokkos::View<std::int32_t**, Layout, Mem> seqv;
 
   explicit M3Data(const M3Case& c) : cs(c) {
     shape.batch = c.B;
@@ -68,6 +85,13 @@ struct M3Data {
       fill_uniform(init.k, 10);
       fill_uniform(init.v, 11);
     }
+    if (!c.seq.empty()) {
+      seqv = Kokkos::View<std::int32_t**, Layout, Mem>("seq", c.B, c.L);
+      auto h = Kokkos::create_mirror_view(seqv);
+      for (index_t b = 0; b < c.B; ++b)
+        for (index_t t = 0; t < c.L; ++t) h(b, t) = c.seq[b * c.L + t];
+      Kokkos::deep_copy(seqv, h);
+    }
   }
 
   Mamba3ScanIn<T> in() const {
@@ -86,6 +110,7 @@ struct M3Data {
     i.q_bias = qb;
     i.k_bias = kb;
     i.init = init;
+    i.seq_idx = seqv;
     return i;
   }
 
@@ -101,6 +126,7 @@ struct M3Data {
     s.S = cs.S;
     s.halved = cs.halved;
     s.A_floor = shape.A_floor;
+    s.seq = cs.seq;
     return s;
   }
   mmref::M3Carry ref_init() const {
@@ -187,6 +213,62 @@ TEST_CASE("Mamba-3 chunked scan equals the token-by-token recurrence (double)", 
   WARN("chunked vs recurrence over " << cases << " cases, worst rel err " << worst);
 }
 
+TEST_CASE("Mamba-3 chunked scan with packed records equals the recurrence that resets at each record", "[mamba3]") {
+  double worst = 0, least_effect = 1e300;
+  int cases = 0;
+  for (index_t R : {1, 2})
+    for (bool halved : {false, true})
+      for (index_t L : {7, 23, 40})
+        for (index_t Q : {1, 4, 8, 16, 64}) {
+          M3Case c;
+          c.L = L;
+          c.Q = Q;
+          c.R = R;
+          c.halved = halved;
+          c.init = (L + Q + R) % 2 == 1;
+          if (Q == 8) {
+            c.H = 4;
+            c.G = 2;
+          }
+          // boundaries at chunk edges (Q, 2Q), inside chunks, a 1-token record (2Q, 2Q + 1) and one at the end
+          std::vector<index_t> r0 = {3, Q, 2 * Q, 2 * Q + 1, L - 1}, r1 = {1, Q - 1, Q + 2, 3 * Q};
+          for (auto* r : {&r0, &r1}) {
+            std::vector<index_t> keep;
+            for (index_t x : *r)
+              if (x > 0 && x < L) keep.push_back(x);
+            *r = keep;
+          }
+          c.seq = make_records(c.B, c.L, {r0, r1});
+          const double e = scan_error<double>(c);
+          INFO("R=" << R << " halved=" << halved << " L=" << L << " Q=" << Q << " init=" << c.init);
+          CHECK(e < 1e-10);
+          worst = std::max(worst, e);
+          // the records matter: the resetting recurrence differs from the one without records
+          M3Data<double> with(c);
+          M3Case c1 = c;
+          c1.seq.clear();
+          M3Data<double> without(c1);
+          const double effect = rel_err(with.reference(nullptr), without.reference(nullptr));
+          CHECK(effect > 1e-3);
+          least_effect = std::min(least_effect, effect);
+          ++cases;
+        }
+  WARN("chunked vs resetting recurrence with records over " << cases << " cases, worst rel err " << worst
+                                                              << " (records change y by at least " << least_effect
+                                                              << ")");
+}
+
+TEST_CASE("Mamba-3 scan rejects seq_idx of the wrong shape", "[mamba3]") {
+  M3Case c;
+  M3Data<double> d(c);
+  Kokkos::View<std::int32_t**, Layout, Mem> bad("seq", c.B, c.L - 1);
+  auto in = d.in();
+  in.seq_idx = bad;
+  View2<double> y("y", c.B * c.L, c.H * c.R * c.P);
+  CHECK_THROWS_WITH(mamba3_scan_forward<double>(d.shape, in, y, Mamba3Carry<double>{}),
+                    Catch::Matchers::ContainsSubstring("seq_idx is (2, 22), expected (batch, seqlen) = (2, 23)"));
+}
+
 TEST_CASE("Mamba-3 chunked scan in float stays close to the double recurrence", "[mamba3]") {
   M3Case c;
   c.L = 70;
@@ -268,6 +350,64 @@ TEST_CASE("Mamba-3 with lambda = 1 and no rotary reduces to Mamba-2's SSD recurr
   CHECK(rel_err(to_vec(y), to_vec(y2)) < 1e-12);
 }
 
+namespace {
+
+// Finite-difference check of every scan input (y and all four parts of the final carry in the loss).
+void scan_fd_check(const M3Case& c, const std::string& name) {
+  M3Data<double> d(c);
+  const index_t rows = c.B * c.L;
+  View2<double> dy("dy", rows, c.H * c.R * c.P);
+  fill_uniform(dy, 20);
+  auto dfin = Mamba3Carry<double>::allocate("dfin", d.shape);
+  fill_uniform(dfin.phi, 21);
+  fill_uniform(dfin.S, 22);
+  fill_uniform(dfin.k, 23);
+  fill_uniform(dfin.v, 24);
+  const auto dyv = to_vec(dy);
+  const auto dphi = to_vec(dfin.phi), dS = to_vec(dfin.S), dk = to_vec(dfin.k), dvv = to_vec(dfin.v);
+  auto loss = [&]() {
+    View2<double> y("y", rows, c.H * c.R * c.P);
+    auto fin = Mamba3Carry<double>::allocate("fin", d.shape);
+    mamba3_scan_forward<double>(d.shape, d.in(), y, fin);
+    return mmtest::dot(to_vec(y), dyv) + mmtest::dot(to_vec(fin.phi), dphi) + mmtest::dot(to_vec(fin.S), dS) +
+           mmtest::dot(to_vec(fin.k), dk) + mmtest::dot(to_vec(fin.v), dvv);
+  };
+  Mamba3ScanGrad<double> g;
+  g.dv = View2<double>("dv", rows, d.v.extent(1));
+  g.dqk = View2<double>("dqk", rows, d.qk.extent(1));
+  g.ddd = View2<double>("ddd", rows, d.dd.extent(1));
+  g.ddt_bias = View1<double>("ddt_bias", c.H);
+  g.dD = View1<double>("dD", c.H);
+  g.dq_bias = View1<double>("dqb", c.H * c.R * c.N);
+  g.dk_bias = View1<double>("dkb", c.H * c.R * c.N);
+  g.dinit = Mamba3Carry<double>::allocate("dinit", d.shape);
+  mamba3_scan_backward<double>(d.shape, d.in(), dy, dfin, g);
+  INFO(name);
+  double worst = 0;
+  auto chk = [&](const char* what, const auto& x, const auto& grad, int count) {
+    const auto r = fd_check(x, to_vec(grad), loss, count);
+    const double e = r.rel();
+    INFO(what << ": max |gradient| " << r.max_ref);
+    CHECK(e < 1e-6);
+    CHECK(r.max_ref > 1e-3);  // the gradient is not trivially zero
+    worst = std::max(worst, e);
+  };
+  chk("v", d.v, g.dv, 40);
+  chk("qk", d.qk, g.dqk, 40);
+  chk("dd (dd_dt, dd_A, trap, angles)", d.dd, g.ddd, 100000);  // every element
+  chk("dt_bias", d.dt_bias, g.ddt_bias, 24);
+  chk("D", d.D, g.dD, 24);
+  chk("q_bias", d.qb, g.dq_bias, 24);
+  chk("k_bias", d.kb, g.dk_bias, 24);
+  chk("init phi", d.init.phi, g.dinit.phi, 24);
+  chk("init S", d.init.S, g.dinit.S, 24);
+  chk("init k", d.init.k, g.dinit.k, 24);
+  chk("init v", d.init.v, g.dinit.v, 24);
+  WARN("scan FD check " << name << ": worst rel err " << worst);
+}
+
+}  // namespace
+
 TEST_CASE("Mamba-3 scan backward matches finite differences for every input", "[mamba3]") {
   for (int variant = 0; variant < 2; ++variant) {
     M3Case c;
@@ -283,56 +423,28 @@ TEST_CASE("Mamba-3 scan backward matches finite differences for every input", "[
       c.N = 4;
       c.halved = true;
     }
-    M3Data<double> d(c);
-    const index_t rows = c.B * c.L;
-    View2<double> dy("dy", rows, c.H * c.R * c.P);
-    fill_uniform(dy, 20);
-    auto dfin = Mamba3Carry<double>::allocate("dfin", d.shape);
-    fill_uniform(dfin.phi, 21);
-    fill_uniform(dfin.S, 22);
-    fill_uniform(dfin.k, 23);
-    fill_uniform(dfin.v, 24);
-    const auto dyv = to_vec(dy);
-    const auto dphi = to_vec(dfin.phi), dS = to_vec(dfin.S), dk = to_vec(dfin.k), dvv = to_vec(dfin.v);
-    auto loss = [&]() {
-      View2<double> y("y", rows, c.H * c.R * c.P);
-      auto fin = Mamba3Carry<double>::allocate("fin", d.shape);
-      mamba3_scan_forward<double>(d.shape, d.in(), y, fin);
-      return mmtest::dot(to_vec(y), dyv) + mmtest::dot(to_vec(fin.phi), dphi) + mmtest::dot(to_vec(fin.S), dS) +
-             mmtest::dot(to_vec(fin.k), dk) + mmtest::dot(to_vec(fin.v), dvv);
-    };
-    Mamba3ScanGrad<double> g;
-    g.dv = View2<double>("dv", rows, d.v.extent(1));
-    g.dqk = View2<double>("dqk", rows, d.qk.extent(1));
-    g.ddd = View2<double>("ddd", rows, d.dd.extent(1));
-    g.ddt_bias = View1<double>("ddt_bias", c.H);
-    g.dD = View1<double>("dD", c.H);
-    g.dq_bias = View1<double>("dqb", c.H * c.R * c.N);
-    g.dk_bias = View1<double>("dkb", c.H * c.R * c.N);
-    g.dinit = Mamba3Carry<double>::allocate("dinit", d.shape);
-    mamba3_scan_backward<double>(d.shape, d.in(), dy, dfin, g);
-    INFO("variant " << variant);
-    double worst = 0;
-    auto chk = [&](const char* what, const auto& x, const auto& grad, int count) {
-      const auto r = fd_check(x, to_vec(grad), loss, count);
-      const double e = r.rel();
-      INFO(what << ": max |gradient| " << r.max_ref);
-      CHECK(e < 1e-6);
-      CHECK(r.max_ref > 1e-3);  // the gradient is not trivially zero
-      worst = std::max(worst, e);
-    };
-    chk("v", d.v, g.dv, 40);
-    chk("qk", d.qk, g.dqk, 40);
-    chk("dd (dd_dt, dd_A, trap, angles)", d.dd, g.ddd, 100000);  // every element
-    chk("dt_bias", d.dt_bias, g.ddt_bias, 24);
-    chk("D", d.D, g.dD, 24);
-    chk("q_bias", d.qb, g.dq_bias, 24);
-    chk("k_bias", d.kb, g.dk_bias, 24);
-    chk("init phi", d.init.phi, g.dinit.phi, 24);
-    chk("init S", d.init.S, g.dinit.S, 24);
-    chk("init k", d.init.k, g.dinit.k, 24);
-    chk("init v", d.init.v, g.dinit.v, 24);
-    WARN("scan FD check variant " << variant << ": worst rel err " << worst);
+    scan_fd_check(c, variant == 0 ? "SISO" : "MIMO");
+  }
+}
+
+TEST_CASE("Mamba-3 scan backward with packed records matches finite differences for every input", "[mamba3]") {
+  for (int variant = 0; variant < 2; ++variant) {
+    M3Case c;
+    if (variant == 0) {  // SISO; boundaries inside chunks and at the chunk edges 8 and 16, a 1-token record
+      c.L = 21;
+      c.Q = 8;
+      c.seq = make_records(c.B, c.L, {{5, 8, 16, 17}, {13}});
+    } else {  // MIMO rank 2, halved pairs, groups; chunk edges 5 and 10
+      c.L = 17;
+      c.Q = 5;
+      c.R = 2;
+      c.H = 4;
+      c.G = 2;
+      c.N = 4;
+      c.halved = true;
+      c.seq = make_records(c.B, c.L, {{5, 11}, {2, 10, 16}});
+    }
+    scan_fd_check(c, variant == 0 ? "SISO with records" : "MIMO with records");
   }
 }
 
@@ -374,8 +486,9 @@ struct MixerRig {
     return st;
   }
   std::vector<double> reference(const View2<double>& u, index_t B, index_t L, const Mamba3State<double>* init,
-                                mmref::M3Carry* fin) const {
+                                mmref::M3Carry* fin, const std::vector<int>& seq = {}) const {
     mmref::M3MixerShape ms;
+    ms.s.seq = seq;
     ms.s.B = B;
     ms.s.L = L;
     ms.s.H = cfg.nheads();
@@ -624,6 +737,87 @@ TEST_CASE("Mamba-3 windows with a carried state equal one pass, forward and back
     CHECK(rel_err(to_vec(dcarry.carry.phi), to_vec(dinit.carry.phi)) < 1e-12);
     WARN("windows vs one pass (" << variant_name(cfg) << "): out " << eo << ", final state " << ef
                                  << ", param grads " << eg << ", du " << eu << ", d(initial state) " << ei);
+  }
+}
+
+TEST_CASE("Mamba-3 mixer: a packed row of records equals running each record alone, forward and backward",
+          "[mamba3]") {
+  for (bool mimo : {false, true}) {
+    const Mamba3Config cfg = tiny_m3(mimo, mimo);
+    MixerRig rig(cfg);
+    const index_t D = cfg.d_model;
+    // one row of three records: [0, 9) (boundary inside chunk 1 of size 5), [9, 15), [15, 23) (at a chunk edge)
+    const std::vector<index_t> cuts = {0, 9, 15, 23};
+    const index_t L = cuts.back();
+    std::vector<int> ids(L);
+    for (std::size_t k = 0; k + 1 < cuts.size(); ++k)
+      for (index_t t = cuts[k]; t < cuts[k + 1]; ++t) ids[t] = int(7 + 3 * k);
+    Kokkos::View<std::int32_t**, Layout, Mem> seq("seq", 1, L);
+    {
+      auto h = Kokkos::create_mirror_view(seq);
+      for (index_t t = 0; t < L; ++t) h(0, t) = ids[t];
+      Kokkos::deep_copy(seq, h);
+    }
+    View2<double> u("u", L, D), out("out", L, D), dout("dout", L, D), du("du", L, D);
+    fill_uniform(u, 1);
+    fill_uniform(dout, 2);
+    const auto init = rig.random_state(1, 40);  // belongs to the first record
+    const auto dfin = rig.random_state(1, 50);  // gradient of the final state (the last record's)
+    auto fin = rig.mixer.make_state(1);
+    Mamba3Acts<double> acts;
+    rig.mixer.forward(u, 1, L, seq, out, acts, false, &init, &fin);
+    rig.ps.zero_grads();
+    auto dinit = rig.mixer.make_state(1);
+    rig.mixer.backward(acts, 1, L, seq, dout, du, &dfin, &dinit);
+    const auto grads_packed = to_vec(rig.ps.grads());
+    // each record alone: the first from init, the others from a zero state
+    const auto uv = to_vec(u), dov = to_vec(dout);
+    std::vector<double> out_s(L * D), du_s(L * D), grads_s(grads_packed.size(), 0.0);
+    Mamba3State<double> fin_s, dinit_s;
+    for (std::size_t k = 0; k + 1 < cuts.size(); ++k) {
+      const index_t t0 = cuts[k], len = cuts[k + 1] - t0;
+      const bool first = k == 0, last = k + 2 == cuts.size();
+      View2<double> wu("wu", len, D), wo("wo", len, D), wdo("wdo", len, D), wdu("wdu", len, D);
+      from_vec(wu, std::vector<double>(uv.begin() + t0 * D, uv.begin() + (t0 + len) * D));
+      from_vec(wdo, std::vector<double>(dov.begin() + t0 * D, dov.begin() + (t0 + len) * D));
+      auto f = rig.mixer.make_state(1);
+      Mamba3Acts<double> a;
+      rig.mixer.forward(wu, 1, len, wo, a, true, first ? &init : nullptr, &f);
+      rig.ps.zero_grads();
+      auto di = rig.mixer.make_state(1);
+      rig.mixer.backward(a, 1, len, wdo, wdu, last ? &dfin : nullptr, &di);
+      const auto gk = to_vec(rig.ps.grads());
+      for (std::size_t i = 0; i < gk.size(); ++i) grads_s[i] += gk[i];
+      const auto wov = to_vec(wo), wduv = to_vec(wdu);
+      std::copy(wov.begin(), wov.end(), out_s.begin() + t0 * D);
+      std::copy(wduv.begin(), wduv.end(), du_s.begin() + t0 * D);
+      if (first) dinit_s = di;
+      if (last) fin_s = f;
+    }
+    // and the packed forward equals the naive reference that resets at each record
+    mmref::M3Carry rf;
+    const double er = std::max({rel_err(to_vec(out), rig.reference(u, 1, L, &init, &rf, ids)),
+                                rel_err(to_vec(fin.carry.S), rf.S), rel_err(to_vec(fin.carry.phi), rf.phi)});
+    INFO(variant_name(cfg));
+    CHECK(er < 1e-12);
+    const double eo = rel_err(to_vec(out), out_s), eu = rel_err(to_vec(du), du_s),
+                 eg = rel_err(grads_packed, grads_s);
+    const double ef = std::max({rel_err(to_vec(fin.carry.S), to_vec(fin_s.carry.S)),
+                                rel_err(to_vec(fin.carry.k), to_vec(fin_s.carry.k)),
+                                rel_err(to_vec(fin.carry.v), to_vec(fin_s.carry.v)),
+                                rel_err(to_vec(fin.carry.phi), to_vec(fin_s.carry.phi))});
+    const double ei = std::max({rel_err(to_vec(dinit.carry.S), to_vec(dinit_s.carry.S)),
+                                rel_err(to_vec(dinit.carry.k), to_vec(dinit_s.carry.k)),
+                                rel_err(to_vec(dinit.carry.v), to_vec(dinit_s.carry.v)),
+                                rel_err(to_vec(dinit.carry.phi), to_vec(dinit_s.carry.phi))});
+    CHECK(eo < 1e-12);
+    CHECK(eu < 1e-12);
+    CHECK(eg < 1e-12);
+    CHECK(ef < 1e-12);
+    CHECK(ei < 1e-12);
+    WARN("packed vs separate records (" << variant_name(cfg) << "): out " << eo << ", du " << eu << ", param grads "
+                                        << eg << ", final state " << ef << ", d(initial state) " << ei
+                                        << "; vs reference " << er);
   }
 }
 

@@ -104,6 +104,7 @@ Mamba3ScanIn<T> Mamba3Mixer<T>::scan_in(const Mamba3Acts<T>& a) const {
   in.q_bias = store_->v1(C_bias_);
   in.k_bias = store_->v1(B_bias_);
   in.init = a.init;
+  in.seq_idx = a.seq;
   return in;
 }
 
@@ -232,6 +233,13 @@ template <class T>
 void Mamba3Mixer<T>::forward(const View2<T>& u, index_t batch, index_t seqlen, const View2<T>& out,
                              Mamba3Acts<T>& acts, bool save, const Mamba3State<T>* init,
                              Mamba3State<T>* final_state) const {
+  forward(u, batch, seqlen, SeqIdxView(), out, acts, save, init, final_state);
+}
+
+template <class T>
+void Mamba3Mixer<T>::forward(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq,
+                             const View2<T>& out, Mamba3Acts<T>& acts, bool save, const Mamba3State<T>* init,
+                             Mamba3State<T>* final_state) const {
   const std::string ctx = "mamba3_mixer";
   require(index_t(u.extent(0)) == batch * seqlen && index_t(u.extent(1)) == cfg_.d_model, ctx, "u is (",
           u.extent(0), ", ", u.extent(1), "), expected (batch * seqlen, d_model) = (", batch * seqlen, ", ",
@@ -243,14 +251,24 @@ void Mamba3Mixer<T>::forward(const View2<T>& u, index_t batch, index_t seqlen, c
     require(final_state->batch == batch, ctx, "final state is for batch ", final_state->batch, ", not ", batch);
   acts = Mamba3Acts<T>{};
   acts.init = init ? init->carry : Mamba3Carry<P>{};
+  acts.seq = seq;
   run_internals(u, batch, seqlen, acts, final_state ? final_state->carry : Mamba3Carry<P>{});
   linear_forward<T>(acts.o, store_->v2(out_proj_), View1<const P>(), out);
   if (!save) {
     Mamba3Acts<T> keep;
     keep.u = u;
     keep.init = acts.init;
+    keep.seq = acts.seq;
     acts = keep;
   }
+}
+
+template <class T>
+void Mamba3Mixer<T>::backward(Mamba3Acts<T>& a, index_t batch, index_t seqlen, const SeqIdxView& seq,
+                              const View2<const T>& dout, const View2<T>& du, const Mamba3State<T>* dfinal,
+                              Mamba3State<T>* dinit) const {
+  a.seq = seq;
+  backward(a, batch, seqlen, dout, du, dfinal, dinit);
 }
 
 template <class T>

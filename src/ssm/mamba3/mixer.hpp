@@ -78,6 +78,7 @@ struct Mamba3Acts {
   View2<acc_t<T>> rstd_qk;   // (B*L, 2 R G)
   View2<acc_t<T>> rstd_out;  // (B*L, H R) with is_outproj_norm
   Mamba3Carry<acc_t<T>> init;  // the initial state the forward started from (empty = zero)
+  SeqIdxView seq;              // the record ids the forward used (empty = one record per row)
 };
 
 template <class T>
@@ -102,11 +103,22 @@ class Mamba3Mixer {
   void forward(const View2<T>& u, index_t batch, index_t seqlen, const View2<T>& out, Mamba3Acts<T>& acts,
                bool save, const Mamba3State<T>* init = nullptr, Mamba3State<T>* final_state = nullptr) const;
 
+  // The same over packed records: seq (batch, seqlen) record ids, contiguous runs per row, or empty (one record).
+  // The state (S, k_prev, v_prev, and the rotary phase, which restarts at 0) resets at a record boundary; the
+  // initial state belongs to the record of the first token, the final state is that of the last token's record.
+  void forward(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq, const View2<T>& out,
+               Mamba3Acts<T>& acts, bool save, const Mamba3State<T>* init = nullptr,
+               Mamba3State<T>* final_state = nullptr) const;
+
   // du (B*L, D) is written; parameter gradients are accumulated into the store's gradient buffer. `dfinal`
   // (optional) is the gradient of the final state; `dinit` (optional, allocated by the caller with make_state) gets
   // the gradient of the initial state.
   void backward(Mamba3Acts<T>& acts, index_t batch, index_t seqlen, const View2<const T>& dout, const View2<T>& du,
                 const Mamba3State<T>* dfinal = nullptr, Mamba3State<T>* dinit = nullptr) const;
+  // The same, with the record ids of the forward (as the other mixers take them; it must be the forward's seq).
+  void backward(Mamba3Acts<T>& acts, index_t batch, index_t seqlen, const SeqIdxView& seq,
+                const View2<const T>& dout, const View2<T>& du, const Mamba3State<T>* dfinal = nullptr,
+                Mamba3State<T>* dinit = nullptr) const;
 
   // One decoding step: u (batch, D) -> out (batch, D), state updated in place.
   void step(const View2<T>& u, Mamba3State<T>& state, const View2<T>& out) const;

@@ -37,6 +37,8 @@ struct Ctx {
   View2<const T> v, qk, dd;
   index_t v_col, q_col, k_col, dt_col, A_col, trap_col, angle_col;
   View1<const P> dt_bias, D, q_bias, k_bias;
+  SeqIdxView seq;  // (batch, L) or empty
+  bool has_seq;
   index_t Bsz, L, H, Pd, G, N, R, S, Q, nc, hpg;
   bool halved;
   P A_floor;
@@ -46,6 +48,10 @@ struct Ctx {
   View5<P> states;                  // (batch, nchunks, H, P, N): chunk-local states, then the state entering
 
   KOKKOS_INLINE_FUNCTION index_t row(index_t b, index_t t) const { return b * L + t; }
+  // tokens t and s of row b belong to the same record
+  KOKKOS_INLINE_FUNCTION bool same(index_t b, index_t t, index_t s) const { return !has_seq || seq(b, t) == seq(b, s); }
+  // the token whose record owns the state entering chunk ch (the initial carry belongs to token 0's record)
+  KOKKOS_INLINE_FUNCTION index_t in_tok(index_t ch) const { return ch > 0 ? ch * Q - 1 : 0; }
   KOKKOS_INLINE_FUNCTION index_t chunk_end(index_t c) const { return (c + 1) * Q < L ? (c + 1) * Q : L; }
   KOKKOS_INLINE_FUNCTION void decode(index_t id, index_t& b, index_t& ch, index_t& h) const {
     h = id % H;
@@ -91,7 +97,13 @@ Ctx<T> make_ctx(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in) {
                 index_t(in.init.phi.extent(2)) == s.nangles,
             "mamba3_scan", "initial carry does not match (batch ", s.batch, ", nheads ", s.nheads, ", headdim ",
             s.headdim, ", dstate ", s.dstate, ", rank ", s.rank, ", nangles ", s.nangles, ")");
+  require(in.seq_idx.extent(0) == 0 ||
+              (index_t(in.seq_idx.extent(0)) == s.batch && index_t(in.seq_idx.extent(1)) == s.seqlen),
+          "mamba3_scan", "seq_idx is (", in.seq_idx.extent(0), ", ", in.seq_idx.extent(1),
+          "), expected (batch, seqlen) = (", s.batch, ", ", s.seqlen, ")");
   Ctx<T> c;
+  c.seq = in.seq_idx;
+  c.has_seq = in.seq_idx.extent(0) > 0;
   c.v = in.v;
   c.qk = in.qk;
   c.dd = in.dd;
@@ -154,7 +166,7 @@ void token_scalars(const Ctx<T>& c) {
       run += A * d;
       c.acs(b, h, t) = run;
       P gp = 0;
-      if (t + 1 < c.L) {
+      if (t + 1 < c.L && c.same(b, t + 1, t)) {  // no beta term across a record boundary
         const P dn = softplus(P(c.dd(rw + 1, c.dt_col + h)) + c.dt_bias(h));
         gp = dn * (P(1) - sigmoid(P(c.dd(rw + 1, c.trap_col + h))));
       }
@@ -173,6 +185,7 @@ void phases(const Ctx<T>& c, const View3<acc_t<T>>& init_phi) {
     const P pi = Kokkos::numbers::pi_v<P>, two_pi = P(2) * pi;
     P ph = has_init ? init_phi(b, h, i) : P(0);
     for (index_t t = 0; t < c.L; ++t) {
+      if (t > 0 && !c.same(b, t, t - 1)) ph = P(0);  // a new record restarts its phase
       ph += pi * Kokkos::tanh(P(c.dd(c.row(b, t), c.angle_col + i))) * c.delta(b, h, t);
       ph -= two_pi * Kokkos::floor(ph / two_pi);
       c.phi(b, h, t, i) = ph;
@@ -219,7 +232,7 @@ void chunk_state(const Ctx<T>& c) {
       for (index_t n = 0; n < c.N; ++n) st[n] = P(0);
       for (index_t s = t0; s < t1; ++s) {
         const index_t rs = c.row(b, s);
-        const P e = exp_nonpos(acs_last - c.acs(b, h, s)) * c.w(b, h, s);
+        const P e = c.same(b, t1 - 1, s) ? exp_nonpos(acs_last - c.acs(b, h, s)) * c.w(b, h, s) : P(0);
         for (index_t r = 0; r < c.R; ++r) {
           const P vv = e * P(c.vrow(rs, h, r)[p]);
           const P* k = c.krow(rs, h, r);
@@ -250,7 +263,8 @@ void state_passing(const Ctx<T>& c, const Mamba3Carry<acc_t<T>>& init, const Vie
     for (index_t ch = 0; ch < c.nc; ++ch) {
       const P local = c.states(b, ch, h, p, n);
       c.states(b, ch, h, p, n) = Sh;
-      Sh = exp_nonpos(c.acs(b, h, c.chunk_end(ch) - 1)) * Sh + local;
+      const index_t te = c.chunk_end(ch) - 1;
+      Sh = (c.same(b, te, c.in_tok(ch)) ? exp_nonpos(c.acs(b, h, te)) * Sh : P(0)) + local;
     }
     if (has_final) final_S(b, h, p, n) = Sh;
   });
@@ -297,7 +311,7 @@ void mamba3_scan_forward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, co
         Scratch1<P> acc(tm.thread_scratch(1), c.R * c.Pd);
         Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, t0, t1), [&](index_t t) {
           const index_t rt = c.row(b, t);
-          const P acs_t = c.acs(b, h, t), e_in = exp_nonpos(acs_t);
+          const P acs_t = c.acs(b, h, t), e_in = c.same(b, t, c.in_tok(ch)) ? exp_nonpos(acs_t) : P(0);
           for (index_t r = 0; r < c.R; ++r) {
             const T* vt = c.vrow(rt, h, r);
             const P* q = c.qrow(rt, h, r);
@@ -310,7 +324,8 @@ void mamba3_scan_forward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, co
           }
           for (index_t s2 = t0; s2 <= t; ++s2) {
             const index_t rs = c.row(b, s2);
-            const P coef = s2 < t ? exp_nonpos(acs_t - c.acs(b, h, s2)) * c.w(b, h, s2) : c.gamma(b, h, t);
+            const P coef = s2 < t ? (c.same(b, t, s2) ? exp_nonpos(acs_t - c.acs(b, h, s2)) * c.w(b, h, s2) : P(0))
+                                  : c.gamma(b, h, t);
             for (index_t r2 = 0; r2 < c.R; ++r2) {
               const P* k = c.krow(rs, h, r2);
               const T* vs = c.vrow(rs, h, r2);
@@ -372,7 +387,7 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
       for (index_t n = 0; n < c.N; ++n) ds[n] = P(0);
       for (index_t t = t0; t < t1; ++t) {
         const index_t rt = c.row(b, t);
-        const P e = exp_nonpos(c.acs(b, h, t));
+        const P e = c.same(b, t, c.in_tok(ch)) ? exp_nonpos(c.acs(b, h, t)) : P(0);
         for (index_t r = 0; r < c.R; ++r) {
           const P d = e * P(dy(rt, (h * c.R + r) * c.Pd + p));
           const P* q = c.qrow(rt, h, r);
@@ -392,7 +407,8 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
       for (index_t ch = c.nc - 1; ch >= 0; --ch) {
         const P local = dstates(b, ch, h, p, n);
         dstates(b, ch, h, p, n) = dH;
-        dH = local + exp_nonpos(c.acs(b, h, c.chunk_end(ch) - 1)) * dH;
+        const index_t te = c.chunk_end(ch) - 1;
+        dH = local + (c.same(b, te, c.in_tok(ch)) ? exp_nonpos(c.acs(b, h, te)) * dH : P(0));
       }
       dsh0(b, h, p, n) = dH;
     });
@@ -484,7 +500,7 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
                 }
               }
               M(il, is) = m;
-              const P e = is < il ? exp_nonpos(acs_t - c.acs(b, h, s2)) : P(1);
+              const P e = is < il ? (c.same(b, t, s2) ? exp_nonpos(acs_t - c.acs(b, h, s2)) : P(0)) : P(1);
               Ex(il, is) = e;
               Cf(il, is) = is < il ? e * c.w(b, h, s2) : c.gamma(b, h, t);
             }
@@ -494,7 +510,7 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
           // Phase B (output token t): dq~_t (intra + inter), the inter and incoming-intra terms of dAcs_t.
           Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, q), [&](index_t il) {
             const index_t t = t0 + il, rt = c.row(b, t);
-            const P e_in = exp_nonpos(c.acs(b, h, t));
+            const P e_in = c.same(b, t, c.in_tok(ch)) ? exp_nonpos(c.acs(b, h, t)) : P(0);
             P in_term = 0;
             for (index_t r = 0; r < c.R; ++r) {
               const T* dyv = dyrow(rt, r);
@@ -532,7 +548,7 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
           // Phase C (source token s): dv_s, dk~_s, the outgoing-intra and state terms of dAcs_s, dw_s.
           Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, q), [&](index_t is) {
             const index_t s2 = t0 + is, rs = c.row(b, s2);
-            const P es = exp_nonpos(acs_last - c.acs(b, h, s2)), ws = c.w(b, h, s2);
+            const P es = c.same(b, t1 - 1, s2) ? exp_nonpos(acs_last - c.acs(b, h, s2)) : P(0), ws = c.w(b, h, s2);
             P vdk = 0, dd = 0;
             for (index_t r2 = 0; r2 < c.R; ++r2) {
               const P* kv = c.krow(rs, h, r2);
@@ -593,7 +609,7 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
           P wdecay = 0;
           Kokkos::parallel_reduce(
               Kokkos::TeamThreadRange(tm, c.Pd * c.N), [&](index_t pn, P& a) { a += dH[pn] * Sin[pn]; }, wdecay);
-          wdecay *= exp_nonpos(acs_last);
+          wdecay *= c.same(b, t1 - 1, c.in_tok(ch)) ? exp_nonpos(acs_last) : P(0);
           tm.team_barrier();
 
           Kokkos::single(Kokkos::PerTeam(tm), [&]() {
@@ -651,6 +667,7 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
       for (index_t t = c.L - 1; t >= 0; --t) {
         run += dphi(b, h, t, i);
         dphi(b, h, t, i) = run;
+        if (t > 0 && !c.same(b, t, t - 1)) run = P(0);  // phi_t does not depend on the previous record
       }
       if (want_dinit) dphi0(b, h, i) = run;
     });
@@ -665,7 +682,7 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
     const index_t rw = c.row(b, t);
     const P d = c.delta(b, h, t), lm = c.lam(b, h, t), A = c.Av(b, h, t), dat = da(b, h, t);
     const P dgam = dw(b, h, t) + ddg(b, h, t);
-    const P dgp_prev = t > 0 ? dw(b, h, t - 1) : dgp0(b, h);
+    const P dgp_prev = t > 0 ? (c.same(b, t, t - 1) ? dw(b, h, t - 1) : P(0)) : dgp0(b, h);
     P dphase = 0;
     for (index_t i = 0; i < c.S; ++i) dphase += dphi(b, h, t, i) * pi * Kokkos::tanh(P(c.dd(rw, c.angle_col + i)));
     const P ddelta = dgam * lm + dgp_prev * (P(1) - lm) + dat * A + dphase;

@@ -13,6 +13,13 @@
 // rotated. The decode carry is (phi, S, k_prev, v_prev) of the last token; it is both the optional initial state
 // and the final state, so a long sequence can be processed in windows, or one token at a time.
 //
+// Packed records (seq_idx, (batch, seqlen) int32, contiguous runs per row; empty = one record per row): at a token t
+// whose record differs from that of t-1 the recurrence restarts as for a fresh sequence with a zero carry:
+// S_{t-1}, k_{t-1}, v_{t-1} are taken as zero (alpha_t and beta_t drop out) and phi_{t-1} = 0, so the rotary phase
+// restarts at 0 (phi_t = pi tanh(theta_t) Delta_t mod 2 pi), exactly what running the record on its own gives. No
+// term couples tokens of different records; the initial carry belongs to the record of the first token, and the
+// final carry is that of the last token's record.
+//
 // Chunked algorithm (chunk Q): with gamma'_t = Delta_{t+1} (1 - lambda_{t+1}) (0 at the last token) the beta term
 // of token t+1 folds into a per-token weight w_t = gamma_t + gamma'_t, and inside a chunk (Acs = in-chunk cumsum of
 // A Delta)
@@ -26,6 +33,7 @@
 #include <string>
 
 #include "core/kokkos_types.hpp"
+#include "layers/conv1d.hpp"  // SeqIdxView
 
 namespace mm {
 
@@ -71,6 +79,7 @@ struct Mamba3ScanIn {
   View1<const acc_t<T>> dt_bias, D;       // (H)
   View1<const acc_t<T>> q_bias, k_bias;   // (H, R, N) flattened
   Mamba3Carry<acc_t<T>> init;             // optional initial carry
+  SeqIdxView seq_idx;                     // (batch, seqlen) record ids, or empty (one record per row)
 };
 
 template <class T>
