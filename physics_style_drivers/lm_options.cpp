@@ -17,6 +17,20 @@ void declare_run(io::Deck& d) {
                  "bit-identical results between runs on the same hardware and layout (the CPU kernels always are: "
                  "no atomics in any reduction)")
       .add<std::string>("run.output_dir", "runs/default", "directory for metrics and checkpoints (created)");
+  d.add<I>("parallel.tp", 1, "tensor-parallel ranks (heads and groups divide by it; not implemented yet: 1)")
+      .add<I>("parallel.cp", 1, "context (sequence) parallel ranks (not implemented yet: 1)")
+      .add<I>("parallel.ep", 1, "expert-parallel ranks (not implemented yet: 1)")
+      .add<I>("parallel.dp", 0,
+              "data-parallel ranks (0: the rest); tp * cp * ep * dp = MPI ranks; grad_accum divides by dp");
+}
+
+parallel::ProcessGrid make_process_grid(const io::Deck& d) {
+  parallel::Layout l;
+  l.tp = d.get<I>("parallel.tp");
+  l.cp = d.get<I>("parallel.cp");
+  l.ep = d.get<I>("parallel.ep");
+  l.dp = d.get<I>("parallel.dp");
+  return parallel::ProcessGrid(l, MPI_COMM_WORLD);
 }
 
 void declare_backbone_options(io::Deck& d) {
@@ -237,6 +251,7 @@ TrainConfig make_train_config(const io::Deck& d) {
   t.resume = d.get<std::string>("checkpoint.resume");
   t.metrics_path = output_path(d, "metrics.csv");
   t.seed = std::uint64_t(d.get<I>("run.seed"));
+  t.dp = make_process_grid(d).dp_comm();
   require(t.steps >= 1, "[train] steps", "must be at least 1");
   require(t.grad_accum >= 1, "[train] grad_accum", "must be at least 1");
   require(t.schedule.lr > 0 && t.schedule.min_lr >= 0, "[train] lr", "lr must be positive and min_lr >= 0");

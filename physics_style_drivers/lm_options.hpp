@@ -4,11 +4,14 @@
 
 #include "io/deck.hpp"
 #include "model/lm.hpp"
+#include "parallel/grid.hpp"
 #include "train/trainer.hpp"
 
 namespace mm::drivers {
 
-void declare_run(io::Deck& deck);              // [run]: driver, seed, deterministic, output_dir
+void declare_run(io::Deck& deck);              // [run]: driver, seed, deterministic, output_dir; [parallel]
+// The process grid of the deck's [parallel] layout over MPI_COMM_WORLD (collective; throws on a bad layout).
+parallel::ProcessGrid make_process_grid(const io::Deck& deck);
 // [model]: the backbone (Mamba-2 keys, the layer pattern, model.dense_d_ff), [mamba1], [mamba3], [moe]
 void declare_backbone_options(io::Deck& deck);
 void declare_train_options(io::Deck& deck);     // [train] (model-independent keys) and [checkpoint]

@@ -72,10 +72,9 @@ int run(int argc, char** argv, int rank) {
     std::fflush(stdout);
   }
   if (print_deck) return 0;
-  int size = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
-  mm::require(size == 1, "MPI", "this driver runs on one rank (got ", size,
-              "); the [parallel] layouts come with the distributed implementation");
+  const auto grid = mm::drivers::make_process_grid(deck);  // validates [parallel] against the MPI ranks
+  mm::require(grid.world_size() == 1 || driver.name == "genomics_lm", "[parallel]", "driver ", driver.name,
+              " runs on one rank (got ", grid.world_size(), "); data parallelism is implemented for genomics_lm");
   return driver.run(deck);
 }
 
@@ -86,6 +85,10 @@ int main(int argc, char** argv) {
   MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  int size = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  // Rank 0 alone prints progress; the others keep stderr for errors.
+  if (rank != 0 && !std::freopen("/dev/null", "w", stdout)) std::fprintf(stderr, "rank %d: cannot silence stdout\n", rank);
   int rc = 0;
   {
     Kokkos::ScopeGuard kokkos(argc, argv);
@@ -99,6 +102,8 @@ int main(int argc, char** argv) {
       rc = 3;
     }
   }
+  // An error on some ranks only would leave the others waiting in a collective: take the whole job down.
+  if (rc != 0 && size > 1) MPI_Abort(MPI_COMM_WORLD, rc);
   MPI_Finalize();
   return rc;
 }

@@ -74,6 +74,17 @@ Trainer<Model>::Trainer(Model& model, const TrainConfig& cfg, std::string deck_t
     : model_(model), cfg_(cfg), deck_(std::move(deck_text)), opt_(model.params(), cfg.adamw) {
   require(cfg.steps >= 1, "train", "steps must be at least 1");
   require(cfg.grad_accum >= 1, "train", "grad_accum must be at least 1");
+  if (cfg_.dp) dp_rank_ = cfg_.dp->rank(), dp_size_ = cfg_.dp->size();
+  lead_ = dp_rank_ == 0;
+  cfg_.verbose = cfg_.verbose && lead_;
+  require(cfg.grad_accum % dp_size_ == 0, "[train] grad_accum", "grad_accum = ", cfg.grad_accum,
+          " micro-batches per step do not divide over dp = ", dp_size_, " ranks (make grad_accum a multiple of dp)");
+  if (dp_size_ > 1)
+    require(!has_moe(), "[parallel] dp", "dp = ", dp_size_,
+            " with MoE layers is not implemented yet (routing statistics and router jitter are per rank)");
+  const index_t n = model_.params().grads().extent(0);
+  grad_sum_ = View1<P>("trainer::grad_sum", n);
+  if (dp_size_ > 1) gathered_ = View1<P>("trainer::gathered_grads", n * index_t(dp_size_));
   if (!cfg_.resume.empty()) load(cfg_.resume);
 }
 
@@ -141,7 +152,7 @@ void Trainer<Model>::log_eval(const LossSum& l, double seconds) {
     std::printf("eval  step %6lld | held-out loss %.4f | %s %.4f | %lld targets | %s\n", (long long)step_,
                 l.mean_nats(), Model::metric_name, Model::metric(l), (long long)l.count,
                 format_duration(seconds).c_str());
-  if (!cfg_.metrics_path.empty()) {
+  if (lead_ && !cfg_.metrics_path.empty()) {
     std::ofstream f(cfg_.metrics_path, std::ios::app);
     f << "eval," << step_ << "," << l.mean_nats() << "," << Model::metric(l) << ",,,," << seconds
       << (has_moe() ? ",,,,\n" : "\n");
@@ -151,7 +162,7 @@ void Trainer<Model>::log_eval(const LossSum& l, double seconds) {
 
 template <class Model>
 std::int64_t Trainer<Model>::run(const NextBatch& next, const Evaluate& eval) {
-  if (!cfg_.metrics_path.empty()) {
+  if (lead_ && !cfg_.metrics_path.empty()) {
     if (const auto dir = std::filesystem::path(cfg_.metrics_path).parent_path(); !dir.empty())
       std::filesystem::create_directories(dir);
     const bool fresh = !std::filesystem::exists(cfg_.metrics_path) || std::filesystem::file_size(cfg_.metrics_path) == 0;
@@ -177,25 +188,56 @@ std::int64_t Trainer<Model>::run(const NextBatch& next, const Evaluate& eval) {
   }
   while (step_ < cfg_.steps) {
     // Forward + backward over the micro-batches; the loss is normalised by the step's total scored targets.
-    std::vector<HostBatch> micro(cfg_.grad_accum);
+    // Rank r of dp runs the micro-batches k = j * dp + r, j = 0 .. rounds - 1.
+    const std::int64_t rounds = cfg_.grad_accum / dp_size_;
+    std::vector<HostBatch> micro(rounds);
+    std::vector<std::int64_t> counts(2 * rounds);  // (scored, tokens) per local micro-batch
+    for (std::int64_t j = 0; j < rounds; ++j) {
+      micro[j] = next(step_, j * dp_size_ + dp_rank_);
+      counts[2 * j] = Model::scored(micro[j]);
+      counts[2 * j + 1] = Model::tokens(micro[j]);
+    }
+    if (dp_size_ > 1) counts = cfg_.dp->allgather(counts);
     std::int64_t scored = 0;
-    for (std::int64_t k = 0; k < cfg_.grad_accum; ++k) {
-      micro[k] = next(step_, k);
-      scored += Model::scored(micro[k]);
-    }
+    for (std::size_t i = 0; i < counts.size(); i += 2) scored += counts[i], tokens_since_log += counts[i + 1];
     require(scored > 0, "train", "step ", step_, " has no scored targets");
-    model_.params().zero_grads();
     if constexpr (kHasBackbone) model_.backbone().set_step(cfg_.seed, std::uint64_t(step_));
-    LossSum total;
+    Kokkos::deep_copy(grad_sum_, P(0));
+    auto& ps = model_.params();
+    const auto sum = grad_sum_;
+    std::vector<double> losses(3 * rounds);  // (nats, aux, count) per local micro-batch
     double aux = 0;  // the MoE auxiliary term of the objective (each micro-batch weighted by its scored share)
-    for (std::int64_t k = 0; k < cfg_.grad_accum; ++k) {
-      const LossSum l = model_.forward_backward(micro[k], 1.0 / double(scored), cfg_.recompute);
-      total.nats += l.nats;
-      total.aux += l.aux;
-      total.count += l.count;
+    for (std::int64_t j = 0; j < rounds; ++j) {
+      ps.zero_grads();
+      const LossSum l = model_.forward_backward(micro[j], 1.0 / double(scored), cfg_.recompute);
+      losses[3 * j] = l.nats, losses[3 * j + 1] = l.aux, losses[3 * j + 2] = double(l.count);
       if constexpr (kHasBackbone) aux += model_.backbone().last_aux() * double(l.count) / double(scored);
-      tokens_since_log += Model::tokens(micro[k]);
+      // add this round's gradients (one per dp rank, in rank order = global micro-batch order) to the step's sum
+      if (dp_size_ == 1) {
+        const auto g = ps.grads();
+        par_for("trainer::sum_grads", sum.extent(0), KOKKOS_LAMBDA(index_t i) { sum(i) = sum(i) + g(i); });
+      } else {
+        cfg_.dp->allgather(ps.grads(), gathered_);
+        const auto g = gathered_;
+        const index_t n = sum.extent(0);
+        const int parts = dp_size_;
+        par_for("trainer::sum_gathered_grads", n, KOKKOS_LAMBDA(index_t i) {
+          P s = sum(i);
+          for (int q = 0; q < parts; ++q) s = s + g(index_t(q) * n + i);
+          sum(i) = s;
+        });
+      }
     }
+    Kokkos::deep_copy(ps.grads(), grad_sum_);
+    if (dp_size_ > 1) losses = cfg_.dp->allgather(losses);
+    LossSum total;  // summed in global micro-batch order k = j * dp + q (gathered layout [q][j])
+    for (std::int64_t j = 0; j < rounds; ++j)
+      for (int q = 0; q < dp_size_; ++q) {
+        const double* x = losses.data() + 3 * (std::size_t(q) * std::size_t(rounds) + std::size_t(j));
+        total.nats += x[0];
+        total.aux += x[1];
+        total.count += std::int64_t(x[2]);
+      }
     const double lr = cfg_.schedule.at(step_);
     const double gnorm = opt_.step(model_.params(), lr, step_ + 1);
     std::vector<MoELayerStats> moe;
@@ -204,9 +246,13 @@ std::int64_t Trainer<Model>::run(const NextBatch& next, const Evaluate& eval) {
     history_.push_back({step_, total.mean_nats(), gnorm, lr, aux, moe});
 
     const bool last = step_ == cfg_.steps;
-    if (cfg_.time_limit_minutes > 0 && seconds_since(t_start) > 60.0 * cfg_.time_limit_minutes)
-      stop_reason = "time limit of " + format_duration(60.0 * cfg_.time_limit_minutes) + " reached";
-    if (g_stop_signal) stop_reason = std::string("signal ") + (g_stop_signal == SIGTERM ? "SIGTERM" : "SIGUSR1");
+    // why to stop (0: don't; 1: time limit; otherwise the signal), decided by dp rank 0 so every rank agrees
+    std::int64_t stop = 0;
+    if (cfg_.time_limit_minutes > 0 && seconds_since(t_start) > 60.0 * cfg_.time_limit_minutes) stop = 1;
+    if (g_stop_signal) stop = g_stop_signal;
+    if (dp_size_ > 1) cfg_.dp->broadcast(&stop, 1, 0);
+    if (stop == 1) stop_reason = "time limit of " + format_duration(60.0 * cfg_.time_limit_minutes) + " reached";
+    else if (stop != 0) stop_reason = std::string("signal ") + (stop == SIGTERM ? "SIGTERM" : "SIGUSR1");
 
     if (cfg_.log_interval > 0 && (step_ % cfg_.log_interval == 0 || last || !stop_reason.empty())) {
       Kokkos::fence("trainer::log");
@@ -228,7 +274,7 @@ std::int64_t Trainer<Model>::run(const NextBatch& next, const Evaluate& eval) {
           std::printf("]\n");
         }
       }
-      if (!cfg_.metrics_path.empty()) {
+      if (lead_ && !cfg_.metrics_path.empty()) {
         std::ofstream f(cfg_.metrics_path, std::ios::app);
         f << "train," << step_ << "," << total.mean_nats() << "," << Model::metric(total) << "," << lr << ","
           << gnorm << "," << tps << "," << elapsed;
@@ -247,7 +293,7 @@ std::int64_t Trainer<Model>::run(const NextBatch& next, const Evaluate& eval) {
       log_eval(l, seconds_since(t0));
     }
     const bool periodic = cfg_.checkpoint_interval > 0 && step_ % cfg_.checkpoint_interval == 0;
-    if (!cfg_.checkpoint_path.empty() && (periodic || last || !stop_reason.empty())) {
+    if (lead_ && !cfg_.checkpoint_path.empty() && (periodic || last || !stop_reason.empty())) {
       save(cfg_.checkpoint_path);
       if (cfg_.keep_all_checkpoints) {
         const std::filesystem::path p(cfg_.checkpoint_path);
@@ -257,6 +303,8 @@ std::int64_t Trainer<Model>::run(const NextBatch& next, const Evaluate& eval) {
       }
       if (cfg_.verbose) std::printf("checkpoint %s (step %lld)\n", cfg_.checkpoint_path.c_str(), (long long)step_);
     }
+    if (dp_size_ > 1 && !cfg_.checkpoint_path.empty() && (periodic || last || !stop_reason.empty()))
+      cfg_.dp->barrier();  // the checkpoint is complete before any rank goes on (or exits)
     if (!stop_reason.empty()) {
       if (cfg_.verbose)
         std::printf("stopping at step %lld: %s%s\n", (long long)step_, stop_reason.c_str(),

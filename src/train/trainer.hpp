@@ -14,6 +14,7 @@
 
 #include "layers/cross_entropy.hpp"
 #include "model/backbone.hpp"
+#include "parallel/comm.hpp"
 #include "train/optimizer.hpp"
 
 namespace mm {
@@ -34,6 +35,12 @@ struct TrainConfig {
   std::string metrics_path;       // CSV of train and eval rows (empty: none)
   std::uint64_t seed = 0;
   bool verbose = true;            // progress lines on stdout
+  // Data parallelism: the dp communicator (null: one rank). Rank r runs micro-batches r, r + dp, r + 2 dp, ... of
+  // each step (grad_accum must divide by dp); every micro-batch's gradient is computed into a zeroed buffer and the
+  // gathered per-micro-batch gradients are summed in global micro-batch order on every rank, exactly as one rank
+  // sums its own, so any dp gives bit-identical parameters, losses and checkpoints. Rank 0 alone prints, writes
+  // the metrics file and the checkpoints; every rank reads a checkpoint to resume.
+  std::shared_ptr<const parallel::Comm> dp;
 };
 
 struct StepRecord {
@@ -90,6 +97,10 @@ class Trainer {
   std::int64_t step_ = 0;  // the next step to run
   std::vector<StepRecord> history_;
   std::vector<EvalRecord> evals_;
+  int dp_rank_ = 0, dp_size_ = 1;
+  bool lead_ = true;      // dp rank 0: prints, writes metrics and checkpoints
+  View1<P> grad_sum_;     // the step's gradient: per-micro-batch gradients summed in global micro-batch order
+  View1<P> gathered_;     // dp > 1: one round's per-micro-batch gradients of every dp rank, in rank order
 };
 
 // Read a checkpoint's parameters into `params` (names and shapes must match), and the deck it was written with.
