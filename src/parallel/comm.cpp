@@ -1,5 +1,7 @@
 #include "parallel/comm.hpp"
 
+#include <cstring>
+
 namespace mm::parallel {
 
 namespace {
@@ -29,6 +31,25 @@ int as_count(std::size_t n, const char* what) {
 
 }  // namespace
 
+std::size_t dtype_size(DType t) { return t == DType::f32 ? 4 : 8; }
+
+void SelfComm::allgather(const void* send, void* recv, std::size_t count, DType t) const {
+  if (count) std::memmove(recv, send, count * dtype_size(t));
+}
+
+void SelfComm::sendrecv(const void*, std::size_t send_count, int dest, void*, std::size_t recv_count, int src,
+                        DType) const {
+  require((dest < 0 || send_count == 0) && (src < 0 || recv_count == 0), "SelfComm::sendrecv",
+          "a one-rank communicator has no neighbour (dest = ", dest, ", src = ", src, ")");
+}
+
+void SelfComm::alltoallv(const void* send, const std::vector<std::size_t>& send_counts, void* recv,
+                         const std::vector<std::size_t>& recv_counts, DType t) const {
+  require(send_counts.size() == 1 && recv_counts.size() == 1 && send_counts[0] == recv_counts[0],
+          "SelfComm::alltoallv", "one rank sends to itself: the counts must agree");
+  if (send_counts[0]) std::memmove(recv, send, send_counts[0] * dtype_size(t));
+}
+
 MpiComm::MpiComm(MPI_Comm comm) : comm_(comm) {
   check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
   check(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
@@ -55,6 +76,28 @@ void MpiComm::allgather(const void* send, void* recv, std::size_t count, DType t
 
 void MpiComm::broadcast(void* buf, std::size_t count, DType t, int root) const {
   check(MPI_Bcast(buf, as_count(count, "broadcast"), mpi_type(t), root, comm_), "MPI_Bcast");
+}
+
+void MpiComm::sendrecv(const void* send, std::size_t send_count, int dest, void* recv, std::size_t recv_count,
+                       int src, DType t) const {
+  check(MPI_Sendrecv(send, as_count(send_count, "sendrecv"), mpi_type(t), dest < 0 ? MPI_PROC_NULL : dest, 7301,
+                     recv, as_count(recv_count, "sendrecv"), mpi_type(t), src < 0 ? MPI_PROC_NULL : src, 7301, comm_,
+                     MPI_STATUS_IGNORE),
+        "MPI_Sendrecv");
+}
+
+void MpiComm::alltoallv(const void* send, const std::vector<std::size_t>& send_counts, void* recv,
+                        const std::vector<std::size_t>& recv_counts, DType t) const {
+  const std::size_t n = std::size_t(size_);
+  require(send_counts.size() == n && recv_counts.size() == n, "MPI", "alltoallv needs one count per rank");
+  std::vector<int> sc(n), sd(n), rc(n), rd(n);
+  std::size_t so = 0, ro = 0;
+  for (std::size_t q = 0; q < n; ++q) {
+    sc[q] = as_count(send_counts[q], "alltoallv"), sd[q] = as_count(so, "alltoallv offset"), so += send_counts[q];
+    rc[q] = as_count(recv_counts[q], "alltoallv"), rd[q] = as_count(ro, "alltoallv offset"), ro += recv_counts[q];
+  }
+  check(MPI_Alltoallv(send, sc.data(), sd.data(), mpi_type(t), recv, rc.data(), rd.data(), mpi_type(t), comm_),
+        "MPI_Alltoallv");
 }
 
 }  // namespace mm::parallel

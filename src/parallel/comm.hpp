@@ -42,6 +42,14 @@ class Comm {
   // `recv` holds size() * count elements: rank q's `count` elements at offset q * count.
   virtual void allgather(const void* send, void* recv, std::size_t count, DType t) const = 0;
   virtual void broadcast(void* buf, std::size_t count, DType t, int root) const = 0;
+  // Point to point, both directions at once: send `send_count` elements to rank `dest` and receive `recv_count`
+  // from rank `src`; -1 for either rank means none (a chain's ends).
+  virtual void sendrecv(const void* send, std::size_t send_count, int dest, void* recv, std::size_t recv_count,
+                        int src, DType t) const = 0;
+  // Every rank sends send_counts[q] elements to rank q (from `send`, packed in rank order) and receives
+  // recv_counts[q] from rank q (into `recv`, packed in rank order).
+  virtual void alltoallv(const void* send, const std::vector<std::size_t>& send_counts, void* recv,
+                         const std::vector<std::size_t>& recv_counts, DType t) const = 0;
 
   // typed host helpers
   template <class T>
@@ -54,6 +62,15 @@ class Comm {
   }
   template <class T>
   void broadcast(T* buf, std::size_t count, int root) const { broadcast(buf, count, dtype_of<T>(), root); }
+  template <class T>
+  void sendrecv(const T* send, std::size_t send_count, int dest, T* recv, std::size_t recv_count, int src) const {
+    sendrecv(send, send_count, dest, recv, recv_count, src, dtype_of<T>());
+  }
+  // alltoallv of counts (one per rank) then of the data: returns what every rank sent here, packed in rank order,
+  // and fills `recv_counts`.
+  template <class T>
+  std::vector<T> alltoallv(const std::vector<T>& send, const std::vector<std::size_t>& send_counts,
+                           std::vector<std::size_t>& recv_counts) const;
 
   // Views (any memory space): `recv` has extent size() * send.extent(0).
   template <class T>
@@ -63,6 +80,28 @@ class Comm {
   template <class T>
   void broadcast(const View1<T>& buf, int root) const;
 };
+
+// One rank, no MPI: what a dimension of size 1 uses (unit tests and single-rank runs need no MPI_Init).
+class SelfComm final : public Comm {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  void barrier() const override {}
+  void allreduce_sum(void*, std::size_t, DType) const override {}
+  void allgather(const void* send, void* recv, std::size_t count, DType t) const override;
+  void broadcast(void*, std::size_t, DType, int) const override {}
+  void sendrecv(const void* send, std::size_t send_count, int dest, void* recv, std::size_t recv_count, int src,
+                DType t) const override;
+  void alltoallv(const void* send, const std::vector<std::size_t>& send_counts, void* recv,
+                 const std::vector<std::size_t>& recv_counts, DType t) const override;
+  using Comm::allgather;
+  using Comm::allreduce_sum;
+  using Comm::alltoallv;
+  using Comm::broadcast;
+  using Comm::sendrecv;
+};
+
+std::size_t dtype_size(DType t);
 
 // MPI backend over a communicator it owns (a duplicate or a split of the one given).
 class MpiComm final : public Comm {
@@ -77,9 +116,15 @@ class MpiComm final : public Comm {
   void allreduce_sum(void* buf, std::size_t count, DType t) const override;
   void allgather(const void* send, void* recv, std::size_t count, DType t) const override;
   void broadcast(void* buf, std::size_t count, DType t, int root) const override;
+  void sendrecv(const void* send, std::size_t send_count, int dest, void* recv, std::size_t recv_count, int src,
+                DType t) const override;
+  void alltoallv(const void* send, const std::vector<std::size_t>& send_counts, void* recv,
+                 const std::vector<std::size_t>& recv_counts, DType t) const override;
   using Comm::allgather;
   using Comm::allreduce_sum;
+  using Comm::alltoallv;
   using Comm::broadcast;
+  using Comm::sendrecv;
   MPI_Comm handle() const { return comm_; }
 
  private:
@@ -88,6 +133,26 @@ class MpiComm final : public Comm {
 };
 
 // ---------------------------------------------------------------- View helpers (host staging)
+template <class T>
+std::vector<T> Comm::alltoallv(const std::vector<T>& send, const std::vector<std::size_t>& send_counts,
+                               std::vector<std::size_t>& recv_counts) const {
+  const std::size_t n = std::size_t(size());
+  require(send_counts.size() == n, "Comm::alltoallv", send_counts.size(), " send counts for ", n, " ranks");
+  std::size_t total = 0;
+  for (auto c : send_counts) total += c;
+  require(total == send.size(), "Comm::alltoallv", "send counts sum to ", total, " but ", send.size(),
+          " elements are given");
+  std::vector<std::int64_t> sc(send_counts.begin(), send_counts.end()), rc(n);
+  std::vector<std::size_t> ones(n, 1);
+  alltoallv(sc.data(), ones, rc.data(), ones, DType::i64);
+  recv_counts.assign(rc.begin(), rc.end());
+  std::size_t rtotal = 0;
+  for (auto c : recv_counts) rtotal += c;
+  std::vector<T> recv(rtotal);
+  alltoallv(send.data(), send_counts, recv.data(), recv_counts, dtype_of<T>());
+  return recv;
+}
+
 template <class T>
 void Comm::allgather(const View1<T>& send, const View1<T>& recv) const {
   const std::size_t n = send.extent(0);

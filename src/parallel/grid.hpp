@@ -1,7 +1,10 @@
 // The process grid of a parallel run: the deck's [parallel] tp, cp, ep, dp, whose product is the number of ranks,
 // with rank order tp fastest, then cp, ep, dp (world rank = tp_rank + tp * (cp_rank + cp * (ep_rank + ep * dp_rank))).
-// Each dimension gets its own communicator. Implemented today: data parallelism (tp = cp = ep = 1); the other
-// dimensions are validated and refused with an error that says so.
+// Each dimension gets its own communicator, and so do the groups the training step reduces over:
+//   data  = ep x dp  (same tp and cp coordinates): the ranks that hold different micro-batches (ep ranks hold
+//                    different tokens like dp ranks; experts are what they split), ordered ep fastest;
+//   cp    = the ranks that hold slices of the same sequences;
+//   tp    = the ranks that hold slices of the same weights and see the same tokens.
 #pragma once
 
 #include <memory>
@@ -16,9 +19,15 @@ struct Layout {
 };
 
 // Check `layout` against `world_size` ranks and fill in dp = 0. Throws mm::Error naming the values when a
-// dimension is below 1 (dp below 0), the product does not equal the rank count, or a dimension other than dp
-// exceeds 1 (not implemented yet).
+// dimension is below 1 (dp below 0) or the product does not equal the rank count.
 Layout resolve_layout(Layout layout, std::int64_t world_size);
+
+// The communicators a model's layers use (never null: a dimension of size 1 gets a SelfComm).
+struct ModelComms {
+  std::shared_ptr<const Comm> tp = std::make_shared<SelfComm>();
+  std::shared_ptr<const Comm> cp = std::make_shared<SelfComm>();
+  std::shared_ptr<const Comm> ep = std::make_shared<SelfComm>();
+};
 
 class ProcessGrid {
  public:
@@ -28,14 +37,23 @@ class ProcessGrid {
   const Layout& layout() const { return layout_; }
   int world_rank() const { return world_rank_; }
   int world_size() const { return world_size_; }
+  int tp_rank() const { return tp_->rank(); }
+  int cp_rank() const { return cp_->rank(); }
+  int ep_rank() const { return ep_->rank(); }
   int dp_rank() const { return dp_->rank(); }
+  std::shared_ptr<const Comm> tp_comm() const { return tp_; }
+  std::shared_ptr<const Comm> cp_comm() const { return cp_; }
+  std::shared_ptr<const Comm> ep_comm() const { return ep_; }
   // The data-parallel communicator: the ranks that share tp, cp and ep coordinates, ordered by dp rank.
   std::shared_ptr<const Comm> dp_comm() const { return dp_; }
+  // ep x dp (same tp and cp), ordered by ep_rank + ep * dp_rank.
+  std::shared_ptr<const Comm> data_comm() const { return data_; }
+  ModelComms model_comms() const { return ModelComms{tp_, cp_, ep_}; }
 
  private:
   Layout layout_;
   int world_rank_ = 0, world_size_ = 1;
-  std::shared_ptr<const Comm> dp_;
+  std::shared_ptr<const Comm> tp_, cp_, ep_, dp_, data_;
 };
 
 }  // namespace mm::parallel

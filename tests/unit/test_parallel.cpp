@@ -1,5 +1,5 @@
 // The [parallel] layout check: the product of tp, cp, ep, dp must equal the MPI ranks (dp = 0 takes the rest), and
-// every rejected layout names its values. (The collectives themselves run under mpirun in regression/dp.sh.)
+// every rejected layout names its values. (The collectives and the grid run under mpiexec in tests/mpi/.)
 #include "catch.hpp"
 #include "core/error.hpp"
 #include "parallel/grid.hpp"
@@ -44,11 +44,7 @@ TEST_CASE("process grid: dp = 0 takes the rest, and bad layouts name their value
   CHECK(msg.find("= 3 does not divide the 4 MPI ranks") != std::string::npos);
 
   l = Layout{};
-  l.tp = 2;  // a valid product, but tensor parallelism is not implemented yet
-  msg = error_of(l, 4);
-  CHECK(msg.find("tp = 2") != std::string::npos);
-  CHECK(msg.find("not implemented yet") != std::string::npos);
-  l = Layout{};
-  l.ep = 2, l.dp = 1;
-  CHECK(error_of(l, 2).find("ep = 2") != std::string::npos);
+  l.tp = 2, l.cp = 2;  // dp = 0 takes the rest
+  const Layout t = resolve_layout(l, 8);
+  CHECK((t.tp == 2 && t.cp == 2 && t.ep == 1 && t.dp == 2));
 }
