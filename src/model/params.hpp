@@ -31,19 +31,52 @@ struct Init {
   static Init LogColumn(index_t cols) { return {log_column, double(cols)}; }
 };
 
+// How a parameter's local slice maps onto the unsharded tensor under tensor or expert parallelism. The tensor is
+// seen as a matrix of rows = shape[0] and cols = the product of the other dimensions; the local rows are the
+// concatenation of the global row ranges in `rows`, the local columns that of `cols` (empty: all of them), so local
+// element (i, j) is global element (rows[i], cols[j]). Checkpoints store the unsharded tensor (any layout loads any
+// checkpoint) and initialisation draws by global element index (a sharded model starts as the slices of the
+// unsharded one).
+struct IndexRange {
+  index_t begin = 0, count = 0;
+};
+enum class Split {
+  none,  // every rank of the tp and ep groups holds the whole tensor
+  tp,    // sliced over the tensor-parallel ranks (replicated over ep)
+  ep,    // sliced over the expert-parallel ranks (replicated over tp)
+  tp_ep  // sliced over both (expert weights under tp and ep)
+};
+struct Shard {
+  Split split = Split::none;
+  std::vector<index_t> global_shape;  // empty: not sharded (the local shape)
+  std::vector<IndexRange> rows, cols;
+};
+
 struct ParamEntry {
   std::string name;
-  std::vector<index_t> shape;
+  std::vector<index_t> shape;        // local shape
   index_t offset = 0, size = 0;
   bool decay = false;  // AdamW weight decay applies (matrices); not for norms, biases, A_log, D, dt_bias
   Init init;
+  Shard shard;
+
+  bool sharded() const { return !shard.global_shape.empty(); }
+  const std::vector<index_t>& global_shape() const { return sharded() ? shard.global_shape : shape; }
+  index_t global_size() const {
+    index_t n = 1;
+    for (index_t d : global_shape()) n *= d;
+    return n;
+  }
+  // The global flat (row-major) index of every local element, in local order.
+  std::vector<index_t> global_index() const;
 };
 
 template <class P>
 class ParamStore {
  public:
   // Declare a parameter before allocate(); returns its index.
-  std::size_t add(const std::string& name, std::vector<index_t> shape, bool decay, Init init) {
+  // `shard` (optional) says which slice of the unsharded tensor `shape` is (see Shard).
+  std::size_t add(const std::string& name, std::vector<index_t> shape, bool decay, Init init, Shard shard = {}) {
     require(!allocated(), "ParamStore", "parameter '", name, "' added after allocation");
     require(!index_.count(name), "ParamStore", "duplicate parameter name '", name, "'");
     ParamEntry e;
@@ -54,6 +87,8 @@ class ParamStore {
     e.offset = total_;
     e.decay = decay;
     e.init = init;
+    e.shard = std::move(shard);
+    if (e.sharded()) check_shard(e);
     // keep every slice 64-byte aligned for vector loads
     total_ += (e.size + 15) / 16 * 16;
     index_[name] = entries_.size();
@@ -98,6 +133,7 @@ class ParamStore {
   View2<P> g2(std::size_t i) const { return slice2(grads_, i); }
 
  private:
+  static void check_shard(const ParamEntry& e);
   View1<P> slice1(const View1<P>& buf, std::size_t i) const {
     const auto& e = entries_[i];
     return View1<P>(buf.data() + e.offset, e.size);

@@ -65,21 +65,25 @@ MpiComm::~MpiComm() {
 void MpiComm::barrier() const { check(MPI_Barrier(comm_), "MPI_Barrier"); }
 
 void MpiComm::allreduce_sum(void* buf, std::size_t count, DType t) const {
+  bytes_sent_ += count * dtype_size(t);
   check(MPI_Allreduce(MPI_IN_PLACE, buf, as_count(count, "allreduce"), mpi_type(t), MPI_SUM, comm_),
         "MPI_Allreduce");
 }
 
 void MpiComm::allgather(const void* send, void* recv, std::size_t count, DType t) const {
   const int n = as_count(count, "allgather");
+  bytes_sent_ += count * dtype_size(t);
   check(MPI_Allgather(send, n, mpi_type(t), recv, n, mpi_type(t), comm_), "MPI_Allgather");
 }
 
 void MpiComm::broadcast(void* buf, std::size_t count, DType t, int root) const {
+  if (root == rank_) bytes_sent_ += count * dtype_size(t);
   check(MPI_Bcast(buf, as_count(count, "broadcast"), mpi_type(t), root, comm_), "MPI_Bcast");
 }
 
 void MpiComm::sendrecv(const void* send, std::size_t send_count, int dest, void* recv, std::size_t recv_count,
                        int src, DType t) const {
+  if (dest >= 0) bytes_sent_ += send_count * dtype_size(t);
   check(MPI_Sendrecv(send, as_count(send_count, "sendrecv"), mpi_type(t), dest < 0 ? MPI_PROC_NULL : dest, 7301,
                      recv, as_count(recv_count, "sendrecv"), mpi_type(t), src < 0 ? MPI_PROC_NULL : src, 7301, comm_,
                      MPI_STATUS_IGNORE),
@@ -95,6 +99,7 @@ void MpiComm::alltoallv(const void* send, const std::vector<std::size_t>& send_c
   for (std::size_t q = 0; q < n; ++q) {
     sc[q] = as_count(send_counts[q], "alltoallv"), sd[q] = as_count(so, "alltoallv offset"), so += send_counts[q];
     rc[q] = as_count(recv_counts[q], "alltoallv"), rd[q] = as_count(ro, "alltoallv offset"), ro += recv_counts[q];
+    if (int(q) != rank_) bytes_sent_ += send_counts[q] * dtype_size(t);
   }
   check(MPI_Alltoallv(send, sc.data(), sd.data(), mpi_type(t), recv, rc.data(), rd.data(), mpi_type(t), comm_),
         "MPI_Alltoallv");

@@ -36,6 +36,11 @@ class Comm {
   virtual ~Comm() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
+  // Bytes this rank has handed to the transport since construction (or the last reset): what sendrecv sends, what
+  // alltoallv sends to other ranks, an allgather's or allreduce's contribution, a broadcast root's buffer. The
+  // traffic formulas of the parallel layers are checked against it.
+  std::uint64_t bytes_sent() const { return bytes_sent_; }
+  void reset_bytes_sent() const { bytes_sent_ = 0; }
   virtual void barrier() const = 0;
   // In place, over `count` elements of `buf` (host memory).
   virtual void allreduce_sum(void* buf, std::size_t count, DType t) const = 0;
@@ -79,6 +84,9 @@ class Comm {
   void allreduce_sum(const View1<T>& buf) const;
   template <class T>
   void broadcast(const View1<T>& buf, int root) const;
+
+ protected:
+  mutable std::uint64_t bytes_sent_ = 0;
 };
 
 // One rank, no MPI: what a dimension of size 1 uses (unit tests and single-rank runs need no MPI_Init).
