@@ -51,7 +51,13 @@ int train(const io::Deck& d, const io::GenomeDataset& data, const LMConfig& lm, 
   const std::string rc = d.get<std::string>("data.reverse_complement");
   require(rc == "none" || rc == "augment", "[data] reverse_complement", "'", rc, "' is not one of: none augment");
 
-  Model model(lm);
+  Model model = [&] {
+    if constexpr (std::is_same_v<Model, MambaLM<float>>) return Model(lm, tc.grid->model_comms());
+    else {
+      require_data_parallel_only(d, what);
+      return Model(lm);
+    }
+  }();
   model.initialize(tc.seed);
   auto& bb = model.backbone();
   const index_t total = model.params().count() - bb.buffer_count();

@@ -17,20 +17,36 @@ void declare_run(io::Deck& d) {
                  "bit-identical results between runs on the same hardware and layout (the CPU kernels always are: "
                  "no atomics in any reduction)")
       .add<std::string>("run.output_dir", "runs/default", "directory for metrics and checkpoints (created)");
-  d.add<I>("parallel.tp", 1, "tensor-parallel ranks (heads and groups divide by it; not implemented yet: 1)")
-      .add<I>("parallel.cp", 1, "context (sequence) parallel ranks (not implemented yet: 1)")
-      .add<I>("parallel.ep", 1, "expert-parallel ranks (not implemented yet: 1)")
+  d.add<I>("parallel.tp", 1,
+           "tensor-parallel ranks: heads, groups and feed-forward widths are split over them (they divide by tp)")
+      .add<I>("parallel.cp", 1,
+              "context-parallel ranks: every sequence is split into cp contiguous slices (seq_len divides by cp), "
+              "the mixers pass their states between the slices")
+      .add<I>("parallel.ep", 1,
+              "expert-parallel ranks: the experts of every MoE layer are split over them (n_experts divides by ep); "
+              "they hold different micro-batches like dp ranks")
       .add<I>("parallel.dp", 0,
-              "data-parallel ranks (0: the rest); tp * cp * ep * dp = MPI ranks; grad_accum divides by dp");
+              "data-parallel ranks (0: the rest); tp * cp * ep * dp = MPI ranks; grad_accum divides by ep * dp");
 }
 
-parallel::ProcessGrid make_process_grid(const io::Deck& d) {
-  parallel::Layout l;
-  l.tp = d.get<I>("parallel.tp");
-  l.cp = d.get<I>("parallel.cp");
-  l.ep = d.get<I>("parallel.ep");
-  l.dp = d.get<I>("parallel.dp");
-  return parallel::ProcessGrid(l, MPI_COMM_WORLD);
+std::shared_ptr<const parallel::ProcessGrid> make_process_grid(const io::Deck& d) {
+  // one grid per process (its communicators are collective to create)
+  static std::shared_ptr<const parallel::ProcessGrid> grid;
+  if (!grid) {
+    parallel::Layout l;
+    l.tp = d.get<I>("parallel.tp");
+    l.cp = d.get<I>("parallel.cp");
+    l.ep = d.get<I>("parallel.ep");
+    l.dp = d.get<I>("parallel.dp");
+    grid = std::make_shared<parallel::ProcessGrid>(l, MPI_COMM_WORLD);
+  }
+  return grid;
+}
+
+void require_data_parallel_only(const io::Deck& d, const std::string& what) {
+  const auto& l = make_process_grid(d)->layout();
+  require(l.tp == 1 && l.cp == 1 && l.ep == 1, "[parallel]", what, " runs data-parallel only (tp = cp = ep = 1); got tp = ",
+          l.tp, ", cp = ", l.cp, ", ep = ", l.ep);
 }
 
 void declare_backbone_options(io::Deck& d) {
@@ -251,7 +267,7 @@ TrainConfig make_train_config(const io::Deck& d) {
   t.resume = d.get<std::string>("checkpoint.resume");
   t.metrics_path = output_path(d, "metrics.csv");
   t.seed = std::uint64_t(d.get<I>("run.seed"));
-  t.dp = make_process_grid(d).dp_comm();
+  t.grid = make_process_grid(d);
   require(t.steps >= 1, "[train] steps", "must be at least 1");
   require(t.grad_accum >= 1, "[train] grad_accum", "must be at least 1");
   require(t.schedule.lr > 0 && t.schedule.min_lr >= 0, "[train] lr", "lr must be positive and min_lr >= 0");

@@ -11,7 +11,11 @@ namespace mm::drivers {
 
 void declare_run(io::Deck& deck);              // [run]: driver, seed, deterministic, output_dir; [parallel]
 // The process grid of the deck's [parallel] layout over MPI_COMM_WORLD (collective; throws on a bad layout).
-parallel::ProcessGrid make_process_grid(const io::Deck& deck);
+// The run's process grid from [parallel] (created once per process: collective over MPI_COMM_WORLD).
+std::shared_ptr<const parallel::ProcessGrid> make_process_grid(const io::Deck& deck);
+// An mm::Error naming the layout unless tp = cp = ep = 1 (models and modes without tensor, context or expert
+// parallelism).
+void require_data_parallel_only(const io::Deck& deck, const std::string& what);
 // [model]: the backbone (Mamba-2 keys, the layer pattern, model.dense_d_ff), [mamba1], [mamba3], [moe]
 void declare_backbone_options(io::Deck& deck);
 void declare_train_options(io::Deck& deck);     // [train] (model-independent keys) and [checkpoint]

@@ -73,8 +73,8 @@ int run(int argc, char** argv, int rank) {
   }
   if (print_deck) return 0;
   const auto grid = mm::drivers::make_process_grid(deck);  // validates [parallel] against the MPI ranks
-  mm::require(grid.world_size() == 1 || driver.name == "genomics_lm", "[parallel]", "driver ", driver.name,
-              " runs on one rank (got ", grid.world_size(), "); data parallelism is implemented for genomics_lm");
+  mm::require(grid->world_size() == 1 || driver.name == "genomics_lm", "[parallel]", "driver ", driver.name,
+              " runs on one rank (got ", grid->world_size(), "); parallel layouts are implemented for genomics_lm");
   return driver.run(deck);
 }
 

@@ -213,6 +213,7 @@ int run_timeseries_forecast(const io::Deck& d) {
   fc.mixer = make_mixer_config(d);
   fc.validate(d.path() + " [forecast]");
   const TrainConfig tc = make_train_config(d);
+  require_data_parallel_only(d, "the forecaster");
   const I batch = d.get<I>("train.batch_size"), eval_batch = d.get<I>("train.eval_batch_size");
 
   Forecaster<float> model(fc);

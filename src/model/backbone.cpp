@@ -124,8 +124,9 @@ MambaBackbone<T>::~MambaBackbone() = default;
 
 template <class T>
 MambaBackbone<T>::MambaBackbone(const Mamba2Config& mixer, index_t n_layer, double norm_eps, ParamStore<P>& store,
-                                const std::string& prefix, const LayerStackConfig& layers)
-    : cfg_(mixer), n_layer_(n_layer), eps_(norm_eps), store_(&store) {
+                                const std::string& prefix, const LayerStackConfig& layers,
+                                const parallel::ModelComms& comms)
+    : cfg_(mixer), comms_(comms), n_layer_(n_layer), eps_(norm_eps), store_(&store) {
   require(n_layer >= 1, prefix, "n_layer must be at least 1 (got ", n_layer, ")");
   kinds_ = layers.resolve(n_layer, prefix);
   const index_t D = mixer.d_model;
@@ -308,7 +309,19 @@ void MambaBackbone<T>::backward(const View2<const T>& dout, const View2<R>& dh, 
 }
 
 template <class T>
-std::vector<MoELayerStats> MambaBackbone<T>::end_step() {
+std::vector<MoELayerStats> MambaBackbone<T>::end_step(const parallel::Comm* reduce) {
+  if (reduce && reduce->size() > 1)
+    for (auto& s : moe_acc_) {
+      std::vector<double> buf(s.routed);
+      buf.insert(buf.end(), s.kept.begin(), s.kept.end());
+      buf.push_back(s.assignments);
+      buf.push_back(s.dropped);
+      reduce->allreduce_sum(buf.data(), buf.size());
+      const std::size_t E = s.routed.size();
+      std::copy(buf.begin(), buf.begin() + E, s.routed.begin());
+      std::copy(buf.begin() + E, buf.begin() + 2 * E, s.kept.begin());
+      s.assignments = buf[2 * E], s.dropped = buf[2 * E + 1];
+    }
   std::vector<MoELayerStats> out = moe_acc_;
   for (auto& s : moe_acc_) {
     layers_[s.layer]->moe->update_expert_bias(s.routed);

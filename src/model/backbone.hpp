@@ -29,6 +29,7 @@
 
 #include "model/dense_ffn.hpp"
 #include "model/params.hpp"
+#include "parallel/grid.hpp"
 #include "moe/moe_layer.hpp"
 #include "ssm/mamba1/mixer.hpp"
 #include "ssm/mamba2/mixer.hpp"
@@ -86,7 +87,8 @@ class MambaBackbone {
 
   // Registers the parameters (see above). `layers` (optional) gives the pattern and the other kinds' configs.
   MambaBackbone(const Mamba2Config& mixer, index_t n_layer, double norm_eps, ParamStore<P>& store,
-                const std::string& prefix, const LayerStackConfig& layers = {});
+                const std::string& prefix, const LayerStackConfig& layers = {},
+                const parallel::ModelComms& comms = {});
   ~MambaBackbone();
 
   index_t d_model() const { return cfg_.d_model; }
@@ -118,7 +120,9 @@ class MambaBackbone {
 
   // Once per optimizer step, after it: updates the expert biases from the load of the step's training forwards,
   // returns the step's routing statistics (one entry per MoE layer) and starts a new accumulation.
-  std::vector<MoELayerStats> end_step();
+  // `reduce` (optional): the ranks whose tokens together make up the step (the statistics are summed over them
+  // first, so every rank applies the same update).
+  std::vector<MoELayerStats> end_step(const parallel::Comm* reduce = nullptr);
 
   // Decode: a zero state for `batch` rows; prefill (batch * seqlen rows, single record per row) from the state,
   // leaving the state after the last token in it; step: one token per row, h (batch, d_model).
@@ -135,6 +139,7 @@ class MambaBackbone {
                        const View2<T>& m, Acts& a, bool save, bool train, LayerState<T>* state);
 
   Mamba2Config cfg_;
+  parallel::ModelComms comms_;
   std::vector<LayerKind> kinds_;
   index_t n_layer_;
   double eps_;

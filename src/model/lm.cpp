@@ -34,16 +34,41 @@ Batch to_device(const io::HostBatch& hb) {
 }
 
 template <class T>
-MambaLM<T>::MambaLM(const LMConfig& cfg) : cfg_(cfg) {
+MambaLM<T>::MambaLM(const LMConfig& cfg, const parallel::ModelComms& comms) : cfg_(cfg), comms_(comms) {
   cfg_.validate("model");
   const index_t D = cfg.mixer.d_model, V = cfg.vocab_size;
   embedding_ = params_.add("backbone.embedding.weight", {V, D}, true, Init::Normal(0.0, cfg.initializer_range));
   backbone_ =
-      std::make_unique<MambaBackbone<T>>(cfg.mixer, cfg.n_layer, cfg.norm_eps, params_, "backbone.", cfg.layers);
+      std::make_unique<MambaBackbone<T>>(cfg.mixer, cfg.n_layer, cfg.norm_eps, params_, "backbone.", cfg.layers,
+                                         comms);
   lm_head_ = cfg.tie_embeddings ? embedding_
                                 : params_.add("lm_head.weight", {V, D}, true,
                                               Init::Uniform(-1.0 / std::sqrt(double(D)), 1.0 / std::sqrt(double(D))));
   params_.allocate();
+}
+
+Batch sequence_slice(const Batch& b, int rank, int parts) {
+  require(parts >= 1 && b.seqlen % parts == 0, "[parallel] cp", "the sequence length ", b.seqlen,
+          " does not divide by cp = ", parts);
+  Batch s;
+  s.batch = b.batch, s.seqlen = b.seqlen / parts;
+  const index_t L = b.seqlen, Lr = s.seqlen, off = index_t(rank) * Lr;
+  s.tokens = decltype(s.tokens)("batch::tokens", b.batch * Lr);
+  s.targets = decltype(s.targets)("batch::targets", b.batch * Lr);
+  const auto tok = s.tokens, tgt = s.targets, btok = b.tokens, btgt = b.targets;
+  par_for("lm::sequence_slice", b.batch * Lr, KOKKOS_LAMBDA(index_t i) {
+    const index_t row = i / Lr, t = i % Lr;
+    tok(i) = btok(row * L + off + t);
+    tgt(i) = btgt(row * L + off + t);
+  });
+  if (b.seq_idx.extent(0) > 0) {
+    s.seq_idx = decltype(s.seq_idx)("batch::seq_idx", b.batch, Lr);
+    const auto sq = s.seq_idx, bsq = b.seq_idx;
+    par_for("lm::sequence_slice_seq", b.batch * Lr, KOKKOS_LAMBDA(index_t i) {
+      sq(i / Lr, i % Lr) = bsq(i / Lr, off + i % Lr);
+    });
+  }
+  return s;
 }
 
 template <class T>
@@ -55,8 +80,12 @@ std::vector<double> MambaLM<T>::token_nats(const Batch& b) {
 }
 
 template <class T>
-LossSum MambaLM<T>::forward_backward(const Batch& b, double grad_scale, Recompute policy,
+LossSum MambaLM<T>::forward_backward(const Batch& full, double grad_scale, Recompute policy,
                                      const View1<double>& row_nats) {
+  const parallel::Comm& cp = *comms_.cp;
+  require(cp.size() == 1 || row_nats.extent(0) == 0, "model", "per-token losses are not available under cp = ",
+          cp.size());
+  const Batch b = cp.size() > 1 ? sequence_slice(full, cp.rank(), cp.size()) : full;
   const index_t n = b.batch * b.seqlen, D = cfg_.mixer.d_model, V = cfg_.vocab_size;
   require(index_t(b.tokens.extent(0)) == n && index_t(b.targets.extent(0)) == n, "model",
           "batch tokens/targets must have batch * seqlen = ", n, " entries");
@@ -68,7 +97,12 @@ LossSum MambaLM<T>::forward_backward(const Batch& b, double grad_scale, Recomput
   logits_ = make_uninit<View2<T>>("lm::logits", n, V);
   linear_forward<T>(hf, params_.v2(lm_head_), View1<const P>(), logits_);
   View2<T> dlogits = train ? make_uninit<View2<T>>("lm::dlogits", n, V) : View2<T>();
-  const LossSum loss = cross_entropy<T>(logits_, b.targets, grad_scale, dlogits, row_nats);
+  LossSum loss = cross_entropy<T>(logits_, b.targets, grad_scale, dlogits, row_nats);
+  if (cp.size() > 1) {  // the micro-batch's loss: every cp rank's slice
+    double buf[2] = {loss.nats, double(loss.count)};
+    cp.allreduce_sum(buf, 2);
+    loss.nats = buf[0], loss.count = std::int64_t(buf[1]);
+  }
   if (!train) return loss;
 
   View2<T> dhf = make_uninit<View2<T>>("lm::dhf", n, D);

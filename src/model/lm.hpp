@@ -34,6 +34,8 @@ struct Batch {
   Kokkos::View<std::int32_t**, Layout, Mem> seq_idx;         // (batch, seqlen) or empty
 };
 Batch to_device(const io::HostBatch& hb);
+// Columns [rank * L / parts, (rank + 1) * L / parts) of every row of `b` (seqlen must divide by parts).
+Batch sequence_slice(const Batch& b, int rank, int parts);
 
 template <class T>
 class MambaLM {
@@ -42,7 +44,10 @@ class MambaLM {
   using R = P;
   using HostBatch = io::HostBatch;
 
-  explicit MambaLM(const LMConfig& cfg);
+  // `comms`: the tensor-, context- and expert-parallel communicators of a parallel layout (default: one rank).
+  // Under cp, forward_backward() takes the whole micro-batch, runs this rank's slice of every sequence (the seqlen
+  // must divide by cp) and returns the loss summed over the cp ranks.
+  explicit MambaLM(const LMConfig& cfg, const parallel::ModelComms& comms = {});
 
   const LMConfig& config() const { return cfg_; }
   ParamStore<P>& params() { return params_; }
@@ -86,6 +91,7 @@ class MambaLM {
 
  private:
   LMConfig cfg_;
+  parallel::ModelComms comms_;
   ParamStore<P> params_;
   std::size_t embedding_, lm_head_;
   std::unique_ptr<MambaBackbone<T>> backbone_;

@@ -40,6 +40,8 @@ ProcessGrid::ProcessGrid(const Layout& layout, MPI_Comm world) {
   ep_ = split(world, t + tp * (c + cp * d), e, ep);
   dp_ = split(world, t + tp * (c + cp * e), d, dp);
   data_ = split(world, t + tp * c, e + ep * d, ep * dp);
+  tokens_ = split(world, t, r / tp, cp * ep * dp);
+  world_ = split(world, 0, r, world_size_);
 }
 
 }  // namespace mm::parallel

@@ -48,12 +48,15 @@ class ProcessGrid {
   std::shared_ptr<const Comm> dp_comm() const { return dp_; }
   // ep x dp (same tp and cp), ordered by ep_rank + ep * dp_rank.
   std::shared_ptr<const Comm> data_comm() const { return data_; }
+  // cp x ep x dp (same tp coordinate): the ranks whose tokens together make up the step (routing statistics).
+  std::shared_ptr<const Comm> tokens_comm() const { return tokens_; }
+  std::shared_ptr<const Comm> world_comm() const { return world_; }
   ModelComms model_comms() const { return ModelComms{tp_, cp_, ep_}; }
 
  private:
   Layout layout_;
   int world_rank_ = 0, world_size_ = 1;
-  std::shared_ptr<const Comm> tp_, cp_, ep_, dp_, data_;
+  std::shared_ptr<const Comm> tp_, cp_, ep_, dp_, data_, tokens_, world_;
 };
 
 }  // namespace mm::parallel

@@ -35,8 +35,7 @@ double AdamW<P>::grad_norm(const ParamStore<P>& params) const {
 }
 
 template <class P>
-double AdamW<P>::step(ParamStore<P>& params, double lr, std::int64_t step) {
-  const double norm = grad_norm(params);
+double AdamW<P>::step(ParamStore<P>& params, double lr, std::int64_t step, double norm) {
   const P clip = (cfg_.grad_clip > 0 && norm > cfg_.grad_clip) ? P(cfg_.grad_clip / (norm + 1e-6)) : P(1);
   const P b1 = P(cfg_.beta1), b2 = P(cfg_.beta2), eps = P(cfg_.eps), wd = P(cfg_.weight_decay), lr_ = P(lr);
   const P bc1 = P(1.0 - std::pow(cfg_.beta1, double(step))), bc2 = P(1.0 - std::pow(cfg_.beta2, double(step)));

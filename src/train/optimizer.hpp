@@ -29,7 +29,9 @@ class AdamW {
 
   // One update at learning rate `lr`; `step` counts from 1 (bias correction). Gradients are scaled by
   // min(1, grad_clip / norm) first. Returns the pre-clip gradient norm.
-  double step(ParamStore<P>& params, double lr, std::int64_t step);
+  double step(ParamStore<P>& params, double lr, std::int64_t t) { return step(params, lr, t, grad_norm(params)); }
+  // The same with the gradient norm given (a sharded model's global norm).
+  double step(ParamStore<P>& params, double lr, std::int64_t step, double norm);
 
   const View1<P>& m() const { return m_; }
   const View1<P>& v() const { return v_; }

@@ -10,6 +10,7 @@
 
 #include "core/config.hpp"
 #include "core/error.hpp"
+#include "tensor/ops.hpp"
 #include "io/checkpoint.hpp"
 #include "model/forecaster.hpp"
 #include "model/lm.hpp"
@@ -74,18 +75,51 @@ Trainer<Model>::Trainer(Model& model, const TrainConfig& cfg, std::string deck_t
     : model_(model), cfg_(cfg), deck_(std::move(deck_text)), opt_(model.params(), cfg.adamw) {
   require(cfg.steps >= 1, "train", "steps must be at least 1");
   require(cfg.grad_accum >= 1, "train", "grad_accum must be at least 1");
-  if (cfg_.dp) dp_rank_ = cfg_.dp->rank(), dp_size_ = cfg_.dp->size();
-  lead_ = dp_rank_ == 0;
+  const auto self = std::make_shared<parallel::SelfComm>();
+  data_ = cp_ = tp_ = ep_ = tokens_ = world_ = self;
+  if (cfg_.grid) {
+    const auto& g = *cfg_.grid;
+    data_ = g.data_comm(), cp_ = g.cp_comm(), tp_ = g.tp_comm(), ep_ = g.ep_comm(), tokens_ = g.tokens_comm();
+    world_ = g.world_comm();
+  }
+  dp_rank_ = data_->rank(), dp_size_ = data_->size();
+  ep_rank_ = ep_->rank(), ep_size_ = ep_->size();
+  lead_ = world_->rank() == 0;
   cfg_.verbose = cfg_.verbose && lead_;
   require(cfg.grad_accum % dp_size_ == 0, "[train] grad_accum", "grad_accum = ", cfg.grad_accum,
-          " micro-batches per step do not divide over dp = ", dp_size_, " ranks (make grad_accum a multiple of dp)");
-  if (dp_size_ > 1)
-    require(!has_moe(), "[parallel] dp", "dp = ", dp_size_,
-            " with MoE layers is not implemented yet (routing statistics and router jitter are per rank)");
+          " micro-batches per step do not divide over ep * dp = ", dp_size_,
+          " ranks (make grad_accum a multiple of ep * dp)");
   const index_t n = model_.params().grads().extent(0);
   grad_sum_ = View1<P>("trainer::grad_sum", n);
   if (dp_size_ > 1) gathered_ = View1<P>("trainer::gathered_grads", n * index_t(dp_size_));
+  // which gradient elements are slices (for the global norm and the reduction over the data ranks)
+  split_ = Kokkos::View<std::uint8_t*, Layout, Mem>("trainer::split", n);
+  auto hs = Kokkos::create_mirror_view(split_);
+  for (const auto& e : model_.params().entries()) {
+    const std::uint8_t k = e.shard.split == Split::tp ? 1 : e.shard.split == Split::ep ? 2 : 0;
+    require(e.shard.split != Split::tp_ep, "train", "parameter '", e.name, "' is sliced over both tp and ep (not supported)");
+    sharded_ = sharded_ || k != 0;
+    for (index_t i = 0; i < e.size; ++i) hs(e.offset + i) = k;
+  }
+  Kokkos::deep_copy(split_, hs);
   if (!cfg_.resume.empty()) load(cfg_.resume);
+}
+
+template <class Model>
+void Trainer<Model>::gather_global(const ParamEntry& e, const P* local, std::vector<P>& global) const {
+  global.assign(std::size_t(e.global_size()), P(0));
+  if (!e.sharded()) {
+    std::copy(local, local + e.size, global.begin());
+    return;
+  }
+  const parallel::Comm& c = e.shard.split == Split::ep ? *ep_ : *tp_;
+  const auto gi = e.global_index();
+  const std::vector<std::int64_t> n_here{std::int64_t(gi.size())};
+  for (std::int64_t m : c.allgather(n_here))
+    require(m == n_here[0], "checkpoint", "parameter '", e.name, "': its slices differ in size over the ranks");
+  const auto vals = c.allgather(std::vector<P>(local, local + e.size));
+  const auto idx = c.allgather(std::vector<std::int64_t>(gi.begin(), gi.end()));
+  for (std::size_t k = 0; k < idx.size(); ++k) global[std::size_t(idx[k])] = vals[k];
 }
 
 template <class Model>
@@ -94,28 +128,53 @@ void Trainer<Model>::save(const std::string& path) const {
   auto values = Kokkos::create_mirror_view_and_copy(HostMem(), ps.values());
   auto m = Kokkos::create_mirror_view_and_copy(HostMem(), opt_.m());
   auto v = Kokkos::create_mirror_view_and_copy(HostMem(), opt_.v());
-  if (const auto dir = std::filesystem::path(path).parent_path(); !dir.empty())
-    std::filesystem::create_directories(dir);
-  io::CheckpointWriter w(path);
-  for (const auto& e : ps.entries()) {
-    const auto shape = shape_of(e);
-    w.write("params/" + e.name, shape, values.data() + e.offset);
-    w.write("optimizer/adamw_m/" + e.name, shape, m.data() + e.offset);
-    w.write("optimizer/adamw_v/" + e.name, shape, v.data() + e.offset);
+  std::unique_ptr<io::CheckpointWriter> w;
+  if (lead_) {
+    if (const auto dir = std::filesystem::path(path).parent_path(); !dir.empty())
+      std::filesystem::create_directories(dir);
+    w = std::make_unique<io::CheckpointWriter>(path);
   }
-  w.attr("step", std::int64_t(step_));
-  w.attr("seed", std::int64_t(cfg_.seed));
-  w.attr("deck", deck_);
-  w.attr("mambamoe_version", std::string(kVersion));
-  w.attr("mambamoe_git", std::string(kGitHash));
-  w.commit();
+  std::vector<P> gv, gm, gvv;
+  for (const auto& e : ps.entries()) {
+    gather_global(e, values.data() + e.offset, gv);
+    gather_global(e, m.data() + e.offset, gm);
+    gather_global(e, v.data() + e.offset, gvv);
+    if (!w) continue;
+    const std::vector<std::int64_t> shape(e.global_shape().begin(), e.global_shape().end());
+    w->write("params/" + e.name, shape, gv.data());
+    w->write("optimizer/adamw_m/" + e.name, shape, gm.data());
+    w->write("optimizer/adamw_v/" + e.name, shape, gvv.data());
+  }
+  if (!w) return;
+  w->attr("step", std::int64_t(step_));
+  w->attr("seed", std::int64_t(cfg_.seed));
+  w->attr("deck", deck_);
+  w->attr("mambamoe_version", std::string(kVersion));
+  w->attr("mambamoe_git", std::string(kGitHash));
+  w->commit();
 }
+
+namespace {
+// Reads the unsharded tensor `name` and keeps this rank's slice of it (entry e's local elements) at `local`.
+template <class P>
+void read_slice(const io::CheckpointReader& r, const std::string& name, const ParamEntry& e, P* local) {
+  const std::vector<std::int64_t> shape(e.global_shape().begin(), e.global_shape().end());
+  if (!e.sharded()) {
+    r.read(name, shape, local);
+    return;
+  }
+  std::vector<P> global(std::size_t(e.global_size()));
+  r.read(name, shape, global.data());
+  const auto gi = e.global_index();
+  for (std::size_t k = 0; k < gi.size(); ++k) local[k] = global[std::size_t(gi[k])];
+}
+}  // namespace
 
 template <class P>
 void load_parameters(ParamStore<P>& ps, const std::string& path) {
   io::CheckpointReader r(path);
   auto values = Kokkos::create_mirror_view(ps.values());
-  for (const auto& e : ps.entries()) r.read("params/" + e.name, shape_of(e), values.data() + e.offset);
+  for (const auto& e : ps.entries()) read_slice(r, "params/" + e.name, e, values.data() + e.offset);
   Kokkos::deep_copy(ps.values(), values);
 }
 template void load_parameters<float>(ParamStore<float>&, const std::string&);
@@ -131,9 +190,8 @@ void Trainer<Model>::load(const std::string& path) {
   auto m = Kokkos::create_mirror_view(opt_.m());
   auto v = Kokkos::create_mirror_view(opt_.v());
   for (const auto& e : ps.entries()) {
-    const auto shape = shape_of(e);
-    r.read("optimizer/adamw_m/" + e.name, shape, m.data() + e.offset);
-    r.read("optimizer/adamw_v/" + e.name, shape, v.data() + e.offset);
+    read_slice(r, "optimizer/adamw_m/" + e.name, e, m.data() + e.offset);
+    read_slice(r, "optimizer/adamw_v/" + e.name, e, v.data() + e.offset);
   }
   Kokkos::deep_copy(opt_.m(), m);
   Kokkos::deep_copy(opt_.v(), v);
@@ -143,6 +201,49 @@ void Trainer<Model>::load(const std::string& path) {
     std::printf("warning: %s was written with seed %llu, this run uses seed %llu: the data order changes\n",
                 path.c_str(), (unsigned long long)seed, (unsigned long long)cfg_.seed);
   if (cfg_.verbose) std::printf("resumed from %s at step %lld\n", path.c_str(), (long long)step_);
+}
+
+template <class Model>
+void Trainer<Model>::reduce_round_gradients(const View1<P>& sum) {
+  auto& ps = model_.params();
+  // the cp ranks hold partial gradients of the same micro-batch
+  if (cp_->size() > 1) cp_->allreduce_sum(ps.grads());
+  const auto g = ps.grads();
+  if (dp_size_ == 1) {
+    par_for("trainer::sum_grads", sum.extent(0), KOKKOS_LAMBDA(index_t i) { sum(i) = sum(i) + g(i); });
+    return;
+  }
+  // one gradient per data rank, in rank order = global micro-batch order; an expert slice (split 2) adds only the
+  // data ranks of its own ep coordinate (data rank q = ep_rank + ep * dp_rank)
+  data_->allgather(ps.grads(), gathered_);
+  const auto gathered = gathered_;
+  const auto split = split_;
+  const index_t n = sum.extent(0);
+  const int parts = dp_size_, ep = ep_size_, me = ep_rank_;
+  par_for("trainer::sum_gathered_grads", n, KOKKOS_LAMBDA(index_t i) {
+    P s = sum(i);
+    const bool expert = split(i) == 2;
+    for (int q = 0; q < parts; ++q)
+      if (!expert || q % ep == me) s = s + gathered(index_t(q) * n + i);
+    sum(i) = s;
+  });
+}
+
+template <class Model>
+double Trainer<Model>::grad_norm() const {
+  const auto& ps = model_.params();
+  if (!sharded_) return opt_.grad_norm(ps);
+  // replicated elements count once; tp and ep slices are summed over their group
+  const auto g = ps.grads();
+  const auto split = split_;
+  std::vector<double> ss(3);
+  for (int k = 0; k < 3; ++k)
+    ss[std::size_t(k)] = ordered_sum<double>("trainer::grad_norm", g.extent(0), KOKKOS_LAMBDA(index_t i) {
+      return split(i) == k ? double(g(i)) * double(g(i)) : 0.0;
+    });
+  tp_->allreduce_sum(&ss[1], 1);
+  ep_->allreduce_sum(&ss[2], 1);
+  return std::sqrt(ss[0] + ss[1] + ss[2]);
 }
 
 template <class Model>
@@ -197,7 +298,7 @@ std::int64_t Trainer<Model>::run(const NextBatch& next, const Evaluate& eval) {
       counts[2 * j] = Model::scored(micro[j]);
       counts[2 * j + 1] = Model::tokens(micro[j]);
     }
-    if (dp_size_ > 1) counts = cfg_.dp->allgather(counts);
+    if (dp_size_ > 1) counts = data_->allgather(counts);
     std::int64_t scored = 0;
     for (std::size_t i = 0; i < counts.size(); i += 2) scored += counts[i], tokens_since_log += counts[i + 1];
     require(scored > 0, "train", "step ", step_, " has no scored targets");
@@ -205,43 +306,31 @@ std::int64_t Trainer<Model>::run(const NextBatch& next, const Evaluate& eval) {
     Kokkos::deep_copy(grad_sum_, P(0));
     auto& ps = model_.params();
     const auto sum = grad_sum_;
-    std::vector<double> losses(3 * rounds);  // (nats, aux, count) per local micro-batch
-    double aux = 0;  // the MoE auxiliary term of the objective (each micro-batch weighted by its scored share)
+    std::vector<double> losses(4 * rounds);  // (nats, aux, count, weighted aux) per local micro-batch
     for (std::int64_t j = 0; j < rounds; ++j) {
       ps.zero_grads();
       const LossSum l = model_.forward_backward(micro[j], 1.0 / double(scored), cfg_.recompute);
-      losses[3 * j] = l.nats, losses[3 * j + 1] = l.aux, losses[3 * j + 2] = double(l.count);
-      if constexpr (kHasBackbone) aux += model_.backbone().last_aux() * double(l.count) / double(scored);
-      // add this round's gradients (one per dp rank, in rank order = global micro-batch order) to the step's sum
-      if (dp_size_ == 1) {
-        const auto g = ps.grads();
-        par_for("trainer::sum_grads", sum.extent(0), KOKKOS_LAMBDA(index_t i) { sum(i) = sum(i) + g(i); });
-      } else {
-        cfg_.dp->allgather(ps.grads(), gathered_);
-        const auto g = gathered_;
-        const index_t n = sum.extent(0);
-        const int parts = dp_size_;
-        par_for("trainer::sum_gathered_grads", n, KOKKOS_LAMBDA(index_t i) {
-          P s = sum(i);
-          for (int q = 0; q < parts; ++q) s = s + g(index_t(q) * n + i);
-          sum(i) = s;
-        });
-      }
+      losses[4 * j] = l.nats, losses[4 * j + 1] = l.aux, losses[4 * j + 2] = double(l.count);
+      // the MoE auxiliary term of the objective (each micro-batch weighted by its scored share)
+      if constexpr (kHasBackbone) losses[4 * j + 3] = model_.backbone().last_aux() * double(l.count) / double(scored);
+      reduce_round_gradients(sum);
     }
     Kokkos::deep_copy(ps.grads(), grad_sum_);
-    if (dp_size_ > 1) losses = cfg_.dp->allgather(losses);
+    if (dp_size_ > 1) losses = data_->allgather(losses);
     LossSum total;  // summed in global micro-batch order k = j * dp + q (gathered layout [q][j])
+    double aux = 0;
     for (std::int64_t j = 0; j < rounds; ++j)
       for (int q = 0; q < dp_size_; ++q) {
-        const double* x = losses.data() + 3 * (std::size_t(q) * std::size_t(rounds) + std::size_t(j));
+        const double* x = losses.data() + 4 * (std::size_t(q) * std::size_t(rounds) + std::size_t(j));
         total.nats += x[0];
         total.aux += x[1];
         total.count += std::int64_t(x[2]);
+        aux += x[3];
       }
     const double lr = cfg_.schedule.at(step_);
-    const double gnorm = opt_.step(model_.params(), lr, step_ + 1);
+    const double gnorm = opt_.step(model_.params(), lr, step_ + 1, grad_norm());
     std::vector<MoELayerStats> moe;
-    if constexpr (kHasBackbone) moe = model_.backbone().end_step();  // expert-bias update, once per step
+    if constexpr (kHasBackbone) moe = model_.backbone().end_step(tokens_.get());  // expert-bias update, once per step
     ++step_;
     history_.push_back({step_, total.mean_nats(), gnorm, lr, aux, moe});
 
@@ -250,7 +339,7 @@ std::int64_t Trainer<Model>::run(const NextBatch& next, const Evaluate& eval) {
     std::int64_t stop = 0;
     if (cfg_.time_limit_minutes > 0 && seconds_since(t_start) > 60.0 * cfg_.time_limit_minutes) stop = 1;
     if (g_stop_signal) stop = g_stop_signal;
-    if (dp_size_ > 1) cfg_.dp->broadcast(&stop, 1, 0);
+    if (world_->size() > 1) world_->broadcast(&stop, 1, 0);
     if (stop == 1) stop_reason = "time limit of " + format_duration(60.0 * cfg_.time_limit_minutes) + " reached";
     else if (stop != 0) stop_reason = std::string("signal ") + (stop == SIGTERM ? "SIGTERM" : "SIGUSR1");
 
@@ -293,7 +382,7 @@ std::int64_t Trainer<Model>::run(const NextBatch& next, const Evaluate& eval) {
       log_eval(l, seconds_since(t0));
     }
     const bool periodic = cfg_.checkpoint_interval > 0 && step_ % cfg_.checkpoint_interval == 0;
-    if (lead_ && !cfg_.checkpoint_path.empty() && (periodic || last || !stop_reason.empty())) {
+    if (!cfg_.checkpoint_path.empty() && (periodic || last || !stop_reason.empty())) {
       save(cfg_.checkpoint_path);
       if (cfg_.keep_all_checkpoints) {
         const std::filesystem::path p(cfg_.checkpoint_path);
@@ -303,8 +392,8 @@ std::int64_t Trainer<Model>::run(const NextBatch& next, const Evaluate& eval) {
       }
       if (cfg_.verbose) std::printf("checkpoint %s (step %lld)\n", cfg_.checkpoint_path.c_str(), (long long)step_);
     }
-    if (dp_size_ > 1 && !cfg_.checkpoint_path.empty() && (periodic || last || !stop_reason.empty()))
-      cfg_.dp->barrier();  // the checkpoint is complete before any rank goes on (or exits)
+    if (world_->size() > 1 && !cfg_.checkpoint_path.empty() && (periodic || last || !stop_reason.empty()))
+      world_->barrier();  // the checkpoint is complete before any rank goes on (or exits)
     if (!stop_reason.empty()) {
       if (cfg_.verbose)
         std::printf("stopping at step %lld: %s%s\n", (long long)step_, stop_reason.c_str(),

@@ -14,7 +14,7 @@
 
 #include "layers/cross_entropy.hpp"
 #include "model/backbone.hpp"
-#include "parallel/comm.hpp"
+#include "parallel/grid.hpp"
 #include "train/optimizer.hpp"
 
 namespace mm {
@@ -35,12 +35,17 @@ struct TrainConfig {
   std::string metrics_path;       // CSV of train and eval rows (empty: none)
   std::uint64_t seed = 0;
   bool verbose = true;            // progress lines on stdout
-  // Data parallelism: the dp communicator (null: one rank). Rank r runs micro-batches r, r + dp, r + 2 dp, ... of
-  // each step (grad_accum must divide by dp); every micro-batch's gradient is computed into a zeroed buffer and the
+  // The process grid of a parallel run (null: one rank). The model must have been built with the grid's model
+  // communicators (tp, cp, ep). Micro-batches are split over the data ranks (ep x dp): data rank r runs micro-batches
+  // r, r + n, r + 2 n, ... of each step (grad_accum must divide by n = ep * dp); every micro-batch's gradient is
+  // computed into a zeroed buffer (summed over the cp ranks, which hold slices of the same sequences) and the
   // gathered per-micro-batch gradients are summed in global micro-batch order on every rank, exactly as one rank
-  // sums its own, so any dp gives bit-identical parameters, losses and checkpoints. Rank 0 alone prints, writes
-  // the metrics file and the checkpoints; every rank reads a checkpoint to resume.
-  std::shared_ptr<const parallel::Comm> dp;
+  // sums its own, so any dp alone gives bit-identical parameters, losses and checkpoints; an expert-parallel
+  // parameter's gradient is summed over the dp ranks only (its owner already holds every ep rank's tokens'
+  // contribution). With tp, cp or ep the results equal one rank's to rounding (sums in another order). World rank 0
+  // alone prints and writes the metrics file; checkpoints are gathered to it and hold the unsharded tensors, so any
+  // layout resumes from any other; every rank reads a checkpoint to resume.
+  std::shared_ptr<const parallel::ProcessGrid> grid;
 };
 
 struct StepRecord {
@@ -75,6 +80,7 @@ class Trainer {
   // Train from the current step to cfg.steps (or until stopped). Returns the number of steps run in this call.
   std::int64_t run(const NextBatch& next, const Evaluate& eval);
 
+  // Collective over the grid's ranks (the sharded tensors are gathered); world rank 0 writes.
   void save(const std::string& path) const;
   void load(const std::string& path);
 
@@ -97,8 +103,16 @@ class Trainer {
   std::int64_t step_ = 0;  // the next step to run
   std::vector<StepRecord> history_;
   std::vector<EvalRecord> evals_;
-  int dp_rank_ = 0, dp_size_ = 1;
-  bool lead_ = true;      // dp rank 0: prints, writes metrics and checkpoints
+  void reduce_round_gradients(const View1<P>& sum);
+  double grad_norm() const;
+  // the tensors of a checkpoint: every parameter's value and AdamW moments, unsharded (collective over the grid)
+  void gather_global(const ParamEntry& e, const P* local, std::vector<P>& global) const;
+  std::shared_ptr<const parallel::Comm> data_, cp_, tp_, ep_, tokens_, world_;
+  int dp_rank_ = 0, dp_size_ = 1;  // over the data ranks (ep x dp)
+  int ep_rank_ = 0, ep_size_ = 1;
+  bool lead_ = true;      // world rank 0: prints, writes metrics and checkpoints
+  bool sharded_ = false;  // some parameter is sliced over tp or ep
+  Kokkos::View<std::uint8_t*, Layout, Mem> split_;  // per gradient element: 0 replicated, 1 tp slice, 2 ep slice
   View1<P> grad_sum_;     // the step's gradient: per-micro-batch gradients summed in global micro-batch order
   View1<P> gathered_;     // dp > 1: one round's per-micro-batch gradients of every dp rank, in rank order
 };

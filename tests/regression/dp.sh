@@ -51,6 +51,6 @@ grep -q "error: \[parallel\]: tp = 1, cp = 1, ep = 1, dp = 3: .* but the run has
   { cat "$work/bad.log"; fail "the dp = 3 on 2 ranks error does not name the values"; }
 if "${mpi[@]}" "$exe" "$deck" --train.steps=1 --run.output_dir="$work/bad2" --train.grad_accum=3 > "$work/bad2.log" 2>&1
 then fail "grad_accum = 3 over dp = 2 was accepted"; fi
-grep -q "error: \[train\] grad_accum: grad_accum = 3 micro-batches per step do not divide over dp = 2" "$work/bad2.log" ||
+grep -q "error: \[train\] grad_accum: grad_accum = 3 micro-batches per step do not divide over ep \* dp = 2" "$work/bad2.log" ||
   { cat "$work/bad2.log"; fail "the grad_accum error does not name the values"; }
 echo "bad layouts rejected with their values named"
