@@ -26,7 +26,10 @@ void declare_run(io::Deck& d) {
               "expert-parallel ranks: the experts of every MoE layer are split over them (n_experts divides by ep); "
               "they hold different micro-batches like dp ranks")
       .add<I>("parallel.dp", 0,
-              "data-parallel ranks (0: the rest); tp * cp * ep * dp = MPI ranks; grad_accum divides by ep * dp");
+              "data-parallel ranks (0: the rest); tp * cp * ep * dp = MPI ranks; grad_accum divides by ep * dp")
+      .add<bool>("parallel.zero1", false,
+                 "ZeRO-1: shard the AdamW moments over the dp ranks (each updates 1/dp of the parameters, which are "
+                 "then all-gathered); results are bit-identical to plain dp");
 }
 
 std::shared_ptr<const parallel::ProcessGrid> make_process_grid(const io::Deck& d) {
@@ -268,6 +271,7 @@ TrainConfig make_train_config(const io::Deck& d) {
   t.metrics_path = output_path(d, "metrics.csv");
   t.seed = std::uint64_t(d.get<I>("run.seed"));
   t.grid = make_process_grid(d);
+  t.zero1 = d.get<bool>("parallel.zero1");
   require(t.steps >= 1, "[train] steps", "must be at least 1");
   require(t.grad_accum >= 1, "[train] grad_accum", "must be at least 1");
   require(t.schedule.lr > 0 && t.schedule.min_lr >= 0, "[train] lr", "lr must be positive and min_lr >= 0");

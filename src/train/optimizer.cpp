@@ -15,13 +15,17 @@ double LRSchedule::at(std::int64_t step) const {
 }
 
 template <class P>
-AdamW<P>::AdamW(const ParamStore<P>& params, const AdamWConfig& cfg) : cfg_(cfg) {
-  m_ = View1<P>("adamw::m", params.total());
-  v_ = View1<P>("adamw::v", params.total());
-  decay_ = Kokkos::View<std::uint8_t*, Layout, Mem>("adamw::decay", params.total());
+AdamW<P>::AdamW(const ParamStore<P>& params, const AdamWConfig& cfg, index_t lo, index_t hi)
+    : cfg_(cfg), lo_(lo), hi_(hi) {
+  require(0 <= lo && lo <= hi && hi <= params.total(), "AdamW", "range [", lo, ", ", hi, ") outside the ",
+          params.total(), " parameters");
+  m_ = View1<P>("adamw::m", hi - lo);
+  v_ = View1<P>("adamw::v", hi - lo);
+  decay_ = Kokkos::View<std::uint8_t*, Layout, Mem>("adamw::decay", hi - lo);
   auto h = Kokkos::create_mirror_view(decay_);
   for (const auto& e : params.entries())
-    for (index_t i = 0; i < e.size; ++i) h(e.offset + i) = e.decay ? 1 : 0;
+    for (index_t i = 0; i < e.size; ++i)
+      if (e.offset + i >= lo && e.offset + i < hi) h(e.offset + i - lo) = e.decay ? 1 : 0;
   Kokkos::deep_copy(decay_, h);
 }
 
@@ -44,14 +48,16 @@ double AdamW<P>::step(ParamStore<P>& params, double lr, std::int64_t step, doubl
   const auto m = m_;
   const auto v = v_;
   const auto decay = decay_;
-  par_for("adamw::step", p.extent(0), KOKKOS_LAMBDA(index_t i) {
+  const index_t lo = lo_;
+  par_for("adamw::step", hi_ - lo_, KOKKOS_LAMBDA(index_t k) {
+    const index_t i = lo + k;
     const P gi = g(i) * clip;
-    const P mi = b1 * m(i) + (P(1) - b1) * gi;
-    const P vi = b2 * v(i) + (P(1) - b2) * gi * gi;
-    m(i) = mi;
-    v(i) = vi;
+    const P mi = b1 * m(k) + (P(1) - b1) * gi;
+    const P vi = b2 * v(k) + (P(1) - b2) * gi * gi;
+    m(k) = mi;
+    v(k) = vi;
     const P upd = (mi / bc1) / (Kokkos::sqrt(vi / bc2) + eps);
-    p(i) -= lr_ * (upd + (decay(i) ? wd * p(i) : P(0)));
+    p(i) -= lr_ * (upd + (decay(k) ? wd * p(i) : P(0)));
   });
   return norm;
 }

@@ -22,7 +22,9 @@ struct LRSchedule {
 template <class P>
 class AdamW {
  public:
-  AdamW(const ParamStore<P>& params, const AdamWConfig& cfg);
+  AdamW(const ParamStore<P>& params, const AdamWConfig& cfg) : AdamW(params, cfg, 0, params.total()) {}
+  // ZeRO-1: the moments of the flat-buffer elements [lo, hi) only; step() updates those parameters only.
+  AdamW(const ParamStore<P>& params, const AdamWConfig& cfg, index_t lo, index_t hi);
 
   // Global L2 norm of the gradients (deterministic ordered sum).
   double grad_norm(const ParamStore<P>& params) const;
@@ -33,12 +35,16 @@ class AdamW {
   // The same with the gradient norm given (a sharded model's global norm).
   double step(ParamStore<P>& params, double lr, std::int64_t step, double norm);
 
+  index_t lo() const { return lo_; }
+  index_t hi() const { return hi_; }
+  // The moments of [lo, hi).
   const View1<P>& m() const { return m_; }
   const View1<P>& v() const { return v_; }
   const AdamWConfig& config() const { return cfg_; }
 
  private:
   AdamWConfig cfg_;
+  index_t lo_ = 0, hi_ = 0;
   View1<P> m_, v_;
   Kokkos::View<std::uint8_t*, Layout, Mem> decay_;  // 1 where weight decay applies
 };

@@ -72,7 +72,11 @@ std::string format_duration(double s) {
 
 template <class Model>
 Trainer<Model>::Trainer(Model& model, const TrainConfig& cfg, std::string deck_text)
-    : model_(model), cfg_(cfg), deck_(std::move(deck_text)), opt_(model.params(), cfg.adamw) {
+    : model_(model),
+      cfg_(cfg),
+      deck_(std::move(deck_text)),
+      opt_(model.params(), cfg.adamw, zero1_range(cfg, model.params().total()).first,
+           zero1_range(cfg, model.params().total()).second) {
   require(cfg.steps >= 1, "train", "steps must be at least 1");
   require(cfg.grad_accum >= 1, "train", "grad_accum must be at least 1");
   const auto self = std::make_shared<parallel::SelfComm>();
@@ -102,7 +106,45 @@ Trainer<Model>::Trainer(Model& model, const TrainConfig& cfg, std::string deck_t
     for (index_t i = 0; i < e.size; ++i) hs(e.offset + i) = k;
   }
   Kokkos::deep_copy(split_, hs);
+  if (cfg_.zero1 && cfg_.grid && cfg_.grid->dp_comm()->size() > 1) {
+    zero_ = cfg_.grid->dp_comm();
+    const index_t S = (n + zero_->size() - 1) / zero_->size();
+    zero_send_ = View1<P>("trainer::zero1_send", S);
+    zero_recv_ = View1<P>("trainer::zero1_recv", S * zero_->size());
+  }
   if (!cfg_.resume.empty()) load(cfg_.resume);
+}
+
+template <class Model>
+std::pair<index_t, index_t> Trainer<Model>::zero1_range(const TrainConfig& cfg, index_t n) {
+  if (!cfg.zero1 || !cfg.grid || cfg.grid->dp_comm()->size() == 1) return {0, n};
+  const index_t q = cfg.grid->dp_comm()->size(), r = cfg.grid->dp_comm()->rank();
+  const index_t S = (n + q - 1) / q;
+  return {std::min(n, r * S), std::min(n, (r + 1) * S)};
+}
+
+template <class Model>
+std::vector<typename Trainer<Model>::P> Trainer<Model>::full_moment(const View1<P>& shard) const {
+  const index_t n = model_.params().total();
+  auto h = Kokkos::create_mirror_view_and_copy(HostMem(), shard);
+  if (!zero_) return std::vector<P>(h.data(), h.data() + n);
+  const std::size_t S = zero_send_.extent(0);
+  std::vector<P> send(S, P(0));
+  std::copy(h.data(), h.data() + h.extent(0), send.begin());
+  auto all = zero_->allgather(send);
+  all.resize(std::size_t(n));
+  return all;
+}
+
+template <class Model>
+void Trainer<Model>::allgather_parameters() {
+  const auto p = model_.params().values();
+  const auto send = zero_send_, recv = zero_recv_;
+  const index_t lo = opt_.lo(), len = opt_.hi() - opt_.lo(), n = p.extent(0);
+  Kokkos::deep_copy(send, P(0));
+  par_for("trainer::zero1_pack", len, KOKKOS_LAMBDA(index_t i) { send(i) = p(lo + i); });
+  zero_->allgather(send, recv);
+  par_for("trainer::zero1_unpack", n, KOKKOS_LAMBDA(index_t i) { p(i) = recv(i); });
 }
 
 template <class Model>
@@ -126,8 +168,7 @@ template <class Model>
 void Trainer<Model>::save(const std::string& path) const {
   const auto& ps = model_.params();
   auto values = Kokkos::create_mirror_view_and_copy(HostMem(), ps.values());
-  auto m = Kokkos::create_mirror_view_and_copy(HostMem(), opt_.m());
-  auto v = Kokkos::create_mirror_view_and_copy(HostMem(), opt_.v());
+  const auto m = full_moment(opt_.m()), v = full_moment(opt_.v());
   std::unique_ptr<io::CheckpointWriter> w;
   if (lead_) {
     if (const auto dir = std::filesystem::path(path).parent_path(); !dir.empty())
@@ -187,14 +228,16 @@ void Trainer<Model>::load(const std::string& path) {
   auto& ps = model_.params();
   load_parameters(ps, path);
   io::CheckpointReader r(path);
-  auto m = Kokkos::create_mirror_view(opt_.m());
-  auto v = Kokkos::create_mirror_view(opt_.v());
+  std::vector<P> m(std::size_t(ps.total()), P(0)), v(m.size(), P(0));
   for (const auto& e : ps.entries()) {
     read_slice(r, "optimizer/adamw_m/" + e.name, e, m.data() + e.offset);
     read_slice(r, "optimizer/adamw_v/" + e.name, e, v.data() + e.offset);
   }
-  Kokkos::deep_copy(opt_.m(), m);
-  Kokkos::deep_copy(opt_.v(), v);
+  // this rank's range of the moments (all of them without ZeRO-1)
+  auto hm = Kokkos::create_mirror_view(opt_.m()), hv = Kokkos::create_mirror_view(opt_.v());
+  for (index_t i = 0; i < opt_.hi() - opt_.lo(); ++i) hm(i) = m[std::size_t(opt_.lo() + i)], hv(i) = v[std::size_t(opt_.lo() + i)];
+  Kokkos::deep_copy(opt_.m(), hm);
+  Kokkos::deep_copy(opt_.v(), hv);
   step_ = r.attr_int("step");
   const auto seed = std::uint64_t(r.attr_int("seed"));
   if (seed != cfg_.seed && cfg_.verbose)
@@ -329,6 +372,7 @@ std::int64_t Trainer<Model>::run(const NextBatch& next, const Evaluate& eval) {
       }
     const double lr = cfg_.schedule.at(step_);
     const double gnorm = opt_.step(model_.params(), lr, step_ + 1, grad_norm());
+    if (zero_) allgather_parameters();
     std::vector<MoELayerStats> moe;
     if constexpr (kHasBackbone) moe = model_.backbone().end_step(tokens_.get());  // expert-bias update, once per step
     ++step_;

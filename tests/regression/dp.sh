@@ -3,7 +3,8 @@
 #   1. on 1 rank and on 2 ranks (dp = 2, one micro-batch each) gives bit-identical training and held-out losses
 #      in metrics.csv and bit-identical final checkpoints (parameters and both AdamW moments);
 #   2. 2 ranks resumed from the 1-rank run's step-5 checkpoint reproduce the 1-rank run (every rank reads it);
-#   3. a layout that does not match the ranks (dp = 3 on 2) and a grad_accum that does not divide over dp fail with
+#   3. ZeRO-1 on 2 ranks gives the same losses and the same final checkpoint;
+#   4. a layout that does not match the ranks (dp = 3 on 2) and a grad_accum that does not divide over dp fail with
 #      messages naming the values.
 # usage: dp.sh <mambamoe> <source dir> <scratch dir> <ckpt_compare>   (exit 77 = skipped: no mpirun)
 set -euo pipefail
@@ -42,6 +43,13 @@ diff <(losses "$work/r1/metrics.csv" | awk -F, '$1 > 5') <(losses "$work/r2resum
   fail "2 ranks resumed from the 1-rank step-5 checkpoint differ from the 1-rank run"
 "$cmp" "$work/r1/checkpoint.h5" "$work/r2resume/checkpoint.h5" || fail "resumed final checkpoint differs"
 echo "2 ranks resumed from the 1-rank step-5 checkpoint: steps 6-10 and the final checkpoint identical"
+
+# ZeRO-1 (moments sharded over the 2 ranks, gathered into the checkpoint): the same checkpoint as 1 rank
+"${mpi[@]}" "$exe" "$deck" "${common[@]}" --parallel.zero1=true --run.output_dir="$work/r2zero" > "$work/r2zero.log" 2>&1 ||
+  fail "2-rank ZeRO-1 run (see $work/r2zero.log)"
+diff <(losses "$work/r1/metrics.csv") <(losses "$work/r2zero/metrics.csv") || fail "ZeRO-1 losses differ from 1 rank's"
+"$cmp" "$work/r1/checkpoint.h5" "$work/r2zero/checkpoint.h5" || fail "the ZeRO-1 final checkpoint differs from 1 rank's"
+echo "ZeRO-1 on 2 ranks: identical losses and final checkpoint (parameters and both moments)"
 
 # bad layouts: the error names the values
 if "${mpi[@]}" "$exe" "$deck" --train.steps=1 --run.output_dir="$work/bad" --parallel.dp=3 > "$work/bad.log" 2>&1; then
