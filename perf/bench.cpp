@@ -3,6 +3,7 @@
 // around Kokkos::fence(); inputs are random (never zeros).
 //
 //   mambamoe_bench [--out DIR] [--only copy,gemm,ssd,lm] [--reps N] [--lm-batch B --lm-seqlen L]
+//   mpiexec -n N mambamoe_bench --only lm --cp N ...   (the LM step with every sequence split over N ranks)
 //
 // Each case writes "name,metric,value,unit" rows to DIR/ours.csv (the perf script joins them with the peers').
 #include <algorithm>
@@ -23,6 +24,7 @@
 #include "core/kokkos_types.hpp"
 #include "core/rng.hpp"
 #include "model/lm.hpp"
+#include "parallel/grid.hpp"
 #include "ssm/mamba2/ssd.hpp"
 #include "tensor/gemm.hpp"
 #include "train/optimizer.hpp"
@@ -42,9 +44,11 @@ struct Row {
 };
 std::vector<Row> g_rows;
 
+int g_rank = 0;  // with --cp, only rank 0 prints and writes
+
 void record(const std::string& name, const std::string& metric, double value, const std::string& unit) {
   g_rows.push_back({name, metric, value, unit});
-  std::printf("  %-34s %-22s %14.4g %s\n", name.c_str(), metric.c_str(), value, unit.c_str());
+  if (g_rank == 0) std::printf("  %-34s %-22s %14.4g %s\n", name.c_str(), metric.c_str(), value, unit.c_str());
   std::fflush(stdout);
 }
 
@@ -193,7 +197,11 @@ void bench_ssd(int reps) {
 }
 
 // Training step of the issue-3 LM: 24 layers, d_model 768, d_state 128, headdim 64, expand 2, vocab 16, AdamW.
-void bench_lm(index_t batch, index_t seqlen, int reps) {
+// With cp > 1 (run under mpiexec with cp ranks, one GPU each): every sequence is split over the cp ranks, the
+// parameter gradients are all-reduced over them as the trainer does; the rows report per-rank memory, the whole
+// sequence's tokens/s, and the bytes each rank sent per step beyond the gradient all-reduce (state passing, conv
+// halos, loss sums).
+void bench_lm(index_t batch, index_t seqlen, int reps, int cp_size) {
   LMConfig cfg;
   cfg.vocab_size = 16;
   cfg.n_layer = 24;
@@ -202,7 +210,16 @@ void bench_lm(index_t batch, index_t seqlen, int reps) {
   cfg.mixer.headdim = 64;
   cfg.mixer.expand = 2;
   cfg.mixer.chunk = 256;
-  MambaLM<float> lm(cfg);
+  std::shared_ptr<parallel::ProcessGrid> grid;
+  parallel::ModelComms comms;
+  if (cp_size > 1) {
+    parallel::Layout l;
+    l.cp = cp_size;
+    grid = std::make_shared<parallel::ProcessGrid>(l, MPI_COMM_WORLD);
+    comms = grid->model_comms();
+  }
+  const parallel::Comm& cp = *comms.cp;
+  MambaLM<float> lm(cfg, comms);
   lm.initialize(1);
   AdamWConfig ocfg;
   AdamW<float> opt(lm.params(), ocfg);
@@ -220,12 +237,14 @@ void bench_lm(index_t batch, index_t seqlen, int reps) {
       tg[i] = std::int32_t(rng.below(i + 7, 4));
     });
   }
-  const std::string name = "lm train step fp32 " + std::to_string(batch) + "x" + std::to_string(seqlen);
+  const std::string name = "lm train step fp32 " + std::to_string(batch) + "x" + std::to_string(seqlen) +
+                           (cp_size > 1 ? " cp" + std::to_string(cp_size) : "");
   record(name, "parameters", double(lm.params().count()) / 1e6, "M");
   std::int64_t step = 0;
   auto one = [&] {
     lm.params().zero_grads();
     lm.forward_backward(b, 1.0 / double(batch * seqlen), Recompute::mixer);
+    if (cp.size() > 1) cp.allreduce_sum(lm.params().grads());
     opt.step(lm.params(), 1e-4, ++step);
   };
   one();  // warm
@@ -240,12 +259,35 @@ void bench_lm(index_t batch, index_t seqlen, int reps) {
   record(name, "throughput", double(batch * seqlen) / t / 1e3, "k tokens/s");
   const double flops = 6.0 * double(lm.params().count()) * double(batch * seqlen);
   record(name, "model FLOP rate (6 N T)", flops / t / 1e12, "TFLOP/s");
+  if (cp.size() > 1) {
+    cp.reset_bytes_sent();
+    one();
+    const double grads = 4.0 * double(lm.params().grads().extent(0));
+    record(name, "cp bytes sent per step beyond the gradient all-reduce", double(cp.bytes_sent()) - grads, "B");
+    record(name, "cp bytes per layer per step beyond the gradient all-reduce",
+           (double(cp.bytes_sent()) - grads) / double(cfg.n_layer), "B");
+  }
 }
 
 }  // namespace
 
+int run(int argc, char** argv, int cp_size, int rank);
+
 int main(int argc, char** argv) {
+  int cp_size = 1;
+  for (int i = 1; i + 1 < argc; ++i)
+    if (std::string(argv[i]) == "--cp") cp_size = std::stoi(argv[i + 1]);
+  if (cp_size > 1) MPI_Init(&argc, &argv);
+  int rank = 0;
+  if (cp_size > 1) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  int rc = run(argc, argv, cp_size, rank);
+  if (cp_size > 1) MPI_Finalize();
+  return rc;
+}
+
+int run(int argc, char** argv, int cp_size, int rank) {
   Kokkos::ScopeGuard kokkos(argc, argv);
+  g_rank = rank;
   std::string out = ".", only = "copy,gemm,ssd,lm";
   int reps = 10;
   index_t lm_batch = 4, lm_seqlen = 8192;
@@ -263,9 +305,10 @@ int main(int argc, char** argv) {
     else if (a == "--reps") reps = std::stoi(next());
     else if (a == "--lm-batch") lm_batch = std::stoll(next());
     else if (a == "--lm-seqlen") lm_seqlen = std::stoll(next());
+    else if (a == "--cp") next();
     else {
       std::cerr << "mambamoe_bench: unknown option " << a
-                << " (known: --out DIR, --only copy,gemm,ssd,lm, --reps N, --lm-batch B, --lm-seqlen L)\n";
+                << " (known: --out DIR, --only copy,gemm,ssd,lm, --reps N, --lm-batch B, --lm-seqlen L, --cp N)\n";
       return 2;
     }
   }
@@ -274,16 +317,17 @@ int main(int argc, char** argv) {
     std::stringstream ss(only);
     for (std::string w; std::getline(ss, w, ',');) want.insert(w);
   }
-  std::printf("mambamoe_bench on %s, gemm backend %s\n", Exec::name(), gemm_backend_name());
+  if (rank == 0) std::printf("mambamoe_bench on %s, gemm backend %s\n", Exec::name(), gemm_backend_name());
   try {
     if (want.count("copy")) bench_copy(reps);
     if (want.count("gemm")) bench_gemm(reps);
     if (want.count("ssd")) bench_ssd(reps);
-    if (want.count("lm")) bench_lm(lm_batch, lm_seqlen, std::max(3, reps / 3));
+    if (want.count("lm")) bench_lm(lm_batch, lm_seqlen, std::max(3, reps / 3), cp_size);
   } catch (const std::exception& e) {
     std::cerr << "mambamoe_bench: " << e.what() << "\n";
     return 1;
   }
+  if (rank != 0) return 0;
   std::ofstream f(out + "/ours.csv");
   f << "name,metric,value,unit\n";
   for (const auto& r : g_rows) f << '"' << r.name << "\"," << r.metric << ',' << r.value << ',' << r.unit << '\n';

@@ -374,7 +374,7 @@ std::int64_t Trainer<Model>::run(const NextBatch& next, const Evaluate& eval) {
     const double gnorm = opt_.step(model_.params(), lr, step_ + 1, grad_norm());
     if (zero_) allgather_parameters();
     std::vector<MoELayerStats> moe;
-    if constexpr (kHasBackbone) moe = model_.backbone().end_step(tokens_.get());  // expert-bias update, once per step
+    if constexpr (kHasBackbone) moe = model_.backbone().end_step(data_.get());  // MoE statistics are cp-wide already  // expert-bias update, once per step
     ++step_;
     history_.push_back({step_, total.mean_nats(), gnorm, lr, aux, moe});
 
