@@ -189,7 +189,9 @@ void check_layout(const parallel::Layout& layout, const EpCase& c, bool save, do
   mine.dout = cp_slice(full.dout, B, L, cr, C);
   MoEStep step = step0;
   step.batch = B;
+  comms.ep->reset_bytes_sent();
   Run got = run(par, pps, mine, step, save);
+  if (R > 1) CHECK(comms.ep->bytes_sent() > 0);  // the experts' tokens did travel
   // parameter gradients: the sum over the cp ranks (each holds its tokens' part)
   comms.cp->allreduce_sum(got.grads.data(), got.grads.size());
 
