@@ -1,5 +1,6 @@
 #include "moe/moe_layer.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 
@@ -80,26 +81,85 @@ std::string MoEStats::summary() const {
 
 // ------------------------------------------------------------------ layer
 
+namespace {
+
+// dst[idx[r]] = src[r] for every row r of src (distinct targets: no conflicts)
 template <class T>
-MoELayer<T>::MoELayer(const MoEConfig& cfg, ParamStore<P>& store, const std::string& prefix, index_t n_layer)
-    : cfg_(cfg), store_(&store), prefix_(prefix) {
-  cfg_.validate(prefix.empty() ? "moe" : prefix);
-  require(n_layer > 0, prefix.empty() ? "moe" : prefix, "n_layer must be positive (got ", n_layer, ")");
+void scatter_rows(const View2<T>& src, const View1<index_t>& idx, const View2<T>& dst) {
+  const index_t m = src.extent(0), d = src.extent(1);
+  par_for("moe::scatter_rows", m, d, KOKKOS_LAMBDA(index_t r, index_t c) { dst(idx(r), c) = src(r, c); });
+}
+
+}  // namespace
+
+template <class T>
+MoELayer<T>::MoELayer(const MoEConfig& cfg, ParamStore<P>& store, const std::string& prefix, index_t n_layer,
+                      const parallel::ModelComms& comms)
+    : cfg_(cfg), comms_(comms), store_(&store), prefix_(prefix) {
+  const std::string ctx = prefix.empty() ? "moe" : prefix;
+  cfg_.validate(ctx);
+  require(n_layer > 0, ctx, "n_layer must be positive (got ", n_layer, ")");
+  require(comms_.ep != nullptr && comms_.cp != nullptr, ctx, "the ep and cp communicators must not be null");
+  ep_size_ = comms_.ep->size();
+  ep_rank_ = comms_.ep->rank();
+  cp_size_ = comms_.cp->size();
+  cp_rank_ = comms_.cp->rank();
+  require(cfg.n_experts % ep_size_ == 0, ctx, "n_experts = ", cfg.n_experts, " does not divide by ep = ", ep_size_);
   const index_t E = cfg.n_experts, D = cfg.d_model, F = cfg.d_ff, Fs = cfg.shared_d_ff;
   const double r_in = 1.0 / std::sqrt(double(cfg.router_in())), w_in = 1.0 / std::sqrt(double(D));
   const double out_scale = 1.0 / std::sqrt(double(n_layer));
   router_w_ = store.add(prefix + "router.weight", {E, cfg.router_in()}, true, Init::Uniform(-r_in, r_in));
   if (cfg.bias_update_rate > 0) bias_ = store.add(prefix + "router.expert_bias", {E}, false, Init::Zeros());
   const double w_out = 1.0 / std::sqrt(double(F));
-  w1_ = store.add(prefix + "experts.w1", {E, F, D}, true, Init::Uniform(-w_in, w_in));
-  w3_ = store.add(prefix + "experts.w3", {E, F, D}, true, Init::Uniform(-w_in, w_in));
-  w2_ = store.add(prefix + "experts.w2", {E, D, F}, true, Init::Uniform(-w_out, w_out, out_scale));
+  if (ep_size_ == 1) {
+    w1_ = store.add(prefix + "experts.w1", {E, F, D}, true, Init::Uniform(-w_in, w_in));
+    w3_ = store.add(prefix + "experts.w3", {E, F, D}, true, Init::Uniform(-w_in, w_in));
+    w2_ = store.add(prefix + "experts.w2", {E, D, F}, true, Init::Uniform(-w_out, w_out, out_scale));
+  } else {  // this rank's block of experts: rows [first_expert(), + local_experts()) of the stacked tensors
+    const index_t El = local_experts();
+    auto shard = [&](std::vector<index_t> global) {
+      return Shard{Split::ep, std::move(global), {IndexRange{first_expert(), El}}, {}};
+    };
+    w1_ = store.add(prefix + "experts.w1", {El, F, D}, true, Init::Uniform(-w_in, w_in), shard({E, F, D}));
+    w3_ = store.add(prefix + "experts.w3", {El, F, D}, true, Init::Uniform(-w_in, w_in), shard({E, F, D}));
+    w2_ = store.add(prefix + "experts.w2", {El, D, F}, true, Init::Uniform(-w_out, w_out, out_scale),
+                    shard({E, D, F}));
+  }
   if (Fs > 0) {
     const double s_out = 1.0 / std::sqrt(double(Fs));
     s1_ = store.add(prefix + "shared.w1", {Fs, D}, true, Init::Uniform(-w_in, w_in));
     s3_ = store.add(prefix + "shared.w3", {Fs, D}, true, Init::Uniform(-w_in, w_in));
     s2_ = store.add(prefix + "shared.w2", {D, Fs}, true, Init::Uniform(-s_out, s_out, out_scale));
   }
+}
+
+template <class T>
+typename MoELayer<T>::CpRows MoELayer<T>::cp_rows(index_t n, const MoEStep& step, const std::string& ctx) const {
+  require(step.batch > 0, ctx, "context parallelism (cp = ", cp_size_,
+          ") needs MoEStep::batch, the number of sequences in the rows (got ", step.batch, ")");
+  require(n % step.batch == 0, ctx, "rows = ", n, " do not divide into batch = ", step.batch, " sequences");
+  CpRows c;
+  c.Lr = n / step.batch;
+  c.L = c.Lr * cp_size_;
+  c.c0 = c.Lr * cp_rank_;
+  return c;
+}
+
+template <class T>
+View2<T> MoELayer<T>::exchange(const View2<T>& src, const std::vector<std::size_t>& send,
+                               const std::vector<std::size_t>& recv) const {
+  const index_t d = cfg_.d_model;
+  std::size_t total = 0;
+  for (std::size_t c : recv) total += c;
+  View2<T> dst = make_uninit<View2<T>>("moe::ep_exchange", total, d);
+  auto hs = Kokkos::create_mirror_view_and_copy(HostMem(), src);
+  auto hd = Kokkos::create_mirror_view(HostMem(), dst);
+  std::vector<std::size_t> sc(send), rc(recv);
+  for (auto& c : sc) c *= std::size_t(d);
+  for (auto& c : rc) c *= std::size_t(d);
+  comms_.ep->alltoallv(hs.data(), sc, hd.data(), rc, parallel::dtype_of<T>());
+  Kokkos::deep_copy(dst, hd);
+  return dst;
 }
 
 template <class T>
@@ -121,10 +181,82 @@ template <class T>
 View2<T> MoELayer<T>::experts_forward(MoEActs<T>& a) const {
   const Routing<P>& r = a.routing;
   const index_t n = a.x.extent(0), m = r.rows(), d = cfg_.d_model;
-  a.xp = make_uninit<View2<T>>("moe::xp", m, d);
-  moe_permute<T>(a.x, r.perm_token, a.xp);
-  a.y = make_uninit<View2<T>>("moe::y", m, d);
-  swiglu_experts_forward<T>(expert_weights(), a.xp, r.offsets, a.ex, a.y);
+  if (ep_size_ == 1) {
+    a.xp = make_uninit<View2<T>>("moe::xp", m, d);
+    moe_permute<T>(a.x, r.perm_token, a.xp);
+    a.y = make_uninit<View2<T>>("moe::y", m, d);
+    swiglu_experts_forward<T>(expert_weights(), a.xp, r.offsets, a.ex, a.y);
+  } else {
+    // expert parallelism: the permuted rows are expert-major, so the rows of owner q are one contiguous block
+    const int R = ep_size_;
+    const index_t El = local_experts();
+    MoEExchange& X = a.ep;
+    const index_t E = cfg_.n_experts, cap = r.capacity;
+    View2<T> xs = make_uninit<View2<T>>("moe::xp_local", m, d);
+    moe_permute<T>(a.x, r.perm_token, xs);
+    // rows sent per expert: the kept ones (dropless), or `capacity` (capacity mode: static shapes, each expert's
+    // block zero-padded to the capacity, so the buffers have the same shape at every step)
+    std::vector<std::int64_t> kept(static_cast<std::size_t>(E)), rk(static_cast<std::size_t>(E));
+    for (index_t e = 0; e < E; ++e) kept[e] = cap >= 0 ? cap : r.offsets[e + 1] - r.offsets[e];
+    X.to_pad = View1<index_t>();
+    if (cap >= 0) {
+      X.to_pad = make_uninit<View1<index_t>>("moe::ep_to_pad", m);
+      auto hp = Kokkos::create_mirror_view(HostMem(), X.to_pad);
+      for (index_t e = 0; e < E; ++e)
+        for (index_t i = r.offsets[e]; i < r.offsets[e + 1]; ++i) hp(i) = e * cap + (i - r.offsets[e]);
+      Kokkos::deep_copy(X.to_pad, hp);
+      View2<T> padded("moe::xp_padded", E * cap, d);
+      scatter_rows<T>(xs, X.to_pad, padded);
+      xs = padded;
+    }
+    // all-to-all of the counts: rk[s * El + e] = rows source s sends for local expert e
+    const std::vector<std::size_t> per(static_cast<std::size_t>(R), static_cast<std::size_t>(El));
+    comms_.ep->alltoallv(kept.data(), per, rk.data(), per, parallel::DType::i64);
+    X.send_rows.assign(R, 0);
+    X.recv_rows.assign(R, 0);
+    for (int q = 0; q < R; ++q)
+      for (index_t e = 0; e < El; ++e) {
+        X.send_rows[q] += std::size_t(kept[q * El + e]);
+        X.recv_rows[q] += std::size_t(rk[q * El + e]);
+      }
+    View2<T> xr = exchange(xs, X.send_rows, X.recv_rows);
+    // expert-major order of the received rows: local expert, then source rank, then the source's order
+    const index_t mr = xr.extent(0);
+    std::vector<index_t> src_base(std::size_t(R) + 1, 0);
+    for (int q = 0; q < R; ++q) src_base[q + 1] = src_base[q] + index_t(X.recv_rows[q]);
+    X.to_expert = make_uninit<View1<index_t>>("moe::ep_to_expert", mr);
+    X.to_recv = make_uninit<View1<index_t>>("moe::ep_to_recv", mr);
+    auto hte = Kokkos::create_mirror_view(HostMem(), X.to_expert);
+    auto htr = Kokkos::create_mirror_view(HostMem(), X.to_recv);
+    X.offsets.assign(std::size_t(El) + 1, 0);
+    index_t pos = 0;
+    for (index_t e = 0; e < El; ++e) {
+      X.offsets[e] = pos;
+      for (int q = 0; q < R; ++q) {
+        index_t start = src_base[q];
+        for (index_t e2 = 0; e2 < e; ++e2) start += rk[q * El + e2];
+        for (index_t i = 0; i < rk[q * El + e]; ++i, ++pos) {
+          hte(pos) = start + i;
+          htr(start + i) = pos;
+        }
+      }
+    }
+    X.offsets[El] = pos;
+    Kokkos::deep_copy(X.to_expert, hte);
+    Kokkos::deep_copy(X.to_recv, htr);
+    a.xp = make_uninit<View2<T>>("moe::xp", mr, d);
+    moe_permute<T>(xr, X.to_expert, a.xp);
+    View2<T> ye = make_uninit<View2<T>>("moe::y_experts", mr, d);
+    swiglu_experts_forward<T>(expert_weights(), a.xp, X.offsets, a.ex, ye);
+    View2<T> yr = make_uninit<View2<T>>("moe::y_recv", mr, d);
+    moe_permute<T>(ye, X.to_recv, yr);
+    a.y = exchange(yr, X.recv_rows, X.send_rows);
+    if (cap >= 0) {  // drop the padding
+      View2<T> y = make_uninit<View2<T>>("moe::y", m, d);
+      moe_permute<T>(a.y, X.to_pad, y);
+      a.y = y;
+    }
+  }
   View2<T> ys;
   if (cfg_.shared_d_ff > 0) {
     ys = make_uninit<View2<T>>("moe::shared_y", n, d);
@@ -150,6 +282,8 @@ MoELosses MoELayer<T>::forward(const View2<T>& x, const View2<T>& out, MoEActs<T
   acts.x = x;
   acts.state = cfg_.state_aware ? state : View2<T>();
   acts.step = step;
+  const bool cpx = cp_size_ > 1;
+  const CpRows cr = cpx ? cp_rows(n, step, ctx) : CpRows{};
 
   // router input
   const bool jit = cfg_.jitter > 0 && step.training;
@@ -161,9 +295,11 @@ MoELosses MoELayer<T>::forward(const View2<T>& x, const View2<T>& out, MoEActs<T
     auto xro = acts.xr;
     const CounterRNG rng{step.seed, jitter_stream(step.step)};
     const double lo = 1.0 - cfg_.jitter, hi = 1.0 + cfg_.jitter;
+    const index_t Lr = cr.Lr > 0 ? cr.Lr : 1, Lg = cr.L, c0 = cr.c0;
     par_for("moe::router_input", n, dr, KOKKOS_LAMBDA(index_t t, index_t c) {
       P v = c < d ? P(xin(t, c)) : P(sv(t, c - d));
-      if (jit) v *= P(rng.uniform(std::uint64_t(t * dr + c), lo, hi));
+      const index_t tg = cpx ? (t / Lr) * Lg + c0 + t % Lr : t;  // the single-rank row (cp: whole sequences)
+      if (jit) v *= P(rng.uniform(std::uint64_t(tg * dr + c), lo, hi));
       xro(t, c) = static_cast<T>(v);
     });
     xr = acts.xr;
@@ -175,8 +311,65 @@ MoELosses MoELayer<T>::forward(const View2<T>& x, const View2<T>& out, MoEActs<T
   r.logits = make_uninit<View2<P>>("moe::logits", n, cfg_.n_experts);
   linear_forward<T>(xr, store_->v2(router_w_), View1<const P>(), r.logits);
   router_select<P>(opt, has_expert_bias() ? View1<const P>(store_->v1(bias_)) : View1<const P>(), r);
-  router_plan<P>(opt, r);
-  const RouterLosses L = router_losses<P>(opt, r);
+  RouterLosses L;
+  std::vector<index_t> kept_all;  // cp: kept assignments per expert over all cp ranks
+  if (!cpx) {
+    router_plan<P>(opt, r);
+    L = router_losses<P>(opt, r);
+  } else {
+    const index_t E = cfg_.n_experts, k = cfg_.top_k, B = step.batch, N = n * cp_size_;
+    const index_t cap = expert_capacity(opt, N);
+    std::vector<index_t> keep;
+    if (cap >= 0) {
+      // position of each assignment in the single-rank slot-major order over rows b * L + t: slot, then
+      // sequence, then cp rank, then the local order; keep those below the capacity
+      const auto loc = router_slot_counts<P>(opt, r, B);
+      const auto all = comms_.cp->allgather(std::vector<std::int64_t>(loc.begin(), loc.end()));
+      const std::size_t per = std::size_t(k * B * E);
+      keep.assign(E, 0);
+      for (index_t e = 0; e < E; ++e) {
+        index_t pos = 0;
+        for (index_t j = 0; j < k; ++j)
+          for (index_t b = 0; b < B; ++b)
+            for (int c = 0; c < cp_size_; ++c) {
+              const index_t cnt = all[c * per + std::size_t((j * B + b) * E + e)];
+              if (c == cp_rank_) keep[e] += std::max<index_t>(0, std::min<index_t>(cap - pos, cnt));
+              pos += cnt;
+            }
+      }
+    }
+    router_plan<P>(opt, r, keep);
+    r.capacity = cap;
+    // router choices, kept assignments and the loss sums of all cp ranks, summed in rank order
+    std::vector<std::int64_t> cnt(std::size_t(2 * E));
+    for (index_t e = 0; e < E; ++e) {
+      cnt[e] = r.routed[e];
+      cnt[E + e] = r.offsets[e + 1] - r.offsets[e];
+    }
+    const auto cnt_all = comms_.cp->allgather(cnt);
+    const RouterLossSums S = router_loss_sums<P>(opt, r);
+    std::vector<double> sums(S.colsum);
+    sums.push_back(S.zsum);
+    const auto sums_all = comms_.cp->allgather(sums);
+    RouterLossSums G;
+    G.colsum.assign(S.colsum.size(), 0.0);
+    std::vector<index_t> routed(E, 0);
+    kept_all.assign(E, 0);
+    for (int c = 0; c < cp_size_; ++c) {
+      for (index_t e = 0; e < E; ++e) {
+        routed[e] += cnt_all[std::size_t(c) * cnt.size() + e];
+        kept_all[e] += cnt_all[std::size_t(c) * cnt.size() + E + e];
+      }
+      for (std::size_t i = 0; i < G.colsum.size(); ++i) G.colsum[i] += sums_all[c * sums.size() + i];
+      G.zsum += sums_all[c * sums.size() + G.colsum.size()];
+    }
+    r.routed = routed;
+    r.n_all = N;
+    auto hc = Kokkos::create_mirror_view(HostMem(), r.count);
+    for (index_t e = 0; e < E; ++e) hc(e) = routed[e];
+    Kokkos::deep_copy(r.count, hc);
+    L = router_losses_from(opt, G, r.routed, N);
+  }
 
   // experts and combine (shared expert first, then the routed experts in slot order)
   const View2<T> ys = experts_forward(acts);
@@ -193,10 +386,12 @@ MoELosses MoELayer<T>::forward(const View2<T>& x, const View2<T>& out, MoEActs<T
   MoEStats& s = acts.stats;
   s.routed = r.routed;
   s.kept.assign(cfg_.n_experts, 0);
-  for (index_t e = 0; e < cfg_.n_experts; ++e) s.kept[e] = r.offsets[e + 1] - r.offsets[e];
-  s.tokens = n;
-  s.assignments = n * cfg_.top_k;
-  s.dropped = s.assignments - r.rows();
+  for (index_t e = 0; e < cfg_.n_experts; ++e) s.kept[e] = cpx ? kept_all[e] : r.offsets[e + 1] - r.offsets[e];
+  s.tokens = cpx ? n * cp_size_ : n;
+  s.assignments = s.tokens * cfg_.top_k;
+  index_t kept_total = 0;
+  for (index_t v : s.kept) kept_total += v;
+  s.dropped = s.assignments - kept_total;
   s.capacity = r.capacity;
   s.aux_loss = L.aux;
   s.z_loss = L.z;
@@ -222,9 +417,34 @@ void MoELayer<T>::backward(MoEActs<T>& a, const View2<const T>& dout, const View
   View2<T> dy = make_uninit<View2<T>>("moe::dy", m, d);
   View2<P> dgate = make_uninit<View2<P>>("moe::dgate", n, k);
   moe_combine_backward<T>(dout, a.y, r.row, r.gate, r.perm_token, r.perm_slot, dy, dgate);
-  View2<T> dxp = make_uninit<View2<T>>("moe::dxp", m, d);
-  swiglu_experts_backward<T>(expert_weights(), a.xp, a.ex, dy, r.offsets, dxp, false,
-                             {store_->g1(w1_).data(), store_->g1(w3_).data(), store_->g1(w2_).data()});
+  const SwiGLUGrads<T> eg{store_->g1(w1_).data(), store_->g1(w3_).data(), store_->g1(w2_).data()};
+  View2<T> dxp;
+  if (ep_size_ == 1) {
+    dxp = make_uninit<View2<T>>("moe::dxp", m, d);
+    swiglu_experts_backward<T>(expert_weights(), a.xp, a.ex, dy, r.offsets, dxp, false, eg);
+  } else {  // mirror of the forward exchange: dy to the owners, the input gradients back to the sources
+    const MoEExchange& X = a.ep;
+    const index_t mr = a.xp.extent(0);
+    const bool padded = r.capacity >= 0;  // capacity mode: the static-shape (padded) exchange
+    View2<T> dys = dy;
+    if (padded) {
+      dys = View2<T>("moe::dy_padded", cfg_.n_experts * r.capacity, d);
+      scatter_rows<T>(dy, X.to_pad, dys);
+    }
+    View2<T> dyr = exchange(dys, X.send_rows, X.recv_rows);
+    View2<T> dye = make_uninit<View2<T>>("moe::dy_experts", mr, d);
+    moe_permute<T>(dyr, X.to_expert, dye);
+    View2<T> dxe = make_uninit<View2<T>>("moe::dx_experts", mr, d);
+    swiglu_experts_backward<T>(expert_weights(), a.xp, a.ex, dye, X.offsets, dxe, false, eg);
+    View2<T> dxr = make_uninit<View2<T>>("moe::dx_recv", mr, d);
+    moe_permute<T>(dxe, X.to_recv, dxr);
+    dxp = exchange(dxr, X.recv_rows, X.send_rows);
+    if (padded) {
+      View2<T> g = make_uninit<View2<T>>("moe::dxp", m, d);
+      moe_permute<T>(dxp, X.to_pad, g);
+      dxp = g;
+    }
+  }
   moe_permute_backward<T>(dxp, r.row, dx, false);
   if (cfg_.shared_d_ff > 0)
     swiglu_experts_backward<T>(shared_weights(), a.x, a.sh, dout, {0, n}, dx, true,
@@ -241,11 +461,15 @@ void MoELayer<T>::backward(MoEActs<T>& a, const View2<const T>& dout, const View
     const bool jit = cfg_.jitter > 0 && a.step.training, sa = cfg_.state_aware;
     const CounterRNG rng{a.step.seed, jitter_stream(a.step.step)};
     const double lo = 1.0 - cfg_.jitter, hi = 1.0 + cfg_.jitter;
+    const bool cpx = cp_size_ > 1;
+    const CpRows cr = cpx ? cp_rows(n, a.step, ctx) : CpRows{};
+    const index_t Lr = cr.Lr > 0 ? cr.Lr : 1, Lg = cr.L, c0 = cr.c0;
     auto dxo = dx;
     auto dso = dstate;
     par_for("moe::router_input_backward", n, dr, KOKKOS_LAMBDA(index_t t, index_t c) {
       P g = P(dxr(t, c));
-      if (jit) g *= P(rng.uniform(std::uint64_t(t * dr + c), lo, hi));
+      const index_t tg = cpx ? (t / Lr) * Lg + c0 + t % Lr : t;
+      if (jit) g *= P(rng.uniform(std::uint64_t(tg * dr + c), lo, hi));
       if (c < d)
         dxo(t, c) = static_cast<T>(P(dxo(t, c)) + g);
       else if (sa)

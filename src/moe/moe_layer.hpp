@@ -19,6 +19,33 @@
 // shared.w1 / shared.w3 (d_ff_shared, d), shared.w2 (d, d_ff_shared) when the shared expert is on, and
 // router.expert_bias (E) when bias_update_rate > 0: a buffer, not trained by gradient (its gradient stays zero),
 // changed only by update_expert_bias(); it lives in the store so that checkpoints carry it.
+//
+// Expert parallelism (comms.ep of size R > 1). The ep ranks hold different tokens (each rank's rows are its own
+// micro-batch, like data-parallel ranks) and split the experts in contiguous blocks: rank q owns experts
+// [q E/R, (q+1) E/R) and registers only their weights (experts.w1/w3/w2 of local shape (E/R, ...), with a Shard
+// {Split::ep, the global shape, rows = the expert range}); the router, the expert bias and the shared expert are
+// replicated (no Shard). Routing, top-k, the auxiliary losses, the expert-bias selection and the capacity decision
+// stay local to each rank's tokens. The expert computation is distributed: an all-to-all of the per-expert kept
+// counts, the token exchange to the owners (dropless: variable sizes; capacity mode: static shapes, every
+// expert's block padded with zero rows to the capacity, which the experts compute and which add nothing), on the owner the received rows in the order
+// (local expert, source rank, the source's permuted order) through the grouped GEMM, the reverse exchange and the
+// local combine. The backward mirrors it: the gradients of the expert inputs return to their source ranks, the
+// expert-weight gradients accumulate on the owner (the sum over all ep ranks' tokens). So on every rank the output,
+// the input gradient and the router/shared gradients are the single-rank layer's on that rank's rows, and an
+// owner's expert-weight gradient is the sum over the ep ranks of the single-rank gradients of those experts.
+// backward() (and a forward) is collective over comms.ep.
+//
+// Context parallelism (comms.cp of size C > 1). The cp ranks hold consecutive slices of the same sequences: with
+// MoEStep::batch = B sequences, the rows are b * Lr + t (Lr = rows / B), rank c holding tokens [c Lr, (c+1) Lr) of
+// every sequence, i.e. rows b * L + c * Lr + t of the single-rank layer on the whole sequences (L = C Lr). The
+// per-token math is local; what the layer computes over all its tokens is the value over the whole sequences:
+// the load-balancing and z losses (their sums, token counts and router choices are gathered over cp and summed in
+// rank order), the statistics (MoEStats: counts of the whole sequences, identical on every cp rank), the capacity
+// (ceil(cf * B L k / E)) and which assignments it drops: a rank keeps the assignments whose position in the
+// single-rank slot-major order over rows b * L + t is below the capacity (from the per-(slot, sequence, expert)
+// choices of all cp ranks), and the router jitter is drawn by the single-rank row index. The returned losses are
+// the whole sequences' values on every cp rank (count them once); their gradients are split over the cp ranks'
+// tokens, so the parameter gradients summed over cp equal the single-rank ones.
 #pragma once
 
 #include <cstdint>
@@ -29,6 +56,7 @@
 #include "model/params.hpp"
 #include "moe/experts.hpp"
 #include "moe/router.hpp"
+#include "parallel/grid.hpp"
 
 namespace mm {
 
@@ -62,7 +90,8 @@ struct MoEConfig {
   void validate(const std::string& context) const;
 };
 
-// Routing statistics of one forward (host), for logs.
+// Routing statistics of one forward (host), for logs. Under context parallelism they count the whole sequences
+// (all cp ranks, identical on each), so sum them over micro-batches and the data ranks (ep x dp), not over cp.
 struct MoEStats {
   std::vector<index_t> routed;  // router choices per expert (before capacity)
   std::vector<index_t> kept;    // assignments each expert computed (after capacity)
@@ -87,6 +116,18 @@ struct MoEStep {
   bool training = false;
   std::uint64_t seed = 0;
   std::uint64_t step = 0;
+  // Sequences in the rows (rows = batch * local seqlen). Needed only under context parallelism (cp > 1), where it
+  // is required; ignored otherwise.
+  index_t batch = 0;
+};
+
+// Expert parallelism: the token exchange of one forward (host counts, device index maps).
+struct MoEExchange {
+  std::vector<std::size_t> send_rows, recv_rows;  // rows sent to / received from each ep rank
+  std::vector<index_t> offsets;                   // (E/R + 1) local experts' groups of the expert-major buffer
+  View1<index_t> to_expert;                       // expert-major row -> received row
+  View1<index_t> to_recv;                         // received row -> expert-major row
+  View1<index_t> to_pad;                          // capacity mode: permuted row -> row of the padded buffer
 };
 
 template <class T>
@@ -96,11 +137,13 @@ struct MoEActs {
   View2<T> xr;            // router input (jittered and/or concatenated); empty when it is x itself
   MoEStep step;
   Routing<acc_t<T>> routing;
-  View2<T> xp;            // permuted tokens (m, d)       } expert activations: empty under recompute,
-  SwiGLUActs<T> ex;       // expert intermediates         } rebuilt by backward()
-  View2<T> y;             // expert outputs (m, d)        }
+  View2<T> xp;            // the local experts' input rows } expert activations: empty under recompute,
+  SwiGLUActs<T> ex;       // expert intermediates          } rebuilt by backward()
+  View2<T> y;             // expert outputs (m, d)         }
   SwiGLUActs<T> sh;       // shared expert intermediates  }
   bool expert_acts_kept = false;
+  MoEExchange ep;         // expert parallelism only: xp is then the received rows in expert-major order,
+                          // y the outputs of this rank's m permuted rows after the reverse exchange
   MoEStats stats;
 };
 
@@ -111,12 +154,19 @@ class MoELayer {
   static_assert(std::is_same_v<T, P>, "bf16 activations need compute copies of the GEMM weights (GPU path)");
 
   // Registers the parameters under `prefix` (e.g. "backbone.layers.3.moe.") in `store`. The expert output
-  // projections (w2) are scaled by 1/sqrt(n_layer) at initialisation like Mamba-2's out_proj.
-  MoELayer(const MoEConfig& cfg, ParamStore<P>& store, const std::string& prefix, index_t n_layer);
+  // projections (w2) are scaled by 1/sqrt(n_layer) at initialisation like Mamba-2's out_proj. `comms`: expert
+  // parallelism over comms.ep (n_experts must divide by its size) and context parallelism over comms.cp (see the
+  // header); comms.tp is not used (the layer is replicated over tp). Size-1 communicators run the single-rank code.
+  MoELayer(const MoEConfig& cfg, ParamStore<P>& store, const std::string& prefix, index_t n_layer,
+           const parallel::ModelComms& comms = {});
 
   const MoEConfig& config() const { return cfg_; }
   index_t param_count() const { return cfg_.param_count(); }
   index_t active_param_count() const { return cfg_.active_param_count(); }
+
+  // Experts this rank holds: [first_expert(), first_expert() + local_experts()).
+  index_t local_experts() const { return cfg_.n_experts / ep_size_; }
+  index_t first_expert() const { return local_experts() * ep_rank_; }
 
   // out (n, d) = MoE(x). Returns the auxiliary losses (already multiplied by their coefficients; add them to the
   // training loss); acts.stats has the routing statistics. With save = false or cfg.recompute the expert
@@ -144,8 +194,18 @@ class MoELayer {
   View2<T> experts_forward(MoEActs<T>& a) const;
   SwiGLUWeights<T> expert_weights() const;
   SwiGLUWeights<T> shared_weights() const;
+  // expert parallelism: rows (n_rows, d) sent by the counts `send` to the ep ranks, received by `recv`
+  View2<T> exchange(const View2<T>& src, const std::vector<std::size_t>& send,
+                    const std::vector<std::size_t>& recv) const;
+  // context parallelism: the global capacity decision, statistics and loss sums (see the header)
+  struct CpRows {
+    index_t L = 0, Lr = 0, c0 = 0;  // whole and local sequence length, first token of this rank
+  };
+  CpRows cp_rows(index_t n, const MoEStep& step, const std::string& ctx) const;
 
   MoEConfig cfg_;
+  parallel::ModelComms comms_;
+  int ep_size_ = 1, ep_rank_ = 0, cp_size_ = 1, cp_rank_ = 0;
   ParamStore<P>* store_;
   std::string prefix_;
   std::size_t router_w_, bias_ = 0, w1_, w3_, w2_, s1_ = 0, s3_ = 0, s2_ = 0;

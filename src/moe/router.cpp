@@ -88,7 +88,7 @@ constexpr index_t kPlanBlock = 256;  // tokens per counting block of the dispatc
 }
 
 template <class P>
-void router_plan(const RouterOptions& opt, Routing<P>& r) {
+void router_plan(const RouterOptions& opt, Routing<P>& r, const std::vector<index_t>& keep) {
   const index_t n = r.n, E = opt.n_experts, k = opt.top_k;
   const index_t nb = (n + kPlanBlock - 1) / kPlanBlock, items = k * nb;
   // Work item it = j * nb + b covers slot j of the tokens of block b: items in increasing order enumerate the
@@ -127,9 +127,17 @@ void router_plan(const RouterOptions& opt, Routing<P>& r) {
   r.capacity = expert_capacity(opt, n);
   r.routed.assign(E, 0);
   r.offsets.assign(E + 1, 0);
+  if (!keep.empty())
+    require(index_t(keep.size()) == E, "moe::router_plan", "keep has ", keep.size(), " entries, expected n_experts = ",
+            E);
   for (index_t e = 0; e < E; ++e) {
     r.routed[e] = hcount(e);
-    const index_t kept = r.capacity < 0 ? hcount(e) : (hcount(e) < r.capacity ? hcount(e) : r.capacity);
+    index_t kept = r.capacity < 0 ? hcount(e) : (hcount(e) < r.capacity ? hcount(e) : r.capacity);
+    if (!keep.empty()) {
+      require(keep[e] >= 0 && keep[e] <= hcount(e), "moe::router_plan", "keep[", e, "] = ", keep[e],
+              " is outside [0, ", hcount(e), "] (the router's choices of the expert)");
+      kept = keep[e];
+    }
     r.offsets[e + 1] = r.offsets[e] + kept;
   }
   const index_t m = r.offsets[E];
@@ -159,29 +167,68 @@ void router_plan(const RouterOptions& opt, Routing<P>& r) {
 }
 
 template <class P>
-RouterLosses router_losses(const RouterOptions& opt, const Routing<P>& r) {
-  RouterLosses L;
+std::vector<index_t> router_slot_counts(const RouterOptions& opt, const Routing<P>& r, index_t batch) {
+  const index_t n = r.n, E = opt.n_experts, k = opt.top_k;
+  require(batch > 0 && n % batch == 0, "moe::router_slot_counts", "rows = ", n, " do not divide into batch = ",
+          batch, " sequences");
+  const index_t L = n / batch, items = k * batch;
+  View2<index_t> cnt("moe::slot_counts", items > 0 ? items : 1, E);
+  auto expert = r.expert;
+  // item it = j * batch + b owns row it of cnt: no atomics
+  par_for("moe::slot_counts", items, KOKKOS_LAMBDA(index_t it) {
+    const index_t j = it / batch, b = it % batch;
+    for (index_t t = 0; t < L; ++t) cnt(it, expert(b * L + t, j)) += 1;
+  });
+  auto h = Kokkos::create_mirror_view_and_copy(HostMem(), cnt);
+  std::vector<index_t> out(std::size_t(items * E));
+  for (index_t it = 0; it < items; ++it)
+    for (index_t e = 0; e < E; ++e) out[std::size_t(it * E + e)] = h(it, e);
+  return out;
+}
+
+template <class P>
+RouterLossSums router_loss_sums(const RouterOptions& opt, const Routing<P>& r) {
+  RouterLossSums S;
   const index_t n = r.n, E = opt.n_experts;
+  if (opt.aux_loss_coef != 0) {
+    S.colsum.assign(E, 0.0);
+    if (n > 0) {
+      View1<P> colsum("moe::aux_colsum", E);
+      auto probs = r.probs;
+      auto psum = r.psum;
+      const bool softmax = opt.score == ScoreFunc::softmax;
+      column_reduce<P>("moe::aux_probs", n, E, KOKKOS_LAMBDA(index_t x, index_t i) {
+        return softmax ? probs(x, i) : probs(x, i) / psum(x);
+      }, colsum, false);
+      auto hs = Kokkos::create_mirror_view_and_copy(HostMem(), colsum);
+      for (index_t i = 0; i < E; ++i) S.colsum[i] = double(hs(i));
+    }
+  }
+  if (opt.z_loss_coef != 0 && n > 0) {
+    auto lse = r.lse;
+    S.zsum = ordered_sum<P>("moe::z_loss", n, KOKKOS_LAMBDA(index_t x) { return lse(x) * lse(x); });
+  }
+  return S;
+}
+
+RouterLosses router_losses_from(const RouterOptions& opt, const RouterLossSums& S, const std::vector<index_t>& routed,
+                                index_t n) {
+  RouterLosses L;
+  const index_t E = opt.n_experts;
   if (n == 0) return L;
   if (opt.aux_loss_coef != 0) {
-    View1<P> colsum("moe::aux_colsum", E);
-    auto probs = r.probs;
-    auto psum = r.psum;
-    const bool softmax = opt.score == ScoreFunc::softmax;
-    column_reduce<P>("moe::aux_probs", n, E, KOKKOS_LAMBDA(index_t x, index_t i) {
-      return softmax ? probs(x, i) : probs(x, i) / psum(x);
-    }, colsum, false);
-    auto hs = Kokkos::create_mirror_view_and_copy(HostMem(), colsum);
     double s = 0;
-    for (index_t i = 0; i < E; ++i) s += double(r.routed[i]) * double(hs(i));
+    for (index_t i = 0; i < E; ++i) s += double(routed[i]) * S.colsum[i];
     L.aux = opt.aux_loss_coef * double(E) / (double(opt.top_k) * double(n) * double(n)) * s;
   }
-  if (opt.z_loss_coef != 0) {
-    auto lse = r.lse;
-    const double s = ordered_sum<P>("moe::z_loss", n, KOKKOS_LAMBDA(index_t x) { return lse(x) * lse(x); });
-    L.z = opt.z_loss_coef * s / double(n);
-  }
+  if (opt.z_loss_coef != 0) L.z = opt.z_loss_coef * S.zsum / double(n);
   return L;
+}
+
+template <class P>
+RouterLosses router_losses(const RouterOptions& opt, const Routing<P>& r) {
+  if (r.n == 0) return RouterLosses{};
+  return router_losses_from(opt, router_loss_sums<P>(opt, r), r.routed, r.n);
 }
 
 template <class P>
@@ -198,8 +245,9 @@ void router_backward(const RouterOptions& opt, const Routing<P>& r, const View2<
   auto count = r.count;
   const bool softmax = opt.score == ScoreFunc::softmax, renorm = opt.renormalize;
   const P scale = P(opt.output_scale), inv_tau = P(1.0 / opt.temperature);
-  const P c_aux = n > 0 ? P(aux_scale * opt.aux_loss_coef * double(E) / (double(k) * double(n) * double(n))) : P(0);
-  const P c_z = n > 0 ? P(aux_scale * opt.z_loss_coef * 2.0 / double(n)) : P(0);
+  const index_t N = r.loss_tokens();  // n unless context parallelism set the whole sequences' count
+  const P c_aux = N > 0 ? P(aux_scale * opt.aux_loss_coef * double(E) / (double(k) * double(N) * double(N))) : P(0);
+  const P c_z = N > 0 ? P(aux_scale * opt.z_loss_coef * 2.0 / double(N)) : P(0);
   par_for("moe::router_backward", n, KOKKOS_LAMBDA(index_t x) {
     // dp (into dl's row): load-balancing loss first
     if (c_aux != P(0)) {
@@ -261,7 +309,9 @@ void update_expert_bias(const View1<P>& bias, const std::vector<double>& load, d
 
 #define MM_INSTANTIATE(P)                                                                                   \
   template void router_select<P>(const RouterOptions&, const View1<const P>&, Routing<P>&);                \
-  template void router_plan<P>(const RouterOptions&, Routing<P>&);                                         \
+  template void router_plan<P>(const RouterOptions&, Routing<P>&, const std::vector<index_t>&);             \
+  template std::vector<index_t> router_slot_counts<P>(const RouterOptions&, const Routing<P>&, index_t);    \
+  template RouterLossSums router_loss_sums<P>(const RouterOptions&, const Routing<P>&);                    \
   template RouterLosses router_losses<P>(const RouterOptions&, const Routing<P>&);                         \
   template void router_backward<P>(const RouterOptions&, const Routing<P>&, const View2<const P>&, double, \
                                    const View2<P>&);                                                       \

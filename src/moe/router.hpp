@@ -75,6 +75,10 @@ struct Routing {
   std::vector<index_t> routed;      // host (E): router choices per expert, before capacity
   index_t capacity = -1;            // -1: dropless
   index_t n = 0;
+  // Tokens the auxiliary losses normalise over: 0 means n. Under context parallelism the layer sets the token
+  // count of the whole sequences (all cp ranks), and count / routed then hold the all-reduced choices.
+  index_t n_all = 0;
+  index_t loss_tokens() const { return n_all > 0 ? n_all : n; }
   index_t rows() const { return offsets.empty() ? 0 : offsets.back(); }
 };
 
@@ -89,15 +93,38 @@ template <class P>
 void router_select(const RouterOptions& opt, const View1<const P>& bias, Routing<P>& r);
 
 // After router_select: the dispatch plan (row, perm_token, perm_slot, count, offsets, routed, capacity).
+// `keep` (E, optional): keep the first keep[e] assignments of expert e in the slot-major order instead of the
+// capacity of this batch (context parallelism: the caller derives it from the capacity over all cp ranks; it must
+// not exceed the router's choices of the expert). r.capacity is then left for the caller to set.
 template <class P>
-void router_plan(const RouterOptions& opt, Routing<P>& r);
+void router_plan(const RouterOptions& opt, Routing<P>& r, const std::vector<index_t>& keep = {});
 
-// The two auxiliary losses with their coefficients (deterministic ordered sums).
+// Router choices per (slot j, sequence b, expert e) when the n tokens are `batch` sequences of n / batch
+// consecutive rows: host (k, batch, E) row-major, from a deterministic count (no atomics).
+template <class P>
+std::vector<index_t> router_slot_counts(const RouterOptions& opt, const Routing<P>& r, index_t batch);
+
+// The sums the auxiliary losses need: colsum[i] = sum_x q_xi (when aux_loss_coef != 0) and zsum = sum_x lse_x^2
+// (when z_loss_coef != 0), deterministic ordered sums over this batch's tokens.
+struct RouterLossSums {
+  std::vector<double> colsum;
+  double zsum = 0;
+};
+template <class P>
+RouterLossSums router_loss_sums(const RouterOptions& opt, const Routing<P>& r);
+
+// The two losses from the sums, the router choices per expert and the token count n.
+RouterLosses router_losses_from(const RouterOptions& opt, const RouterLossSums& s, const std::vector<index_t>& routed,
+                                index_t n);
+
+// The two auxiliary losses with their coefficients (deterministic ordered sums):
+// router_losses_from(opt, router_loss_sums(opt, r), r.routed, r.n).
 template <class P>
 RouterLosses router_losses(const RouterOptions& opt, const Routing<P>& r);
 
 // d(loss)/d(raw router output) (n, E), for loss = sum_xj dgate_xj * g_xj + aux_scale * (L_aux + L_z):
 // through the gates (renormalisation, scores), the load-balancing loss and the z-loss, then the temperature.
+// The losses' token count is r.loss_tokens() and their choices per expert r.count.
 template <class P>
 void router_backward(const RouterOptions& opt, const Routing<P>& r, const View2<const P>& dgate, double aux_scale,
                      const View2<P>& dlogits_raw);
