@@ -153,7 +153,7 @@ MambaBackbone<T>::MambaBackbone(const Mamba2Config& mixer, index_t n_layer, doub
         MoEConfig c = layers.moe;
         c.d_model = D;
         require(!c.state_aware, p + "moe.", "the state-aware router is not available in a layer pattern");
-        L->moe = std::make_unique<MoELayer<T>>(c, store, p + "moe.", n_layer);
+        L->moe = std::make_unique<MoELayer<T>>(c, store, p + "moe.", n_layer, comms);
         MoELayerStats s;
         s.layer = l;
         s.routed.assign(c.n_experts, 0.0);
@@ -228,7 +228,7 @@ double MambaBackbone<T>::layer_forward(index_t l, const View2<T>& xn, index_t ba
       return 0;
     }
     case LayerKind::moe: {
-      const MoELosses losses = L.moe->forward(xn, m, a.moe, save, MoEStep{train, step_seed_, step_});
+      const MoELosses losses = L.moe->forward(xn, m, a.moe, save, MoEStep{train, step_seed_, step_, batch});
       if (train) {
         auto it = std::find_if(moe_acc_.begin(), moe_acc_.end(), [&](const MoELayerStats& s) { return s.layer == l; });
         const MoEStats& st = a.moe.stats;
