@@ -86,6 +86,7 @@ struct LayerMem {
   double full = 0;       // every activation the layer's forward allocates and the backward reads
   double keep = 0;       // what stays until the layer's backward under the policy
   double fwd_extra = 0;  // forward transient beyond `full` (scan context)
+  double rec_extra = -1; // transient beyond `full` while the backward recomputes (-1: as fwd_extra)
   double bwd_extra = 0;  // backward transient beyond the (kept or recomputed) activations
   double scratch = 0;    // Kokkos level-1 team scratch (pooled: the largest launch counts)
 };
@@ -176,7 +177,8 @@ LayerMem mem_dense(index_t d_ff, const Dims& d, double D, Recompute pol) {
   LayerMem m;
   m.full = d.n * d.t * 3 * F;
   m.keep = pol == Recompute::none ? m.full : 0.0;
-  m.bwd_extra = d.n * d.t * 2 * F + (pol == Recompute::none ? 0.0 : d.n * d.t * D);
+  m.rec_extra = d.n * d.t * D;  // dense_ffn::y of the recompute, freed before the backward's dh1, dh3
+  m.bwd_extra = d.n * d.t * 2 * F;
   return m;
 }
 
@@ -345,9 +347,10 @@ Plan estimate(const PlanInput& in, const Layout& layout_in, index_t micro_batch,
   const double block = d.n * (a * D + t * D + a);  // h_{l+1}, xn_l, rstd_l
   const double lm_h = d.n * (a * D + 12);          // lm::h (= h_0) and the batch
   // forward: kept so far + hf + the backbone's m + the current layer's full activations and scan context
+  // (the layer's h_{l+1} is allocated after its forward has dropped what it does not keep)
   double fwd_peak = 0, kept = 0;
   for (const LayerMem& x : lm) {
-    fwd_peak = std::max(fwd_peak, lm_h + d.n * 2 * t * D + kept + block + x.full + x.fwd_extra);
+    fwd_peak = std::max(fwd_peak, lm_h + d.n * 2 * t * D + kept + d.n * (t * D + a) + x.full + x.fwd_extra);
     kept += block + x.keep;
   }
   // backward: all blocks' h, xn, rstd + the LM head's buffers (hf, rstd_f, logits, dlogits, dhf, dh, dxn) + the
@@ -356,7 +359,9 @@ Plan estimate(const PlanInput& in, const Layout& layout_in, index_t micro_batch,
   double base = lm_h + head + block * double(lm.size()), below = 0, bwd_peak = 0, scratch = 0;
   for (const LayerMem& x : lm) {
     below += x.keep;
-    bwd_peak = std::max(bwd_peak, base + below + (x.full - x.keep) + x.bwd_extra);
+    const bool rebuilt = x.full > x.keep;
+    const double rec = rebuilt ? (x.rec_extra >= 0 ? x.rec_extra : x.fwd_extra) : 0.0;
+    bwd_peak = std::max(bwd_peak, base + below + (x.full - x.keep) + std::max(rec, x.bwd_extra));
     scratch = std::max(scratch, x.scratch);
   }
   p.bytes_activations = std::max(fwd_peak, bwd_peak);

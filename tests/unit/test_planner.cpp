@@ -160,9 +160,10 @@ TEST_CASE("planner: parameter count equals the model's ParamStore", "[planner]")
   CHECK(p.bytes_optimizer == 9.0 * double(lm.params().total()));
 
   // tp / ep sharding: the split parts divide, the replicated ones (norms, embedding, router) do not
+  m2.mixer.ngroups = 4;  // tp must divide ngroups
   const ParamCount p2 = planned_params(m2, 2, 1);
-  const index_t D = 768, V = 16, E = 1536, H = 24, N = 128, C = E + 2 * N;
-  const index_t per_layer_tp2 = D + ((2 * E + 2 * N + H) / 2) * D + (C / 2) * 4 + C / 2 + 3 * (H / 2) + E / 2 +
+  const index_t D = 768, V = 16, E = 1536, H = 24, N = 128, C = E + 2 * 4 * N;
+  const index_t per_layer_tp2 = D + ((2 * E + 2 * 4 * N + H) / 2) * D + (C / 2) * 4 + C / 2 + 3 * (H / 2) + E / 2 +
                                 D * (E / 2);
   CHECK(p2.count == V * D + 3 * per_layer_tp2 + D);
   PlanModel me = moe_mamba(8);
@@ -199,7 +200,7 @@ TEST_CASE("planner: activation estimate equals the peak the real training step a
                       << recompute_name(pol) << ": planned " << p.bytes_activations << " bytes, measured " << got
                       << " (relative difference " << rel << ")");
       CHECK(got > 0);
-      CHECK(rel < 0.05);
+      CHECK(rel < 0.01);
       WARN("activation estimate: pattern " << mm::pattern_string(m.layers.resolve(m.n_layer, "t")) << ", recompute "
                                           << recompute_name(pol) << ": planned " << p.bytes_activations
                                           << " measured " << got << " rel " << rel);
@@ -224,7 +225,9 @@ TEST_CASE("planner: every chosen layout obeys the parallel rules", "[planner]") 
           try {
             p = plan(in);
           } catch (const mm::Error& e) {
-            CHECK(std::string(e.what()).find("GB") != std::string::npos);  // says what does not fit
+            const std::string w = e.what();  // says what does not fit, or which rule every layout breaks
+            INFO(w);
+            CHECK((w.find("too much") != std::string::npos || w.find("obeys the rules") != std::string::npos));
             continue;
           }
           ++planned;
@@ -283,33 +286,40 @@ TEST_CASE("planner: a 10^6-token sequence of the 24-layer d_model 768 Mamba-2 mo
   in.seqlen = 1000000;
   in.global_batch = 1;
   in.gpu_memory_bytes = 141e9;
-  // One H200: the blocks alone keep h (fp32), xn (fp32) and rstd per token per layer: 24 * (4 * 768 * 2 + 4) bytes
-  // = 147.6 kB per token, 147.6 GB for 10^6 tokens, more than the GPU: the planner must say so.
+  // One H200 cannot hold it with this code: even under recompute = mixer every block keeps h (fp32), xn (fp32) and
+  // rstd per token: 24 * (4 * 768 * 2 + 4) bytes = 147.6 kB per token, 147.6 GB for 10^6 tokens, more than the
+  // GPU before the LM head and the backward of one layer are counted. The planner must say so.
   const double kept_blocks = 1e6 * 24 * (8.0 * 768 + 4);
   REQUIRE(kept_blocks > 141e9);
-  const std::string err = error_of(in);
-  INFO(err);
-  CHECK(err.find("does not fit in 126.90 GB") != std::string::npos);
-  CHECK(err.find("recompute mixer") != std::string::npos);
-  CHECK(err.find("too much") != std::string::npos);
-  // On two GPUs (cp = 2, one sequence) recompute none still does not fit; mixer does.
+  CHECK(estimate(in, Layout{1, 1, 1, 1}, 1, Recompute::mixer).bytes_activations > kept_blocks);
+  const std::string err1 = error_of(in);
+  INFO(err1);
+  CHECK(err1.find("does not fit in 126.90 GB") != std::string::npos);
+  CHECK(err1.find("recompute mixer") != std::string::npos);
+  CHECK(err1.find("too much") != std::string::npos);
+  WARN("10^6 tokens, 1 GPU: " << err1.substr(0, err1.find('\n')));
+  // two GPUs (cp = 2, the only layout of one sequence) fall short too; four (cp = 4) fit with recompute = mixer
   in.gpus = 2;
-  const Plan p2 = plan(in);
-  INFO(describe(p2) << p2.reasoning);
-  CHECK(p2.layout.cp == 2);
-  CHECK(p2.layout.tp == 1);
-  CHECK(p2.policy == Recompute::mixer);
-  CHECK(p2.bytes_total < 0.9 * 141e9);
-  WARN("10^6 tokens, 2 GPUs: " << describe(p2));
-  // On one GPU the longest sequence that fits picks mixer and reports a total below the memory.
+  const std::string err2 = error_of(in);
+  CHECK(err2.find("too much") != std::string::npos);
+  WARN("10^6 tokens, 2 GPUs: " << err2.substr(0, err2.find('\n')));
+  in.gpus = 4;
+  in.seqlen = 1 << 20;  // 4 slices of 2^18 tokens
+  const Plan p4 = plan(in);
+  INFO(describe(p4) << p4.reasoning);
+  CHECK(p4.layout.cp == 4);
+  CHECK(p4.policy == Recompute::mixer);
+  CHECK(p4.bytes_total < 0.9 * 141e9);
+  WARN("2^20 tokens, 4 GPUs: " << describe(p4));
+  // On one GPU a sequence of 393,216 tokens fits only by recomputing the mixers; the total is below the memory.
   in.gpus = 1;
-  in.seqlen = 786432;  // 3 * 2^18
+  in.seqlen = 393216;
   const Plan p1 = plan(in);
-  INFO(describe(p1));
+  INFO(describe(p1) << p1.reasoning);
   CHECK(p1.policy == Recompute::mixer);
   CHECK(p1.bytes_total < 0.9 * 141e9);
   CHECK(estimate(in, Layout{1, 1, 1, 1}, 1, Recompute::none).bytes_total > 141e9);
-  WARN("786,432 tokens, 1 GPU: " << describe(p1));
+  WARN("393,216 tokens, 1 GPU: " << describe(p1));
 }
 
 TEST_CASE("planner: impossible requests say what does not fit and by how much", "[planner]") {
@@ -359,5 +369,22 @@ TEST_CASE("planner: predictions for the benchmark configurations", "[planner]") 
     // ep x dp = 8 divides 8 sequences; with memory to spare dp is preferred over ep
     CHECK(p.layout.ep == 1);
     CHECK(p.layout.dp == gpus);
+  }
+  // expert weights that do not fit replicated: 16 experts of d_ff 8192 in 12 layers (3.6e9 expert parameters,
+  // 17 bytes each with gradients and AdamW) on 64 GB GPUs: ep must shard them, tp is still not needed
+  {
+    PlanInput in;
+    in.model = moe_mamba(16);
+    in.model.layers.moe.d_ff = 8192;
+    in.seqlen = 4096;
+    in.global_batch = 8;
+    in.gpus = 8;
+    in.gpu_memory_bytes = 64e9;
+    CHECK(estimate(in, Layout{1, 1, 1, 8}, 1, Recompute::mixer).bytes_total > 0.9 * 64e9);
+    const Plan p = plan(in);
+    WARN("MoE-Mamba 16 experts of d_ff 8192, 8 GPUs of 64 GB: " << describe(p));
+    CHECK(p.layout.ep > 1);
+    CHECK(p.layout.tp == 1);
+    CHECK(p.bytes_total <= 0.9 * 64e9);
   }
 }
