@@ -129,7 +129,8 @@ LayerMem mem_mamba1(const Mamba1Config& c, const Dims& d, Recompute pol) {
   m.full = d.n * d.t * (2 * E + E + R + 2 * N + E + E) + ckpt;
   m.keep = pol == Recompute::none ? m.full : 0.0;
   m.fwd_extra = d.a * N * d.b * E;  // selective_scan::h
-  const double grads = d.n * d.t * (E + 2 * E + E + E + 2 * N + R) + d.a * E * N;
+  // dy, dxz, dxc, ddelta, dbc, and A = -exp(A_log) and dA (E' x N); ddt_low comes after the scan's buffers are freed
+  const double grads = d.n * d.t * (E + 2 * E + E + E + 2 * N) + 2 * d.a * E * N;
   const double scan = d.a * (std::min(Q, d.L) * N * d.b * E + N * d.b * E + 2 * d.n * E + nc * N * d.b * E +
                              d.b * E * N + 2 * d.b * E);
   m.bwd_extra = grads + scan;
@@ -149,8 +150,11 @@ LayerMem mem_mamba3(const Mamba3Config& c, const Dims& d, Recompute pol) {
   const double ctx = d.a * d.n * (5 * H + H * S + 2 * H * R * N) + states;
   m.fwd_extra = ctx;
   const double grads = d.n * d.t * (E + din + HRP + 2 * RGN + (c.is_mimo ? HRP : 0.0));
-  const double scan_bwd = ctx + states + d.a * d.b * H * P * N + d.a * d.n * (2 * H * R * N + 4 * H + H * S) +
-                          d.a * d.b * nc * H;
+  // dstates, dsh0, dgp0, dqt, dkt, da, dw, ddiag, dphi, dut, dD_part, then the column_reduce partials of
+  // dq_bias / dk_bias (one at a time: ceil(n / 256) rows of H R N)
+  const double scan_bwd = ctx + states + d.a * d.b * H * (P * N + 1) +
+                          d.a * d.n * (2 * H * R * N + 4 * H + H * S) + d.a * d.b * nc * H +
+                          d.a * std::ceil(d.n / 256.0) * H * R * N;
   m.bwd_extra = grads + scan_bwd;
   return m;
 }
@@ -159,7 +163,7 @@ LayerMem mem_moe(const MoEConfig& c, const Dims& d, Recompute pol, double load) 
   const double D = double(c.d_model), ne = double(c.n_experts), k = double(c.top_k);
   const double F = double(c.d_ff) / d.tp, Fs = double(c.shared_d_ff) / d.tp, dr = double(c.router_in());
   const double mrows = d.n * k * load;  // assignments this rank's experts compute
-  const double routing = d.n * (2 * d.a * ne + 2 * d.a + 4 * k + d.a * k + 8 * k) + mrows * (8 + 4);
+  const double routing = d.n * (2 * d.a * ne + 2 * d.a + 4 * k + d.a * k + 8 * k) + mrows * (8 + 4) + 8 * ne;
   const double xr = (c.jitter > 0 || c.state_aware) ? d.n * d.t * dr : 0.0;
   const double experts = mrows * d.t * (2 * D + 3 * F) + d.n * d.t * 3 * Fs;
   const double a2a = d.ep > 1 ? 2 * mrows * d.t * D : 0.0;
@@ -167,8 +171,10 @@ LayerMem mem_moe(const MoEConfig& c, const Dims& d, Recompute pol, double load) 
   m.full = routing + xr + experts;
   m.keep = routing + xr + ((pol == Recompute::none && !c.recompute) ? experts : 0.0);
   m.fwd_extra = (Fs > 0 ? d.n * d.t * D : 0.0) + a2a;
-  m.bwd_extra = mrows * d.t * (2 * D + 2 * F) + d.n * d.a * (k + ne) + (Fs > 0 ? d.n * d.t * (2 * Fs + D) : 0.0) +
-                xr + a2a;
+  // dy, dgate, dxp stay through the backward; then, one after the other: the experts' dh1, dh3; the shared
+  // expert's; the router's dlogits (with d(router input) when the input is a copy)
+  m.bwd_extra = mrows * d.t * 2 * D + d.n * d.a * k +
+                std::max({2 * mrows * d.t * F, 2 * d.n * d.t * Fs, d.n * d.a * ne + xr}) + a2a;
   return m;
 }
 

@@ -45,10 +45,11 @@
 //        per row); backward adds dstates (as states), dBh and dCh (a H' N per token each) and the gradient
 //        buffers dyn, dy (t E'), dzxbcdt (t (2E+2GN+H)'), dxbc (t C'); the conv backward's dpre (a C') comes
 //        after the scan's context is freed.
-//     M1 backward: dy, dxc, ddelta (t E'), dxz (2t E'), dbc (2t N), ddt_low (t R) and the scan's delta and g
+//     M1 backward: dy, dxc, ddelta (t E'), dxz (2t E'), dbc (2t N), A and dA (a E' N) and the scan's delta and g
 //        (a E' per token each), hs (a min(Q, L) N E' per row), dh (a N E' per row), dcarry (a nc N E' per row).
 //     M3 scan context: delta, lambda, A, acs, w (a H'), phi (a H' S), qt, kt (a H' R N) per token, states (as M2);
-//        backward adds dstates, dqt, dkt, da, dw, ddiag, dut, dphi and dO, dproj, dy, dqk (dv for MIMO).
+//        backward adds dstates, dsh0, dgp0, dqt, dkt, da, dw, ddiag, dut, dphi, the dq_bias partial sums
+//        (a H' R N per 256 tokens) and dO, dproj, dy, dqk (dv for MIMO).
 //     E  backward: dy, dxp (t D per assignment), dh1, dh3 (2t F' per assignment), dgate, dlogits; under ep the
 //        all-to-all send and receive buffers (2 t D per assignment, forward and backward).
 //   The peak is the larger of the forward peak (lm::h, hf, the backbone's m, what the blocks before l keep, xn_l and

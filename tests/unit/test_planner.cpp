@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <unordered_map>
+#include <vector>
 
 #include "catch.hpp"
 #include "core/error.hpp"
@@ -56,15 +58,24 @@ std::string error_of(const PlanInput& in) {
 // Live and peak bytes of every Kokkos allocation (any space), from the Tools callbacks.
 struct Tracker {
   static inline std::int64_t live = 0, peak = 0;
-  static void alloc(Kokkos_Profiling_SpaceHandle, const char*, const void*, std::uint64_t size) {
+  // Kokkos' own buffers (team scratch pools, reduction scratch: labels "Kokkos::...") are the planner's workspace;
+  // their deallocation may come unlabelled, so what was counted is remembered by address.
+  static inline std::unordered_map<const void*, std::int64_t> counted;
+  static void alloc(Kokkos_Profiling_SpaceHandle, const char* label, const void* ptr, std::uint64_t size) {
+    if (std::string(label).rfind("Kokkos", 0) == 0) return;
+    counted[ptr] = std::int64_t(size);
     live += std::int64_t(size);
     peak = std::max(peak, live);
   }
-  static void dealloc(Kokkos_Profiling_SpaceHandle, const char*, const void*, std::uint64_t size) {
-    live -= std::int64_t(size);
+  static void dealloc(Kokkos_Profiling_SpaceHandle, const char*, const void* ptr, std::uint64_t) {
+    auto it = counted.find(ptr);
+    if (it == counted.end()) return;
+    live -= it->second;
+    counted.erase(it);
   }
   Tracker() {
     live = peak = 0;
+    counted.clear();
     Kokkos::Tools::Experimental::set_allocate_data_callback(alloc);
     Kokkos::Tools::Experimental::set_deallocate_data_callback(dealloc);
   }
@@ -176,18 +187,37 @@ TEST_CASE("planner: parameter count equals the model's ParamStore", "[planner]")
 TEST_CASE("planner: activation estimate equals the peak the real training step allocates", "[planner]") {
   // fp32 on the host backend: every View the forward and backward allocate is counted through Kokkos' callbacks
   // (parameters and the model exist before the tracking starts). Scratch and the runtime reserve are workspace.
-  for (const PlanModel& m : {[] {
-                               PlanModel x = mamba2_768();
-                               x.mixer.d_model = 32;
-                               x.mixer.d_state = 16;
-                               x.mixer.headdim = 8;
-                               x.mixer.chunk = 16;
-                               x.n_layer = 3;
-                               return x;
-                             }(),
-                             small_mixed()}) {
+  std::vector<PlanModel> models;
+  {
+    PlanModel x = mamba2_768();
+    x.mixer.d_model = 32;
+    x.mixer.d_state = 16;
+    x.mixer.headdim = 8;
+    x.mixer.chunk = 16;
+    x.n_layer = 3;
+    models.push_back(x);
+  }
+  models.push_back(small_mixed());
+  // each kind alone (its own peak), and MoE with a capacity-free router, jitter and an expert recompute flag
+  for (const char* pat : {"M1 M1", "M3 M3", "E E", "D D", "M2 E"}) {
+    PlanModel x = small_mixed();
+    x.layers.pattern = mm::parse_layer_pattern(pat, "test");
+    x.n_layer = 2;
+    models.push_back(x);
+  }
+  {
+    PlanModel x = small_mixed();
+    x.layers.pattern = mm::parse_layer_pattern("E M2", "test");
+    x.n_layer = 2;
+    x.layers.moe.jitter = 0.01;
+    x.layers.moe.recompute = true;
+    x.layers.mamba3.is_mimo = false;
+    models.push_back(x);
+  }
+  for (const PlanModel& m : models) {
     for (Recompute pol : {Recompute::none, Recompute::mixer}) {
-      const index_t b = 2, L = 64;
+      for (index_t L : {64, 200}) {
+      const index_t b = 2;
       PlanInput in;
       in.model = m;
       in.seqlen = L;
@@ -200,10 +230,11 @@ TEST_CASE("planner: activation estimate equals the peak the real training step a
                       << recompute_name(pol) << ": planned " << p.bytes_activations << " bytes, measured " << got
                       << " (relative difference " << rel << ")");
       CHECK(got > 0);
-      CHECK(rel < 0.01);
+      CHECK(rel < 1e-3);
       WARN("activation estimate: pattern " << mm::pattern_string(m.layers.resolve(m.n_layer, "t")) << ", recompute "
                                           << recompute_name(pol) << ": planned " << p.bytes_activations
-                                          << " measured " << got << " rel " << rel);
+                                          << " L " << L << " measured " << got << " rel " << rel);
+      }
     }
   }
 }
