@@ -190,6 +190,16 @@ LayerMem mem_dense(index_t d_ff, const Dims& d, double D, Recompute pol) {
 
 }  // namespace
 
+PlanModel plan_model(const LMConfig& lm) {
+  PlanModel m;
+  m.mixer = lm.mixer;
+  m.n_layer = lm.n_layer;
+  m.layers = lm.layers;
+  m.vocab_size = lm.vocab_size;
+  m.tie_embeddings = lm.tie_embeddings;
+  return m;
+}
+
 const char* recompute_name(Recompute r) { return r == Recompute::none ? "none" : "mixer"; }
 
 ParamCount planned_params(const PlanModel& m, index_t tp, index_t ep) {

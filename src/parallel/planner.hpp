@@ -90,6 +90,7 @@
 #include <vector>
 
 #include "model/backbone.hpp"
+#include "model/lm.hpp"
 #include "parallel/grid.hpp"
 
 namespace mm::parallel {
@@ -101,6 +102,9 @@ struct PlanModel {
   index_t vocab_size = 16;
   bool tie_embeddings = true;
 };
+
+// The planner's view of a language model's configuration (what the deck's [model] gives the LM).
+PlanModel plan_model(const LMConfig& lm);
 
 struct PlanInput {
   PlanModel model;

@@ -150,6 +150,7 @@ TEST_CASE("planner: parameter count equals the model's ParamStore", "[planner]")
   mm::MambaLM<float> lm(lm_config(m));
   const ParamCount pc = planned_params(m, 1, 1);
   CHECK(pc.count == lm.params().count());
+  CHECK(planned_params(plan_model(lm.config()), 1, 1).count == lm.params().count());
   CHECK(pc.padded == lm.params().total());
   // the M2-only default pattern, tied embeddings, through the backbone alone plus the embedding
   PlanModel m2 = mamba2_768();
