@@ -73,16 +73,14 @@ struct Tracker {
     live -= it->second;
     counted.erase(it);
   }
+  Kokkos::Tools::Experimental::EventSet saved = Kokkos::Tools::Experimental::get_callbacks();
   Tracker() {
     live = peak = 0;
     counted.clear();
     Kokkos::Tools::Experimental::set_allocate_data_callback(alloc);
     Kokkos::Tools::Experimental::set_deallocate_data_callback(dealloc);
   }
-  ~Tracker() {
-    Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
-    Kokkos::Tools::Experimental::set_deallocate_data_callback(nullptr);
-  }
+  ~Tracker() { Kokkos::Tools::Experimental::set_callbacks(saved); }  // a loaded tool keeps working
 };
 
 mm::LMConfig lm_config(const PlanModel& m) {
@@ -383,7 +381,7 @@ TEST_CASE("planner: predictions for the benchmark configurations", "[planner]") 
     in.gpus = gpus;
     in.gpu_memory_bytes = 141e9;
     const Plan p = plan(in);
-    WARN("Mamba-2 768 x 24, " << gpus << " GPU(s), seqlen " << in.seqlen << ": " << describe(p));
+    WARN("Mamba-2 768 x 24, " << gpus << " GPU(s), seqlen " << in.seqlen << ": " << describe(p) << p.reasoning);
     CHECK(p.tokens_per_rank == 131072);
     CHECK(p.bytes_total < 0.9 * 141e9);
   }
