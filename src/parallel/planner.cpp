@@ -1,0 +1,474 @@
+#include "parallel/planner.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+#include <tuple>
+
+#include "core/error.hpp"
+
+namespace mm::parallel {
+
+namespace {
+
+constexpr const char* kWhere = "layout planner";
+
+index_t pad16(index_t x) { return (x + 15) / 16 * 16; }
+
+struct Acc {
+  index_t count = 0, padded = 0;
+  void add(index_t e) { count += e, padded += pad16(e); }
+};
+
+std::string gb(double bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f GB", bytes / 1e9);
+  return buf;
+}
+
+std::string layout_str(const Layout& l) {
+  return "tp=" + std::to_string(l.tp) + " cp=" + std::to_string(l.cp) + " ep=" + std::to_string(l.ep) +
+         " dp=" + std::to_string(l.dp);
+}
+
+std::vector<LayerKind> kinds_of(const PlanModel& m) { return m.layers.resolve(m.n_layer, kWhere); }
+
+bool uses(const std::vector<LayerKind>& p, LayerKind k) { return std::find(p.begin(), p.end(), k) != p.end(); }
+
+Mamba1Config m1_cfg(const PlanModel& m) {
+  Mamba1Config c = m.layers.mamba1;
+  c.d_model = m.mixer.d_model;
+  return c;
+}
+Mamba3Config m3_cfg(const PlanModel& m) {
+  Mamba3Config c = m.layers.mamba3;
+  c.d_model = m.mixer.d_model;
+  return c;
+}
+MoEConfig moe_cfg(const PlanModel& m) {
+  MoEConfig c = m.layers.moe;
+  c.d_model = m.mixer.d_model;
+  return c;
+}
+index_t dense_ff(const PlanModel& m) { return m.layers.dense_d_ff > 0 ? m.layers.dense_d_ff : m.layers.moe.d_ff; }
+
+// The tp / ep divisibility rules; empty when they hold.
+std::string split_rules(const PlanModel& m, index_t tp, index_t ep) {
+  const auto p = kinds_of(m);
+  std::ostringstream why;
+  auto need = [&](index_t value, const char* what, index_t by, const char* dim) {
+    if (value % by != 0 && why.tellp() == 0) why << what << " = " << value << " does not divide by " << dim << " = " << by;
+  };
+  if (uses(p, LayerKind::mamba2)) {
+    need(m.mixer.nheads(), "nheads (Mamba-2)", tp, "tp");
+    need(m.mixer.ngroups, "ngroups (Mamba-2)", tp, "tp");
+  }
+  if (uses(p, LayerKind::mamba1)) need(m1_cfg(m).d_inner(), "d_inner (Mamba-1)", tp, "tp");
+  if (uses(p, LayerKind::mamba3)) {
+    need(m3_cfg(m).nheads(), "nheads (Mamba-3)", tp, "tp");
+    need(m3_cfg(m).ngroups, "ngroups (Mamba-3)", tp, "tp");
+  }
+  if (uses(p, LayerKind::moe)) {
+    const MoEConfig c = moe_cfg(m);
+    need(c.d_ff, "d_ff (MoE)", tp, "tp");
+    need(c.shared_d_ff, "shared_d_ff (MoE)", tp, "tp");
+    need(c.n_experts, "n_experts", ep, "ep");
+  } else if (ep != 1 && why.tellp() == 0) {
+    why << "ep = " << ep << " but the model has no MoE layers (ep must be 1)";
+  }
+  if (uses(p, LayerKind::dense)) need(dense_ff(m), "d_ff (dense)", tp, "tp");
+  return why.str();
+}
+
+// Activation terms of one layer (bytes), see the header.
+struct LayerMem {
+  double full = 0;       // every activation the layer's forward allocates and the backward reads
+  double keep = 0;       // what stays until the layer's backward under the policy
+  double fwd_extra = 0;  // forward transient beyond `full` (scan context)
+  double rec_extra = -1; // transient beyond `full` while the backward recomputes (-1: as fwd_extra)
+  double bwd_extra = 0;  // backward transient beyond the (kept or recomputed) activations
+  double scratch = 0;    // Kokkos level-1 team scratch (pooled: the largest launch counts)
+};
+
+struct Dims {
+  double t, a;           // activation and acc_t bytes
+  double b, L, n;        // rows, tokens per row (the rank's slice), tokens
+  index_t tp, ep;
+  double concurrency_teams;
+};
+
+LayerMem mem_mamba2(const Mamba2Config& c, const Dims& d, Recompute pol) {
+  const double E = double(c.d_inner()) / d.tp, H = double(c.nheads()) / d.tp, G = double(c.ngroups) / d.tp;
+  const double N = double(c.d_state), P = double(c.headdim), Q = double(c.chunk);
+  const double GN = G * N, C = E + 2 * GN, din = 2 * E + 2 * GN + H;
+  const double nc = std::ceil(d.L / Q);
+  LayerMem m;
+  m.full = d.n * (d.t * (din + C + 2 * E) + d.a * G);
+  m.keep = pol == Recompute::none ? m.full : 0.0;
+  const double states = d.a * d.b * nc * H * P * N;
+  const double ctx = d.a * 2 * H * d.n + states + d.a * d.b * nc * G * Q * Q;
+  m.fwd_extra = ctx;
+  const double grads = d.n * d.t * (2 * E + din + C);  // dyn, dy, dzxbcdt, dxbc
+  const double scan_bwd = ctx + states + 2 * d.a * d.n * H * N + d.a * d.b * nc * H * 3;
+  const double conv_bwd = d.a * d.n * C;
+  m.bwd_extra = grads + std::max(scan_bwd, conv_bwd);
+  // ssd::chunk_bwd: 3 Q x Q tiles in level-1 scratch (+ the dL/dH tile when it does not fit on chip)
+  const double dh = d.a * P * (N + 1);
+  const bool fast = 7 * d.a * Q + dh <= 46.0 * 1024;
+  const double per_team = 3 * d.a * Q * Q + (fast ? 0.0 : dh);
+  m.scratch = per_team * std::min(d.b * nc * H, d.concurrency_teams);
+  return m;
+}
+
+LayerMem mem_mamba1(const Mamba1Config& c, const Dims& d, Recompute pol) {
+  const double E = double(c.d_inner()) / d.tp, N = double(c.d_state), R = double(c.rank()), Q = double(c.chunk);
+  const double nc = std::ceil(d.L / Q);
+  LayerMem m;
+  const double ckpt = d.a * nc * N * d.b * E;
+  m.full = d.n * d.t * (2 * E + E + R + 2 * N + E + E) + ckpt;
+  m.keep = pol == Recompute::none ? m.full : 0.0;
+  m.fwd_extra = d.a * N * d.b * E;  // selective_scan::h
+  // dy, dxz, dxc, ddelta, dbc, and A = -exp(A_log) and dA (E' x N); ddt_low comes after the scan's buffers are freed
+  const double grads = d.n * d.t * (E + 2 * E + E + E + 2 * N) + 2 * d.a * E * N;
+  const double scan = d.a * (std::min(Q, d.L) * N * d.b * E + N * d.b * E + 2 * d.n * E + nc * N * d.b * E +
+                             d.b * E * N + 2 * d.b * E);
+  m.bwd_extra = grads + scan;
+  return m;
+}
+
+LayerMem mem_mamba3(const Mamba3Config& c, const Dims& d, Recompute pol) {
+  const double E = double(c.d_inner()) / d.tp, H = double(c.nheads()) / d.tp, G = double(c.ngroups) / d.tp;
+  const double N = double(c.d_state), R = double(c.rank()), P = double(c.headdim), S = double(c.nangles());
+  const double Q = double(c.chunk_size), nc = std::ceil(d.L / Q);
+  const double RGN = R * G * N, HRP = H * R * P, din = 2 * E + 2 * RGN + 3 * H + S;
+  LayerMem m;
+  m.full = d.n * (d.t * (din + 2 * RGN + (c.is_mimo ? HRP : 0.0) + HRP + E) + d.a * 2 * R * G +
+                  (c.is_outproj_norm ? d.a * H * R : 0.0));
+  m.keep = pol == Recompute::none ? m.full : 0.0;
+  const double states = d.a * d.b * nc * H * P * N;
+  const double ctx = d.a * d.n * (5 * H + H * S + 2 * H * R * N) + states;
+  m.fwd_extra = ctx;
+  const double grads = d.n * d.t * (E + din + HRP + 2 * RGN + (c.is_mimo ? HRP : 0.0));
+  // dstates, dsh0, dgp0, dqt, dkt, da, dw, ddiag, dphi, dut, dD_part, then the column_reduce partials of
+  // dq_bias / dk_bias (one at a time: ceil(n / 256) rows of H R N)
+  const double scan_bwd = ctx + states + d.a * d.b * H * (P * N + 1) +
+                          d.a * d.n * (2 * H * R * N + 4 * H + H * S) + d.a * d.b * nc * H +
+                          d.a * std::ceil(d.n / 256.0) * H * R * N;
+  m.bwd_extra = grads + scan_bwd;
+  return m;
+}
+
+LayerMem mem_moe(const MoEConfig& c, const Dims& d, Recompute pol, double load) {
+  const double D = double(c.d_model), ne = double(c.n_experts), k = double(c.top_k);
+  const double F = double(c.d_ff) / d.tp, Fs = double(c.shared_d_ff) / d.tp, dr = double(c.router_in());
+  const double mrows = d.n * k * load;  // assignments this rank's experts compute
+  const double routing = d.n * (2 * d.a * ne + 2 * d.a + 4 * k + d.a * k + 8 * k) + mrows * (8 + 4) + 8 * ne;
+  const double xr = (c.jitter > 0 || c.state_aware) ? d.n * d.t * dr : 0.0;
+  const double experts = mrows * d.t * (2 * D + 3 * F) + d.n * d.t * 3 * Fs;
+  const double a2a = d.ep > 1 ? 2 * mrows * d.t * D : 0.0;
+  LayerMem m;
+  m.full = routing + xr + experts;
+  m.keep = routing + xr + ((pol == Recompute::none && !c.recompute) ? experts : 0.0);
+  m.fwd_extra = (Fs > 0 ? d.n * d.t * D : 0.0) + a2a;
+  // dy, dgate, dxp stay through the backward; then, one after the other: the experts' dh1, dh3; the shared
+  // expert's; the router's dlogits (with d(router input) when the input is a copy)
+  m.bwd_extra = mrows * d.t * 2 * D + d.n * d.a * k +
+                std::max({2 * mrows * d.t * F, 2 * d.n * d.t * Fs, d.n * d.a * ne + xr}) + a2a;
+  return m;
+}
+
+LayerMem mem_dense(index_t d_ff, const Dims& d, double D, Recompute pol) {
+  const double F = double(d_ff) / d.tp;
+  LayerMem m;
+  m.full = d.n * d.t * 3 * F;
+  m.keep = pol == Recompute::none ? m.full : 0.0;
+  m.rec_extra = d.n * d.t * D;  // dense_ffn::y of the recompute, freed before the backward's dh1, dh3
+  m.bwd_extra = d.n * d.t * 2 * F;
+  return m;
+}
+
+}  // namespace
+
+PlanModel plan_model(const LMConfig& lm) {
+  PlanModel m;
+  m.mixer = lm.mixer;
+  m.n_layer = lm.n_layer;
+  m.layers = lm.layers;
+  m.vocab_size = lm.vocab_size;
+  m.tie_embeddings = lm.tie_embeddings;
+  return m;
+}
+
+const char* recompute_name(Recompute r) { return r == Recompute::none ? "none" : "mixer"; }
+
+ParamCount planned_params(const PlanModel& m, index_t tp, index_t ep) {
+  require(tp >= 1 && ep >= 1, kWhere, "tp and ep must be at least 1 (got tp = ", tp, ", ep = ", ep, ")");
+  const std::string why = split_rules(m, tp, ep);
+  require(why.empty(), kWhere, why);
+  const index_t D = m.mixer.d_model, V = m.vocab_size;
+  Acc acc;
+  acc.add(V * D);  // embedding
+  for (LayerKind k : kinds_of(m)) {
+    acc.add(D);  // block norm
+    switch (k) {
+      case LayerKind::mamba2: {
+        const Mamba2Config& c = m.mixer;
+        const index_t E = c.d_inner() / tp, H = c.nheads() / tp, GN = c.ngroups / tp * c.d_state, C = E + 2 * GN;
+        acc.add((2 * E + 2 * GN + H) * D);
+        acc.add(C * c.d_conv);
+        acc.add(C);
+        for (int i = 0; i < 3; ++i) acc.add(H);  // dt_bias, A_log, D
+        acc.add(E);                              // norm
+        acc.add(D * E);                          // out_proj
+        break;
+      }
+      case LayerKind::mamba1: {
+        const Mamba1Config c = m1_cfg(m);
+        const index_t E = c.d_inner() / tp, N = c.d_state, R = c.rank();
+        acc.add(2 * E * D);
+        acc.add(E * c.d_conv);
+        acc.add(E);
+        acc.add((R + 2 * N) * E);
+        acc.add(E * R);
+        acc.add(E);
+        acc.add(E * N);
+        acc.add(E);
+        acc.add(D * E);
+        break;
+      }
+      case LayerKind::mamba3: {
+        const Mamba3Config c = m3_cfg(m);
+        const index_t E = c.d_inner() / tp, H = c.nheads() / tp, N = c.d_state, R = c.rank(), G = c.ngroups / tp;
+        acc.add((2 * E + 2 * R * G * N + 3 * H + c.nangles()) * D);
+        acc.add(H);
+        acc.add(H);
+        acc.add(N);
+        acc.add(N);
+        acc.add(H * R * N);
+        acc.add(H * R * N);
+        if (c.is_mimo)
+          for (int i = 0; i < 3; ++i) acc.add(H * R * c.headdim);
+        if (c.is_outproj_norm) acc.add(E);
+        acc.add(D * E);
+        break;
+      }
+      case LayerKind::moe: {
+        const MoEConfig c = moe_cfg(m);
+        acc.add(c.n_experts * c.router_in());
+        if (c.bias_update_rate > 0) acc.add(c.n_experts);
+        const index_t el = c.n_experts / ep, F = c.d_ff / tp;
+        for (int i = 0; i < 3; ++i) acc.add(el * F * D);
+        if (c.shared_d_ff > 0)
+          for (int i = 0; i < 3; ++i) acc.add(c.shared_d_ff / tp * D);
+        break;
+      }
+      case LayerKind::dense:
+        for (int i = 0; i < 3; ++i) acc.add(dense_ff(m) / tp * D);
+        break;
+    }
+  }
+  acc.add(D);  // norm_f
+  if (!m.tie_embeddings) acc.add(V * D);
+  return {acc.count, acc.padded};
+}
+
+std::string check_layout(const PlanInput& in, const Layout& layout_in) {
+  Layout l = layout_in;
+  if (l.tp < 1 || l.cp < 1 || l.ep < 1 || l.dp < 0) return "every dimension must be at least 1";
+  const std::int64_t tce = l.tp * l.cp * l.ep;
+  if (l.dp == 0) {
+    if (in.gpus % tce != 0)
+      return "tp * cp * ep = " + std::to_string(tce) + " does not divide the GPU count " + std::to_string(in.gpus);
+    l.dp = in.gpus / tce;
+  }
+  if (tce * l.dp != in.gpus)
+    return "tp * cp * ep * dp = " + std::to_string(tce * l.dp) + " is not the GPU count " + std::to_string(in.gpus);
+  if (l.tp > in.gpus_per_node)
+    return "tp = " + std::to_string(l.tp) + " exceeds the " + std::to_string(in.gpus_per_node) +
+           " GPUs of a node (tensor parallelism needs the intra-node links)";
+  std::string why = split_rules(in.model, l.tp, l.ep);
+  if (!why.empty()) return why;
+  if (in.seqlen % l.cp != 0)
+    return "seqlen = " + std::to_string(in.seqlen) + " does not divide by cp = " + std::to_string(l.cp);
+  const auto p = kinds_of(in.model);
+  const index_t slice = in.seqlen / l.cp;
+  auto chunk_rule = [&](index_t chunk, const char* kind) -> std::string {
+    if (slice >= chunk) return "";
+    return "cp = " + std::to_string(l.cp) + " leaves each rank " + std::to_string(slice) + " tokens, less than one " +
+           kind + " chunk (" + std::to_string(chunk) +
+           "): the state passing hands one state per chunk boundary, a slice needs at least one chunk";
+  };
+  if (uses(p, LayerKind::mamba2) && !(why = chunk_rule(in.model.mixer.chunk, "Mamba-2")).empty()) return why;
+  if (uses(p, LayerKind::mamba3) && !(why = chunk_rule(in.model.layers.mamba3.chunk_size, "Mamba-3")).empty())
+    return why;
+  const std::int64_t data = l.ep * l.dp;
+  if (in.global_batch % data != 0)
+    return "the global batch of " + std::to_string(in.global_batch) + " sequences does not divide by ep * dp = " +
+           std::to_string(data) + " (the ep x dp ranks hold different sequences)";
+  return "";
+}
+
+Plan estimate(const PlanInput& in, const Layout& layout_in, index_t micro_batch, Recompute policy) {
+  require(in.seqlen >= 1 && in.global_batch >= 1 && in.gpus >= 1, kWhere,
+          "seqlen, global batch and GPU count must be positive (got ", in.seqlen, ", ", in.global_batch, ", ",
+          in.gpus, ")");
+  require(in.dtype_bytes == 4 || in.dtype_bytes == 8, kWhere, "dtype bytes must be 4 or 8 (got ", in.dtype_bytes,
+          ")");
+  const std::string why = check_layout(in, layout_in);
+  require(why.empty(), kWhere, layout_str(layout_in), ": ", why);
+  Layout l = layout_in;
+  if (l.dp == 0) l.dp = in.gpus / (l.tp * l.cp * l.ep);
+  const index_t per_rank = in.global_batch / (l.ep * l.dp);
+  require(micro_batch >= 1 && per_rank % micro_batch == 0, kWhere, "micro-batch ", micro_batch,
+          " does not divide the ", per_rank, " sequences of a data rank (global batch ", in.global_batch,
+          " / (ep * dp = ", l.ep * l.dp, "))");
+
+  const PlanModel& M = in.model;
+  const double t = double(in.dtype_bytes), a = in.dtype_bytes == 8 ? 8.0 : 4.0;
+  const double D = double(M.mixer.d_model), V = double(M.vocab_size);
+  Dims d;
+  d.t = t;
+  d.a = a;
+  d.b = double(micro_batch);
+  d.L = double(in.seqlen / l.cp);
+  d.n = d.b * d.L;
+  d.tp = l.tp;
+  d.ep = l.ep;
+  d.concurrency_teams = std::max(1.0, std::floor(double(in.gpu_concurrency) / 256.0));
+
+  Plan p;
+  p.layout = l;
+  p.micro_batch = micro_batch;
+  p.accumulation = per_rank / micro_batch;
+  p.policy = policy;
+  p.tokens_per_rank = index_t(d.n);
+  const ParamCount pc = planned_params(M, l.tp, l.ep);
+  p.param_elements = pc.padded;
+  p.bytes_params = a * double(pc.padded);
+  p.bytes_grads = a * double(pc.padded);
+  p.bytes_optimizer = (2 * a + 1) * double(pc.padded);
+
+  // per-layer terms
+  std::vector<LayerMem> lm;
+  for (LayerKind k : kinds_of(M)) {
+    switch (k) {
+      case LayerKind::mamba2: lm.push_back(mem_mamba2(M.mixer, d, policy)); break;
+      case LayerKind::mamba1: lm.push_back(mem_mamba1(m1_cfg(M), d, policy)); break;
+      case LayerKind::mamba3: lm.push_back(mem_mamba3(m3_cfg(M), d, policy)); break;
+      case LayerKind::moe: lm.push_back(mem_moe(moe_cfg(M), d, policy, in.moe_load_factor)); break;
+      case LayerKind::dense: lm.push_back(mem_dense(dense_ff(M), d, D, policy)); break;
+    }
+  }
+  const double block = d.n * (a * D + t * D + a);  // h_{l+1}, xn_l, rstd_l
+  const double lm_h = d.n * (a * D + 12);          // lm::h (= h_0) and the batch
+  // forward: kept so far + hf + the backbone's m + the current layer's full activations and scan context
+  // (the layer's h_{l+1} is allocated after its forward has dropped what it does not keep)
+  double fwd_peak = 0, kept = 0;
+  for (const LayerMem& x : lm) {
+    fwd_peak = std::max(fwd_peak, lm_h + d.n * 2 * t * D + kept + d.n * (t * D + a) + x.full + x.fwd_extra);
+    kept += block + x.keep;
+  }
+  // backward: all blocks' h, xn, rstd + the LM head's buffers (hf, rstd_f, logits, dlogits, dhf, dh, dxn) + the
+  // layers not yet done + the current layer's recomputed activations and backward transient
+  const double head = d.n * (t * D + a + 2 * t * V + t * D + a * D + t * D);
+  double base = lm_h + head + block * double(lm.size()), below = 0, bwd_peak = 0, scratch = 0;
+  for (const LayerMem& x : lm) {
+    below += x.keep;
+    const bool rebuilt = x.full > x.keep;
+    const double rec = rebuilt ? (x.rec_extra >= 0 ? x.rec_extra : x.fwd_extra) : 0.0;
+    bwd_peak = std::max(bwd_peak, base + below + (x.full - x.keep) + std::max(rec, x.bwd_extra));
+    scratch = std::max(scratch, x.scratch);
+  }
+  p.bytes_activations = std::max(fwd_peak, bwd_peak);
+  p.bytes_workspace = scratch + in.runtime_reserve_bytes;
+  p.bytes_total = p.bytes_params + p.bytes_grads + p.bytes_optimizer + p.bytes_activations + p.bytes_workspace;
+  p.bytes_available = in.memory_fraction * in.gpu_memory_bytes;
+  return p;
+}
+
+Plan plan(const PlanInput& in) {
+  require(in.gpus >= 1, kWhere, "the GPU count must be positive (got ", in.gpus, ")");
+  require(in.gpu_memory_bytes > 0, kWhere, "the GPU memory must be positive (got ", in.gpu_memory_bytes, ")");
+  require(in.gpus_per_node >= 1, kWhere, "GPUs per node must be positive (got ", in.gpus_per_node, ")");
+  in.model.mixer.validate(kWhere);
+  in.model.layers.validate(in.model.mixer.d_model, in.model.n_layer, kWhere);
+  const double avail = in.memory_fraction * in.gpu_memory_bytes;
+
+  std::vector<index_t> divs;
+  for (index_t x = 1; x <= in.gpus; ++x)
+    if (in.gpus % x == 0) divs.push_back(x);
+
+  std::ostringstream lines;
+  bool have_best = false, have_valid = false;
+  Plan best, closest;
+  double closest_total = 0;
+  auto key = [](const Plan& p) {
+    return std::make_tuple(p.layout.tp, p.layout.ep, p.policy == Recompute::none ? 0 : 1, p.layout.cp,
+                           -p.micro_batch);
+  };
+  for (index_t tp : divs)
+    for (index_t ep : divs)
+      for (index_t cp : divs) {
+        if (in.gpus % (tp * ep * cp) != 0) continue;
+        const Layout l{tp, cp, ep, in.gpus / (tp * ep * cp)};
+        const std::string why = check_layout(in, l);
+        if (!why.empty()) {
+          lines << layout_str(l) << ": rejected: " << why << "\n";
+          continue;
+        }
+        have_valid = true;
+        const index_t per_rank = in.global_batch / (l.ep * l.dp);
+        for (Recompute pol : {Recompute::none, Recompute::mixer}) {
+          bool fit = false;
+          for (index_t mb = per_rank; mb >= 1 && !fit; --mb) {
+            if (per_rank % mb != 0) continue;
+            const Plan p = estimate(in, l, mb, pol);
+            if (mb == 1 && (!have_valid || closest_total == 0 || p.bytes_total < closest_total)) {
+              closest = p;
+              closest_total = p.bytes_total;
+            }
+            if (p.bytes_total <= avail) {
+              fit = true;
+              lines << layout_str(l) << " recompute " << recompute_name(pol) << ": fits with micro-batch " << mb
+                    << " (" << gb(p.bytes_total) << " of " << gb(avail) << ")\n";
+              if (!have_best || key(p) < key(best)) best = p, have_best = true;
+            } else if (mb == 1) {
+              lines << layout_str(l) << " recompute " << recompute_name(pol) << ": does not fit even at micro-batch 1 ("
+                    << gb(p.bytes_total) << " > " << gb(avail) << ", activations " << gb(p.bytes_activations)
+                    << ")\n";
+            }
+          }
+        }
+      }
+  if (!have_valid)
+    throw Error(kWhere, "no layout of " + std::to_string(in.gpus) + " GPUs obeys the rules:\n" + lines.str());
+  if (!have_best) {
+    const Plan& c = closest;
+    throw Error(kWhere, "the model does not fit in " + gb(avail) + " (" + std::to_string(int(in.memory_fraction * 100)) +
+                            " % of " + gb(in.gpu_memory_bytes) + ") on any layout of " + std::to_string(in.gpus) +
+                            " GPU(s) at seqlen " + std::to_string(in.seqlen) + "; the closest, " +
+                            layout_str(c.layout) + " with recompute " + recompute_name(c.policy) +
+                            " and micro-batch 1, needs " + gb(c.bytes_total) + " (params " + gb(c.bytes_params) +
+                            ", grads " + gb(c.bytes_grads) + ", optimizer " + gb(c.bytes_optimizer) +
+                            ", activations " + gb(c.bytes_activations) + ", workspace " + gb(c.bytes_workspace) +
+                            "): " + gb(c.bytes_total - avail) + " too much\n" + lines.str());
+  }
+  best.reasoning = lines.str() + "chosen: " + layout_str(best.layout) + " recompute " + recompute_name(best.policy) +
+                   " micro-batch " + std::to_string(best.micro_batch) +
+                   " (preference: smallest tp, then ep, recompute none, smallest cp, largest micro-batch)\n";
+  return best;
+}
+
+std::string describe(const Plan& p) {
+  std::ostringstream s;
+  s << "layout " << layout_str(p.layout) << ", micro-batch " << p.micro_batch << " (x" << p.accumulation
+    << " accumulation), recompute " << recompute_name(p.policy) << ", " << p.tokens_per_rank
+    << " tokens per rank per micro-batch\n";
+  s << "memory per GPU: params " << gb(p.bytes_params) << ", grads " << gb(p.bytes_grads) << ", optimizer "
+    << gb(p.bytes_optimizer) << ", activations " << gb(p.bytes_activations) << ", workspace "
+    << gb(p.bytes_workspace) << "; total " << gb(p.bytes_total) << " of " << gb(p.bytes_available) << " usable\n";
+  return s.str();
+}
+
+}  // namespace mm::parallel
