@@ -1,3 +1,4 @@
+#include "parallel/planner.hpp"
 #include "lm_options.hpp"
 
 #include <filesystem>
@@ -27,20 +28,54 @@ void declare_run(io::Deck& d) {
               "they hold different micro-batches like dp ranks")
       .add<I>("parallel.dp", 0,
               "data-parallel ranks (0: the rest); tp * cp * ep * dp = MPI ranks; grad_accum divides by ep * dp")
+      .add<std::string>("parallel.layout", "manual",
+                        "manual: tp, cp, ep, dp as given | auto: the planner picks them and the recompute policy from "
+                        "the model, seq_len, batch and gpu_memory_gb (it prints its choice and memory estimate)")
+      .add<double>("parallel.gpu_memory_gb", 141.0, "layout = auto: device memory per rank in GB (H200: 141)")
       .add<bool>("parallel.zero1", false,
                  "ZeRO-1: shard the AdamW moments over the dp ranks (each updates 1/dp of the parameters, which are "
                  "then all-gathered); results are bit-identical to plain dp");
 }
+
+namespace {
+// layout = auto: the planner's choice for this deck and this many ranks (computed once)
+const parallel::Plan* auto_plan(const io::Deck& d) {
+  static std::unique_ptr<parallel::Plan> plan;
+  if (d.get<std::string>("parallel.layout") != "auto") return nullptr;
+  if (!plan) {
+    int world = 1;
+    MPI_Comm_size(MPI_COMM_WORLD, &world);
+    parallel::PlanInput in;
+    in.model = parallel::plan_model(make_lm_config(d));
+    in.seqlen = d.get<I>("train.seq_len");
+    in.global_batch = d.get<I>("train.batch_size") * d.get<I>("train.grad_accum");
+    in.gpus = world;
+    in.gpu_memory_bytes = d.get<double>("parallel.gpu_memory_gb") * 1e9;
+    require(in.gpu_memory_bytes > 0, "[parallel] gpu_memory_gb", "layout = auto needs the device memory per rank");
+    plan = std::make_unique<parallel::Plan>(parallel::plan(in));
+    int rank = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    if (rank == 0) std::printf("layout = auto (%d ranks):\n%s\n", world, parallel::describe(*plan).c_str());
+  }
+  return plan.get();
+}
+}  // namespace
 
 std::shared_ptr<const parallel::ProcessGrid> make_process_grid(const io::Deck& d) {
   // one grid per process (its communicators are collective to create)
   static std::shared_ptr<const parallel::ProcessGrid> grid;
   if (!grid) {
     parallel::Layout l;
-    l.tp = d.get<I>("parallel.tp");
-    l.cp = d.get<I>("parallel.cp");
-    l.ep = d.get<I>("parallel.ep");
-    l.dp = d.get<I>("parallel.dp");
+    const std::string mode = d.get<std::string>("parallel.layout");
+    require(mode == "manual" || mode == "auto", "[parallel] layout", "'", mode, "' is not one of: manual auto");
+    if (const auto* p = auto_plan(d)) {
+      l = p->layout;
+    } else {
+      l.tp = d.get<I>("parallel.tp");
+      l.cp = d.get<I>("parallel.cp");
+      l.ep = d.get<I>("parallel.ep");
+      l.dp = d.get<I>("parallel.dp");
+    }
     grid = std::make_shared<parallel::ProcessGrid>(l, MPI_COMM_WORLD);
   }
   return grid;
@@ -262,6 +297,7 @@ TrainConfig make_train_config(const io::Deck& d) {
   const std::string rc = d.get<std::string>("train.recompute");
   require(rc == "none" || rc == "mixer", "[train] recompute", "unknown policy '", rc, "'; valid: none mixer");
   t.recompute = rc == "mixer" ? Recompute::mixer : Recompute::none;
+  if (const auto* p = auto_plan(d)) t.recompute = p->policy;  // layout = auto chooses it
   t.time_limit_minutes = d.get<double>("train.time_limit_minutes");
   const std::string ck = d.get<std::string>("checkpoint.path");
   t.checkpoint_path = ck.empty() ? "" : output_path(d, ck);

@@ -5,7 +5,8 @@
 #   1. its first 3 training losses equal a 1-rank run's within 2e-5 relative (the losses are printed with 6 digits);
 #   2. resumed from its step-3 checkpoint at (dp4) and at 1 rank, steps 4-6 give identical losses (dp is exact)
 #      and the same losses as the (tp2, cp2) run itself within 2e-5;
-#   3. a layout whose heads or groups do not divide by tp fails naming the values.
+#   3. a layout whose heads or groups do not divide by tp fails naming the values;
+#   4. layout = auto prints the planner's layout and memory estimate and trains.
 # usage: layouts.sh <mambamoe> <source dir> <scratch dir>   (exit 77 = skipped: no mpirun)
 set -euo pipefail
 exe=$1 src=$2 work=$3
@@ -58,3 +59,11 @@ fi
 grep -q "ngroups = 2 .*tp = 4\|tp = 4.*ngroups = 2" "$work/bad.log" ||
   { grep error "$work/bad.log"; fail "the tp = 4 error does not name the values"; }
 echo "tp = 4 with 2 groups rejected with its values named"
+
+# layout = auto: the planner picks the layout for the ranks and prints it with its memory estimate, and the run trains
+"${mpi[@]}" "$exe" "$deck" "${common[@]}" --train.steps=1 --parallel.layout=auto --parallel.gpu_memory_gb=80 \
+  --run.output_dir="$work/auto" > "$work/auto.log" 2>&1 || fail "layout = auto run (see $work/auto.log)"
+grep -q "^layout tp=[0-9]* cp=[0-9]* ep=[0-9]* dp=[0-9]*, micro-batch" "$work/auto.log" || fail "layout = auto printed no plan"
+grep -q "total .* GB of 72.00 GB usable" "$work/auto.log" || fail "layout = auto printed no memory estimate"
+[ "$(losses "$work/auto/metrics.csv" | wc -l)" = 1 ] || fail "the layout = auto run did not train"
+echo "layout = auto: $(grep '^layout tp=' "$work/auto.log")"
