@@ -7,6 +7,9 @@
 #                     [--htslib PREFIX] [--stages build,test,bench] [--test-timeout S] [--bench-only LIST]
 #                     [--commit HASH]   (the commit to print, where the copy on the GPU machine has no usable .git)
 #
+# --mamba-ssm DIR is the folder that holds the mamba_ssm package (e.g. $PWD/.peers); --causal-conv1d DIR holds the
+# built causal_conv1d_cuda*.so and the causal_conv1d package (perf/build_causal_conv1d.py makes it), without which
+# the peer's LM runs its unfused path. --bench-only also takes tfm (a PyTorch Transformer, peers only).
 # Writes under DIR: build.log, ctest.log, ours.csv, peers.csv, bench.log, and summary.txt (the table, also printed).
 set -uo pipefail
 

@@ -1,11 +1,19 @@
 #!/usr/bin/env python3
 """Times the peers on the shapes of mambamoe_bench, in the same run on the same GPU.
 
-  peers.py --mamba-ssm DIR [--causal-conv1d DIR] --out DIR [--only copy,gemm,ssd,lm]
+  peers.py --mamba-ssm DIR [--causal-conv1d DIR] --out DIR [--only copy,gemm,ssd,lm,tfm]
 
-DIR for --mamba-ssm is a folder holding the mamba_ssm package (github:state-spaces/mamba); --causal-conv1d is a
-folder holding the built causal_conv1d extension. Nothing is built here. Rows "name,metric,value,unit" go to
-OUT/peers.csv. Medians from triton.testing.do_bench (CUDA events), random inputs.
+DIR for --mamba-ssm is a folder holding the mamba_ssm package (github:state-spaces/mamba), e.g. .peers, not
+.peers/mamba_ssm; --causal-conv1d is a folder holding both the built extension causal_conv1d_cuda*.so and the
+causal_conv1d Python package (perf/build_causal_conv1d.py makes one). Nothing is built here. Rows
+"name,metric,value,unit" go to OUT/peers.csv. Kernels: medians from triton.testing.do_bench (CUDA events);
+training steps (lm, tfm): median of per-step CUDA-event times after warm-up steps. Random inputs.
+
+  lm:  mamba_ssm MambaLMHeadModel, the issue-3 LM (24 Mamba-2 layers, d_model 768, d_state 128, headdim 64,
+       expand 2, vocab 16, chunk 256), fp32 parameters under bf16 autocast, fused AdamW, one training step =
+       forward, cross-entropy, backward, optimizer step; batch 4 x 8192, 1 x 131072, 1 x 262144.
+  tfm: a PyTorch Transformer of about the same size (12 layers, d_model 768, 12 heads, MLP 4x GELU, RMSNorm,
+       RoPE, causal F.scaled_dot_product_attention), same precision and optimizer, batch 4 x 8192.
 """
 import argparse
 import csv
@@ -83,6 +91,157 @@ def main():
                 record(name, "fwd time", bench(fwd) * 1e3, "ms")
             record(name, "fwd+bwd time", bench(fwd_bwd) * 1e3, "ms")
             del x, dt, Bm, Cm, dy
+
+    if "lm" in want or "tfm" in want:
+        import torch.nn.functional as F
+
+        def train_steps(name, model, shapes, vocab, warm=3, reps=8):
+            """Times forward + cross-entropy + backward + fused AdamW step at each (batch, seqlen)."""
+            nparam = sum(p.numel() for p in model.parameters())
+            record(name, "parameters", nparam / 1e6, "M")
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+            for bsz, L in shapes:
+                shape = f"{name} {bsz}x{L}"
+                ids = torch.randint(0, vocab, (bsz, L), device=dev)
+                tgt = torch.randint(0, vocab, (bsz, L), device=dev)
+
+                def step():
+                    opt.zero_grad(set_to_none=True)
+                    with torch.autocast("cuda", dtype=torch.bfloat16):
+                        logits = model(ids)
+                        logits = logits.logits if hasattr(logits, "logits") else logits
+                        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), tgt.view(-1))
+                    loss.backward()
+                    opt.step()
+                    return loss
+
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                try:
+                    for _ in range(warm):
+                        loss = step()
+                    torch.cuda.synchronize()
+                    times = []
+                    for _ in range(reps):
+                        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        e0.record()
+                        step()
+                        e1.record()
+                        e1.synchronize()
+                        times.append(e0.elapsed_time(e1) * 1e-3)
+                except torch.cuda.OutOfMemoryError as e:
+                    record(shape, "out of memory", 1, "(1 = OOM)")
+                    print(f"  {shape}: OOM: {str(e).splitlines()[0]}", flush=True)
+                    opt.zero_grad(set_to_none=True)
+                    continue
+                finally:
+                    del ids, tgt
+                t = sorted(times)[len(times) // 2]
+                record(shape, "time", t * 1e3, "ms")
+                record(shape, "throughput", bsz * L / t / 1e3, "k tokens/s")
+                record(shape, "model FLOP rate (6 N T)", 6 * nparam * bsz * L / t / 1e12, "TFLOP/s")
+                record(shape, "peak memory allocated", torch.cuda.max_memory_allocated() / 2 ** 30, "GiB")
+                record(shape, "peak memory reserved", torch.cuda.max_memory_reserved() / 2 ** 30, "GiB")
+                print(f"  {shape}: loss after warm-up {loss.item():.4f}", flush=True)
+            del opt
+
+    if "lm" in want:
+        from mamba_ssm.models.config_mamba import MambaConfig
+        from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
+        import mamba_ssm.ops.triton.ssd_combined as ssd_combined
+
+        try:
+            import causal_conv1d_cuda
+        except ImportError as e:
+            causal_conv1d_cuda = None
+            print(f"  causal_conv1d_cuda not importable: {e}", flush=True)
+        fused = causal_conv1d_cuda is not None and ssd_combined.causal_conv1d_fwd_function is not None
+        # pad_vocab_size_multiple 8 is mamba_ssm's default; 16 is a multiple of it, so the vocabulary stays 16.
+        cfg = MambaConfig(d_model=768, d_intermediate=0, n_layer=24, vocab_size=16, pad_vocab_size_multiple=8,
+                          ssm_cfg=dict(layer="Mamba2", d_state=128, headdim=64, expand=2, chunk_size=256,
+                                       use_mem_eff_path=fused),
+                          rms_norm=True, fused_add_norm=True, residual_in_fp32=True, tie_embeddings=True)
+        torch.manual_seed(0)
+        model = MambaLMHeadModel(cfg, device=dev, dtype=torch.float32)
+        mixers = [b.mixer for b in model.backbone.layers]
+        fused = fused and all(m.use_mem_eff_path for m in mixers)
+        label = "mamba_ssm LM (fused path)" if fused else "mamba_ssm LM (UNFUSED: no causal_conv1d_cuda)"
+        print(f"  fused path (mamba_split_conv1d_scan_combined + causal_conv1d_cuda): {fused}; "
+              f"vocab {model.lm_head.weight.shape[0]}", flush=True)
+        record(label, "fused path active", int(fused), "(1 = yes)")
+        if fused:
+            # Proof that the step calls the CUDA conv kernels: count the extension's calls over one step.
+            calls = {"causal_conv1d_fwd": 0, "causal_conv1d_bwd": 0}
+            orig = {k: getattr(causal_conv1d_cuda, k) for k in calls}
+
+            def counting(k):
+                def f(*a, **kw):
+                    calls[k] += 1
+                    return orig[k](*a, **kw)
+                return f
+
+            for k in calls:
+                setattr(causal_conv1d_cuda, k, counting(k))
+            ids = torch.randint(0, 16, (1, 1024), device=dev)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                model(ids).logits.float().sum().backward()
+            model.zero_grad(set_to_none=True)
+            for k in calls:
+                setattr(causal_conv1d_cuda, k, orig[k])
+            print(f"  causal_conv1d_cuda calls in one forward+backward: {calls}", flush=True)
+            record(label, "conv1d CUDA calls per step", sum(calls.values()), "(fwd+bwd)")
+            # 24 layers: 24 forward calls, 24 more where the backward recomputes the conv, 24 backward calls.
+            assert calls["causal_conv1d_fwd"] >= 24 and calls["causal_conv1d_bwd"] >= 24, calls
+        train_steps(label, model, [(4, 8192), (1, 131072), (1, 262144)], 16)
+        del model, mixers
+        torch.cuda.empty_cache()
+
+    if "tfm" in want:
+        class Block(torch.nn.Module):
+            def __init__(self, d, h):
+                super().__init__()
+                self.h = h
+                self.n1, self.n2 = torch.nn.RMSNorm(d), torch.nn.RMSNorm(d)
+                self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+                self.o = torch.nn.Linear(d, d, bias=False)
+                self.fc1 = torch.nn.Linear(d, 4 * d, bias=False)
+                self.fc2 = torch.nn.Linear(4 * d, d, bias=False)
+
+            def forward(self, x, cos, sin):
+                B, L, D = x.shape
+                q, k, v = self.qkv(self.n1(x)).view(B, L, 3, self.h, D // self.h).permute(2, 0, 3, 1, 4)
+
+                def rope(t):
+                    t1, t2 = t.chunk(2, dim=-1)
+                    return torch.cat((t1 * cos - t2 * sin, t2 * cos + t1 * sin), dim=-1).to(v.dtype)
+
+                a = F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True)
+                x = x + self.o(a.transpose(1, 2).reshape(B, L, D))
+                return x + self.fc2(F.gelu(self.fc1(self.n2(x)), approximate="tanh"))
+
+        class Transformer(torch.nn.Module):
+            def __init__(self, vocab, d, h, n):
+                super().__init__()
+                self.emb = torch.nn.Embedding(vocab, d)
+                self.blocks = torch.nn.ModuleList(Block(d, h) for _ in range(n))
+                self.norm = torch.nn.RMSNorm(d)
+                self.hd = d // h
+
+            def forward(self, ids):
+                L = ids.shape[1]
+                inv = 10000.0 ** (-torch.arange(0, self.hd // 2, device=ids.device) / (self.hd // 2))
+                ang = torch.arange(L, device=ids.device)[:, None].float() * inv[None, :]
+                cos, sin = ang.cos(), ang.sin()
+                x = self.emb(ids)
+                for b in self.blocks:
+                    x = b(x, cos, sin)
+                return F.linear(self.norm(x), self.emb.weight)  # tied output head
+
+        torch.manual_seed(0)
+        model = Transformer(16, 768, 12, 12).to(dev)
+        train_steps("torch Transformer 12x768 SDPA", model, [(4, 8192)], 16)
+        del model
+        torch.cuda.empty_cache()
 
     with open(os.path.join(args.out, "peers.csv"), "w", newline="") as f:
         w = csv.writer(f)
