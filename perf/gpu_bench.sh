@@ -4,12 +4,13 @@
 # this project: Kokkos (CUDA), Boost.Program_options, htslib and the peers are given by path.
 #
 #   perf/gpu_bench.sh --kokkos PREFIX --out DIR --mamba-ssm DIR [--causal-conv1d DIR] [--boost-po LIB]
-#                     [--htslib PREFIX] [--stages build,test,bench] [--test-timeout S] [--bench-only LIST]
+#                     [--htslib PREFIX] [--stages build,test,bench,cp] [--test-timeout S] [--bench-only LIST]
 #                     [--commit HASH]   (the commit to print, where the copy on the GPU machine has no usable .git)
 #
 # --mamba-ssm DIR is the folder that holds the mamba_ssm package (e.g. $PWD/.peers); --causal-conv1d DIR holds the
 # built causal_conv1d_cuda*.so and the causal_conv1d package (perf/build_causal_conv1d.py makes it), without which
 # the peer's LM runs its unfused path. --bench-only also takes tfm (a PyTorch Transformer, peers only).
+# --stages cp (2 GPUs): the LM step at 131,072 tokens on one GPU against cp = 2 at 262,144 tokens over two.
 # Writes under DIR: build.log, ctest.log, ours.csv, peers.csv, bench.log, and summary.txt (the table, also printed).
 set -uo pipefail
 
@@ -66,5 +67,21 @@ if has bench; then
   fi
   { echo "commit $commit, $(date -u +%F), $(head -2 "$out/gpu.txt" | tail -1)"; cat "$out/bench.log"; cat "$out/peers.log" 2>/dev/null; } \
     | tee "$out/summary.txt"
+fi
+
+# Context-parallel weak scaling on 2 GPUs (issue 6): the LM step on one GPU at 131,072 tokens, then cp = 2 over two
+# GPUs at 262,144 tokens (one sequence) and at 32,768 tokens (the state-passing bytes per layer must not change).
+if has cp; then
+  b="$root/build/cuda/perf/mambamoe_bench"
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+  mpi=(mpirun -np 2 --bind-to none -x OMPI_ALLOW_RUN_AS_ROOT -x OMPI_ALLOW_RUN_AS_ROOT_CONFIRM)
+  { "$b" --out "$out" --only lm --lm-batch 1 --lm-seqlen 131072 --reps 6 && mv "$out/ours.csv" "$out/cp1.csv"
+    "${mpi[@]}" "$b" --out "$out" --only lm --lm-batch 1 --lm-seqlen 262144 --reps 6 --cp 2 \
+      --kokkos-map-device-id-by=mpi_rank && mv "$out/ours.csv" "$out/cp2.csv"
+    "${mpi[@]}" "$b" --out "$out" --only lm --lm-batch 1 --lm-seqlen 32768 --reps 6 --cp 2 \
+      --kokkos-map-device-id-by=mpi_rank && mv "$out/ours.csv" "$out/cp2_32k.csv"; } > "$out/cp.log" 2>&1 || rc=1
+  grep -E "throughput|memory|cp bytes|error" "$out/cp.log"
+  t1=$(grep throughput "$out/cp1.csv" 2>/dev/null | cut -d, -f3); t2=$(grep throughput "$out/cp2.csv" 2>/dev/null | cut -d, -f3)
+  [[ -n $t1 && -n $t2 ]] && python3 -c "print(f'cp=2 at 262,144 tokens / 1 GPU at 131,072: {$t2/$t1:.3f}x tokens/s')"
 fi
 exit $rc
