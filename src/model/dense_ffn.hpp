@@ -6,6 +6,10 @@
 // Parameters under the prefix: w1, w3, w2, initialised like one MoE expert (W1, W3 ~ U(+-1/sqrt(d)), W2 ~
 // U(+-1/sqrt(d_ff)) / sqrt(n_layer)), so a dense layer with d_ff equal to an expert's has exactly the parameters of
 // one expert. Token-local: rows are tokens.
+//
+// Tensor parallelism (comms.tp of size tp > 1, d_ff divides by tp): w1 and w3 are column-parallel (tp rank r holds
+// rows r*d_ff/tp.. of each), w2 row-parallel (the matching columns); each carries its Shard and initialises to the
+// slice of the unsharded layer. The output is all-reduced over tp in the forward, dx in the backward.
 #pragma once
 
 #include <string>
@@ -13,6 +17,7 @@
 #include "core/kokkos_types.hpp"
 #include "model/params.hpp"
 #include "moe/experts.hpp"
+#include "parallel/grid.hpp"
 
 namespace mm {
 
@@ -35,8 +40,10 @@ class DenseFFN {
   using P = acc_t<T>;
   static_assert(std::is_same_v<T, P>, "bf16 activations need compute copies of the GEMM weights (GPU path)");
 
-  DenseFFN(const DenseFFNConfig& cfg, ParamStore<P>& store, const std::string& prefix, index_t n_layer);
+  DenseFFN(const DenseFFNConfig& cfg, ParamStore<P>& store, const std::string& prefix, index_t n_layer,
+           const parallel::ModelComms& comms = {});
 
+  // The unsharded configuration (this rank's d_ff is d_ff / tp).
   const DenseFFNConfig& config() const { return cfg_; }
 
   // out (n, d) = FFN(x). With save = false only x is kept and backward() recomputes the intermediates.
@@ -48,6 +55,8 @@ class DenseFFN {
  private:
   SwiGLUWeights<T> weights() const;
   DenseFFNConfig cfg_;
+  index_t F_ = 0;  // this rank's d_ff
+  std::shared_ptr<const parallel::Comm> tp_;
   ParamStore<P>* store_;
   std::size_t w1_, w3_, w2_;
 };

@@ -4,6 +4,7 @@
 
 #include "core/error.hpp"
 #include "layers/linear.hpp"
+#include "parallel/tensor_parallel.hpp"
 
 namespace mm {
 
@@ -20,38 +21,65 @@ void Mamba1Config::validate(const std::string& context) const {
 
 template <class T>
 Mamba1Mixer<T>::Mamba1Mixer(const Mamba1Config& cfg, ParamStore<P>& store, const std::string& prefix,
-                            index_t n_layer)
-    : cfg_(cfg), store_(&store) {
-  cfg_.validate(prefix.empty() ? "mamba1" : prefix);
-  require(n_layer > 0, prefix.empty() ? "mamba1" : prefix, "n_layer must be positive (got ", n_layer, ")");
+                            index_t n_layer, const parallel::ModelComms& comms)
+    : cfg_(cfg), tp_(comms.tp), store_(&store) {
+  const std::string ctx = prefix.empty() ? "mamba1" : prefix;
+  cfg_.validate(ctx);
+  require(n_layer > 0, ctx, "n_layer must be positive (got ", n_layer, ")");
   const index_t D = cfg_.d_model, E = cfg_.d_inner(), W = cfg_.d_conv, R = cfg_.rank(), N = cfg_.d_state;
+  // the fan-ins of the bounds are the unsharded ones (a shard holds the slice of the unsharded initialisation)
   const double lin_in = 1.0 / std::sqrt(double(D)), lin_e = 1.0 / std::sqrt(double(E));
   const double conv = 1.0 / std::sqrt(double(W)), dt_std = 1.0 / std::sqrt(double(R));
-  in_proj_ = store.add(prefix + "in_proj.weight", {2 * E, D}, true, Init::Uniform(-lin_in, lin_in));
-  conv_w_ = store.add(prefix + "conv1d.weight", {E, W}, true, Init::Uniform(-conv, conv));
-  conv_b_ = store.add(prefix + "conv1d.bias", {E}, false, Init::Uniform(-conv, conv));
-  x_proj_ = store.add(prefix + "x_proj.weight", {R + 2 * N, E}, true, Init::Uniform(-lin_e, lin_e));
-  dt_w_ = store.add(prefix + "dt_proj.weight", {E, R}, true, Init::Uniform(-dt_std, dt_std));
-  dt_b_ = store.add(prefix + "dt_proj.bias", {E}, false,
-                    Init::DtBias(cfg_.dt_min, cfg_.dt_max, cfg_.dt_init_floor));
-  A_log_ = store.add(prefix + "A_log", {E, N}, false, Init::LogColumn(N));  // log(n + 1)
-  D_ = store.add(prefix + "D", {E}, false, Init::Ones());
-  out_proj_ = store.add(prefix + "out_proj.weight", {D, E}, true,
-                        Init::Uniform(-lin_e, lin_e, 1.0 / std::sqrt(double(n_layer))));
+  const Init in_init = Init::Uniform(-lin_in, lin_in), conv_init = Init::Uniform(-conv, conv);
+  const Init x_init = Init::Uniform(-lin_e, lin_e), dt_init = Init::Uniform(-dt_std, dt_std);
+  const Init dtb_init = Init::DtBias(cfg_.dt_min, cfg_.dt_max, cfg_.dt_init_floor);
+  const Init A_init = Init::LogColumn(N);  // log(n + 1)
+  const Init out_init = Init::Uniform(-lin_e, lin_e, 1.0 / std::sqrt(double(n_layer)));
+  const int tp = tp_->size();
+  if (tp == 1) {
+    E_ = E;
+    in_proj_ = store.add(prefix + "in_proj.weight", {2 * E, D}, true, in_init);
+    conv_w_ = store.add(prefix + "conv1d.weight", {E, W}, true, conv_init);
+    conv_b_ = store.add(prefix + "conv1d.bias", {E}, false, conv_init);
+    x_proj_ = store.add(prefix + "x_proj.weight", {R + 2 * N, E}, true, x_init);
+    dt_w_ = store.add(prefix + "dt_proj.weight", {E, R}, true, dt_init);
+    dt_b_ = store.add(prefix + "dt_proj.bias", {E}, false, dtb_init);
+    A_log_ = store.add(prefix + "A_log", {E, N}, false, A_init);
+    D_ = store.add(prefix + "D", {E}, false, Init::Ones());
+    out_proj_ = store.add(prefix + "out_proj.weight", {D, E}, true, out_init);
+    return;
+  }
+  require(E % tp == 0, ctx, "d_inner = expand * d_model = ", E, " does not divide by tp = ", tp);
+  const auto c = parallel::tp_slice(E, tp_->rank(), tp);
+  E_ = c.count;
+  const IndexRange ch{c.first, c.count}, z_r{E + c.first, c.count};
+  auto rows = [](std::vector<index_t> global, std::vector<IndexRange> r) {
+    return Shard{Split::tp, std::move(global), std::move(r), {}};
+  };
+  auto cols = [](std::vector<index_t> global, IndexRange c) { return Shard{Split::tp, std::move(global), {}, {c}}; };
+  in_proj_ = store.add(prefix + "in_proj.weight", {2 * E_, D}, true, in_init, rows({2 * E, D}, {ch, z_r}));
+  conv_w_ = store.add(prefix + "conv1d.weight", {E_, W}, true, conv_init, rows({E, W}, {ch}));
+  conv_b_ = store.add(prefix + "conv1d.bias", {E_}, false, conv_init, rows({E}, {ch}));
+  x_proj_ = store.add(prefix + "x_proj.weight", {R + 2 * N, E_}, true, x_init, cols({R + 2 * N, E}, ch));
+  dt_w_ = store.add(prefix + "dt_proj.weight", {E_, R}, true, dt_init, rows({E, R}, {ch}));
+  dt_b_ = store.add(prefix + "dt_proj.bias", {E_}, false, dtb_init, rows({E}, {ch}));
+  A_log_ = store.add(prefix + "A_log", {E_, N}, false, A_init, rows({E, N}, {ch}));
+  D_ = store.add(prefix + "D", {E_}, false, Init::Ones(), rows({E}, {ch}));
+  out_proj_ = store.add(prefix + "out_proj.weight", {D, E_}, true, out_init, cols({D, E}, ch));
 }
 
 template <class T>
 Mamba1State<T> Mamba1Mixer<T>::make_state(index_t batch) const {
   require(batch > 0, "Mamba1Mixer::make_state", "batch must be positive (got ", batch, ")");
   Mamba1State<T> s;
-  s.conv = View3<T>("mamba1::conv_state", batch, cfg_.d_inner(), cfg_.d_conv - 1);
-  s.ssm = View3<P>("mamba1::ssm_state", batch, cfg_.d_inner(), cfg_.d_state);
+  s.conv = View3<T>("mamba1::conv_state", batch, E_, cfg_.d_conv - 1);
+  s.ssm = View3<P>("mamba1::ssm_state", batch, E_, cfg_.d_state);
   return s;
 }
 
 template <class T>
 void Mamba1Mixer<T>::check_state(const Mamba1State<T>& s, index_t batch, const char* what) const {
-  const index_t E = cfg_.d_inner();
+  const index_t E = E_;
   require(index_t(s.conv.extent(0)) == batch && index_t(s.conv.extent(1)) == E &&
               index_t(s.conv.extent(2)) == cfg_.d_conv - 1,
           what, "conv state must be (batch, d_inner, d_conv - 1) = (", batch, ", ", E, ", ", cfg_.d_conv - 1,
@@ -64,12 +92,12 @@ void Mamba1Mixer<T>::check_state(const Mamba1State<T>& s, index_t batch, const c
 
 template <class T>
 UView2<acc_t<T>> Mamba1Mixer<T>::xproj_dt(const View1<P>& buf) const {
-  return UView2<P>(buf.data(), cfg_.rank(), cfg_.d_inner());
+  return UView2<P>(buf.data(), cfg_.rank(), E_);
 }
 
 template <class T>
 UView2<acc_t<T>> Mamba1Mixer<T>::xproj_bc(const View1<P>& buf) const {
-  return UView2<P>(buf.data() + cfg_.rank() * cfg_.d_inner(), 2 * cfg_.d_state, cfg_.d_inner());
+  return UView2<P>(buf.data() + cfg_.rank() * E_, 2 * cfg_.d_state, E_);
 }
 
 namespace {
@@ -84,7 +112,7 @@ View2<P> a_from_log(const View1<P>& a_log, index_t E, index_t N) {
 
 template <class T>
 View2<acc_t<T>> Mamba1Mixer<T>::A_matrix() const {
-  return a_from_log<P>(store_->v1(A_log_), cfg_.d_inner(), cfg_.d_state);
+  return a_from_log<P>(store_->v1(A_log_), E_, cfg_.d_state);
 }
 
 template <class T>
@@ -92,7 +120,7 @@ SelScanShape Mamba1Mixer<T>::scan_shape(index_t batch, index_t seqlen) const {
   SelScanShape s;
   s.batch = batch;
   s.seqlen = seqlen;
-  s.dinner = cfg_.d_inner();
+  s.dinner = E_;
   s.ngroups = 1;
   s.dstate = cfg_.d_state;
   s.chunk = cfg_.chunk;
@@ -108,7 +136,7 @@ SelScanIn<T> Mamba1Mixer<T>::scan_in(const Mamba1Acts<T>& a, const View2<P>& A, 
   in.b_col = 0;
   in.c_col = cfg_.d_state;
   in.z = a.xz;
-  in.z_col = cfg_.d_inner();
+  in.z_col = E_;
   in.A = A;
   in.D = store_->v1(D_);
   in.delta_bias = store_->v1(dt_b_);
@@ -120,7 +148,7 @@ SelScanIn<T> Mamba1Mixer<T>::scan_in(const Mamba1Acts<T>& a, const View2<P>& A, 
 template <class T>
 void Mamba1Mixer<T>::run_internals(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq,
                                    Mamba1Acts<T>& a, bool keep_checkpoints, const View3<P>& final_ssm) const {
-  const index_t n = batch * seqlen, E = cfg_.d_inner(), R = cfg_.rank(), N = cfg_.d_state;
+  const index_t n = batch * seqlen, E = E_, R = cfg_.rank(), N = cfg_.d_state;
   require(index_t(u.extent(0)) == n && index_t(u.extent(1)) == cfg_.d_model, "Mamba1Mixer",
           "u must be (batch * seqlen, d_model) = (", n, ", ", cfg_.d_model, "), it is (", u.extent(0), ", ",
           u.extent(1), ")");
@@ -138,6 +166,8 @@ void Mamba1Mixer<T>::run_internals(const View2<T>& u, index_t batch, index_t seq
                          store_->v1(conv_b_), seq, a.xc);
   linear_forward<T>(a.xc, xproj_dt(store_->v1(x_proj_)), View1<const P>(), a.dt_low);
   linear_forward<T>(a.xc, xproj_bc(store_->v1(x_proj_)), View1<const P>(), a.bc);
+  parallel::tp_allreduce_sum(*tp_, a.dt_low, "Mamba1Mixer (x_proj)");  // row-parallel x_proj: partial sums
+  parallel::tp_allreduce_sum(*tp_, a.bc, "Mamba1Mixer (x_proj)");
   linear_forward<T>(a.dt_low, store_->v2(dt_w_), View1<const P>(), a.delta);
   selective_scan_forward<T>(ss, scan_in(a, A_matrix(), seq), a.y, final_ssm, a.checkpoints);
 }
@@ -165,8 +195,9 @@ void Mamba1Mixer<T>::forward(const View2<T>& u, index_t batch, index_t seqlen, c
   if (final) check_state(*final, batch, "Mamba1Mixer::forward (final state)");
   run_internals(u, batch, seqlen, seq, acts, save, final ? final->ssm : View3<P>());
   linear_forward<T>(acts.y, store_->v2(out_proj_), View1<const P>(), out);
+  parallel::tp_allreduce_sum(*tp_, out, "Mamba1Mixer::forward");  // row-parallel out_proj: partial sums
   if (final)
-    conv1d_state_out<T>(Conv1dIn<T>{acts.xz, 0, batch, seqlen, cfg_.d_inner(), acts.conv_init}, cfg_.d_conv, seq,
+    conv1d_state_out<T>(Conv1dIn<T>{acts.xz, 0, batch, seqlen, E_, acts.conv_init}, cfg_.d_conv, seq,
                         final->conv);
   if (!save) {
     Mamba1Acts<T> kept;
@@ -181,7 +212,7 @@ template <class T>
 void Mamba1Mixer<T>::backward(Mamba1Acts<T>& a, index_t batch, index_t seqlen, const SeqIdxView& seq,
                               const View2<const T>& dout, const View2<T>& du) const {
   if (a.xz.extent(0) == 0) run_internals(a.u, batch, seqlen, seq, a, true, View3<P>());  // recompute policy
-  const index_t n = batch * seqlen, E = cfg_.d_inner(), R = cfg_.rank(), N = cfg_.d_state;
+  const index_t n = batch * seqlen, E = E_, R = cfg_.rank(), N = cfg_.d_state;
   const View2<P> A = A_matrix();
   // out_proj
   View2<T> dy = make_uninit<View2<T>>("mamba1::dy", n, E);
@@ -207,6 +238,9 @@ void Mamba1Mixer<T>::backward(Mamba1Acts<T>& a, index_t batch, index_t seqlen, c
   // dt_proj (its bias gradient came from the scan)
   View2<T> ddt_low = make_uninit<View2<T>>("mamba1::ddt_low", n, R);
   linear_backward<T>(a.dt_low, store_->v2(dt_w_), ddelta, ddt_low, false, store_->g2(dt_w_), View1<P>());
+  // under tp each rank's channels gave a part of d(dt_low) (column-parallel dt_proj) and of dB, dC (the scan)
+  parallel::tp_allreduce_sum(*tp_, ddt_low, "Mamba1Mixer::backward (dt_proj)");
+  parallel::tp_allreduce_sum(*tp_, dbc, "Mamba1Mixer::backward (scan)");
   // x_proj, accumulated into dxc
   linear_backward<T>(a.xc, xproj_bc(store_->v1(x_proj_)), dbc, dxc, true, xproj_bc(store_->g1(x_proj_)),
                      View1<P>());
@@ -217,11 +251,12 @@ void Mamba1Mixer<T>::backward(Mamba1Acts<T>& a, index_t batch, index_t seqlen, c
                           store_->v1(conv_b_), seq, dxc, dxz, 0, store_->g2(conv_w_), store_->g1(conv_b_));
   // in_proj
   linear_backward<T>(a.u, store_->v2(in_proj_), dxz, du, false, store_->g2(in_proj_), View1<P>());
+  parallel::tp_allreduce_sum(*tp_, du, "Mamba1Mixer::backward");  // column-parallel in_proj: partial sums
 }
 
 template <class T>
 void Mamba1Mixer<T>::step(const View2<T>& u, Mamba1State<T>& state, const View2<T>& out) const {
-  const index_t batch = u.extent(0), E = cfg_.d_inner(), R = cfg_.rank(), N = cfg_.d_state;
+  const index_t batch = u.extent(0), E = E_, R = cfg_.rank(), N = cfg_.d_state;
   require(index_t(u.extent(1)) == cfg_.d_model && out.extent(0) == u.extent(0) &&
               index_t(out.extent(1)) == cfg_.d_model,
           "Mamba1Mixer::step", "u and out must be (batch, d_model) with d_model = ", cfg_.d_model);
@@ -237,9 +272,12 @@ void Mamba1Mixer<T>::step(const View2<T>& u, Mamba1State<T>& state, const View2<
   conv1d_silu_step<T>(a.xz, 0, store_->v2(conv_w_), store_->v1(conv_b_), state.conv, a.xc);
   linear_forward<T>(a.xc, xproj_dt(store_->v1(x_proj_)), View1<const P>(), a.dt_low);
   linear_forward<T>(a.xc, xproj_bc(store_->v1(x_proj_)), View1<const P>(), a.bc);
+  parallel::tp_allreduce_sum(*tp_, a.dt_low, "Mamba1Mixer::step (x_proj)");
+  parallel::tp_allreduce_sum(*tp_, a.bc, "Mamba1Mixer::step (x_proj)");
   linear_forward<T>(a.dt_low, store_->v2(dt_w_), View1<const P>(), a.delta);
   selective_scan_step<T>(scan_shape(batch, 1), scan_in(a, A_matrix(), SeqIdxView()), state.ssm, a.y);
   linear_forward<T>(a.y, store_->v2(out_proj_), View1<const P>(), out);
+  parallel::tp_allreduce_sum(*tp_, out, "Mamba1Mixer::step");
 }
 
 template class Mamba1Mixer<float>;

@@ -13,6 +13,13 @@
 //
 // Decode: Mamba1State holds the last d_conv - 1 conv inputs per channel and the SSM state. forward() with an
 // initial and/or final state processes a long sequence in windows (windowed == one pass); step() advances one token.
+//
+// Tensor parallelism (comms.tp of size tp > 1, d_inner divides by tp): tp rank r holds the channels
+// c = r*E/tp.. of the inner width: in_proj rows [x_r | z_r] (column-parallel), the conv, dt_proj rows
+// (column-parallel), dt_proj.bias, A_log, D and the decode state of those channels, the x_proj and out_proj columns
+// of those channels (row-parallel). Every parameter carries its Shard and initialises to the slice of the unsharded
+// model. Collectives (all-reduce over tp): x_proj's output [dt_low | B | C] and the output in the forward (and
+// step); d[dt_low | B | C] and du in the backward. Inputs and dout are the same on every tp rank.
 #pragma once
 
 #include <string>
@@ -20,6 +27,7 @@
 #include "core/kokkos_types.hpp"
 #include "layers/conv1d.hpp"
 #include "model/params.hpp"
+#include "parallel/grid.hpp"
 #include "ssm/mamba1/selective_scan.hpp"
 
 namespace mm {
@@ -68,12 +76,15 @@ class Mamba1Mixer {
   using P = acc_t<T>;
   static_assert(std::is_same_v<T, P>, "bf16 activations need compute copies of the GEMM weights (GPU path)");
 
-  // Registers the parameters under `prefix` (e.g. "backbone.layers.3.mixer.") in `store`.
-  Mamba1Mixer(const Mamba1Config& cfg, ParamStore<P>& store, const std::string& prefix, index_t n_layer);
+  // Registers the parameters under `prefix` (e.g. "backbone.layers.3.mixer.") in `store`: this rank's shards under
+  // tensor parallelism (comms.tp of size > 1), the whole tensors otherwise.
+  Mamba1Mixer(const Mamba1Config& cfg, ParamStore<P>& store, const std::string& prefix, index_t n_layer,
+              const parallel::ModelComms& comms = {});
 
+  // The unsharded configuration (this rank's inner width is d_inner / tp).
   const Mamba1Config& config() const { return cfg_; }
 
-  // A zero decode state for `batch` rows.
+  // A zero decode state for `batch` rows (this rank's channels under tp).
   Mamba1State<T> make_state(index_t batch) const;
 
   // out (B*L, D) = mixer(u). If `save` is true the intermediates are kept in `acts` for the backward; otherwise
@@ -106,6 +117,8 @@ class Mamba1Mixer {
   void check_state(const Mamba1State<T>& s, index_t batch, const char* what) const;
 
   Mamba1Config cfg_;
+  index_t E_ = 0;  // this rank's inner width (d_inner when tp = 1)
+  std::shared_ptr<const parallel::Comm> tp_;
   ParamStore<P>* store_;
   std::size_t in_proj_, conv_w_, conv_b_, x_proj_, dt_w_, dt_b_, A_log_, D_, out_proj_;
 };

@@ -13,6 +13,13 @@
 // Decode: Mamba2State holds the last d_conv - 1 inputs of the conv ([x | B | C] columns) and the SSM state.
 // forward() with an initial and/or final state processes a long sequence in windows (windowed == one pass);
 // step() advances one token (dt_limit is applied there too, unlike mamba_ssm's step, so step == forward).
+//
+// Tensor parallelism (Megatron layout, comms.tp of size tp > 1; nheads and ngroups divide by tp): tp rank r holds
+// in_proj rows [z_r | x_r | B_r | C_r | dt_r] (column-parallel, split per part), the conv channels [x_r | B_r | C_r],
+// heads r*H/tp.. (dt_bias, A_log, D, the scan and the decode state), the norm weight of x_r (the norm is per group
+// and each rank's groups are whole: no collective) and the out_proj columns of x_r (row-parallel). Every parameter
+// carries its Shard and initialises to the slice of the unsharded model. The output is all-reduced over tp in the
+// forward (and step), the input gradient in the backward; inputs and dout are the same on every tp rank.
 #pragma once
 
 #include <limits>
@@ -21,6 +28,7 @@
 #include "core/kokkos_types.hpp"
 #include "layers/conv1d.hpp"
 #include "model/params.hpp"
+#include "parallel/grid.hpp"
 #include "ssm/mamba2/ssd.hpp"
 
 namespace mm {
@@ -73,9 +81,12 @@ class Mamba2Mixer {
   using P = acc_t<T>;
   static_assert(std::is_same_v<T, P>, "bf16 activations need compute copies of the GEMM weights (GPU path)");
 
-  // Registers the parameters under `prefix` (e.g. "backbone.layers.3.mixer.") in `store`.
-  Mamba2Mixer(const Mamba2Config& cfg, ParamStore<P>& store, const std::string& prefix, index_t n_layer);
+  // Registers the parameters under `prefix` (e.g. "backbone.layers.3.mixer.") in `store`: this rank's shards under
+  // tensor parallelism (comms.tp of size > 1), the whole tensors otherwise.
+  Mamba2Mixer(const Mamba2Config& cfg, ParamStore<P>& store, const std::string& prefix, index_t n_layer,
+              const parallel::ModelComms& comms = {});
 
+  // The unsharded configuration (the local widths under tp are d_inner / tp, nheads / tp, ngroups / tp).
   const Mamba2Config& config() const { return cfg_; }
 
   // out (B*L, D) = mixer(u). If `save` is true the intermediates are kept in `acts` for the backward; otherwise
@@ -94,7 +105,7 @@ class Mamba2Mixer {
   void backward(Mamba2Acts<T>& acts, index_t batch, index_t seqlen, const SeqIdxView& seq,
                 const View2<const T>& dout, const View2<T>& du) const;
 
-  // A zero decode state for `batch` rows.
+  // A zero decode state for `batch` rows (this rank's conv channels and heads under tp).
   Mamba2State<T> make_state(index_t batch) const;
 
   // One token per batch row: u (batch, D), state advanced in place, out (batch, D).
@@ -108,6 +119,9 @@ class Mamba2Mixer {
   void check_state(const Mamba2State<T>& s, index_t batch, const char* what) const;
 
   Mamba2Config cfg_;
+  // this rank's widths: d_inner, nheads, ngroups, conv channels, in_proj rows (the global ones when tp = 1)
+  index_t E_ = 0, H_ = 0, G_ = 0, C_ = 0, Din_ = 0;
+  std::shared_ptr<const parallel::Comm> tp_;
   ParamStore<P>* store_;
   std::size_t in_proj_, conv_w_, conv_b_, dt_bias_, A_log_, D_, norm_w_, out_proj_;
 };

@@ -28,9 +28,11 @@ void Mamba3Config::validate(const std::string& context) const {
 
 template <class T>
 Mamba3Mixer<T>::Mamba3Mixer(const Mamba3Config& cfg, ParamStore<P>& store, const std::string& prefix,
-                            index_t n_layer)
+                            index_t n_layer, const parallel::ModelComms& comms)
     : cfg_(cfg), store_(&store) {
   cfg_.validate(prefix.empty() ? "mamba3" : prefix);
+  require(comms.tp->size() == 1, prefix.empty() ? "mamba3" : prefix, "tensor parallelism (tp = ", comms.tp->size(),
+          ") is not implemented for the Mamba-3 mixer (layer kind mamba3)");
   require(n_layer > 0, prefix.empty() ? "mamba3" : prefix, "n_layer must be positive (got ", n_layer, ")");
   const index_t D = cfg.d_model, E = cfg.d_inner(), H = cfg.nheads(), N = cfg.d_state, R = cfg_.rank(),
                 Pd = cfg.headdim;

@@ -18,6 +18,7 @@
 
 #include "core/kokkos_types.hpp"
 #include "model/params.hpp"
+#include "parallel/grid.hpp"
 #include "ssm/mamba3/scan.hpp"
 
 namespace mm {
@@ -88,7 +89,9 @@ class Mamba3Mixer {
   static_assert(std::is_same_v<T, P>, "bf16 activations need compute copies of the GEMM weights (GPU path)");
 
   // Registers the parameters under `prefix` in `store`.
-  Mamba3Mixer(const Mamba3Config& cfg, ParamStore<P>& store, const std::string& prefix, index_t n_layer);
+  // Tensor parallelism (comms.tp of size > 1) is not implemented for Mamba-3: an error naming tp.
+  Mamba3Mixer(const Mamba3Config& cfg, ParamStore<P>& store, const std::string& prefix, index_t n_layer,
+              const parallel::ModelComms& comms = {});
 
   const Mamba3Config& config() const { return cfg_; }
   Mamba3ScanShape scan_shape(index_t batch, index_t seqlen) const;
