@@ -139,14 +139,14 @@ MambaBackbone<T>::MambaBackbone(const Mamba2Config& mixer, index_t n_layer, doub
       case LayerKind::mamba1: {
         Mamba1Config c = layers.mamba1;
         c.d_model = D;
-        L->m1 = std::make_unique<Mamba1Mixer<T>>(c, store, p + "mixer.", n_layer);
+        L->m1 = std::make_unique<Mamba1Mixer<T>>(c, store, p + "mixer.", n_layer, comms);
         break;
       }
-      case LayerKind::mamba2: L->m2 = std::make_unique<Mamba2Mixer<T>>(mixer, store, p + "mixer.", n_layer); break;
+      case LayerKind::mamba2: L->m2 = std::make_unique<Mamba2Mixer<T>>(mixer, store, p + "mixer.", n_layer, comms); break;
       case LayerKind::mamba3: {
         Mamba3Config c = layers.mamba3;
         c.d_model = D;
-        L->m3 = std::make_unique<Mamba3Mixer<T>>(c, store, p + "mixer.", n_layer);
+        L->m3 = std::make_unique<Mamba3Mixer<T>>(c, store, p + "mixer.", n_layer, comms);
         break;
       }
       case LayerKind::moe: {
@@ -163,7 +163,7 @@ MambaBackbone<T>::MambaBackbone(const Mamba2Config& mixer, index_t n_layer, doub
       }
       case LayerKind::dense: {
         const DenseFFNConfig c{D, layers.dense_d_ff > 0 ? layers.dense_d_ff : layers.moe.d_ff};
-        L->dense = std::make_unique<DenseFFN<T>>(c, store, p + "mlp.", n_layer);
+        L->dense = std::make_unique<DenseFFN<T>>(c, store, p + "mlp.", n_layer, comms);
         break;
       }
     }
