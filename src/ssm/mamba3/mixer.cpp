@@ -28,8 +28,8 @@ void Mamba3Config::validate(const std::string& context) const {
 
 template <class T>
 Mamba3Mixer<T>::Mamba3Mixer(const Mamba3Config& cfg, ParamStore<P>& store, const std::string& prefix,
-                            index_t n_layer)
-    : cfg_(cfg), store_(&store) {
+                            index_t n_layer, const parallel::ModelComms& comms)
+    : cfg_(cfg), store_(&store), cp_(comms.cp) {
   cfg_.validate(prefix.empty() ? "mamba3" : prefix);
   require(n_layer > 0, prefix.empty() ? "mamba3" : prefix, "n_layer must be positive (got ", n_layer, ")");
   const index_t D = cfg.d_model, E = cfg.d_inner(), H = cfg.nheads(), N = cfg.d_state, R = cfg_.rank(),
@@ -241,6 +241,8 @@ void Mamba3Mixer<T>::forward(const View2<T>& u, index_t batch, index_t seqlen, c
                              const View2<T>& out, Mamba3Acts<T>& acts, bool save, const Mamba3State<T>* init,
                              Mamba3State<T>* final_state) const {
   const std::string ctx = "mamba3_mixer";
+  require(cp_->size() == 1, ctx, "context parallelism (cp = ", cp_->size(),
+          ") is not implemented for Mamba-3 yet; use cp = 1 for Mamba-3 layers");
   require(index_t(u.extent(0)) == batch * seqlen && index_t(u.extent(1)) == cfg_.d_model, ctx, "u is (",
           u.extent(0), ", ", u.extent(1), "), expected (batch * seqlen, d_model) = (", batch * seqlen, ", ",
           cfg_.d_model, ")");
@@ -274,6 +276,8 @@ void Mamba3Mixer<T>::backward(Mamba3Acts<T>& a, index_t batch, index_t seqlen, c
 template <class T>
 void Mamba3Mixer<T>::backward(Mamba3Acts<T>& a, index_t batch, index_t seqlen, const View2<const T>& dout,
                               const View2<T>& du, const Mamba3State<T>* dfinal, Mamba3State<T>* dinit) const {
+  require(cp_->size() == 1, "mamba3_mixer", "context parallelism (cp = ", cp_->size(),
+          ") is not implemented for Mamba-3 yet; use cp = 1 for Mamba-3 layers");
   if (a.proj.extent(0) == 0) run_internals(a.u, batch, seqlen, a, Mamba3Carry<P>{});  // recompute policy
   const index_t n = batch * seqlen, E = cfg_.d_inner(), H = cfg_.nheads(), N = cfg_.d_state, R = cfg_.rank(),
                 G = cfg_.ngroups, Pd = cfg_.headdim, RG = R * G, RGN = RG * N;

@@ -12,12 +12,19 @@
 // (out_proj then divided by sqrt(n_layer)), dt_bias = inverse softplus of exp(U[log dt_min, log dt_max]), D = 1,
 // B_norm = C_norm = 1, B_bias = C_bias = 1, mimo_x = 1/R, mimo_z = 1, mimo_o = 1/R, norm weight = 1.
 // The state (phi, S, k_prev, v_prev) lets a long sequence run in windows, and decoding run one token at a time.
+//
+// Context parallel (comms.cp of size > 1) is NOT implemented for Mamba-3 yet: forward() and backward() throw
+// mm::Error then. (Its state passing needs, besides the SSM state scan, the rotary phase as a sum-scan across the
+// ranks, the last token's rotated k and v from the left neighbour, and in the backward the phase gradient, which
+// depends on the gradient of the final state; see /work/shared/docs/CONTEXT_PARALLEL.md.)
 #pragma once
 
+#include <memory>
 #include <string>
 
 #include "core/kokkos_types.hpp"
 #include "model/params.hpp"
+#include "parallel/grid.hpp"
 #include "ssm/mamba3/scan.hpp"
 
 namespace mm {
@@ -88,7 +95,9 @@ class Mamba3Mixer {
   static_assert(std::is_same_v<T, P>, "bf16 activations need compute copies of the GEMM weights (GPU path)");
 
   // Registers the parameters under `prefix` in `store`.
-  Mamba3Mixer(const Mamba3Config& cfg, ParamStore<P>& store, const std::string& prefix, index_t n_layer);
+  // comms.cp: the context-parallel communicator; size > 1 is not supported yet (forward/backward throw).
+  Mamba3Mixer(const Mamba3Config& cfg, ParamStore<P>& store, const std::string& prefix, index_t n_layer,
+              const parallel::ModelComms& comms = {});
 
   const Mamba3Config& config() const { return cfg_; }
   Mamba3ScanShape scan_shape(index_t batch, index_t seqlen) const;
@@ -130,6 +139,7 @@ class Mamba3Mixer {
 
   Mamba3Config cfg_;
   ParamStore<P>* store_;
+  std::shared_ptr<const parallel::Comm> cp_;
   std::size_t in_proj_, dt_bias_, D_, B_norm_, C_norm_, B_bias_, C_bias_, out_proj_;
   std::size_t mimo_x_ = 0, mimo_z_ = 0, mimo_o_ = 0, norm_w_ = 0;
 };
