@@ -58,6 +58,25 @@ CpConvHalo<T> cp_conv_halo_forward(const Comm& cp, const View2<const T>& x, inde
   return out;
 }
 
+CpRecords cp_record_continuity(const Comm& cp, const SeqIdxView& seq, index_t batch, index_t seqlen) {
+  const int r = cp.rank(), n = cp.size();
+  const int dest = r + 1 < n ? r + 1 : -1, src = r > 0 ? r - 1 : -1;
+  CpRecords out;
+  out.cont.assign(std::size_t(batch), r > 0 ? 1 : 0);
+  out.whole.assign(std::size_t(batch), 1);
+  if (seq.extent(0) == 0) return out;
+  auto hseq = Kokkos::create_mirror_view_and_copy(HostMem(), seq);
+  std::vector<std::int64_t> last(static_cast<std::size_t>(batch), 0), left(static_cast<std::size_t>(batch), 0);
+  for (index_t b = 0; b < batch; ++b) {
+    last[b] = hseq(b, seqlen - 1);
+    for (index_t t = 1; t < seqlen; ++t)
+      if (hseq(b, t) != hseq(b, 0)) out.whole[b] = 0;
+  }
+  cp.sendrecv(last.data(), dest >= 0 ? last.size() : 0, dest, left.data(), src >= 0 ? left.size() : 0, src);
+  for (index_t b = 0; b < batch; ++b) out.cont[b] = r > 0 && left[b] == hseq(b, 0);
+  return out;
+}
+
 template <class T>
 void conv1d_silu_prefix_grad(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w,
                              const View1<const acc_t<T>>& bias, const SeqIdxView& seq, const View2<const T>& dy,

@@ -40,6 +40,14 @@ template <class T>
 CpConvHalo<T> cp_conv_halo_forward(const Comm& cp, const View2<const T>& x, index_t col, index_t channels,
                                    index_t batch, index_t seqlen, index_t W, const SeqIdxView& seq);
 
+// Per batch row: cont = 1 when this slice's token 0 continues the left neighbour's last record (rank 0: 0), and
+// whole = 1 when no record starts inside the slice after token 0. Sends batch record ids (int64) to the right
+// neighbour when seq is not empty (nothing otherwise).
+struct CpRecords {
+  std::vector<int> cont, whole;
+};
+CpRecords cp_record_continuity(const Comm& cp, const SeqIdxView& seq, index_t batch, index_t seqlen);
+
 // The gradient of the conv prefix (batch, channels, W - 1) of conv1d_silu_forward(in, w, bias, seq) given the
 // gradient dy of its output, times `mask` (batch, W - 1).
 template <class T>

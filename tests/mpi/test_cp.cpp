@@ -176,22 +176,41 @@ TEST_CASE("cp: Mamba-1 mixer by state passing equals the full-sequence run", "[c
   sweep<Mamba1Mixer<double>, Mamba1Acts<double>>("mamba1", cfg, {1});
 }
 
-TEST_CASE("cp: Mamba-3 mixer with cp > 1 is an error naming cp (not implemented)", "[cp]") {
-  const int n = mmtest::world_size();
-  parallel::ProcessGrid grid(parallel::Layout{1, n, 1, 1}, MPI_COMM_WORLD);
+TEST_CASE("cp: Mamba-3 mixer (SISO and MIMO) by state passing equals the full-sequence run", "[cp]") {
   Mamba3Config cfg;
   cfg.d_model = 16;
   cfg.d_state = 8;
-  cfg.headdim = 8;
+  cfg.headdim = 8;  // d_inner 32, 4 heads, 2 rotary angles
   cfg.chunk_size = 8;
+  sweep<Mamba3Mixer<double>, Mamba3Acts<double>>("mamba3", cfg, {1, 2});
+  cfg.is_mimo = true;
+  cfg.mimo_rank = 2;
+  cfg.is_outproj_norm = true;
+  sweep<Mamba3Mixer<double>, Mamba3Acts<double>>("mamba3-mimo", cfg, {1});
+}
+
+TEST_CASE("cp: a slice shorter than d_conv - 1 and explicit states with cp > 1 are errors", "[cp]") {
+  const int n = mmtest::world_size();
+  parallel::ProcessGrid grid(parallel::Layout{1, n, 1, 1}, MPI_COMM_WORLD);
+  Mamba2Config cfg;
+  cfg.d_model = 16;
+  cfg.d_state = 8;
+  cfg.headdim = 8;
+  cfg.chunk = 8;
+  cfg.d_conv = 4;
   ParamStore<double> ps;
-  Mamba3Mixer<double> mixer(cfg, ps, "m.", 2, grid.model_comms());
+  Mamba2Mixer<double> mixer(cfg, ps, "m.", 2, grid.model_comms());
   ps.allocate();
   ps.initialize(5);
-  const index_t B = 2, Lr = 13;
-  View2<double> u("u", B * Lr, cfg.d_model), out("out", B * Lr, cfg.d_model);
+  const index_t B = 2;
+  View2<double> u("u", B * 2, cfg.d_model), out("out", B * 2, cfg.d_model);
   fill_uniform(u, 1);
-  Mamba3Acts<double> acts;
-  if (n > 1) CHECK_THROWS_AS(mixer.forward(u, B, Lr, out, acts, true), mm::Error);
-  else CHECK_NOTHROW(mixer.forward(u, B, Lr, out, acts, true));
+  Mamba2Acts<double> acts;
+  auto st = mixer.make_state(B);
+  if (n > 1) {  // every rank throws before any exchange
+    CHECK_THROWS_AS(mixer.forward(u, B, 2, SeqIdxView(), out, acts, true), mm::Error);  // Lr = 2 < d_conv - 1
+    CHECK_THROWS_AS(mixer.forward(u, B, 2, SeqIdxView(), out, acts, true, &st, nullptr), mm::Error);
+  } else {
+    CHECK_NOTHROW(mixer.forward(u, B, 2, SeqIdxView(), out, acts, true));
+  }
 }
