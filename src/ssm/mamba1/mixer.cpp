@@ -1,5 +1,6 @@
 #include "ssm/mamba1/mixer.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/error.hpp"
@@ -22,7 +23,7 @@ void Mamba1Config::validate(const std::string& context) const {
 template <class T>
 Mamba1Mixer<T>::Mamba1Mixer(const Mamba1Config& cfg, ParamStore<P>& store, const std::string& prefix,
                             index_t n_layer, const parallel::ModelComms& comms)
-    : cfg_(cfg), tp_(comms.tp), store_(&store) {
+    : cfg_(cfg), tp_(comms.tp), store_(&store), cp_(comms.cp) {
   const std::string ctx = prefix.empty() ? "mamba1" : prefix;
   cfg_.validate(ctx);
   require(n_layer > 0, ctx, "n_layer must be positive (got ", n_layer, ")");
@@ -108,6 +109,80 @@ View2<P> a_from_log(const View1<P>& a_log, index_t E, index_t N) {
   par_for("mamba1::A", E, N, KOKKOS_LAMBDA(index_t d, index_t n) { A(d, n) = -Kokkos::exp(a_log(d * N + n)); });
   return A;
 }
+
+template <class P>
+View1<P> m1_cont_view(const std::vector<int>& cont) {
+  View1<P> v(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba1::cp_cont"), cont.size());
+  auto h = Kokkos::create_mirror_view(HostMem(), v);
+  for (std::size_t i = 0; i < cont.size(); ++i) h(i) = cont[i] ? P(1) : P(0);
+  Kokkos::deep_copy(v, h);
+  return v;
+}
+
+// Context parallel: the incoming state (batch, E, N) from the fold, zero where token 0 starts a record.
+// (Free functions: CUDA lambdas may not sit in private member functions.)
+template <class P>
+View3<P> m1_cp_state_in(const View1<P>& S_fold, const std::vector<int>& cont_v, index_t batch, index_t E,
+                        index_t N) {
+  View1<P> cont = m1_cont_view<P>(cont_v);
+  View3<P> Sin3(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba1::ssm_init"), batch, E, N);
+  par_for("mamba1::cp_state_in", batch, E * N, KOKKOS_LAMBDA(index_t b, index_t i) {
+    Sin3(b, i / N, i % N) = cont(b) * S_fold(b * E * N + i);
+  });
+  return Sin3;
+}
+
+// Context parallel: the slice's total decay g(b, d, n) = exp(sum_t Delta_t A(d, n)), zero when a record starts
+// inside the slice or at its first token.
+template <class T>
+View1<acc_t<T>> m1_cp_total_decay(const Mamba1Acts<T>& a, const View2<acc_t<T>>& A,
+                                  const View1<const acc_t<T>>& delta_bias, const SeqIdxView& seq, index_t batch,
+                                  index_t L, index_t E, index_t N) {
+  using P = acc_t<T>;
+  View1<P> cont = m1_cont_view<P>(a.cp_cont);
+  View1<P> g(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba1::cp_g"), batch * E * N);
+  const auto delta = a.delta;
+  const bool has_seq = seq.extent(0) > 0;
+  par_for("mamba1::cp_total_decay", batch * E, N, KOKKOS_LAMBDA(index_t bd, index_t k) {
+    const index_t b = bd / E, d = bd % E;
+    P run = 0;
+    bool same = true;
+    for (index_t t = 0; t < L; ++t) {
+      if (has_seq && seq(b, t) != seq(b, 0)) same = false;
+      run += softplus(P(delta(b * L + t, d)) + delta_bias(d)) * A(d, k);
+    }
+    g(bd * N + k) = same ? cont(b) * Kokkos::exp(run) : P(0);
+  });
+  return g;
+}
+
+// Context parallel backward: the decay as above and G(b, d, n) = sum_t exp(l_t) dout_t silu(z_t) C_t,n over the
+// slice's first record (zero when the slice starts a record), l_t the in-slice cumsum of Delta A.
+template <class T>
+void m1_cp_state_grad(const Mamba1Acts<T>& a, const View2<acc_t<T>>& A, const View1<const acc_t<T>>& delta_bias,
+                      const SeqIdxView& seq, const View2<T>& dy, index_t batch, index_t L, index_t E, index_t N,
+                      View1<acc_t<T>>& gdec, View1<acc_t<T>>& Gs) {
+  using P = acc_t<T>;
+  gdec = m1_cp_total_decay<T>(a, A, delta_bias, seq, batch, L, E, N);
+  View1<P> cont = m1_cont_view<P>(a.cp_cont);
+  View1<P> G(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba1::cp_G"), batch * E * N);
+  const auto delta = a.delta;
+  const auto xz = a.xz;
+  const auto bc = a.bc;
+  const bool has_seq = seq.extent(0) > 0;
+  par_for("mamba1::cp_G", batch * E, N, KOKKOS_LAMBDA(index_t bd, index_t k) {
+    const index_t b = bd / E, d = bd % E;
+    P run = 0, acc = 0;
+    for (index_t t = 0; t < L; ++t) {
+      if (has_seq && seq(b, t) != seq(b, 0)) break;
+      const index_t row = b * L + t;
+      run += softplus(P(delta(row, d)) + delta_bias(d)) * A(d, k);
+      acc += Kokkos::exp(run) * P(dy(row, d)) * silu(P(xz(row, E + d))) * P(bc(row, N + k));
+    }
+    G(bd * N + k) = cont(b) * acc;
+  });
+  Gs = G;
+}
 }  // namespace
 
 template <class T>
@@ -182,6 +257,12 @@ template <class T>
 void Mamba1Mixer<T>::forward(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq,
                              const View2<T>& out, Mamba1Acts<T>& acts, bool save, const Mamba1State<T>* init,
                              Mamba1State<T>* final) const {
+  if (cp_->size() > 1) {
+    require(!init && !final, "Mamba1Mixer::forward", "explicit initial/final states are not supported with cp = ",
+            cp_->size(), " (the state is passed between the cp ranks)");
+    forward_cp(u, batch, seqlen, seq, out, acts, save);
+    return;
+  }
   acts = Mamba1Acts<T>{};
   if (init) {  // copies: `final` may be `init`, and the backward needs the state the forward started from
     check_state(*init, batch, "Mamba1Mixer::forward (initial state)");
@@ -232,7 +313,17 @@ void Mamba1Mixer<T>::backward(Mamba1Acts<T>& a, index_t batch, index_t seqlen, c
   g.dA = dA;
   g.dD = store_->g1(D_);
   g.ddelta_bias = store_->g1(dt_b_);
-  selective_scan_backward<T>(scan_shape(batch, seqlen), scan_in(a, A, seq), dy, View3<const P>(), a.checkpoints, g);
+  View3<P> dfinal;
+  if (cp_->size() > 1) {
+    require(index_t(a.cp_cont.size()) == batch, "Mamba1Mixer::backward", "cp = ", cp_->size(),
+            " needs the forward of the same mixer with cp (no context-parallel state kept for batch = ", batch, ")");
+    View1<P> gdec, Gs;
+    m1_cp_state_grad<T>(a, A, store_->v1(dt_b_), seq, dy, batch, seqlen, E, N, gdec, Gs);
+    View1<P> dS = parallel::cp_state_scan_backward<P>(*cp_, gdec, Gs, 1);
+    dfinal = View3<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba1::cp_dfinal"), batch, E, N);
+    Kokkos::deep_copy(View1<P>(dfinal.data(), dfinal.size()), dS);
+  }
+  selective_scan_backward<T>(scan_shape(batch, seqlen), scan_in(a, A, seq), dy, dfinal, a.checkpoints, g);
   const View1<P> gA_log = store_->g1(A_log_);
   par_for("mamba1::dA_log", E, N, KOKKOS_LAMBDA(index_t d, index_t k) { gA_log(d * N + k) += dA(d, k) * A(d, k); });
   // dt_proj (its bias gradient came from the scan)
@@ -249,9 +340,79 @@ void Mamba1Mixer<T>::backward(Mamba1Acts<T>& a, index_t batch, index_t seqlen, c
   // conv: d(x) into the x columns of d(xz)
   conv1d_silu_backward<T>(Conv1dIn<T>{a.xz, 0, batch, seqlen, E, a.conv_init}, store_->v2(conv_w_),
                           store_->v1(conv_b_), seq, dxc, dxz, 0, store_->g2(conv_w_), store_->g1(conv_b_));
+  if (cp_->size() > 1) {  // the halo's gradient goes back to the left neighbour, which adds it to its rows
+    View3<T> dprefix(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba1::cp_dprefix"), batch, E,
+                     cfg_.d_conv - 1);
+    parallel::conv1d_silu_prefix_grad<T>(Conv1dIn<T>{a.xz, 0, batch, seqlen, E, a.conv_init}, store_->v2(conv_w_),
+                                         store_->v1(conv_b_), seq, dxc, a.cp_mask, dprefix);
+    parallel::cp_conv_halo_backward<T>(*cp_, dprefix, dxz, 0, batch, seqlen);
+  }
   // in_proj
   linear_backward<T>(a.u, store_->v2(in_proj_), dxz, du, false, store_->g2(in_proj_), View1<P>());
   parallel::tp_allreduce_sum(*tp_, du, "Mamba1Mixer::backward");  // column-parallel in_proj: partial sums
+}
+
+template <class T>
+void Mamba1Mixer<T>::forward_cp(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq,
+                                const View2<T>& out, Mamba1Acts<T>& a, bool save) const {
+  const index_t n = batch * seqlen, E = E_, R = cfg_.rank(), N = cfg_.d_state;
+  require(index_t(u.extent(0)) == n && index_t(u.extent(1)) == cfg_.d_model, "Mamba1Mixer",
+          "u must be (batch * seqlen, d_model) = (", n, ", ", cfg_.d_model, "), it is (", u.extent(0), ", ",
+          u.extent(1), ")");
+  a = Mamba1Acts<T>{};
+  a.u = u;
+  a.xz = make_uninit<View2<T>>("mamba1::xz", n, 2 * E);
+  a.xc = make_uninit<View2<T>>("mamba1::xc", n, E);
+  a.dt_low = make_uninit<View2<T>>("mamba1::dt_low", n, R);
+  a.bc = make_uninit<View2<T>>("mamba1::bc", n, 2 * N);
+  a.delta = make_uninit<View2<T>>("mamba1::delta", n, E);
+  a.y = make_uninit<View2<T>>("mamba1::y", n, E);
+  const SelScanShape ss = scan_shape(batch, seqlen);
+  linear_forward<T>(u, store_->v2(in_proj_), View1<const P>(), a.xz);
+  auto halo = parallel::cp_conv_halo_forward<T>(*cp_, a.xz, 0, E, batch, seqlen, cfg_.d_conv, seq);
+  a.conv_init = halo.prefix;
+  a.cp_mask = halo.mask;
+  a.cp_cont = halo.cont;
+  conv1d_silu_forward<T>(Conv1dIn<T>{a.xz, 0, batch, seqlen, E, a.conv_init}, store_->v2(conv_w_),
+                         store_->v1(conv_b_), seq, a.xc);
+  linear_forward<T>(a.xc, xproj_dt(store_->v1(x_proj_)), View1<const P>(), a.dt_low);
+  linear_forward<T>(a.xc, xproj_bc(store_->v1(x_proj_)), View1<const P>(), a.bc);
+  parallel::tp_allreduce_sum(*tp_, a.dt_low, "Mamba1Mixer (x_proj)");  // row-parallel x_proj: partial sums
+  parallel::tp_allreduce_sum(*tp_, a.bc, "Mamba1Mixer (x_proj)");
+  linear_forward<T>(a.dt_low, store_->v2(dt_w_), View1<const P>(), a.delta);
+  // local scan from a zero state for the final local state, the exclusive scan across the ranks, the scan again
+  // from the incoming state
+  const View2<P> A = A_matrix();
+  View3<P> S_loc("mamba1::cp_S_loc", batch, E, N);
+  selective_scan_forward<T>(ss, scan_in(a, A, seq), a.y, S_loc);
+  View1<P> gdec = m1_cp_total_decay<T>(a, A, store_->v1(dt_b_), seq, batch, seqlen, E, N);
+  View1<P> S_in = parallel::cp_state_scan_forward<P>(*cp_, gdec, View1<const P>(S_loc.data(), S_loc.size()), 1);
+  a.ssm_init = m1_cp_state_in<P>(S_in, a.cp_cont, batch, E, N);
+  a.checkpoints = save ? selective_scan_alloc_checkpoints<T>(ss) : View3<P>();
+  selective_scan_forward<T>(ss, scan_in(a, A, seq), a.y, View3<P>(), a.checkpoints);
+  linear_forward<T>(a.y, store_->v2(out_proj_), View1<const P>(), out);
+  parallel::tp_allreduce_sum(*tp_, out, "Mamba1Mixer::forward");  // row-parallel out_proj: partial sums
+  if (!save) {  // the recompute then runs the local code from the kept halo and incoming state
+    Mamba1Acts<T> kept;
+    kept.u = u;
+    kept.conv_init = a.conv_init;
+    kept.ssm_init = a.ssm_init;
+    kept.cp_mask = a.cp_mask;
+    kept.cp_cont = a.cp_cont;
+    a = kept;
+  }
+}
+
+template <class T>
+std::uint64_t Mamba1Mixer<T>::cp_traffic_bytes(index_t batch, bool with_seq_idx) const {
+  const std::uint64_t r = std::uint64_t(cp_->rank()), n = std::uint64_t(cp_->size());
+  if (n == 1) return 0;
+  const std::uint64_t B = std::uint64_t(batch), E = std::uint64_t(E_), N = std::uint64_t(cfg_.d_state),
+                      W1 = std::uint64_t(cfg_.d_conv - 1);
+  std::uint64_t bytes = 2 * B * E * N * 2 * sizeof(P);
+  bytes += B * W1 * E * sizeof(T) * ((r + 1 < n ? 1 : 0) + (r > 0 ? 1 : 0));
+  if (with_seq_idx && r + 1 < n) bytes += B * std::max<std::uint64_t>(W1, 1) * 8;
+  return bytes;
 }
 
 template <class T>

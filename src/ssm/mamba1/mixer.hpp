@@ -20,13 +20,31 @@
 // of those channels (row-parallel). Every parameter carries its Shard and initialises to the slice of the unsharded
 // model. Collectives (all-reduce over tp): x_proj's output [dt_low | B | C] and the output in the forward (and
 // step); d[dt_low | B | C] and du in the backward. Inputs and dout are the same on every tp rank.
+// Context parallel (comms.cp of size > 1; parallel/context_parallel.hpp, as Mamba2Mixer): each cp rank holds a
+// contiguous slice of Lr tokens of every batch row. forward()/backward() without explicit states pass the state:
+// the conv prefix is the left neighbour's last d_conv - 1 rows of x (its gradient goes back in the backward); the
+// scan runs from a zero state, the pairs (total decay exp(sum_t Delta_t A) per (row, channel, state), final local
+// state), both (batch, E, N), are all-gathered and folded into the incoming state S_in, and the scan is run again
+// from S_in (a second local scan instead of an output correction: the scan fuses the z gate and the backward
+// checkpoints, which then are right). The backward forms G = sum_t exp(l_t) (dout_t silu(z_t)) C_t for the first
+// record, folds (decay, G) from the right into the gradient of the final state and runs the local backward from
+// S_in with it. Needs Lr >= d_conv - 1; explicit states with cp > 1 are an error. Bytes one rank r of cp ranks sends
+// per layer, forward + backward (independent of Lr):
+//   2 * batch * E * N * 2 * sizeof(P)                                       (the two all-gathers of the pairs)
+// + batch * (d_conv - 1) * E * sizeof(T) * ([r < cp - 1] + [r > 0])         (halo forward, its gradient back)
+// + batch * max(d_conv - 1, 1) * 8 * [r < cp - 1] * [seq_idx not empty]     (record ids of the halo rows)
+// (cp_traffic_bytes() evaluates it). cp == 1 runs the single-rank code unchanged.
 #pragma once
 
+#include <cstdint>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "core/kokkos_types.hpp"
 #include "layers/conv1d.hpp"
 #include "model/params.hpp"
+#include "parallel/context_parallel.hpp"
 #include "parallel/grid.hpp"
 #include "ssm/mamba1/selective_scan.hpp"
 
@@ -60,7 +78,9 @@ struct Mamba1Acts {
   View2<T> y;       // scan output (B*L, E)
   View3<acc_t<T>> checkpoints;  // scan states at chunk starts
   View3<T> conv_init;           // copies of the initial state the forward started from (empty: zero)
-  View3<acc_t<T>> ssm_init;
+  View3<acc_t<T>> ssm_init;     // (context parallel: the halo and the incoming state S_in)
+  View2<T> cp_mask;             // context parallel: which halo entries are used (batch, d_conv - 1)
+  std::vector<int> cp_cont;     // context parallel: per batch row, whether token 0 continues the left record
 };
 
 // Decode state: conv (batch, E, d_conv - 1), the inputs before the next token, oldest first; ssm (batch, E, N).
@@ -78,6 +98,7 @@ class Mamba1Mixer {
 
   // Registers the parameters under `prefix` (e.g. "backbone.layers.3.mixer.") in `store`: this rank's shards under
   // tensor parallelism (comms.tp of size > 1), the whole tensors otherwise.
+  // comms.cp: the context-parallel communicator (size 1: the single-rank code).
   Mamba1Mixer(const Mamba1Config& cfg, ParamStore<P>& store, const std::string& prefix, index_t n_layer,
               const parallel::ModelComms& comms = {});
 
@@ -103,6 +124,9 @@ class Mamba1Mixer {
   void backward(Mamba1Acts<T>& acts, index_t batch, index_t seqlen, const SeqIdxView& seq,
                 const View2<const T>& dout, const View2<T>& du) const;
 
+  // Bytes one cp rank sends per layer forward + backward (the formula above) for `batch` rows.
+  std::uint64_t cp_traffic_bytes(index_t batch, bool with_seq_idx) const;
+
   // One token per batch row: u (batch, D), state advanced in place, out (batch, D).
   void step(const View2<T>& u, Mamba1State<T>& state, const View2<T>& out) const;
 
@@ -115,11 +139,14 @@ class Mamba1Mixer {
   UView2<P> xproj_dt(const View1<P>& buf) const;  // rows [0, R) of an x_proj-shaped (R + 2N, E) slice
   UView2<P> xproj_bc(const View1<P>& buf) const;  // rows [R, R + 2N)
   void check_state(const Mamba1State<T>& s, index_t batch, const char* what) const;
+  void forward_cp(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq, const View2<T>& out,
+                  Mamba1Acts<T>& acts, bool save) const;
 
   Mamba1Config cfg_;
   index_t E_ = 0;  // this rank's inner width (d_inner when tp = 1)
   std::shared_ptr<const parallel::Comm> tp_;
   ParamStore<P>* store_;
+  std::shared_ptr<const parallel::Comm> cp_;
   std::size_t in_proj_, conv_w_, conv_b_, x_proj_, dt_w_, dt_b_, A_log_, D_, out_proj_;
 };
 

@@ -1,5 +1,6 @@
 #include "ssm/mamba2/mixer.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/error.hpp"
@@ -8,6 +9,100 @@
 #include "parallel/tensor_parallel.hpp"
 
 namespace mm {
+
+namespace {
+// per batch row, 1 where token 0 continues the left neighbour's record, as a device vector of P
+template <class P>
+View1<P> cp_cont_view(const std::vector<int>& cont) {
+  View1<P> v(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba2::cp_cont"), cont.size());
+  auto h = Kokkos::create_mirror_view(HostMem(), v);
+  for (std::size_t i = 0; i < cont.size(); ++i) h(i) = cont[i] ? P(1) : P(0);
+  Kokkos::deep_copy(v, h);
+  return v;
+}
+
+// exp(l_t), l_t = sum_{j <= t} Delta_j A_h inside the slice, for the tokens of the slice's first record; 0 after.
+// (Free functions: CUDA lambdas may not sit in private member functions.)
+template <class T>
+View2<acc_t<T>> m2_cp_decay_weights(const View2<T>& dt, index_t dtc, const View1<const acc_t<T>>& A_log,
+                                    const View1<const acc_t<T>>& dt_bias, double dt_lo, double dt_hi,
+                                    const SeqIdxView& seq, index_t batch, index_t L, index_t H) {
+  using P = acc_t<T>;
+  View2<P> lexp(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba2::cp_lexp"), batch * L, H);
+  const P lo = P(dt_lo);
+  const P hi = std::isinf(dt_hi) ? Kokkos::Experimental::finite_max_v<P> : P(dt_hi);
+  const bool has_seq = seq.extent(0) > 0;
+  par_for("mamba2::cp_decay", batch * H, KOKKOS_LAMBDA(index_t bh) {
+    const index_t b = bh / H, h = bh % H;
+    const P A = -Kokkos::exp(A_log(h));
+    P run = 0;
+    bool same = true;
+    for (index_t t = 0; t < L; ++t) {
+      if (has_seq && seq(b, t) != seq(b, 0)) same = false;
+      P d = softplus(P(dt(b * L + t, dtc + h)) + dt_bias(h));
+      d = d < lo ? lo : (d > hi ? hi : d);
+      run += d * A;
+      lexp(b * L + t, h) = same ? Kokkos::exp(run) : P(0);
+    }
+  });
+  return lexp;
+}
+
+// g(b, h): the slice's total decay, zero when a record starts inside it (or at its first token)
+template <class P>
+View1<P> m2_cp_total_decay(const View2<P>& lexp, const std::vector<int>& cont, index_t batch, index_t L, index_t H) {
+  View1<P> c = cp_cont_view<P>(cont);
+  View1<P> g(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba2::cp_g"), batch * H);
+  par_for("mamba2::cp_total_decay", batch * H, KOKKOS_LAMBDA(index_t bh) {
+    const index_t b = bh / H, h = bh % H;
+    g(bh) = c(b) * lexp(b * L + L - 1, h);
+  });
+  return g;
+}
+
+// S_in (batch, H, P, N) from the fold (zero where token 0 starts a record), then the correction of the first
+// record's outputs y_t += exp(l_t) C_t . S_in
+template <class T>
+void m2_cp_apply_state_in(const View1<acc_t<T>>& S_fold, const std::vector<int>& cont_v, const View4<acc_t<T>>& Sin4,
+                          const View2<acc_t<T>>& lexp, const View2<T>& xbc, index_t ccol, const View2<T>& y,
+                          index_t batch, index_t L, index_t H, index_t Pd, index_t N, index_t HG) {
+  using P = acc_t<T>;
+  View1<P> cont = cp_cont_view<P>(cont_v);
+  const index_t PN = Pd * N;
+  par_for("mamba2::cp_state_in", batch, H * PN, KOKKOS_LAMBDA(index_t b, index_t i) {
+    Sin4(b, i / PN, (i % PN) / N, i % N) = cont(b) * S_fold(b * H * PN + i);
+  });
+  par_for("mamba2::cp_correct", batch * L, H * Pd, KOKKOS_LAMBDA(index_t row, index_t hp) {
+    const index_t b = row / L, h = hp / Pd, p = hp % Pd, gi = h / HG;
+    const P w = lexp(row, h);
+    if (w == P(0)) return;
+    P acc = 0;
+    for (index_t k = 0; k < N; ++k) acc += Sin4(b, h, p, k) * P(xbc(row, ccol + gi * N + k));
+    y(row, hp) = static_cast<T>(P(y(row, hp)) + w * acc);
+  });
+}
+
+// G(b, h, p, n) = sum_t exp(l_t) dy_t C_t^T over the first record, zero when the slice starts a record
+template <class T>
+View4<acc_t<T>> m2_cp_state_grad(const View2<acc_t<T>>& lexp, const std::vector<int>& cont_v, const View2<T>& dy,
+                                 const View2<T>& xbc, index_t ccol, index_t batch, index_t L, index_t H, index_t Pd,
+                                 index_t N, index_t HG) {
+  using P = acc_t<T>;
+  View1<P> cont = cp_cont_view<P>(cont_v);
+  View4<P> Gs(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba2::cp_G"), batch, H, Pd, N);
+  par_for("mamba2::cp_G", batch * H, Pd * N, KOKKOS_LAMBDA(index_t bh, index_t pn) {
+    const index_t b = bh / H, h = bh % H, p = pn / N, nn = pn % N, gi = h / HG;
+    P acc = 0;
+    for (index_t t = 0; t < L; ++t) {
+      const P w = lexp(b * L + t, h);
+      if (w == P(0)) break;
+      acc += w * P(dy(b * L + t, h * Pd + p)) * P(xbc(b * L + t, ccol + gi * N + nn));
+    }
+    Gs(b, h, p, nn) = cont(b) * acc;
+  });
+  return Gs;
+}
+}  // namespace
 
 void Mamba2Config::validate(const std::string& context) const {
   require(d_model > 0 && d_state > 0 && expand > 0 && headdim > 0 && ngroups > 0 && chunk > 0, context,
@@ -25,7 +120,7 @@ void Mamba2Config::validate(const std::string& context) const {
 template <class T>
 Mamba2Mixer<T>::Mamba2Mixer(const Mamba2Config& cfg, ParamStore<P>& store, const std::string& prefix,
                             index_t n_layer, const parallel::ModelComms& comms)
-    : cfg_(cfg), tp_(comms.tp), store_(&store) {
+    : cfg_(cfg), tp_(comms.tp), store_(&store), cp_(comms.cp) {
   const std::string ctx = prefix.empty() ? "mamba2" : prefix;
   cfg_.validate(ctx);
   const index_t D = cfg.d_model, E = cfg.d_inner(), H = cfg.nheads(), W = cfg.d_conv, C = cfg.conv_dim();
@@ -135,6 +230,12 @@ template <class T>
 void Mamba2Mixer<T>::forward(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq,
                              const View2<T>& out, Mamba2Acts<T>& acts, bool save, const Mamba2State<T>* init,
                              Mamba2State<T>* final) const {
+  if (cp_->size() > 1) {
+    require(!init && !final, "Mamba2Mixer::forward", "explicit initial/final states are not supported with cp = ",
+            cp_->size(), " (the state is passed between the cp ranks)");
+    forward_cp(u, batch, seqlen, seq, out, acts, save);
+    return;
+  }
   acts = Mamba2Acts<T>{};
   if (init) {  // copies: `final` may be `init`, and the backward needs the state the forward started from
     check_state(*init, batch, "Mamba2Mixer::forward (initial state)");
@@ -182,13 +283,91 @@ void Mamba2Mixer<T>::backward(Mamba2Acts<T>& a, index_t batch, index_t seqlen, c
   g.dA_log = store_->g1(A_log_);
   g.ddt_bias = store_->g1(dt_bias_);
   g.dD = store_->g1(D_);
-  ssd_backward<T>(ssd_shape(batch, seqlen), ssd_in(a, seq), dy, View4<const P>(), g);
+  View4<P> dfinal;
+  if (cp_->size() > 1) {
+    // the incoming state's gradient from this slice, G = sum_t exp(l_t) dy_t C_t^T (first record, zero when the
+    // slice starts a record), then the fold from the right gives the gradient of this slice's final state
+    const index_t H = H_, Pd = cfg_.headdim, N = cfg_.d_state, HG = H / G, ccol = E + G * N;
+    require(index_t(a.cp_cont.size()) == batch, "Mamba2Mixer::backward", "cp = ", cp_->size(),
+            " needs the forward of the same mixer with cp (no context-parallel state kept for batch = ", batch, ")");
+    View2<P> lexp = m2_cp_decay_weights<T>(a.zxbcdt, 2 * E + 2 * G * N, store_->v1(A_log_), store_->v1(dt_bias_),
+                                           cfg_.dt_limit_lo, cfg_.dt_limit_hi, seq, batch, seqlen, H);
+    View4<P> Gs = m2_cp_state_grad<T>(lexp, a.cp_cont, dy, a.xbc, ccol, batch, seqlen, H, Pd, N, HG);
+    View1<P> gdec = m2_cp_total_decay<P>(lexp, a.cp_cont, batch, seqlen, H);
+    View1<P> dS = parallel::cp_state_scan_backward<P>(*cp_, gdec, View1<const P>(Gs.data(), Gs.size()), Pd * N);
+    dfinal = View4<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba2::cp_dfinal"), batch, H, Pd, N);
+    Kokkos::deep_copy(View1<P>(dfinal.data(), dfinal.size()), dS);
+  }
+  ssd_backward<T>(ssd_shape(batch, seqlen), ssd_in(a, seq), dy, dfinal, g);
   // conv: d([x | B | C]) into its columns of d(zxbcdt)
   conv1d_silu_backward<T>(Conv1dIn<T>{a.zxbcdt, E, batch, seqlen, C_, a.conv_init}, store_->v2(conv_w_),
                           store_->v1(conv_b_), seq, dxbc, dzxbcdt, E, store_->g2(conv_w_), store_->g1(conv_b_));
+  if (cp_->size() > 1) {  // the halo's gradient goes back to the left neighbour, which adds it to its rows
+    View3<T> dprefix(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba2::cp_dprefix"), batch, C_,
+                     cfg_.d_conv - 1);
+    parallel::conv1d_silu_prefix_grad<T>(Conv1dIn<T>{a.zxbcdt, E, batch, seqlen, C_, a.conv_init},
+                                         store_->v2(conv_w_), store_->v1(conv_b_), seq, dxbc, a.cp_mask, dprefix);
+    parallel::cp_conv_halo_backward<T>(*cp_, dprefix, dzxbcdt, E, batch, seqlen);
+  }
   // in_proj
   linear_backward<T>(a.u, store_->v2(in_proj_), dzxbcdt, du, false, store_->g2(in_proj_), View1<P>());
   parallel::tp_allreduce_sum(*tp_, du, "Mamba2Mixer::backward");  // column-parallel in_proj: partial sums
+}
+
+template <class T>
+void Mamba2Mixer<T>::forward_cp(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq,
+                                const View2<T>& out, Mamba2Acts<T>& a, bool save) const {
+  // local widths (this rank's heads and groups under tp)
+  const index_t n = batch * seqlen, E = E_, G = G_, H = H_, Pd = cfg_.headdim, N = cfg_.d_state, C = C_,
+                HG = H / G, L = seqlen, ccol = E + G * N;
+  a = Mamba2Acts<T>{};
+  a.u = u;
+  a.zxbcdt = make_uninit<View2<T>>("mamba2::zxbcdt", n, Din_);
+  a.xbc = make_uninit<View2<T>>("mamba2::xbc", n, C);
+  a.y = make_uninit<View2<T>>("mamba2::y", n, E);
+  a.yn = make_uninit<View2<T>>("mamba2::yn", n, E);
+  a.rstd = make_uninit<View2<P>>("mamba2::rstd", n, G);
+  linear_forward<T>(u, store_->v2(in_proj_), View1<const P>(), a.zxbcdt);
+  // conv with the left neighbour's halo as its prefix
+  auto halo = parallel::cp_conv_halo_forward<T>(*cp_, a.zxbcdt, E, C, batch, seqlen, cfg_.d_conv, seq);
+  a.conv_init = halo.prefix;
+  a.cp_mask = halo.mask;
+  a.cp_cont = halo.cont;
+  conv1d_silu_forward<T>(Conv1dIn<T>{a.zxbcdt, E, batch, seqlen, C, a.conv_init}, store_->v2(conv_w_),
+                         store_->v1(conv_b_), seq, a.xbc);
+  // local scan from a zero state, then the exclusive scan of (total decay, final state) across the ranks
+  View4<P> S_loc("mamba2::cp_S_loc", batch, H, Pd, N);
+  ssd_forward<T>(ssd_shape(batch, seqlen), ssd_in(a, seq), a.y, S_loc);
+  View2<P> lexp = m2_cp_decay_weights<T>(a.zxbcdt, 2 * E + 2 * G * N, store_->v1(A_log_), store_->v1(dt_bias_),
+                                         cfg_.dt_limit_lo, cfg_.dt_limit_hi, seq, batch, L, H);
+  View1<P> gdec = m2_cp_total_decay<P>(lexp, a.cp_cont, batch, L, H);
+  View1<P> S_in = parallel::cp_state_scan_forward<P>(*cp_, gdec, View1<const P>(S_loc.data(), S_loc.size()), Pd * N);
+  a.ssm_init = View4<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba2::ssm_init"), batch, H, Pd, N);
+  m2_cp_apply_state_in<T>(S_in, a.cp_cont, a.ssm_init, lexp, a.xbc, ccol, a.y, batch, L, H, Pd, N, HG);
+  gated_rmsnorm_forward<T>(GatedNormIn<T>{a.y, 0, a.zxbcdt, 0}, E, E / G, GateOrder::gate_first,
+                           store_->v1(norm_w_), cfg_.norm_eps, a.yn, a.rstd);
+  linear_forward<T>(a.yn, store_->v2(out_proj_), View1<const P>(), out);
+  parallel::tp_allreduce_sum(*tp_, out, "Mamba2Mixer::forward");  // row-parallel out_proj: partial sums
+  if (!save) {  // the recompute then runs the local code from the kept halo and incoming state
+    Mamba2Acts<T> kept;
+    kept.u = u;
+    kept.conv_init = a.conv_init;
+    kept.ssm_init = a.ssm_init;
+    kept.cp_mask = a.cp_mask;
+    kept.cp_cont = a.cp_cont;
+    a = kept;
+  }
+}
+
+template <class T>
+std::uint64_t Mamba2Mixer<T>::cp_traffic_bytes(index_t batch, bool with_seq_idx) const {
+  const std::uint64_t r = std::uint64_t(cp_->rank()), n = std::uint64_t(cp_->size());
+  if (n == 1) return 0;
+  const std::uint64_t B = std::uint64_t(batch), H = std::uint64_t(H_), W1 = std::uint64_t(cfg_.d_conv - 1);
+  std::uint64_t bytes = 2 * B * H * (1 + std::uint64_t(cfg_.headdim * cfg_.d_state)) * sizeof(P);
+  bytes += B * W1 * std::uint64_t(C_) * sizeof(T) * ((r + 1 < n ? 1 : 0) + (r > 0 ? 1 : 0));
+  if (with_seq_idx && r + 1 < n) bytes += B * std::max<std::uint64_t>(W1, 1) * 8;
+  return bytes;
 }
 
 template <class T>

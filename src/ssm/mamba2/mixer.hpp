@@ -20,14 +20,31 @@
 // and each rank's groups are whole: no collective) and the out_proj columns of x_r (row-parallel). Every parameter
 // carries its Shard and initialises to the slice of the unsharded model. The output is all-reduced over tp in the
 // forward (and step), the input gradient in the backward; inputs and dout are the same on every tp rank.
+// Context parallel (comms.cp of size > 1; parallel/context_parallel.hpp): each cp rank holds a contiguous slice
+// of Lr tokens of every batch row (global record ids in seq_idx). forward()/backward() without explicit states
+// then pass the state: the conv prefix is the left neighbour's last d_conv - 1 rows of [x | B | C] (the halo; its
+// gradient goes back in the backward), the scan runs from a zero state, the pairs (total decay per (row, head),
+// final local state) are all-gathered and folded into the incoming state S_in, and the outputs of the slice's
+// first record get y_t += exp(l_t) C_t . S_in (l_t the in-slice decay cumsum). The backward forms
+// G = sum_t exp(l_t) dy_t C_t^T, folds the pairs (decay, G) from the right into the gradient of the slice's final
+// state and runs the local backward from S_in with it. Needs Lr >= d_conv - 1; explicit decode states with
+// cp > 1 are an error. Bytes one rank r of cp ranks sends per layer, forward + backward (independent of Lr):
+//   2 * batch * H * (1 + headdim * d_state) * sizeof(P)                     (the two all-gathers of the pairs)
+// + batch * (d_conv - 1) * conv_dim * sizeof(T) * ([r < cp - 1] + [r > 0])  (halo forward, its gradient back)
+// + batch * max(d_conv - 1, 1) * 8 * [r < cp - 1] * [seq_idx not empty]     (record ids of the halo rows)
+// (cp_traffic_bytes() below evaluates it). cp == 1 runs the single-rank code unchanged.
 #pragma once
 
 #include <limits>
+#include <cstdint>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "core/kokkos_types.hpp"
 #include "layers/conv1d.hpp"
 #include "model/params.hpp"
+#include "parallel/context_parallel.hpp"
 #include "parallel/grid.hpp"
 #include "ssm/mamba2/ssd.hpp"
 
@@ -64,7 +81,9 @@ struct Mamba2Acts {
   View2<T> yn;      // gated-norm output (out_proj input)
   View2<acc_t<T>> rstd;
   View3<T> conv_init;           // copies of the initial state the forward started from (empty: zero)
-  View4<acc_t<T>> ssm_init;
+  View4<acc_t<T>> ssm_init;     // (context parallel: the halo and the incoming state S_in)
+  View2<T> cp_mask;             // context parallel: which halo entries are used (batch, d_conv - 1)
+  std::vector<int> cp_cont;     // context parallel: per batch row, whether token 0 continues the left record
 };
 
 // Decode state: conv (batch, conv_dim, d_conv - 1), the conv inputs before the next token, oldest first;
@@ -83,6 +102,7 @@ class Mamba2Mixer {
 
   // Registers the parameters under `prefix` (e.g. "backbone.layers.3.mixer.") in `store`: this rank's shards under
   // tensor parallelism (comms.tp of size > 1), the whole tensors otherwise.
+  // comms.cp: the context-parallel communicator (size 1: the single-rank code).
   Mamba2Mixer(const Mamba2Config& cfg, ParamStore<P>& store, const std::string& prefix, index_t n_layer,
               const parallel::ModelComms& comms = {});
 
@@ -105,6 +125,9 @@ class Mamba2Mixer {
   void backward(Mamba2Acts<T>& acts, index_t batch, index_t seqlen, const SeqIdxView& seq,
                 const View2<const T>& dout, const View2<T>& du) const;
 
+  // Bytes one cp rank sends per layer forward + backward (the formula above) for `batch` rows.
+  std::uint64_t cp_traffic_bytes(index_t batch, bool with_seq_idx) const;
+
   // A zero decode state for `batch` rows (this rank's conv channels and heads under tp).
   Mamba2State<T> make_state(index_t batch) const;
 
@@ -117,12 +140,15 @@ class Mamba2Mixer {
   SSDShape ssd_shape(index_t batch, index_t seqlen) const;
   SSDIn<T> ssd_in(const Mamba2Acts<T>& acts, const SeqIdxView& seq) const;
   void check_state(const Mamba2State<T>& s, index_t batch, const char* what) const;
+  void forward_cp(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq, const View2<T>& out,
+                  Mamba2Acts<T>& acts, bool save) const;
 
   Mamba2Config cfg_;
   // this rank's widths: d_inner, nheads, ngroups, conv channels, in_proj rows (the global ones when tp = 1)
   index_t E_ = 0, H_ = 0, G_ = 0, C_ = 0, Din_ = 0;
   std::shared_ptr<const parallel::Comm> tp_;
   ParamStore<P>* store_;
+  std::shared_ptr<const parallel::Comm> cp_;
   std::size_t in_proj_, conv_w_, conv_b_, dt_bias_, A_log_, D_, norm_w_, out_proj_;
 };
 

@@ -1,5 +1,6 @@
 #include "ssm/mamba3/mixer.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/error.hpp"
@@ -26,10 +27,76 @@ void Mamba3Config::validate(const std::string& context) const {
   require(norm_eps > 0, context, "norm_eps must be positive (got ", norm_eps, ")");
 }
 
+namespace {
+// Context parallel helpers (free functions: CUDA lambdas may not sit in private member functions).
+// Per batch row: a[b] (times b2[b] when given) as a device vector of P.
+template <class P>
+View1<P> m3_rows(const std::vector<int>& a, const std::vector<int>* b2) {
+  View1<P> v(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::cp_rows"), a.size());
+  auto h = Kokkos::create_mirror_view(HostMem(), v);
+  for (std::size_t i = 0; i < a.size(); ++i) h(i) = (a[i] && (!b2 || (*b2)[i])) ? P(1) : P(0);
+  Kokkos::deep_copy(v, h);
+  return v;
+}
+
+// data (batch rows of total / batch values each) *= w(row)
+template <class P>
+void m3_scale_rows(P* data, std::size_t total, index_t batch, const View1<P>& w) {
+  if (total == 0) return;
+  const index_t per = index_t(total) / batch;
+  View1<P> d(data, total);
+  par_for("mamba3::cp_scale_rows", index_t(total), KOKKOS_LAMBDA(index_t i) { d(i) *= w(i / per); });
+}
+
+// g(b, h) = w(b) prod_t exp(A_t Delta_t) over the slice (the scan's Delta and A)
+template <class T>
+View1<acc_t<T>> m3_total_decay(const View2<T>& dd, index_t dt_col, const View1<const acc_t<T>>& dt_bias,
+                               double A_floor, const View1<acc_t<T>>& w, index_t batch, index_t L, index_t H) {
+  using P = acc_t<T>;
+  View1<P> g(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::cp_g"), batch * H);
+  const P floor_ = P(A_floor);
+  const index_t A_col = dt_col + H;
+  par_for("mamba3::cp_total_decay", batch * H, KOKKOS_LAMBDA(index_t bh) {
+    const index_t b = bh / H, h = bh % H;
+    P run = 0;
+    for (index_t t = 0; t < L; ++t) {
+      const P d = softplus(P(dd(b * L + t, dt_col + h)) + dt_bias(h));
+      const P x = P(dd(b * L + t, A_col + h));
+      const P f = x >= P(0) ? P(1) + x : P(1) / (P(1) - x);  // the scan's heavy tail
+      run += -(f > floor_ ? f : floor_) * d;
+    }
+    g(bh) = w(b) * Kokkos::exp(run);
+  });
+  return g;
+}
+
+// k and v (batch, H, R, .) to the right neighbour (forward) or the left one (backward); what arrives lands in
+// k_out, v_out (zero at the chain's end).
+template <class P>
+void m3_shift_kv(const parallel::Comm& cp, const View4<P>& k, const View4<P>& v, const View4<P>& k_out,
+                 const View4<P>& v_out, bool to_right) {
+  const int r = cp.rank(), n = cp.size();
+  const int dest = to_right ? (r + 1 < n ? r + 1 : -1) : (r > 0 ? r - 1 : -1);
+  const int src = to_right ? (r > 0 ? r - 1 : -1) : (r + 1 < n ? r + 1 : -1);
+  auto hk = Kokkos::create_mirror_view_and_copy(HostMem(), k);
+  auto hv = Kokkos::create_mirror_view_and_copy(HostMem(), v);
+  std::vector<P> send(hk.size() + hv.size()), recv(send.size(), P(0));
+  std::copy(hk.data(), hk.data() + hk.size(), send.begin());
+  std::copy(hv.data(), hv.data() + hv.size(), send.begin() + hk.size());
+  cp.sendrecv(send.data(), dest >= 0 ? send.size() : 0, dest, recv.data(), src >= 0 ? recv.size() : 0, src);
+  auto ok = Kokkos::create_mirror_view(HostMem(), k_out);
+  auto ov = Kokkos::create_mirror_view(HostMem(), v_out);
+  std::copy(recv.begin(), recv.begin() + hk.size(), ok.data());
+  std::copy(recv.begin() + hk.size(), recv.end(), ov.data());
+  Kokkos::deep_copy(k_out, ok);
+  Kokkos::deep_copy(v_out, ov);
+}
+}  // namespace
+
 template <class T>
 Mamba3Mixer<T>::Mamba3Mixer(const Mamba3Config& cfg, ParamStore<P>& store, const std::string& prefix,
                             index_t n_layer, const parallel::ModelComms& comms)
-    : cfg_(cfg), store_(&store) {
+    : cfg_(cfg), store_(&store), cp_(comms.cp) {
   cfg_.validate(prefix.empty() ? "mamba3" : prefix);
   require(comms.tp->size() == 1, prefix.empty() ? "mamba3" : prefix, "tensor parallelism (tp = ", comms.tp->size(),
           ") is not implemented for the Mamba-3 mixer (layer kind mamba3)");
@@ -251,6 +318,12 @@ void Mamba3Mixer<T>::forward(const View2<T>& u, index_t batch, index_t seqlen, c
   if (init) require(init->batch == batch, ctx, "initial state is for batch ", init->batch, ", not ", batch);
   if (final_state)
     require(final_state->batch == batch, ctx, "final state is for batch ", final_state->batch, ", not ", batch);
+  if (cp_->size() > 1) {
+    require(!init && !final_state, ctx, "explicit initial/final states are not supported with cp = ", cp_->size(),
+            " (the state is passed between the cp ranks)");
+    forward_cp(u, batch, seqlen, seq, out, acts, save);
+    return;
+  }
   acts = Mamba3Acts<T>{};
   acts.init = init ? init->carry : Mamba3Carry<P>{};
   acts.seq = seq;
@@ -381,7 +454,50 @@ void Mamba3Mixer<T>::backward(Mamba3Acts<T>& a, index_t batch, index_t seqlen, c
     g.dinit = dinit->carry;
   }
   if (dfinal) require(dfinal->batch == batch, "mamba3_mixer", "dfinal is for batch ", dfinal->batch, ", not ", batch);
-  mamba3_scan_backward<T>(scan_shape(batch, seqlen), scan_in(a), dy, dfinal ? dfinal->carry : Mamba3Carry<P>{}, g);
+  Mamba3Carry<P> cp_dfinal;
+  if (cp_->size() > 1) {
+    require(!dfinal && !dinit, "mamba3_mixer", "explicit state gradients are not supported with cp = ", cp_->size());
+    require(index_t(a.cp_cont.size()) == batch, "mamba3_mixer", "cp = ", cp_->size(),
+            " needs the forward of the same mixer with cp (no context-parallel state kept for batch = ", batch, ")");
+    const Mamba3ScanShape sh = scan_shape(batch, seqlen);
+    const index_t S = cfg_.nangles();
+    const View1<P> cont = m3_rows<P>(a.cp_cont, nullptr), pass = m3_rows<P>(a.cp_cont, &a.cp_whole);
+    // throwaway gradients of the auxiliary scan backwards
+    View2<T> junk("mamba3::cp_junk", n, cfg_.d_in_proj());
+    Mamba3ScanGrad<T> sg;
+    sg.dv = cfg_.is_mimo ? View2<T>("mamba3::cp_junk_v", n, H * R * Pd) : junk;
+    sg.dqk = View2<T>("mamba3::cp_junk_qk", n, 2 * RGN);
+    sg.ddd = junk;
+    sg.ddt_bias = View1<P>("mamba3::cp_junk_b", H);
+    sg.dD = View1<P>("mamba3::cp_junk_D", H);
+    sg.dq_bias = View1<P>("mamba3::cp_junk_q", H * R * N);
+    sg.dk_bias = View1<P>("mamba3::cp_junk_k", H * R * N);
+    // G: the incoming state's gradient from this slice; folded from the right into the final-state gradient
+    sg.dinit = Mamba3Carry<P>::allocate("mamba3::cp_d1", sh);
+    mamba3_scan_backward<T>(sh, scan_in(a), dy, Mamba3Carry<P>{}, sg);
+    m3_scale_rows<P>(sg.dinit.S.data(), sg.dinit.S.size(), batch, cont);
+    const View1<P> gS = m3_total_decay<T>(a.proj, 2 * E + 2 * RGN, store_->v1(dt_bias_), cfg_.A_floor, pass, batch,
+                                          seqlen, H);
+    cp_dfinal = Mamba3Carry<P>::allocate("mamba3::cp_dfinal", sh);
+    Kokkos::deep_copy(View1<P>(cp_dfinal.S.data(), cp_dfinal.S.size()),
+                      parallel::cp_state_scan_backward<P>(
+                          *cp_, gS, View1<const P>(sg.dinit.S.data(), sg.dinit.S.size()), Pd * N));
+    // d(k_prev), d(v_prev) go back to the left neighbour: the gradient of its last k and v
+    sg.dinit = Mamba3Carry<P>::allocate("mamba3::cp_d2", sh);
+    mamba3_scan_backward<T>(sh, scan_in(a), dy, cp_dfinal, sg);
+    m3_scale_rows<P>(sg.dinit.k.data(), sg.dinit.k.size(), batch, cont);
+    m3_scale_rows<P>(sg.dinit.v.data(), sg.dinit.v.size(), batch, cont);
+    m3_shift_kv<P>(*cp_, sg.dinit.k, sg.dinit.v, cp_dfinal.k, cp_dfinal.v, false);
+    // the phase gradient of the slice, folded from the right into d(phi_out)
+    sg.dinit = Mamba3Carry<P>::allocate("mamba3::cp_d3", sh);
+    mamba3_scan_backward<T>(sh, scan_in(a), dy, cp_dfinal, sg);
+    m3_scale_rows<P>(sg.dinit.phi.data(), sg.dinit.phi.size(), batch, cont);
+    Kokkos::deep_copy(View1<P>(cp_dfinal.phi.data(), cp_dfinal.phi.size()),
+                      parallel::cp_state_scan_backward<P>(
+                          *cp_, pass, View1<const P>(sg.dinit.phi.data(), sg.dinit.phi.size()), H * S));
+  }
+  mamba3_scan_backward<T>(scan_shape(batch, seqlen), scan_in(a), dy,
+                          dfinal ? dfinal->carry : cp_dfinal, g);
 
   const auto proj = a.proj;
   if (cfg_.is_mimo) {
@@ -439,6 +555,70 @@ void Mamba3Mixer<T>::step(const View2<T>& u, Mamba3State<T>& state, const View2<
   // carry before it writes the final one).
   Mamba3Acts<T> a;
   forward(u, index_t(u.extent(0)), 1, out, a, false, &state, &state);
+}
+
+template <class T>
+void Mamba3Mixer<T>::forward_cp(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq,
+                                const View2<T>& out, Mamba3Acts<T>& acts, bool save) const {
+  const index_t H = cfg_.nheads(), S = cfg_.nangles(), Pd = cfg_.headdim, N = cfg_.d_state, R = cfg_.rank(),
+                RGN = R * cfg_.ngroups * N, E = cfg_.d_inner(), n = batch * seqlen;
+  const Mamba3ScanShape sh = scan_shape(batch, seqlen);
+  const auto rec = parallel::cp_record_continuity(*cp_, seq, batch, seqlen);
+  const View1<P> cont = m3_rows<P>(rec.cont, nullptr), pass = m3_rows<P>(rec.cont, &rec.whole);
+  // 1. the phase: the local run from a zero carry gives the slice's phase increment, summed over the ranks
+  acts = Mamba3Acts<T>{};
+  acts.seq = seq;
+  Mamba3Carry<P> f = Mamba3Carry<P>::allocate("mamba3::cp_f0", sh);
+  run_internals(u, batch, seqlen, acts, f);
+  Mamba3Carry<P> init = Mamba3Carry<P>::allocate("mamba3::cp_init", sh);
+  Kokkos::deep_copy(View1<P>(init.phi.data(), init.phi.size()),
+                    parallel::cp_state_scan_forward<P>(*cp_, pass, View1<const P>(f.phi.data(), f.phi.size()), H * S));
+  m3_scale_rows<P>(init.phi.data(), init.phi.size(), batch, cont);
+  // 2. the last rotated k and v of the left neighbour (the trapezoid's one-token halo)
+  acts.init = init;
+  View2<T> ytmp("mamba3::cp_y", n, H * R * Pd);
+  f = Mamba3Carry<P>::allocate("mamba3::cp_f1", sh);
+  mamba3_scan_forward<T>(sh, scan_in(acts), ytmp, f);
+  m3_shift_kv<P>(*cp_, f.k, f.v, init.k, init.v, true);
+  m3_scale_rows<P>(init.k.data(), init.k.size(), batch, cont);
+  m3_scale_rows<P>(init.v.data(), init.v.size(), batch, cont);
+  // 3. the final state from a zero state, and the exclusive scan of (total decay, final state)
+  f = Mamba3Carry<P>::allocate("mamba3::cp_f2", sh);
+  mamba3_scan_forward<T>(sh, scan_in(acts), ytmp, f);
+  const View1<P> gS = m3_total_decay<T>(acts.proj, 2 * E + 2 * RGN, store_->v1(dt_bias_), cfg_.A_floor, pass,
+                                        batch, seqlen, H);
+  Kokkos::deep_copy(View1<P>(init.S.data(), init.S.size()),
+                    parallel::cp_state_scan_forward<P>(*cp_, gS, View1<const P>(f.S.data(), f.S.size()), Pd * N));
+  m3_scale_rows<P>(init.S.data(), init.S.size(), batch, cont);
+  // 4. the mixer from the incoming carry
+  acts = Mamba3Acts<T>{};
+  acts.init = init;
+  acts.seq = seq;
+  run_internals(u, batch, seqlen, acts, Mamba3Carry<P>{});
+  linear_forward<T>(acts.o, store_->v2(out_proj_), View1<const P>(), out);
+  acts.cp_cont = rec.cont;
+  acts.cp_whole = rec.whole;
+  if (!save) {
+    Mamba3Acts<T> keep;
+    keep.u = u;
+    keep.init = acts.init;
+    keep.seq = acts.seq;
+    keep.cp_cont = acts.cp_cont;
+    keep.cp_whole = acts.cp_whole;
+    acts = keep;
+  }
+}
+
+template <class T>
+std::uint64_t Mamba3Mixer<T>::cp_traffic_bytes(index_t batch, bool with_seq_idx) const {
+  const std::uint64_t r = std::uint64_t(cp_->rank()), n = std::uint64_t(cp_->size());
+  if (n == 1) return 0;
+  const std::uint64_t B = std::uint64_t(batch), H = std::uint64_t(cfg_.nheads()), S = std::uint64_t(cfg_.nangles()),
+                      Pd = std::uint64_t(cfg_.headdim), N = std::uint64_t(cfg_.d_state), R = std::uint64_t(cfg_.rank());
+  std::uint64_t bytes = 2 * B * (1 + H * S) * sizeof(P) + 2 * B * H * (1 + Pd * N) * sizeof(P);
+  bytes += B * H * R * (N + Pd) * sizeof(P) * ((r + 1 < n ? 1 : 0) + (r > 0 ? 1 : 0));
+  if (with_seq_idx && r + 1 < n) bytes += 8 * B;
+  return bytes;
 }
 
 template class Mamba3Mixer<float>;

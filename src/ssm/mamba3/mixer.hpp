@@ -12,12 +12,36 @@
 // (out_proj then divided by sqrt(n_layer)), dt_bias = inverse softplus of exp(U[log dt_min, log dt_max]), D = 1,
 // B_norm = C_norm = 1, B_bias = C_bias = 1, mimo_x = 1/R, mimo_z = 1, mimo_o = 1/R, norm weight = 1.
 // The state (phi, S, k_prev, v_prev) lets a long sequence run in windows, and decoding run one token at a time.
+//
+// Context parallel (comms.cp of size > 1): each cp rank holds a contiguous slice of Lr tokens of every batch row
+// (global record ids in seq). forward()/backward() without explicit states pass the carry (phi, S, k, v) along the
+// ranks, in stages that each exchange a length-independent summary (parallel/context_parallel.hpp):
+//   1. the local scan from a zero carry gives the slice's phase increment; an exclusive sum-scan of the phases
+//      over the ranks (pairs (pass, phi) with pass = 0 where a record starts) gives the incoming phase phi_in;
+//   2. the scan from (phi_in, 0, 0, 0) gives the slice's last rotated k and v, sent to the right neighbour
+//      (k_prev, v_prev: the trapezoid's one-token halo);
+//   3. the scan from (phi_in, 0, k_prev, v_prev) gives the final state, and the pairs (total decay
+//      prod_t exp(A_t Delta_t) per (row, head), final state) fold into the incoming state S_in;
+//   4. the mixer runs from the carry (phi_in, S_in, k_prev, v_prev).
+// The backward mirrors it: G = d(init S) of the local backward with no final gradient, folded from the right into
+// the final-state gradient dS; the local backward with (0, dS, 0, 0) gives d(k_prev), d(v_prev), sent to the left;
+// the one with (0, dS, dk, dv) gives the phase gradient of the slice, folded from the right into d(phi_out); the
+// last local backward runs with the full final-carry gradient. Correct, not yet fast: 4 local scans forward and
+// 4 scan backwards (a kernel for the correction terms would remove most). Explicit states with cp > 1 are an error.
+// Bytes one rank r of cp ranks sends per layer, forward + backward (independent of Lr):
+//   2 * batch * (1 + H * S) * sizeof(P)  +  2 * batch * H * (1 + headdim * d_state) * sizeof(P)
+// + batch * H * R * (d_state + headdim) * sizeof(P) * ([r < cp - 1] + [r > 0])  +  8 * batch * [r < cp - 1] * [seq]
+// (S = nangles(), R = rank(); cp_traffic_bytes() evaluates it). cp == 1 runs the single-rank code unchanged.
 #pragma once
 
+#include <cstdint>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "core/kokkos_types.hpp"
 #include "model/params.hpp"
+#include "parallel/context_parallel.hpp"
 #include "parallel/grid.hpp"
 #include "ssm/mamba3/scan.hpp"
 
@@ -80,6 +104,8 @@ struct Mamba3Acts {
   View2<acc_t<T>> rstd_out;  // (B*L, H R) with is_outproj_norm
   Mamba3Carry<acc_t<T>> init;  // the initial state the forward started from (empty = zero)
   SeqIdxView seq;              // the record ids the forward used (empty = one record per row)
+  std::vector<int> cp_cont, cp_whole;  // context parallel: per row, token 0 continues the left record / no record
+                                       // starts inside the slice
 };
 
 template <class T>
@@ -90,6 +116,7 @@ class Mamba3Mixer {
 
   // Registers the parameters under `prefix` in `store`.
   // Tensor parallelism (comms.tp of size > 1) is not implemented for Mamba-3: an error naming tp.
+  // comms.cp: the context-parallel communicator (size 1: the single-rank code).
   Mamba3Mixer(const Mamba3Config& cfg, ParamStore<P>& store, const std::string& prefix, index_t n_layer,
               const parallel::ModelComms& comms = {});
 
@@ -123,6 +150,9 @@ class Mamba3Mixer {
                 const View2<const T>& dout, const View2<T>& du, const Mamba3State<T>* dfinal = nullptr,
                 Mamba3State<T>* dinit = nullptr) const;
 
+  // Bytes one cp rank sends per layer forward + backward (the formula above) for `batch` rows.
+  std::uint64_t cp_traffic_bytes(index_t batch, bool with_seq_idx) const;
+
   // One decoding step: u (batch, D) -> out (batch, D), state updated in place.
   void step(const View2<T>& u, Mamba3State<T>& state, const View2<T>& out) const;
 
@@ -130,9 +160,12 @@ class Mamba3Mixer {
   void run_internals(const View2<T>& u, index_t batch, index_t seqlen, Mamba3Acts<T>& acts,
                      const Mamba3Carry<P>& final_carry) const;
   Mamba3ScanIn<T> scan_in(const Mamba3Acts<T>& acts) const;
+  void forward_cp(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq, const View2<T>& out,
+                  Mamba3Acts<T>& acts, bool save) const;
 
   Mamba3Config cfg_;
   ParamStore<P>* store_;
+  std::shared_ptr<const parallel::Comm> cp_;
   std::size_t in_proj_, dt_bias_, D_, B_norm_, C_norm_, B_bias_, C_bias_, out_proj_;
   std::size_t mimo_x_ = 0, mimo_z_ = 0, mimo_o_ = 0, norm_w_ = 0;
 };
