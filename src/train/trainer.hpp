@@ -94,6 +94,18 @@ class Trainer {
   const std::vector<EvalRecord>& evals() const { return evals_; }
   const AdamW<P>& optimizer() const { return opt_; }
 
+  // Steps of run(), public only because CUDA's extended lambdas may not live in private member functions:
+  // add this round's gradients to `sum` (cp all-reduce, then the data ranks' gather in micro-batch order); the
+  // global gradient norm (slices summed over their group); ZeRO-1's all-gather of the updated parameters.
+  void reduce_round_gradients(const View1<P>& sum);
+  double grad_norm() const;
+  void allgather_parameters();
+
+ private:
+  // ZeRO-1: the flat-buffer range of dp rank q, and the moments of the whole buffer (collective)
+  static std::pair<index_t, index_t> zero1_range(const TrainConfig& cfg, index_t n);
+  std::vector<P> full_moment(const View1<P>& shard) const;
+
  private:
   void log_eval(const LossSum& l, double seconds);
   static constexpr bool kHasBackbone = requires(Model& m) { m.backbone().end_step(); };
@@ -108,12 +120,6 @@ class Trainer {
   std::int64_t step_ = 0;  // the next step to run
   std::vector<StepRecord> history_;
   std::vector<EvalRecord> evals_;
-  void reduce_round_gradients(const View1<P>& sum);
-  // ZeRO-1: the flat-buffer range of dp rank q, and the moments of the whole buffer (collective)
-  static std::pair<index_t, index_t> zero1_range(const TrainConfig& cfg, index_t n);
-  std::vector<P> full_moment(const View1<P>& shard) const;
-  void allgather_parameters();
-  double grad_norm() const;
   // the tensors of a checkpoint: every parameter's value and AdamW moments, unsharded (collective over the grid)
   void gather_global(const ParamEntry& e, const P* local, std::vector<P>& global) const;
   std::shared_ptr<const parallel::Comm> data_, cp_, tp_, ep_, tokens_, world_;
