@@ -32,18 +32,25 @@ View2<acc_t<T>> m2_cp_decay_weights(const View2<T>& dt, index_t dtc, const View1
   const P lo = P(dt_lo);
   const P hi = std::isinf(dt_hi) ? Kokkos::Experimental::finite_max_v<P> : P(dt_hi);
   const bool has_seq = seq.extent(0) > 0;
-  par_for("mamba2::cp_decay", batch * H, KOKKOS_LAMBDA(index_t bh) {
-    const index_t b = bh / H, h = bh % H;
+  // one team per (row, head): the first record boundary of the row (a min-reduction), then a parallel prefix sum of
+  // Delta_t A over the slice (a serial loop here left 131,072-token slices to batch * H threads)
+  par_for_team("mamba2::cp_decay", batch * H, KOKKOS_LAMBDA(const Team& tm) {
+    const index_t bh = tm.league_rank(), b = bh / H, h = bh % H;
     const P A = -Kokkos::exp(A_log(h));
-    P run = 0;
-    bool same = true;
-    for (index_t t = 0; t < L; ++t) {
-      if (has_seq && seq(b, t) != seq(b, 0)) same = false;
+    index_t first = L;
+    if (has_seq)
+      Kokkos::parallel_reduce(
+          Kokkos::TeamThreadRange(tm, L),
+          [&](index_t t, index_t& m) {
+            if (seq(b, t) != seq(b, 0) && t < m) m = t;
+          },
+          Kokkos::Min<index_t>(first));
+    Kokkos::parallel_scan(Kokkos::TeamThreadRange(tm, L), [&](index_t t, P& run, const bool final) {
       P d = softplus(P(dt(b * L + t, dtc + h)) + dt_bias(h));
       d = d < lo ? lo : (d > hi ? hi : d);
       run += d * A;
-      lexp(b * L + t, h) = same ? Kokkos::exp(run) : P(0);
-    }
+      if (final) lexp(b * L + t, h) = t < first ? Kokkos::exp(run) : P(0);
+    });
   });
   return lexp;
 }
@@ -90,14 +97,26 @@ View4<acc_t<T>> m2_cp_state_grad(const View2<acc_t<T>>& lexp, const std::vector<
   using P = acc_t<T>;
   View1<P> cont = cp_cont_view<P>(cont_v);
   View4<P> Gs(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba2::cp_G"), batch, H, Pd, N);
-  par_for("mamba2::cp_G", batch * H, Pd * N, KOKKOS_LAMBDA(index_t bh, index_t pn) {
-    const index_t b = bh / H, h = bh % H, p = pn / N, nn = pn % N, gi = h / HG;
+  // partial sums over segments of the slice (all (b, h, p, n, segment) in parallel), then the segments summed in
+  // order: deterministic, and parallel enough for 10^5-token slices
+  const index_t seg = 2048, S = (L + seg - 1) / seg, HPN = H * Pd * N;
+  View2<P> part(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba2::cp_G_part"), S, batch * HPN);
+  par_for("mamba2::cp_G_part", S * batch * H, Pd * N, KOKKOS_LAMBDA(index_t sbh, index_t pn) {
+    const index_t sg = sbh / (batch * H), bh = sbh % (batch * H), b = bh / H, h = bh % H;
+    const index_t p = pn / N, nn = pn % N, gi = h / HG;
+    const index_t t0 = sg * seg, t1 = t0 + seg < L ? t0 + seg : L;
     P acc = 0;
-    for (index_t t = 0; t < L; ++t) {
+    for (index_t t = t0; t < t1; ++t) {
       const P w = lexp(b * L + t, h);
-      if (w == P(0)) break;
+      if (w == P(0)) break;  // exp(l_t) only decreases; zero after the first record
       acc += w * P(dy(b * L + t, h * Pd + p)) * P(xbc(b * L + t, ccol + gi * N + nn));
     }
+    part(sg, bh * Pd * N + pn) = acc;
+  });
+  par_for("mamba2::cp_G", batch * H, Pd * N, KOKKOS_LAMBDA(index_t bh, index_t pn) {
+    const index_t b = bh / H, h = bh % H, p = pn / N, nn = pn % N;
+    P acc = 0;
+    for (index_t sg = 0; sg < S; ++sg) acc += part(sg, bh * Pd * N + pn);
     Gs(b, h, p, nn) = cont(b) * acc;
   });
   return Gs;
