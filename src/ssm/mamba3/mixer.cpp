@@ -56,16 +56,20 @@ View1<acc_t<T>> m3_total_decay(const View2<T>& dd, index_t dt_col, const View1<c
   View1<P> g(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::cp_g"), batch * H);
   const P floor_ = P(A_floor);
   const index_t A_col = dt_col + H;
-  par_for("mamba3::cp_total_decay", batch * H, KOKKOS_LAMBDA(index_t bh) {
-    const index_t b = bh / H, h = bh % H;
+  // one team per (row, head), the sum over the slice reduced across the team (not a serial loop over 10^5 tokens)
+  par_for_team("mamba3::cp_total_decay", batch * H, KOKKOS_LAMBDA(const Team& tm) {
+    const index_t bh = tm.league_rank(), b = bh / H, h = bh % H;
     P run = 0;
-    for (index_t t = 0; t < L; ++t) {
-      const P d = softplus(P(dd(b * L + t, dt_col + h)) + dt_bias(h));
-      const P x = P(dd(b * L + t, A_col + h));
-      const P f = x >= P(0) ? P(1) + x : P(1) / (P(1) - x);  // the scan's heavy tail
-      run += -(f > floor_ ? f : floor_) * d;
-    }
-    g(bh) = w(b) * Kokkos::exp(run);
+    Kokkos::parallel_reduce(
+        Kokkos::TeamThreadRange(tm, L),
+        [&](index_t t, P& acc) {
+          const P d = softplus(P(dd(b * L + t, dt_col + h)) + dt_bias(h));
+          const P x = P(dd(b * L + t, A_col + h));
+          const P f = x >= P(0) ? P(1) + x : P(1) / (P(1) - x);  // the scan's heavy tail
+          acc += -(f > floor_ ? f : floor_) * d;
+        },
+        run);
+    Kokkos::single(Kokkos::PerTeam(tm), [&] { g(bh) = w(b) * Kokkos::exp(run); });
   });
   return g;
 }
