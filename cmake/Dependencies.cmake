@@ -30,18 +30,39 @@ if(MAMBAMOE_HAVE_CUDA)
   endif()
 endif()
 
+# NCCL: looked for in CUDA builds under MAMBAMOE_NCCL_ROOT / NCCL_ROOT (CMake or environment), NCCL_HOME, the CUDA
+# toolkit and the system paths. MAMBAMOE_ENABLE_NCCL defaults to ON when it is found (the cache keeps a value given
+# with -D, or an earlier configure's).
+set(MAMBAMOE_NCCL_ROOT "" CACHE PATH "Prefix of an NCCL install (include/nccl.h, lib/libnccl.so)")
+set(_nccl_found OFF)
+if(MAMBAMOE_HAVE_CUDA)
+  set(_nccl_roots ${MAMBAMOE_NCCL_ROOT} ${NCCL_ROOT} $ENV{NCCL_ROOT} $ENV{NCCL_HOME})
+  set(_nccl_inc_hints ${CUDAToolkit_INCLUDE_DIRS})
+  set(_nccl_lib_hints ${CUDAToolkit_LIBRARY_DIR})
+  foreach(_r ${_nccl_roots})
+    list(PREPEND _nccl_inc_hints ${_r}/include)
+    list(PREPEND _nccl_lib_hints ${_r}/lib ${_r}/lib64)
+  endforeach()
+  find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${_nccl_inc_hints})
+  find_library(NCCL_LIBRARY NAMES nccl libnccl.so.2 HINTS ${_nccl_lib_hints})
+  if(NCCL_INCLUDE_DIR AND NCCL_LIBRARY)
+    set(_nccl_found ON)
+  endif()
+endif()
+option(MAMBAMOE_ENABLE_NCCL "NCCL communicator backend (parallel.backend = nccl; CUDA builds)" ${_nccl_found})
 if(MAMBAMOE_ENABLE_NCCL)
   if(NOT MAMBAMOE_HAVE_CUDA)
     message(FATAL_ERROR "MAMBAMOE_ENABLE_NCCL=ON needs a Kokkos built with CUDA")
   endif()
-  find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${NCCL_ROOT}/include $ENV{NCCL_ROOT}/include ${CUDAToolkit_INCLUDE_DIRS})
-  find_library(NCCL_LIBRARY nccl HINTS ${NCCL_ROOT}/lib $ENV{NCCL_ROOT}/lib ${CUDAToolkit_LIBRARY_DIR})
-  if(NOT NCCL_INCLUDE_DIR OR NOT NCCL_LIBRARY)
-    message(FATAL_ERROR "NCCL not found: set NCCL_ROOT (looked for nccl.h and libnccl)")
+  if(NOT _nccl_found)
+    message(FATAL_ERROR "NCCL not found (looked for nccl.h and libnccl under MAMBAMOE_NCCL_ROOT, NCCL_ROOT, "
+                        "NCCL_HOME, the CUDA toolkit and the system paths): set MAMBAMOE_NCCL_ROOT or turn "
+                        "MAMBAMOE_ENABLE_NCCL off")
   endif()
   add_library(mambamoe::nccl UNKNOWN IMPORTED)
   set_target_properties(mambamoe::nccl PROPERTIES IMPORTED_LOCATION ${NCCL_LIBRARY}
                                                   INTERFACE_INCLUDE_DIRECTORIES ${NCCL_INCLUDE_DIR})
+  message(STATUS "NCCL: ${NCCL_LIBRARY} (headers ${NCCL_INCLUDE_DIR})")
 endif()
 
 # ---------------------------------------------------------------- MPI, HDF5

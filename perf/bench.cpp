@@ -4,6 +4,7 @@
 //
 //   mambamoe_bench [--out DIR] [--only copy,gemm,ssd,lm] [--reps N] [--lm-batch B --lm-seqlen L]
 //   mpiexec -n N mambamoe_bench --only lm --cp N ...   (the LM step with every sequence split over N ranks)
+//   mpiexec -n N mambamoe_bench --only lm --cp N --backend nccl   (the same over NCCL: device buffers, one GPU per rank)
 //
 // Each case writes "name,metric,value,unit" rows to DIR/ours.csv (the perf script joins them with the peers').
 #include <algorithm>
@@ -201,7 +202,7 @@ void bench_ssd(int reps) {
 // parameter gradients are all-reduced over them as the trainer does; the rows report per-rank memory, the whole
 // sequence's tokens/s, and the bytes each rank sent per step beyond the gradient all-reduce (state passing, conv
 // halos, loss sums).
-void bench_lm(index_t batch, index_t seqlen, int reps, int cp_size) {
+void bench_lm(index_t batch, index_t seqlen, int reps, int cp_size, parallel::Backend backend) {
   LMConfig cfg;
   cfg.vocab_size = 16;
   cfg.n_layer = 24;
@@ -215,7 +216,7 @@ void bench_lm(index_t batch, index_t seqlen, int reps, int cp_size) {
   if (cp_size > 1) {
     parallel::Layout l;
     l.cp = cp_size;
-    grid = std::make_shared<parallel::ProcessGrid>(l, MPI_COMM_WORLD);
+    grid = std::make_shared<parallel::ProcessGrid>(l, MPI_COMM_WORLD, backend);
     comms = grid->model_comms();
   }
   const parallel::Comm& cp = *comms.cp;
@@ -238,7 +239,8 @@ void bench_lm(index_t batch, index_t seqlen, int reps, int cp_size) {
     });
   }
   const std::string name = "lm train step fp32 " + std::to_string(batch) + "x" + std::to_string(seqlen) +
-                           (cp_size > 1 ? " cp" + std::to_string(cp_size) : "");
+                           (cp_size > 1 ? " cp" + std::to_string(cp_size) : "") +
+                           (cp_size > 1 && backend == parallel::Backend::nccl ? " nccl" : "");
   record(name, "parameters", double(lm.params().count()) / 1e6, "M");
   std::int64_t step = 0;
   auto one = [&] {
@@ -291,6 +293,7 @@ int run(int argc, char** argv, int cp_size, int rank) {
   std::string out = ".", only = "copy,gemm,ssd,lm";
   int reps = 10;
   index_t lm_batch = 4, lm_seqlen = 8192;
+  parallel::Backend backend = parallel::Backend::mpi;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -306,9 +309,17 @@ int run(int argc, char** argv, int cp_size, int rank) {
     else if (a == "--lm-batch") lm_batch = std::stoll(next());
     else if (a == "--lm-seqlen") lm_seqlen = std::stoll(next());
     else if (a == "--cp") next();
+    else if (a == "--backend") {
+      const std::string b = next();
+      if (b != "mpi" && b != "nccl") {
+        std::cerr << "mambamoe_bench: --backend " << b << " is not one of: mpi nccl\n";
+        return 2;
+      }
+      backend = b == "nccl" ? parallel::Backend::nccl : parallel::Backend::mpi;
+    }
     else {
       std::cerr << "mambamoe_bench: unknown option " << a
-                << " (known: --out DIR, --only copy,gemm,ssd,lm, --reps N, --lm-batch B, --lm-seqlen L, --cp N)\n";
+                << " (known: --out DIR, --only copy,gemm,ssd,lm, --reps N, --lm-batch B, --lm-seqlen L, --cp N, --backend mpi|nccl)\n";
       return 2;
     }
   }
@@ -322,7 +333,7 @@ int run(int argc, char** argv, int cp_size, int rank) {
     if (want.count("copy")) bench_copy(reps);
     if (want.count("gemm")) bench_gemm(reps);
     if (want.count("ssd")) bench_ssd(reps);
-    if (want.count("lm")) bench_lm(lm_batch, lm_seqlen, std::max(3, reps / 3), cp_size);
+    if (want.count("lm")) bench_lm(lm_batch, lm_seqlen, std::max(3, reps / 3), cp_size, backend);
   } catch (const std::exception& e) {
     std::cerr << "mambamoe_bench: " << e.what() << "\n";
     return 1;

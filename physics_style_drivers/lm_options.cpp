@@ -32,6 +32,10 @@ void declare_run(io::Deck& d) {
                         "manual: tp, cp, ep, dp as given | auto: the planner picks them and the recompute policy from "
                         "the model, seq_len, batch and gpu_memory_gb (it prints its choice and memory estimate)")
       .add<double>("parallel.gpu_memory_gb", 141.0, "layout = auto: device memory per rank in GB (H200: 141)")
+      .add<std::string>("parallel.backend", "mpi",
+                        "communicator transport: mpi (host memory; device buffers are staged through the host) | "
+                        "nccl (device memory, on Kokkos' CUDA stream; host buffers are staged through the device; "
+                        "needs a CUDA build with NCCL and one GPU per rank)")
       .add<bool>("parallel.zero1", false,
                  "ZeRO-1: shard the AdamW moments over the dp ranks (each updates 1/dp of the parameters, which are "
                  "then all-gathered); results are bit-identical to plain dp");
@@ -76,7 +80,10 @@ std::shared_ptr<const parallel::ProcessGrid> make_process_grid(const io::Deck& d
       l.ep = d.get<I>("parallel.ep");
       l.dp = d.get<I>("parallel.dp");
     }
-    grid = std::make_shared<parallel::ProcessGrid>(l, MPI_COMM_WORLD);
+    const std::string backend = d.get<std::string>("parallel.backend");
+    require(backend == "mpi" || backend == "nccl", "[parallel] backend", "'", backend, "' is not one of: mpi nccl");
+    grid = std::make_shared<parallel::ProcessGrid>(
+        l, MPI_COMM_WORLD, backend == "nccl" ? parallel::Backend::nccl : parallel::Backend::mpi);
   }
   return grid;
 }

@@ -1,7 +1,8 @@
 // The communicator interface of mambamoe: the collectives the parallel layouts need, on host buffers (typed
-// helpers below also take Kokkos Views, copying through host memory when the View lives on the device). One
-// interface, a backend per transport: MpiComm (host memory, the CPU path) here; an NCCL backend (device memory)
-// comes with the GPU layouts. The collectives are blocking and their results do not depend on the rank count
+// helpers below also take Kokkos Views, copying through host memory when the View lives on the device, unless the
+// backend takes device buffers itself). One interface, a backend per transport: MpiComm (host memory, the CPU path)
+// here; NcclComm (parallel/nccl_comm.hpp, CUDA builds with NCCL: device memory, and host memory staged through the
+// device) for the GPU layouts. The collectives are blocking and their results do not depend on the rank count
 // beyond what the caller asks for: allgather returns every rank's contribution in rank order, so callers that need
 // bit-identical results at any layout sum the gathered parts themselves in a fixed order (allreduce_sum is for
 // integer counts and for values whose reduction order does not matter).
@@ -36,6 +37,9 @@ class Comm {
   virtual ~Comm() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
+  // True when the backend accepts device pointers (and host pointers) itself: the View helpers below then hand it
+  // view.data() instead of a host mirror.
+  virtual bool device_buffers() const { return false; }
   // Bytes this rank has handed to the transport since construction (or the last reset): what sendrecv sends, what
   // alltoallv sends to other ranks, an allgather's or allreduce's contribution, a broadcast root's buffer. The
   // traffic formulas of the parallel layers are checked against it.
@@ -140,7 +144,7 @@ class MpiComm final : public Comm {
   int rank_ = 0, size_ = 1;
 };
 
-// ---------------------------------------------------------------- View helpers (host staging)
+// ---------------------------------------------------------------- View helpers (host staging unless device_buffers())
 template <class T>
 std::vector<T> Comm::alltoallv(const std::vector<T>& send, const std::vector<std::size_t>& send_counts,
                                std::vector<std::size_t>& recv_counts) const {
@@ -166,6 +170,10 @@ void Comm::allgather(const View1<T>& send, const View1<T>& recv) const {
   const std::size_t n = send.extent(0);
   require(recv.extent(0) == n * std::size_t(size()), "Comm::allgather", "receive extent ", recv.extent(0),
           " is not ranks (", size(), ") x send extent (", n, ")");
+  if (device_buffers()) {
+    allgather(send.data(), recv.data(), n, dtype_of<T>());
+    return;
+  }
   auto hs = Kokkos::create_mirror_view_and_copy(HostMem(), send);
   auto hr = Kokkos::create_mirror_view(HostMem(), recv);
   allgather(hs.data(), hr.data(), n, dtype_of<T>());
@@ -174,6 +182,10 @@ void Comm::allgather(const View1<T>& send, const View1<T>& recv) const {
 
 template <class T>
 void Comm::allreduce_sum(const View1<T>& buf) const {
+  if (device_buffers()) {
+    allreduce_sum(buf.data(), buf.extent(0), dtype_of<T>());
+    return;
+  }
   auto h = Kokkos::create_mirror_view_and_copy(HostMem(), buf);
   allreduce_sum(h.data(), h.extent(0), dtype_of<T>());
   Kokkos::deep_copy(buf, h);
@@ -181,6 +193,10 @@ void Comm::allreduce_sum(const View1<T>& buf) const {
 
 template <class T>
 void Comm::broadcast(const View1<T>& buf, int root) const {
+  if (device_buffers()) {
+    broadcast(buf.data(), buf.extent(0), dtype_of<T>(), root);
+    return;
+  }
   auto h = Kokkos::create_mirror_view_and_copy(HostMem(), buf);
   broadcast(h.data(), h.extent(0), dtype_of<T>(), root);
   Kokkos::deep_copy(buf, h);

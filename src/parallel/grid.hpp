@@ -18,6 +18,19 @@ struct Layout {
   std::int64_t dp = 0;  // 0: the rest (world size / (tp * cp * ep))
 };
 
+// The transport of a grid's communicators: MPI on host memory (the CPU path; device Views are staged through host
+// memory), or NCCL on device memory (CUDA builds with NCCL; host buffers are staged through the device).
+enum class Backend { mpi, nccl };
+
+// Whether Backend::nccl can be used: the build has NCCL and Kokkos' default execution space is Cuda.
+bool nccl_available();
+// Collective over `comm`: nccl_available() and every rank of `comm` drives a different GPU (NCCL cannot put two
+// ranks of one communicator on the same device). False on every rank if any rank fails either test.
+bool nccl_one_gpu_per_rank(MPI_Comm comm);
+// An NcclComm over a duplicate of `comm` (collective). Throws mm::Error when !nccl_available() or when two ranks
+// share a GPU.
+std::shared_ptr<Comm> make_nccl_comm(MPI_Comm comm);
+
 // Check `layout` against `world_size` ranks and fill in dp = 0. Throws mm::Error naming the values when a
 // dimension is below 1 (dp below 0) or the product does not equal the rank count.
 Layout resolve_layout(Layout layout, std::int64_t world_size);
@@ -31,10 +44,13 @@ struct ModelComms {
 
 class ProcessGrid {
  public:
-  // Collective over `world` (splits it into the per-dimension communicators).
-  ProcessGrid(const Layout& layout, MPI_Comm world);
+  // Collective over `world` (splits it into the per-dimension communicators). With Backend::nccl every dimension
+  // and group of more than one rank gets an NcclComm (size 1: a SelfComm, as with MPI); mm::Error when
+  // !nccl_available().
+  ProcessGrid(const Layout& layout, MPI_Comm world, Backend backend = Backend::mpi);
 
   const Layout& layout() const { return layout_; }
+  Backend backend() const { return backend_; }
   int world_rank() const { return world_rank_; }
   int world_size() const { return world_size_; }
   int tp_rank() const { return tp_->rank(); }
@@ -55,6 +71,7 @@ class ProcessGrid {
 
  private:
   Layout layout_;
+  Backend backend_ = Backend::mpi;
   int world_rank_ = 0, world_size_ = 1;
   std::shared_ptr<const Comm> tp_, cp_, ep_, dp_, data_, tokens_, world_;
 };

@@ -4,7 +4,8 @@
 // (cp2, ep2), (cp2, dp2), (ep2, dp2), (cp2, ep2)... The sequence length (36) is not a multiple of the chunk (8),
 // nor is any cp slice. Each rank also trains the same model alone (the one-rank reference); the step's loss, its
 // gradient norm and every gradient element (a slice compared with the matching elements of the reference) agree
-// within 1e-5 relative (fp32). Parameters after the update are compared too.
+// within 1e-5 relative (fp32). Parameters after the update are compared too. The sweep runs over MPI communicators,
+// and again over NCCL ones where the build has NCCL on CUDA and every rank has its own GPU.
 #include <cmath>
 
 #include "catch.hpp"
@@ -78,10 +79,17 @@ TEST_CASE("layouts: a Mamba-2 + MoE training step equals the one-rank step", "[l
   auto rg = Kokkos::create_mirror_view_and_copy(HostMem(), rps.grads());
   auto rv = Kokkos::create_mirror_view_and_copy(HostMem(), rps.values());
 
+  // every layout over MPI, then again over NCCL where the build and the machine allow it (one GPU per rank)
+  std::vector<parallel::Backend> backends{parallel::Backend::mpi};
+  if (parallel::nccl_one_gpu_per_rank(MPI_COMM_WORLD)) backends.push_back(parallel::Backend::nccl);
+  else if (mmtest::world_rank() == 0) std::printf("layouts: the NCCL backend is not run (%s)\n",
+                                                  parallel::nccl_available() ? "fewer GPUs than ranks" : "not built");
+  for (const auto backend : backends)
   for (const auto& l : mmtest::all_layouts(n)) {
     if (l.tp > 2) continue;  // ngroups = 2
-    INFO(mmtest::describe(l));
-    auto grid = std::make_shared<parallel::ProcessGrid>(l, MPI_COMM_WORLD);
+    const bool nccl = backend == parallel::Backend::nccl;
+    INFO(mmtest::describe(l) << (nccl ? " nccl" : ""));
+    auto grid = std::make_shared<parallel::ProcessGrid>(l, MPI_COMM_WORLD, backend);
     MambaLM<float> model(cfg, grid->model_comms());
     model.initialize(7);
     TrainConfig tc = one_step();
@@ -116,9 +124,9 @@ TEST_CASE("layouts: a Mamba-2 + MoE training step equals the one-rank step", "[l
     CHECK(worst_g < 1e-5);
     CHECK(worst_v < 1e-5);
     if (mmtest::world_rank() == 0)
-      std::printf("layout %s: loss rel err %.2e, grad norm rel err %.2e, worst gradient rel err %.2e (%s), "
+      std::printf("layout %s%s: loss rel err %.2e, grad norm rel err %.2e, worst gradient rel err %.2e (%s), "
                   "worst parameter rel err %.2e\n",
-                  mmtest::describe(l).c_str(), el, en, worst_g, worst_name.c_str(), worst_v);
+                  mmtest::describe(l).c_str(), nccl ? " (nccl)" : "", el, en, worst_g, worst_name.c_str(), worst_v);
   }
 }
 
