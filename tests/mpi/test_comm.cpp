@@ -118,6 +118,7 @@ Received exercise(const Comm& c) {
   const int n = c.size(), r = c.rank();
   c.reset_bytes_sent();
   Received out;
+  std::uint64_t extra = 0;  // bytes of the device-pointer calls only a device backend makes (not compared)
   // sendrecv along the chain: r + 1 values to the right, r values from the left (host, then device)
   {
     std::vector<double> send(std::size_t(r + 1), 10.0 * r + 1), recv(std::size_t(r), -1.0);
@@ -125,11 +126,18 @@ Received exercise(const Comm& c) {
     c.sendrecv(send.data(), right ? send.size() : 0, right ? r + 1 : -1, recv.data(), left ? recv.size() : 0,
                left ? r - 1 : -1);
     out.chain = recv;
-    auto ds = to_device(send);
-    View1<double> dr("chain", std::size_t(r));
-    c.sendrecv(ds.data(), right ? send.size() : 0, right ? r + 1 : -1, dr.data(), left ? recv.size() : 0,
-               left ? r - 1 : -1);
-    out.chain_dev = to_host(dr);
+    // raw device pointers only where the backend takes them (MpiComm wants host memory: MPI is not CUDA-aware here)
+    if (c.device_buffers()) {
+      const auto b0 = c.bytes_sent();
+      auto ds = to_device(send);
+      View1<double> dr("chain", std::size_t(r));
+      c.sendrecv(ds.data(), right ? send.size() : 0, right ? r + 1 : -1, dr.data(), left ? recv.size() : 0,
+                 left ? r - 1 : -1);
+      out.chain_dev = to_host(dr);
+      extra += c.bytes_sent() - b0;
+    } else {
+      out.chain_dev = out.chain;
+    }
   }
   // alltoallv with uneven counts: rank r sends q + r + 1 values (1000 r + q + i) to rank q
   {
@@ -142,10 +150,16 @@ Received exercise(const Comm& c) {
     out.a2a = c.alltoallv(data, counts, out.a2a_counts);
     std::size_t total = 0;
     for (auto k : out.a2a_counts) total += k;
-    auto ds = to_device(data);
-    View1<float> dr("a2a", total);
-    c.alltoallv(ds.data(), counts, dr.data(), out.a2a_counts, DType::f32);
-    out.a2a_dev = to_host(dr);
+    if (c.device_buffers()) {
+      const auto b0 = c.bytes_sent();
+      auto ds = to_device(data);
+      View1<float> dr("a2a", total);
+      c.alltoallv(ds.data(), counts, dr.data(), out.a2a_counts, DType::f32);
+      out.a2a_dev = to_host(dr);
+      extra += c.bytes_sent() - b0;
+    } else {
+      out.a2a_dev = out.a2a;
+    }
   }
   // all-reduce, all-gather, broadcast: host vectors (f64, f32, i64) and device Views
   {
@@ -172,9 +186,13 @@ Received exercise(const Comm& c) {
     c.allgather(to_device(d), gd);
     out.gather_d_dev = to_host(gd);
     // host send, device receive through the untyped interface
-    View1<float> gf("gather_f", m * std::size_t(n));
-    c.allgather(f.data(), gf.data(), m, DType::f32);
-    out.gather_f_dev = to_host(gf);
+    if (c.device_buffers()) {
+      View1<float> gf("gather_f", m * std::size_t(n));
+      c.allgather(f.data(), gf.data(), m, DType::f32);
+      out.gather_f_dev = to_host(gf);
+    } else {
+      out.gather_f_dev = c.allgather(f);
+    }
 
     const int root = n - 1;
     out.bcast_d = d, out.bcast_i = k;
@@ -184,7 +202,7 @@ Received exercise(const Comm& c) {
     c.broadcast(bd, root);
     out.bcast_d_dev = to_host(bd);
   }
-  out.bytes = c.bytes_sent();
+  out.bytes = c.bytes_sent() - extra;
   return out;
 }
 
