@@ -123,6 +123,17 @@ template <class T>
 MambaBackbone<T>::~MambaBackbone() = default;
 
 template <class T>
+void MambaBackbone<T>::set_layer_input(Acts& a, LayerKind kind, const View2<T>& xn) {
+  switch (kind) {
+    case LayerKind::mamba1: a.m1.u = xn; break;
+    case LayerKind::mamba2: a.m2.u = xn; break;
+    case LayerKind::mamba3: a.m3.u = xn; break;
+    case LayerKind::moe: a.moe.x = xn; break;
+    case LayerKind::dense: a.dense.x = xn; break;
+  }
+}
+
+template <class T>
 MambaBackbone<T>::MambaBackbone(const Mamba2Config& mixer, index_t n_layer, double norm_eps, ParamStore<P>& store,
                                 const std::string& prefix, const LayerStackConfig& layers,
                                 const parallel::ModelComms& comms)
@@ -270,6 +281,12 @@ void MambaBackbone<T>::forward(const View2<R>& h, index_t batch, index_t seqlen,
     rstd_[l] = make_uninit<View1<P>>("backbone::rstd", n);
     rmsnorm_forward<R, T>(hin, store_->v1(norm_[l]), eps_, xn_[l], rstd_[l]);
     last_aux_ += layer_forward(l, xn_[l], batch, seqlen, seq, m, *acts_[l], save, train, nullptr);
+    // under the mixer policy every layer keeps only xn_l of what reads it (as its input), and backward()
+    // recomputes xn_l from h_l: drop both references so the memory is freed now
+    if (train && !save) {
+      xn_[l] = View2<T>();
+      set_layer_input(*acts_[l], kinds_[l], View2<T>());
+    }
     const View2<R> hout = train ? (h_[l + 1] = make_uninit<View2<R>>("backbone::h", n, D)) : h;
     par_for("backbone::residual_add", n, D,
             KOKKOS_LAMBDA(index_t i, index_t j) { hout(i, j) = hin(i, j) + R(m(i, j)); });
@@ -292,6 +309,13 @@ void MambaBackbone<T>::backward(const View2<const T>& dout, const View2<R>& dh, 
     // the residual passes dh through unchanged: it is also d(layer output); then through the pre-norm into dh
     Layer& L = *layers_[l];
     Acts& a = *acts_[l];
+    if (xn_[l].extent(0) == 0) {
+      // mixer policy: the same kernel on the same h_l and weight gives xn_l bit for bit (rstd_l is rewritten with
+      // the values it holds)
+      xn_[l] = make_uninit<View2<T>>("backbone::xn", n, D);
+      rmsnorm_forward<R, T>(h_[l], store_->v1(norm_[l]), eps_, xn_[l], rstd_[l]);
+      set_layer_input(a, L.kind, xn_[l]);
+    }
     switch (L.kind) {
       case LayerKind::mamba1: L.m1->backward(a.m1, batch_, seqlen_, seq_, dh, dxn); break;
       case LayerKind::mamba2: L.m2->backward(a.m2, batch_, seqlen_, seq_, dh, dxn); break;
@@ -300,6 +324,7 @@ void MambaBackbone<T>::backward(const View2<const T>& dout, const View2<R>& dh, 
       case LayerKind::dense: L.dense->backward(a.dense, dh, dxn); break;
     }
     acts_[l].reset();
+    xn_[l] = View2<T>();
     rmsnorm_backward<R, T>(h_[l], store_->v1(norm_[l]), rstd_[l], dxn, dh, true, store_->g1(norm_[l]));
   }
   h_.clear();

@@ -10,7 +10,11 @@
 // results). Parameter names: "<prefix>layers.<l>.norm.weight", then the layer's own under "<prefix>layers.<l>.mixer."
 // (M1, M2, M3), ".moe." (E) or ".mlp." (D); "<prefix>norm_f.weight".
 //
-// forward() keeps what backward() needs (everything, or only each block's input under the mixer recompute policy);
+// forward() keeps what backward() needs: everything under Recompute::none; under Recompute::mixer only each
+// block's residual input h_l and rstd_l (plus what a layer keeps beyond its input: MoE routing, the jittered router
+// input, decode/cp initial states). The normed input xn_l = RMSNorm_l(h_l), which is also the layer's input, is
+// dropped after the block's forward and recomputed by backward() with the same kernel (bit-identical) just before
+// the layer's backward, which then rebuilds the layer's activations from it.
 // a forward without training keeps nothing and updates the residual stream in place. MoE layers return auxiliary
 // losses (load balancing, z-loss): the backbone sums them (last_aux()) and backward() takes their gradient scale;
 // routing statistics of the training forwards are accumulated until end_step(), which also applies the expert-bias
@@ -134,6 +138,8 @@ class MambaBackbone {
   struct Layer;
   struct Acts;
   void check_state(const BackboneState<T>& s, index_t batch) const;
+  // The layer's input reference in its acts (Mamba*Acts::u, MoEActs::x, DenseFFNActs::x): set to xn, or cleared.
+  static void set_layer_input(Acts& a, LayerKind kind, const View2<T>& xn);
   // One block's layer on xn (n rows) -> m; decode states optional (nullptr: zero / not wanted).
   double layer_forward(index_t l, const View2<T>& xn, index_t batch, index_t seqlen, const SeqIdxView& seq,
                        const View2<T>& m, Acts& a, bool save, bool train, LayerState<T>* state);

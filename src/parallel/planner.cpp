@@ -360,7 +360,11 @@ Plan estimate(const PlanInput& in, const Layout& layout_in, index_t micro_batch,
       case LayerKind::dense: lm.push_back(mem_dense(dense_ff(M), d, D, policy)); break;
     }
   }
-  const double block = d.n * (a * D + t * D + a);  // h_{l+1}, xn_l, rstd_l
+  // kept per block: h_{l+1}, rstd_l and, under policy none only, xn_l (under mixer the backbone drops xn_l after the
+  // block's forward and recomputes it just before the layer's backward)
+  const double xn = d.n * t * D;
+  const bool keep_xn = policy == Recompute::none;
+  const double block = d.n * (a * D + a) + (keep_xn ? xn : 0.0);
   const double lm_h = d.n * (a * D + 12);          // lm::h (= h_0) and the batch
   // forward: kept so far + hf + the backbone's m + the current layer's full activations and scan context
   // (the layer's h_{l+1} is allocated after its forward has dropped what it does not keep)
@@ -369,15 +373,18 @@ Plan estimate(const PlanInput& in, const Layout& layout_in, index_t micro_batch,
     fwd_peak = std::max(fwd_peak, lm_h + d.n * 2 * t * D + kept + d.n * (t * D + a) + x.full + x.fwd_extra);
     kept += block + x.keep;
   }
-  // backward: all blocks' h, xn, rstd + the LM head's buffers (hf, rstd_f, logits, dlogits, dhf, dh, dxn) + the
-  // layers not yet done + the current layer's recomputed activations and backward transient
+  // backward: all blocks' h, rstd + the LM head's buffers (hf, rstd_f, logits, dlogits, dhf, dh, dxn) + the layers
+  // not yet done + the live xn + the current layer's recomputed activations and backward transient
   const double head = d.n * (t * D + a + 2 * t * V + t * D + a * D + t * D);
-  double base = lm_h + head + block * double(lm.size()), below = 0, bwd_peak = 0, scratch = 0;
+  // (xn_l, kept or recomputed, is freed right after the layer's backward: at layer l only xn_0 .. xn_l are live)
+  double base = lm_h + head + (block - (keep_xn ? xn : 0.0)) * double(lm.size()), below = 0, bwd_peak = 0,
+         scratch = 0, xn_live = 0;
   for (const LayerMem& x : lm) {
     below += x.keep;
+    xn_live = keep_xn ? xn_live + xn : xn;
     const bool rebuilt = x.full > x.keep;
     const double rec = rebuilt ? (x.rec_extra >= 0 ? x.rec_extra : x.fwd_extra) : 0.0;
-    bwd_peak = std::max(bwd_peak, base + below + (x.full - x.keep) + std::max(rec, x.bwd_extra));
+    bwd_peak = std::max(bwd_peak, base + below + xn_live + (x.full - x.keep) + std::max(rec, x.bwd_extra));
     scratch = std::max(scratch, x.scratch);
   }
   p.bytes_activations = std::max(fwd_peak, bwd_peak);

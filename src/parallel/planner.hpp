@@ -26,8 +26,10 @@
 //   sharded over dp (no ZeRO yet).
 //
 // Activations (one micro-batch; micro-batches run one after the other), bytes per token:
-//   every block keeps (backbone.cpp, train): h_{l+1} (a D), xn_l (t D), rstd_l (a); the LM keeps h_0 = lm::h (a D)
-//   the layer's own, policy none (nothing under policy mixer; the mixer's u is xn_l):
+//   every block keeps (backbone.cpp, train): h_{l+1} (a D), rstd_l (a), and under policy none xn_l (t D); the LM
+//   keeps h_0 = lm::h (a D). Under policy mixer xn_l (every layer's input: u, or x of E and D) is dropped after the
+//   block's forward and recomputed from h_l just before the layer's backward (t D, freed after it).
+//   the layer's own, policy none (under policy mixer nothing but E's routing and router input; the input is xn_l):
 //     M2  zxbcdt t (2E + 2GN + H)', xbc t C', y t E', yn t E', rstd a G'
 //     M1  xz 2t E', xc t E', dt_low t R, bc 2t N, delta t E', y t E', checkpoints a N E' / Q (per token)
 //     M3  proj t ((2E + 2RGN + 3H)' + S), qk 2t R G' N, v (MIMO) t H' R P, y t H' R P, o t E', rstd_qk 2a R G',
@@ -54,10 +56,10 @@
 //        all-to-all send and receive buffers (2 t D per assignment, forward and backward).
 //   The peak is the larger of the forward peak (lm::h, hf, the backbone's m, what the blocks before l keep, xn_l and
 //   rstd_l, the layer's full activations and forward transient; h_{l+1} comes after the layer has dropped what it
-//   does not keep) and the backward peak over the layers l (lm::h, the LM head's buffers, every block's h, xn,
-//   rstd, the layer activations kept by the layers <= l, the recomputed activations of l and the larger of its
-//   recompute transient and its backward transient; a layer's activations are released after its backward, the
-//   blocks' h, xn, rstd only at the end).
+//   does not keep) and the backward peak over the layers l (lm::h, the LM head's buffers, every block's h and rstd,
+//   xn_0 .. xn_l under none or the recomputed xn_l under mixer, the layer activations kept by the layers <= l, the
+//   recomputed activations of l and the larger of its recompute transient and its backward transient; a layer's
+//   activations and its xn_l are released after its backward, the blocks' h and rstd only at the end).
 //   Checked: tests/unit/test_planner.cpp compares this with the peak of the bytes a real training step allocates
 //   (Kokkos allocation callbacks, host backend): within 0.3 % for M2 stacks and a M2 M1 M3 E D stack, both policies.
 //   Not modelled: GEMM library internals (cuBLAS workspace: in the reserve), the M1 and M3 scans' team scratch,

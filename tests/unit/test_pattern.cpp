@@ -1,7 +1,8 @@
 // Layer patterns of the backbone: parsing (spaced and compact codes, errors), the default pattern bit-identical to
 // a backbone composed by hand of Mamba-2 blocks (the code before patterns), finite-difference gradients of a mixed
 // LM including the MoE auxiliary losses, the dense SwiGLU layer against a naive reference, LM decode (prefill +
-// steps == full forward) over a mixed pattern, and exact checkpoint resume of a mixed pattern with expert biases.
+// steps == full forward) over a mixed pattern, exact checkpoint resume of a mixed pattern with expert biases, and
+// losses and gradients under recompute = mixer (xn recomputed in the backward) bit-identical to recompute = none.
 #include <cmath>
 #include <csignal>
 #include <filesystem>
@@ -388,4 +389,52 @@ TEST_CASE("mixed pattern: parameter counts, expert bias moved only by its update
   }
   CHECK(to_vec(e.params().values()) == to_vec(a.params().values()));
   std::filesystem::remove(ck);
+}
+
+namespace {
+// Losses and gradients of forward_backward under the two recompute policies must be equal bit for bit: under
+// Recompute::mixer the backbone drops each block's normed input xn_l after the forward and recomputes it in the
+// backward with the same rmsnorm kernel on the same h_l, and the layers rebuild their activations from it.
+template <class T>
+void check_policies_bitwise(const std::string& pattern, bool jitter) {
+  LMConfig c = mixed_lm(pattern);
+  if (jitter) c.layers.moe.jitter = 0.05;  // the router input is then a kept copy of x, jittered
+  MambaLM<T> lm(c);
+  lm.initialize(21);
+  if constexpr (std::is_same_v<T, double>) mmtest::jitter_params(lm.params(), 5, 0.1);
+  const Batch b = to_device(random_batch(2, 9, 13));
+  auto& ps = lm.params();
+  auto run = [&](Recompute policy, double& nats, double& aux) {
+    ps.zero_grads();
+    const LossSum l = lm.forward_backward(b, 0.6, policy);
+    nats = l.nats;
+    aux = lm.backbone().last_aux();
+    return to_vec(ps.grads());
+  };
+  double n0 = 0, a0 = 0, n1 = 0, a1 = 0, n2 = 0, a2 = 0;
+  const auto g_none = run(Recompute::none, n0, a0);
+  const auto g_mixer = run(Recompute::mixer, n1, a1);
+  const auto g_none2 = run(Recompute::none, n2, a2);  // the mixer step left nothing behind that changes a step
+  REQUIRE(g_none.size() == g_mixer.size());
+  std::size_t differ = 0, nonzero = 0;
+  for (std::size_t i = 0; i < g_none.size(); ++i) {
+    differ += g_none[i] != g_mixer[i] || g_none[i] != g_none2[i];
+    nonzero += g_none[i] != 0;
+  }
+  INFO("pattern " << pattern << " jitter " << jitter << " sizeof(T) " << sizeof(T));
+  CHECK(nonzero > g_none.size() / 2);
+  CHECK(differ == 0);
+  CHECK(n0 == n1);
+  CHECK(n0 == n2);
+  CHECK(a0 == a1);
+  CHECK(a0 > 0);
+}
+}  // namespace
+
+TEST_CASE("recompute policy mixer gives losses and gradients bit-identical to policy none", "[pattern]") {
+  for (const char* pattern : {"M2 M1 M3 E D", "D E M3 M1 M2"}) {
+    check_policies_bitwise<double>(pattern, false);
+    check_policies_bitwise<float>(pattern, false);
+    check_policies_bitwise<double>(pattern, true);
+  }
 }
