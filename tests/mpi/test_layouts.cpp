@@ -4,7 +4,9 @@
 // (cp2, ep2), (cp2, dp2), (ep2, dp2), (cp2, ep2)... The sequence length (36) is not a multiple of the chunk (8),
 // nor is any cp slice. Each rank also trains the same model alone (the one-rank reference); the step's loss, its
 // gradient norm and every gradient element (a slice compared with the matching elements of the reference) agree
-// within 1e-5 relative (fp32). Parameters after the update are compared too. The sweep runs over MPI communicators,
+// within 1e-5 relative (fp32). Parameters after the update are compared too. A second model (M1 M3 D E) runs the
+// layouts with tp = 1 (Mamba-3 has no tensor parallelism): Mamba-1 and Mamba-3 state passing under cp, the dense
+// FFN and MoE layers token-local. The sweep runs over MPI communicators,
 // and again over NCCL ones where the build has NCCL on CUDA and every rank has its own GPU.
 #include <cmath>
 
@@ -66,9 +68,10 @@ double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 
 
 }  // namespace
 
-TEST_CASE("layouts: a Mamba-2 + MoE training step equals the one-rank step", "[layouts]") {
+namespace {
+// One training step of `cfg` under every layout at the world's size with tp <= max_tp, against the one-rank step.
+void check_layouts(const LMConfig& cfg, std::int64_t max_tp, const char* label) {
   const int n = mmtest::world_size();
-  const LMConfig cfg = layouts_lm();
   auto next = [](std::int64_t s, std::int64_t m) { return micro_batch(s, m); };
 
   MambaLM<float> ref(cfg);
@@ -86,9 +89,9 @@ TEST_CASE("layouts: a Mamba-2 + MoE training step equals the one-rank step", "[l
                                                   parallel::nccl_available() ? "fewer GPUs than ranks" : "not built");
   for (const auto backend : backends)
   for (const auto& l : mmtest::all_layouts(n)) {
-    if (l.tp > 2) continue;  // ngroups = 2
+    if (l.tp > max_tp) continue;
     const bool nccl = backend == parallel::Backend::nccl;
-    INFO(mmtest::describe(l) << (nccl ? " nccl" : ""));
+    INFO(label << ": " << mmtest::describe(l) << (nccl ? " nccl" : ""));
     auto grid = std::make_shared<parallel::ProcessGrid>(l, MPI_COMM_WORLD, backend);
     MambaLM<float> model(cfg, grid->model_comms());
     model.initialize(7);
@@ -124,10 +127,30 @@ TEST_CASE("layouts: a Mamba-2 + MoE training step equals the one-rank step", "[l
     CHECK(worst_g < 1e-5);
     CHECK(worst_v < 1e-5);
     if (mmtest::world_rank() == 0)
-      std::printf("layout %s%s: loss rel err %.2e, grad norm rel err %.2e, worst gradient rel err %.2e (%s), "
+      std::printf("%s layout %s%s: loss rel err %.2e, grad norm rel err %.2e, worst gradient rel err %.2e (%s), "
                   "worst parameter rel err %.2e\n",
-                  mmtest::describe(l).c_str(), nccl ? " (nccl)" : "", el, en, worst_g, worst_name.c_str(), worst_v);
+                  label, mmtest::describe(l).c_str(), nccl ? " (nccl)" : "", el, en, worst_g, worst_name.c_str(), worst_v);
   }
+}
+}  // namespace
+
+TEST_CASE("layouts: a Mamba-2 + MoE training step equals the one-rank step", "[layouts]") {
+  check_layouts(layouts_lm(), 2, "M2 E M2 E");  // tp <= 2: ngroups = 2
+}
+
+// Every other layer kind under the layouts it supports: Mamba-1 and Mamba-3 pass their states under cp, the dense
+// FFN and the MoE layer are token-local (Mamba-3 has no tensor parallelism: tp = 1 only).
+TEST_CASE("layouts: a Mamba-1 + Mamba-3 + dense + MoE training step equals the one-rank step", "[layouts]") {
+  LMConfig c = layouts_lm();
+  c.layers.pattern = parse_layer_pattern("M1 M3 D E", "test");
+  c.layers.mamba1.d_state = 4;
+  c.layers.mamba1.dt_rank = 2;
+  c.layers.mamba1.chunk = 8;
+  c.layers.mamba3.d_state = 4;
+  c.layers.mamba3.headdim = 4;
+  c.layers.mamba3.chunk_size = 8;
+  c.layers.dense_d_ff = 8;
+  check_layouts(c, 1, "M1 M3 D E");
 }
 
 TEST_CASE("ZeRO-1: sharded AdamW moments give the parameters of plain data parallelism, bit for bit", "[layouts]") {
