@@ -17,6 +17,9 @@
 // sequence length: a halo is batch * (W - 1) * channels values, a pair batch * (decays + states) values.
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
+
 #include <vector>
 
 #include "core/kokkos_types.hpp"
@@ -39,6 +42,17 @@ struct CpConvHalo {
 template <class T>
 CpConvHalo<T> cp_conv_halo_forward(const Comm& cp, const View2<const T>& x, index_t col, index_t channels,
                                    index_t batch, index_t seqlen, index_t W, const SeqIdxView& seq);
+
+// Bytes this rank sends for one conv halo, forward and backward: the halo to the right neighbour and its gradient
+// back to the left one (batch * (W - 1) * channels values of elem_bytes each way), plus the record ids with it.
+inline std::uint64_t cp_conv_halo_bytes(const Comm& cp, index_t batch, index_t W, index_t channels,
+                                        std::size_t elem_bytes, bool with_seq_idx) {
+  const bool right = cp.rank() + 1 < cp.size(), left = cp.rank() > 0;
+  const std::uint64_t B = std::uint64_t(batch), W1 = std::uint64_t(W - 1);
+  std::uint64_t bytes = B * W1 * std::uint64_t(channels) * elem_bytes * ((right ? 1 : 0) + (left ? 1 : 0));
+  if (with_seq_idx && right) bytes += B * std::max<std::uint64_t>(W1, 1) * 8;
+  return bytes;
+}
 
 // Per batch row: cont = 1 when this slice's token 0 continues the left neighbour's last record (rank 0: 0), and
 // whole = 1 when no record starts inside the slice after token 0. Sends batch record ids (int64) to the right

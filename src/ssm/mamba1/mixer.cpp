@@ -405,14 +405,10 @@ void Mamba1Mixer<T>::forward_cp(const View2<T>& u, index_t batch, index_t seqlen
 
 template <class T>
 std::uint64_t Mamba1Mixer<T>::cp_traffic_bytes(index_t batch, bool with_seq_idx) const {
-  const std::uint64_t r = std::uint64_t(cp_->rank()), n = std::uint64_t(cp_->size());
-  if (n == 1) return 0;
-  const std::uint64_t B = std::uint64_t(batch), E = std::uint64_t(E_), N = std::uint64_t(cfg_.d_state),
-                      W1 = std::uint64_t(cfg_.d_conv - 1);
-  std::uint64_t bytes = 2 * B * E * N * 2 * sizeof(P);
-  bytes += B * W1 * E * sizeof(T) * ((r + 1 < n ? 1 : 0) + (r > 0 ? 1 : 0));
-  if (with_seq_idx && r + 1 < n) bytes += B * std::max<std::uint64_t>(W1, 1) * 8;
-  return bytes;
+  if (cp_->size() == 1) return 0;
+  const std::uint64_t B = std::uint64_t(batch), E = std::uint64_t(E_), N = std::uint64_t(cfg_.d_state);
+  return 2 * B * E * N * 2 * sizeof(P) +
+         parallel::cp_conv_halo_bytes(*cp_, batch, cfg_.d_conv, E_, sizeof(T), with_seq_idx);
 }
 
 template <class T>

@@ -380,13 +380,10 @@ void Mamba2Mixer<T>::forward_cp(const View2<T>& u, index_t batch, index_t seqlen
 
 template <class T>
 std::uint64_t Mamba2Mixer<T>::cp_traffic_bytes(index_t batch, bool with_seq_idx) const {
-  const std::uint64_t r = std::uint64_t(cp_->rank()), n = std::uint64_t(cp_->size());
-  if (n == 1) return 0;
-  const std::uint64_t B = std::uint64_t(batch), H = std::uint64_t(H_), W1 = std::uint64_t(cfg_.d_conv - 1);
-  std::uint64_t bytes = 2 * B * H * (1 + std::uint64_t(cfg_.headdim * cfg_.d_state)) * sizeof(P);
-  bytes += B * W1 * std::uint64_t(C_) * sizeof(T) * ((r + 1 < n ? 1 : 0) + (r > 0 ? 1 : 0));
-  if (with_seq_idx && r + 1 < n) bytes += B * std::max<std::uint64_t>(W1, 1) * 8;
-  return bytes;
+  if (cp_->size() == 1) return 0;
+  const std::uint64_t B = std::uint64_t(batch), H = std::uint64_t(H_);
+  return 2 * B * H * (1 + std::uint64_t(cfg_.headdim * cfg_.d_state)) * sizeof(P) +
+         parallel::cp_conv_halo_bytes(*cp_, batch, cfg_.d_conv, C_, sizeof(T), with_seq_idx);
 }
 
 template <class T>
