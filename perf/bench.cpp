@@ -3,6 +3,8 @@
 // around Kokkos::fence(); inputs are random (never zeros).
 //
 //   mambamoe_bench [--out DIR] [--only copy,gemm,ssd,lm] [--reps N] [--lm-batch B --lm-seqlen L]
+//                  [--ssd V,..] [--lm-ssd V,..]   V: portable | gemm-fp32 | gemm-tf32 | gemm-bf16 (SSD variants
+//                  timed; the first is the reference the others' outputs are compared with)
 //   mpiexec -n N mambamoe_bench --only lm --cp N ...   (the LM step with every sequence split over N ranks)
 //   mpiexec -n N mambamoe_bench --only lm --cp N --backend nccl   (the same over NCCL: device buffers, one GPU per rank)
 //
@@ -22,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/error.hpp"
 #include "core/kokkos_types.hpp"
 #include "core/rng.hpp"
 #include "model/lm.hpp"
@@ -144,57 +147,102 @@ void bench_gemm(int reps) {
 #endif
 }
 
-// The SSD of issue 3: batch 1, length 65,536, 24 heads, headdim 64, d_state 128, one group, chunk 256, fp32.
-void bench_ssd(int reps) {
-  SSDShape s;
-  s.batch = 1;
-  s.seqlen = 65536;
-  s.nheads = 24;
-  s.headdim = 64;
-  s.ngroups = 1;
-  s.dstate = 128;
-  s.chunk = 256;
-  using T = float;
-  const index_t BL = s.batch * s.seqlen, E = s.nheads * s.headdim, GN = s.ngroups * s.dstate;
-  View2<T> xbc("xbc", BL, E + 2 * GN), dt("dt", BL, s.nheads), y("y", BL, E), dy("dy", BL, E);
-  View2<T> dxbc("dxbc", BL, E + 2 * GN), ddt("ddt", BL, s.nheads);
-  View1<float> A_log("A_log", s.nheads), dt_bias("dt_bias", s.nheads), D("D", s.nheads);
-  View1<float> dA("dA", s.nheads), ddtb("ddtb", s.nheads), dD("dD", s.nheads);
-  fill(xbc, 4);
-  fill(dt, 5, -3, 0);
-  fill(A_log, 6, 0, 2.7);
-  fill(dt_bias, 7, -4, -2);
-  fill(D, 8);
-  fill(dy, 9);
-  SSDIn<T> in;
-  in.xbc = xbc;
-  in.x_col = 0;
-  in.b_col = E;
-  in.c_col = E + GN;
-  in.dt = dt;
-  in.A_log = A_log;
-  in.dt_bias = dt_bias;
-  in.D = D;
-  SSDGrad<T> g;
-  g.dxbc = dxbc;
-  g.ddt = ddt;
-  g.dA_log = dA;
-  g.ddt_bias = ddtb;
-  g.dD = dD;
-  // Bytes a fused kernel must move at least: read x, B, C, dt; write y (forward); backward also reads dy and
-  // writes dx, dB, dC, ddt. FLOPs: the chunked algorithm's matrix work (CB, intra-chunk, chunk state, output).
-  const double Q = s.chunk, L = s.seqlen, H = s.nheads, P = s.headdim, N = s.dstate;
-  const double fwd_flops = 2 * L * Q * N /*CB, per group*/ + H * (2 * L * Q * P /*intra*/ + 2 * L * P * N * 2);
-  const double fwd_bytes = 4.0 * (L * (E + 2 * GN + H) + L * E);
-  const double t_f = time_median(2, reps, [&] { ssd_forward<T>(s, in, y, View4<float>()); });
-  record("ssd fwd fp32 L=65536 H24 P64 N128", "time", t_f * 1e3, "ms");
-  record("ssd fwd fp32 L=65536 H24 P64 N128", "bandwidth", fwd_bytes / t_f / 1e12, "TB/s");
-  record("ssd fwd fp32 L=65536 H24 P64 N128", "rate", fwd_flops / t_f / 1e12, "TFLOP/s");
-  const double t_fb = time_median(2, reps, [&] {
-    ssd_forward<T>(s, in, y, View4<float>());
-    ssd_backward<T>(s, in, dy, View4<const float>(), g);
-  });
-  record("ssd fwd+bwd fp32 L=65536 H24 P64 N128", "time", t_fb * 1e3, "ms");
+// One SSD configuration: "portable" or "gemm-fp32" / "gemm-tf32" / "gemm-bf16" (the GEMM formulation with that
+// GEMM arithmetic; activations are fp32 in every case).
+struct SSDVariant {
+  SSDAlgo algo;
+  GemmCompute compute;
+  std::string name;
+};
+SSDVariant parse_ssd_variant(const std::string& v) {
+  if (v == "portable") return {SSDAlgo::portable, GemmCompute::fp32, v};
+  if (v.rfind("gemm-", 0) == 0) return {SSDAlgo::gemm, parse_gemm_compute(v.substr(5), "--ssd " + v), v};
+  throw Error("mambamoe_bench", "--ssd: unknown variant '" + v + "' (valid: portable, gemm-fp32, gemm-tf32, gemm-bf16)");
+}
+
+// The SSD of issue 3: batch 1, length 65,536, 24 heads, headdim 64, d_state 128, one group, chunk 256, fp32
+// activations; each variant is timed and checked against the first variant's output on the same inputs.
+void bench_ssd(int reps, const std::vector<SSDVariant>& variants) {
+  for (std::size_t vi = 0; vi < variants.size(); ++vi) {
+    const SSDVariant& var = variants[vi];
+    SSDShape s;
+    s.algo = var.algo;
+    s.compute = var.compute;
+    s.batch = 1;
+    s.seqlen = 65536;
+    s.nheads = 24;
+    s.headdim = 64;
+    s.ngroups = 1;
+    s.dstate = 128;
+    s.chunk = 256;
+    using T = float;
+    const index_t BL = s.batch * s.seqlen, E = s.nheads * s.headdim, GN = s.ngroups * s.dstate;
+    View2<T> xbc("xbc", BL, E + 2 * GN), dt("dt", BL, s.nheads), y("y", BL, E), dy("dy", BL, E);
+    View2<T> dxbc("dxbc", BL, E + 2 * GN), ddt("ddt", BL, s.nheads);
+    View1<float> A_log("A_log", s.nheads), dt_bias("dt_bias", s.nheads), D("D", s.nheads);
+    View1<float> dA("dA", s.nheads), ddtb("ddtb", s.nheads), dD("dD", s.nheads);
+    fill(xbc, 4);
+    fill(dt, 5, -3, 0);
+    fill(A_log, 6, 0, 2.7);
+    fill(dt_bias, 7, -4, -2);
+    fill(D, 8);
+    fill(dy, 9);
+    SSDIn<T> in;
+    in.xbc = xbc;
+    in.x_col = 0;
+    in.b_col = E;
+    in.c_col = E + GN;
+    in.dt = dt;
+    in.A_log = A_log;
+    in.dt_bias = dt_bias;
+    in.D = D;
+    SSDGrad<T> g;
+    g.dxbc = dxbc;
+    g.ddt = ddt;
+    g.dA_log = dA;
+    g.ddt_bias = ddtb;
+    g.dD = dD;
+    // Bytes a fused kernel must move at least: read x, B, C, dt; write y (forward); backward also reads dy and
+    // writes dx, dB, dC, ddt. FLOPs: the chunked algorithm's matrix work (CB, intra-chunk, chunk state, output).
+    const double Q = s.chunk, L = s.seqlen, H = s.nheads, P = s.headdim, N = s.dstate;
+    const double fwd_flops = 2 * L * Q * N /*CB, per group*/ + H * (2 * L * Q * P /*intra*/ + 2 * L * P * N * 2);
+    const double fwd_bytes = 4.0 * (L * (E + 2 * GN + H) + L * E);
+    const std::string nf = "ssd fwd " + var.name + " L=65536 H24 P64 N128",
+                      nfb = "ssd fwd+bwd " + var.name + " L=65536 H24 P64 N128";
+    // the slow portable kernels get fewer repetitions (one call takes ~0.4 s on an H200)
+    const int r = var.algo == SSDAlgo::portable ? std::min(reps, 3) : reps;
+    const double t_f = time_median(1, r, [&] { ssd_forward<T>(s, in, y, View4<float>()); });
+    record(nf, "time", t_f * 1e3, "ms");
+    record(nf, "bandwidth", fwd_bytes / t_f / 1e12, "TB/s");
+    record(nf, "rate", fwd_flops / t_f / 1e12, "TFLOP/s");
+    // agreement with the first variant: max |y - y_0| / max |y_0| and the same for dx, dB, dC
+    static std::vector<float> y0, dx0;
+    auto host = [](const View2<T>& v) {
+      auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
+      return std::vector<float>(h.data(), h.data() + h.size());
+    };
+    auto rel = [](const std::vector<float>& a, const std::vector<float>& b) {
+      double num = 0, den = 0;
+      for (std::size_t i = 0; i < a.size(); ++i) {
+        num = std::max(num, std::abs(double(a[i]) - double(b[i])));
+        den = std::max(den, std::abs(double(b[i])));
+      }
+      return den > 0 ? num / den : num;
+    };
+    const double t_fb = time_median(1, r, [&] {
+      ssd_forward<T>(s, in, y, View4<float>());
+      ssd_backward<T>(s, in, dy, View4<const float>(), g);
+    });
+    record(nfb, "time", t_fb * 1e3, "ms");
+    Kokkos::fence();
+    if (vi == 0) {
+      y0 = host(y);
+      dx0 = host(dxbc);
+    } else {
+      record(nf, "max abs diff of y vs " + variants[0].name + " / max abs y", rel(host(y), y0), "");
+      record(nfb, "max abs diff of dx,dB,dC vs " + variants[0].name + " / max abs", rel(host(dxbc), dx0), "");
+    }
+  }
 }
 
 // Training step of the issue-3 LM: 24 layers, d_model 768, d_state 128, headdim 64, expand 2, vocab 16, AdamW.
@@ -202,8 +250,12 @@ void bench_ssd(int reps) {
 // parameter gradients are all-reduced over them as the trainer does; the rows report per-rank memory, the whole
 // sequence's tokens/s, and the bytes each rank sent per step beyond the gradient all-reduce (state passing, conv
 // halos, loss sums).
-void bench_lm(index_t batch, index_t seqlen, int reps, int cp_size, parallel::Backend backend) {
+void bench_lm(index_t batch, index_t seqlen, int reps, int cp_size, parallel::Backend backend,
+              const SSDVariant& ssd) {
   LMConfig cfg;
+  cfg.mixer.ssd_algo = ssd.algo;
+  cfg.mixer.ssd_compute = ssd.compute;
+  set_float_gemm_compute(ssd.compute);  // the layers' weight GEMMs in the same arithmetic
   cfg.vocab_size = 16;
   cfg.n_layer = 24;
   cfg.mixer.d_model = 768;
@@ -238,7 +290,7 @@ void bench_lm(index_t batch, index_t seqlen, int reps, int cp_size, parallel::Ba
       tg[i] = std::int32_t(rng.below(i + 7, 4));
     });
   }
-  const std::string name = "lm train step fp32 " + std::to_string(batch) + "x" + std::to_string(seqlen) +
+  const std::string name = "lm train step fp32 act, " + ssd.name + " " + std::to_string(batch) + "x" + std::to_string(seqlen) +
                            (cp_size > 1 ? " cp" + std::to_string(cp_size) : "") +
                            (cp_size > 1 && backend == parallel::Backend::nccl ? " nccl" : "");
   record(name, "parameters", double(lm.params().count()) / 1e6, "M");
@@ -294,6 +346,7 @@ int run(int argc, char** argv, int cp_size, int rank) {
   int reps = 10;
   index_t lm_batch = 4, lm_seqlen = 8192;
   parallel::Backend backend = parallel::Backend::mpi;
+  std::string ssd_list = "gemm-fp32,gemm-tf32,gemm-bf16,portable", lm_ssd = "gemm-tf32";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -309,6 +362,8 @@ int run(int argc, char** argv, int cp_size, int rank) {
     else if (a == "--lm-batch") lm_batch = std::stoll(next());
     else if (a == "--lm-seqlen") lm_seqlen = std::stoll(next());
     else if (a == "--cp") next();
+    else if (a == "--ssd") ssd_list = next();
+    else if (a == "--lm-ssd") lm_ssd = next();
     else if (a == "--backend") {
       const std::string b = next();
       if (b != "mpi" && b != "nccl") {
@@ -319,7 +374,7 @@ int run(int argc, char** argv, int cp_size, int rank) {
     }
     else {
       std::cerr << "mambamoe_bench: unknown option " << a
-                << " (known: --out DIR, --only copy,gemm,ssd,lm, --reps N, --lm-batch B, --lm-seqlen L, --cp N, --backend mpi|nccl)\n";
+                << " (known: --out DIR, --only copy,gemm,ssd,lm, --reps N, --lm-batch B, --lm-seqlen L, --cp N, --backend mpi|nccl, --ssd V1,V2,.., --lm-ssd V1,..; V: portable, gemm-fp32, gemm-tf32, gemm-bf16)\n";
       return 2;
     }
   }
@@ -332,8 +387,15 @@ int run(int argc, char** argv, int cp_size, int rank) {
   try {
     if (want.count("copy")) bench_copy(reps);
     if (want.count("gemm")) bench_gemm(reps);
-    if (want.count("ssd")) bench_ssd(reps);
-    if (want.count("lm")) bench_lm(lm_batch, lm_seqlen, std::max(3, reps / 3), cp_size, backend);
+    auto variants = [](const std::string& list) {
+      std::vector<SSDVariant> v;
+      std::stringstream ss(list);
+      for (std::string w; std::getline(ss, w, ',');) v.push_back(parse_ssd_variant(w));
+      return v;
+    };
+    if (want.count("ssd")) bench_ssd(reps, variants(ssd_list));
+    if (want.count("lm"))
+      for (const auto& v : variants(lm_ssd)) bench_lm(lm_batch, lm_seqlen, std::max(3, reps / 3), cp_size, backend, v);
   } catch (const std::exception& e) {
     std::cerr << "mambamoe_bench: " << e.what() << "\n";
     return 1;

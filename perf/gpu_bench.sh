@@ -6,6 +6,8 @@
 #   perf/gpu_bench.sh --kokkos PREFIX --out DIR --mamba-ssm DIR [--causal-conv1d DIR] [--boost-po LIB]
 #                     [--htslib PREFIX] [--stages build,test,bench,cp] [--test-timeout S] [--bench-only LIST]
 #                     [--commit HASH]   (the commit to print, where the copy on the GPU machine has no usable .git)
+#                     [--peer-args "ARGS"]    (passed to perf/peers.py, e.g. "--ssd-dtypes bf16")
+#                     [--bench-args "ARGS"]   (passed to mambamoe_bench, e.g. "--ssd gemm-tf32,portable --lm-ssd gemm-bf16")
 #
 # --mamba-ssm DIR is the folder that holds the mamba_ssm package (e.g. $PWD/.peers); --causal-conv1d DIR holds the
 # built causal_conv1d_cuda*.so and the causal_conv1d package (perf/build_causal_conv1d.py makes it), without which
@@ -14,7 +16,7 @@
 # Writes under DIR: build.log, ctest.log, ours.csv, peers.csv, bench.log, and summary.txt (the table, also printed).
 set -uo pipefail
 
-commit="" kokkos="" out="" mamba="" cc1d="" po="" hts="" stages="build,test,bench" test_timeout=300 bench_only="copy,gemm,ssd,lm"
+commit="" kokkos="" out="" mamba="" cc1d="" po="" hts="" stages="build,test,bench" test_timeout=300 bench_only="copy,gemm,ssd,lm" bench_args="" peer_args=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --kokkos) kokkos=$2; shift 2 ;;
@@ -27,6 +29,8 @@ while [[ $# -gt 0 ]]; do
     --test-timeout) test_timeout=$2; shift 2 ;;
     --bench-only) bench_only=$2; shift 2 ;;
     --commit) commit=$2; shift 2 ;;
+    --bench-args) bench_args=$2; shift 2 ;;
+    --peer-args) peer_args=$2; shift 2 ;;
     *) echo "gpu_bench.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -60,10 +64,10 @@ if has test; then
 fi
 
 if has bench; then
-  "$root/build/cuda/perf/mambamoe_bench" --out "$out" --only "$bench_only" > "$out/bench.log" 2>&1 || { tail -20 "$out/bench.log"; rc=1; }
+  "$root/build/cuda/perf/mambamoe_bench" --out "$out" --only "$bench_only" $bench_args > "$out/bench.log" 2>&1 || { tail -20 "$out/bench.log"; rc=1; }
   if [[ -n $mamba ]]; then
     python3 "$root/perf/peers.py" --mamba-ssm "$mamba" ${cc1d:+--causal-conv1d "$cc1d"} --out "$out" \
-      --only "$bench_only" > "$out/peers.log" 2>&1 || { tail -20 "$out/peers.log"; rc=1; }
+      --only "$bench_only" $peer_args > "$out/peers.log" 2>&1 || { tail -20 "$out/peers.log"; rc=1; }
   fi
   { echo "commit $commit, $(date -u +%F), $(head -2 "$out/gpu.txt" | tail -1)"; cat "$out/bench.log"; cat "$out/peers.log" 2>/dev/null; } \
     | tee "$out/summary.txt"

@@ -27,6 +27,8 @@ def main():
     ap.add_argument("--causal-conv1d", default="")
     ap.add_argument("--out", required=True)
     ap.add_argument("--only", default="copy,gemm,ssd")
+    ap.add_argument("--ssd-dtypes", default="bf16,fp32",
+                    help="dtypes of the mamba_chunk_scan_combined timings (fp32 autotunes for minutes)")
     args = ap.parse_args()
     want = set(args.only.split(","))
     sys.path.insert(0, args.mamba_ssm)
@@ -70,6 +72,8 @@ def main():
         bsz, L, H, P, N, Q = 1, 65536, 24, 64, 128, 256
         torch.manual_seed(0)
         for dtype, label in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+            if label not in args.ssd_dtypes.split(","):
+                continue
             x = torch.randn(bsz, L, H, P, device=dev, dtype=dtype, requires_grad=True)
             dt = (torch.rand(bsz, L, H, device=dev) * 3 - 3).to(dtype).requires_grad_()
             A = (-torch.exp(torch.rand(H, device=dev) * 2.7)).requires_grad_()

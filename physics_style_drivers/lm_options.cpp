@@ -17,7 +17,10 @@ void declare_run(io::Deck& d) {
       .add<bool>("run.deterministic", true,
                  "bit-identical results between runs on the same hardware and layout (the CPU kernels always are: "
                  "no atomics in any reduction)")
-      .add<std::string>("run.output_dir", "runs/default", "directory for metrics and checkpoints (created)");
+      .add<std::string>("run.output_dir", "runs/default", "directory for metrics and checkpoints (created)")
+      .add<std::string>("run.gemm_precision", "fp32",
+                        "CUDA: arithmetic of the layers' float weight GEMMs: fp32, tf32 or bf16 (tensor cores, fp32 "
+                        "accumulation); CPU builds always compute in fp32");
   d.add<I>("parallel.tp", 1,
            "tensor-parallel ranks: heads, groups and feed-forward widths are split over them (they divide by tp)")
       .add<I>("parallel.cp", 1,
@@ -113,6 +116,12 @@ void declare_backbone_options(io::Deck& d) {
       .add<double>("model.dt_limit_max", std::numeric_limits<double>::infinity(),
                    "clamp of softplus(dt + dt_bias), upper (inf: none)")
       .add<double>("model.norm_eps", m.norm_eps, "RMSNorm epsilon")
+      .add<std::string>("model.ssd_algorithm", "auto",
+                        "M2 layers: how the SSD is computed: auto (gemm on CUDA, portable on CPU), portable (Kokkos "
+                        "team kernels), gemm (batched chunk GEMMs)")
+      .add<std::string>("model.ssd_precision", "fp32",
+                        "M2 layers, CUDA: arithmetic of the SSD's chunk GEMMs: fp32, tf32 or bf16 (tensor cores, "
+                        "fp32 accumulation); CPU builds always compute in fp32")
       .add<std::string>("model.pattern", "",
                         "layer pattern, one code per pre-norm residual block, spaced (M2 M2 M3 E) or together "
                         "(M2M2M3E): M1 Mamba-1, M2 Mamba-2, M3 Mamba-3, E MoE feed-forward, D dense SwiGLU "
@@ -269,6 +278,14 @@ Mamba2Config make_mixer_config(const io::Deck& d) {
   m.dt_limit_lo = d.get<double>("model.dt_limit_min");
   m.dt_limit_hi = d.get<double>("model.dt_limit_max");
   m.norm_eps = d.get<double>("model.norm_eps");
+  const std::string where = d.path().empty() ? "[model]" : d.path() + " [model]";
+  {
+    const std::string a = d.get<std::string>("model.ssd_algorithm");
+    require(a == "auto" || a == "portable" || a == "gemm", where,
+            "model.ssd_algorithm: unknown value '", a, "' (valid: auto, portable, gemm)");
+    m.ssd_algo = a == "gemm" ? SSDAlgo::gemm : a == "portable" ? SSDAlgo::portable : SSDAlgo::automatic;
+    m.ssd_compute = parse_gemm_compute(d.get<std::string>("model.ssd_precision"), where + " model.ssd_precision");
+  }
   m.validate(d.path().empty() ? "[model]" : d.path() + " [model]");
   return m;
 }

@@ -75,7 +75,40 @@ void gemm_cublas(Trans ta, Trans tb, S alpha, GemmIn<T> A, GemmIn<T> B, S beta, 
         "cublasGemmEx");
 }
 
+template <class T>
+void batched_cublas(Trans ta, Trans tb, index_t m, index_t n, index_t k, T alpha, const T* A, index_t lda,
+                    index_t sA, const T* B, index_t ldb, index_t sB, T beta, T* C, index_t ldc, index_t sC,
+                    index_t count, cudaDataType_t dtype, cublasComputeType_t compute) {
+  if (m == 0 || n == 0 || count == 0) return;
+  require(m < (1ll << 31) && n < (1ll << 31) && k < (1ll << 31) && lda < (1ll << 31) && ldb < (1ll << 31) &&
+              ldc < (1ll << 31) && count < (1ll << 31),
+          "gemm_strided_batched", "dimension exceeds int32");
+  check(cublasGemmStridedBatchedEx(handle(), op(tb), op(ta), int(n), int(m), int(k), &alpha, B, dtype, int(ldb),
+                                   (long long)sB, A, dtype, int(lda), (long long)sA, &beta, C, dtype, int(ldc),
+                                   (long long)sC, int(count), compute, CUBLAS_GEMM_DEFAULT),
+        "cublasGemmStridedBatchedEx");
+}
+
 #else
+
+// Host: one thread per output element of the batch, the k loop inside (row-major, op as given).
+template <class T>
+void batched_host(Trans ta, Trans tb, index_t m, index_t n, index_t k, T alpha, const T* A, index_t lda,
+                  index_t sA, const T* B, index_t ldb, index_t sB, T beta, T* C, index_t ldc, index_t sC,
+                  index_t count) {
+  if (m == 0 || n == 0 || count == 0) return;
+  const bool at = ta == Trans::T, bt = tb == Trans::T;
+  par_for("gemm::strided_batched", count * m, n, KOKKOS_LAMBDA(index_t bi, index_t j) {
+    const index_t b = bi / m, i = bi % m;
+    const T* a = A + b * sA;
+    const T* bb = B + b * sB;
+    T acc = 0;
+    for (index_t kk = 0; kk < k; ++kk)
+      acc += (at ? a[kk * lda + i] : a[i * lda + kk]) * (bt ? bb[j * ldb + kk] : bb[kk * ldb + j]);
+    T& c = C[b * sC + i * ldc + j];
+    c = alpha * acc + (beta == T(0) ? T(0) : beta * c);
+  });
+}
 
 template <class T>
 void gemm_kokkosblas(Trans ta, Trans tb, T alpha, GemmIn<T> A, GemmIn<T> B, T beta, GemmOut<T> C) {
@@ -90,11 +123,30 @@ void gemm_kokkosblas(Trans ta, Trans tb, T alpha, GemmIn<T> A, GemmIn<T> B, T be
 
 #endif
 
+GemmCompute g_float_compute = GemmCompute::fp32;
+
 }  // namespace
+
+void set_float_gemm_compute(GemmCompute c) { g_float_compute = c; }
+GemmCompute float_gemm_compute() { return g_float_compute; }
+
+GemmCompute parse_gemm_compute(const std::string& s, const std::string& what) {
+  if (s == "fp32") return GemmCompute::fp32;
+  if (s == "tf32") return GemmCompute::tf32;
+  if (s == "bf16") return GemmCompute::bf16;
+  throw Error(what, "unknown value '" + s + "' (valid: fp32, tf32, bf16)");
+}
+
+const char* gemm_compute_name(GemmCompute c) {
+  return c == GemmCompute::tf32 ? "tf32" : c == GemmCompute::bf16 ? "bf16" : "fp32";
+}
 
 #if defined(KOKKOS_ENABLE_CUDA)
 void gemm(Trans ta, Trans tb, float alpha, GemmIn<float> A, GemmIn<float> B, float beta, GemmOut<float> C) {
-  gemm_cublas<float>(ta, tb, alpha, A, B, beta, C, CUDA_R_32F, CUBLAS_COMPUTE_32F);
+  const cublasComputeType_t ct = g_float_compute == GemmCompute::tf32   ? CUBLAS_COMPUTE_32F_FAST_TF32
+                                 : g_float_compute == GemmCompute::bf16 ? CUBLAS_COMPUTE_32F_FAST_16BF
+                                                                        : CUBLAS_COMPUTE_32F;
+  gemm_cublas<float>(ta, tb, alpha, A, B, beta, C, CUDA_R_32F, ct);
 }
 void gemm(Trans ta, Trans tb, double alpha, GemmIn<double> A, GemmIn<double> B, double beta,
           GemmOut<double> C) {
@@ -102,6 +154,20 @@ void gemm(Trans ta, Trans tb, double alpha, GemmIn<double> A, GemmIn<double> B, 
 }
 void gemm(Trans ta, Trans tb, float alpha, GemmIn<bf16> A, GemmIn<bf16> B, float beta, GemmOut<bf16> C) {
   gemm_cublas<bf16>(ta, tb, alpha, A, B, beta, C, CUDA_R_16BF, CUBLAS_COMPUTE_32F);
+}
+void gemm_strided_batched(Trans ta, Trans tb, index_t m, index_t n, index_t k, float alpha, const float* A,
+                          index_t lda, index_t sA, const float* B, index_t ldb, index_t sB, float beta, float* C,
+                          index_t ldc, index_t sC, index_t count, GemmCompute compute) {
+  const cublasComputeType_t ct = compute == GemmCompute::tf32   ? CUBLAS_COMPUTE_32F_FAST_TF32
+                                 : compute == GemmCompute::bf16 ? CUBLAS_COMPUTE_32F_FAST_16BF
+                                                                : CUBLAS_COMPUTE_32F;
+  batched_cublas<float>(ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB, beta, C, ldc, sC, count, CUDA_R_32F, ct);
+}
+void gemm_strided_batched(Trans ta, Trans tb, index_t m, index_t n, index_t k, double alpha, const double* A,
+                          index_t lda, index_t sA, const double* B, index_t ldb, index_t sB, double beta,
+                          double* C, index_t ldc, index_t sC, index_t count, GemmCompute) {
+  batched_cublas<double>(ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB, beta, C, ldc, sC, count, CUDA_R_64F,
+                         CUBLAS_COMPUTE_64F);
 }
 const char* gemm_backend_name() { return "cuBLAS (bf16: cublasGemmEx, CUBLAS_COMPUTE_32F)"; }
 #else
@@ -111,6 +177,16 @@ void gemm(Trans ta, Trans tb, float alpha, GemmIn<float> A, GemmIn<float> B, flo
 void gemm(Trans ta, Trans tb, double alpha, GemmIn<double> A, GemmIn<double> B, double beta,
           GemmOut<double> C) {
   gemm_kokkosblas<double>(ta, tb, alpha, A, B, beta, C);
+}
+void gemm_strided_batched(Trans ta, Trans tb, index_t m, index_t n, index_t k, float alpha, const float* A,
+                          index_t lda, index_t sA, const float* B, index_t ldb, index_t sB, float beta, float* C,
+                          index_t ldc, index_t sC, index_t count, GemmCompute) {
+  batched_host<float>(ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB, beta, C, ldc, sC, count);
+}
+void gemm_strided_batched(Trans ta, Trans tb, index_t m, index_t n, index_t k, double alpha, const double* A,
+                          index_t lda, index_t sA, const double* B, index_t ldb, index_t sB, double beta,
+                          double* C, index_t ldc, index_t sC, index_t count, GemmCompute) {
+  batched_host<double>(ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB, beta, C, ldc, sC, count);
 }
 const char* gemm_backend_name() { return "KokkosBlas::gemm (host BLAS TPL)"; }
 #endif

@@ -8,6 +8,8 @@
 // implicitly.
 #pragma once
 
+#include <string>
+
 #include "core/kokkos_types.hpp"
 
 namespace mm {
@@ -24,6 +26,32 @@ void gemm(Trans ta, Trans tb, double alpha, GemmIn<double> A, GemmIn<double> B, 
 #if defined(KOKKOS_ENABLE_CUDA)
 void gemm(Trans ta, Trans tb, float alpha, GemmIn<bf16> A, GemmIn<bf16> B, float beta, GemmOut<bf16> C);
 #endif
+
+// Arithmetic of a float GEMM on CUDA: fp32 (CUDA cores, exact fp32), tf32 or bf16 (tensor cores: operands
+// rounded to tf32 / bf16 inside cuBLAS, fp32 accumulation and output). Host builds and double always compute in
+// the operands' own precision.
+enum class GemmCompute { fp32, tf32, bf16 };
+// "fp32" | "tf32" | "bf16" -> GemmCompute; anything else is an error naming `what` and the valid values.
+GemmCompute parse_gemm_compute(const std::string& s, const std::string& what);
+const char* gemm_compute_name(GemmCompute c);
+
+// Process-wide arithmetic of the plain float gemm() on CUDA (the layers' weight GEMMs), like PyTorch's
+// allow_tf32 switch: fp32 (the default), tf32 or bf16. Ignored by host builds.
+void set_float_gemm_compute(GemmCompute c);
+GemmCompute float_gemm_compute();
+
+// A strided batch of row-major GEMMs on raw pointers into the default memory space: for i in [0, count),
+//   C_i = alpha op(A_i) op(B_i) + beta C_i,   X_i = X + i * sX,
+// op(A_i) m x k, op(B_i) k x n, C_i m x n, leading dimensions (row strides) lda, ldb, ldc. CUDA:
+// cublasGemmStridedBatchedEx on the default stream; host: a Kokkos loop (meant for the small chunk GEMMs of the
+// scans and for tests, not for large products).
+void gemm_strided_batched(Trans ta, Trans tb, index_t m, index_t n, index_t k, float alpha, const float* A,
+                          index_t lda, index_t sA, const float* B, index_t ldb, index_t sB, float beta, float* C,
+                          index_t ldc, index_t sC, index_t count, GemmCompute compute = GemmCompute::fp32);
+void gemm_strided_batched(Trans ta, Trans tb, index_t m, index_t n, index_t k, double alpha, const double* A,
+                          index_t lda, index_t sA, const double* B, index_t ldb, index_t sB, double beta,
+                          double* C, index_t ldc, index_t sC, index_t count,
+                          GemmCompute compute = GemmCompute::fp32);
 
 // Name of the backend that serves gemm<T> in this build (for logs and benchmark tables).
 const char* gemm_backend_name();

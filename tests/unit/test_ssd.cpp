@@ -19,7 +19,12 @@ struct Case {
   index_t B = 2, L = 37, H = 4, P = 3, G = 2, N = 5, Q = 16;
   bool init = true, records = true;
   double dt_lo = 0, dt_hi = std::numeric_limits<double>::infinity();
+  SSDAlgo algo = SSDAlgo::portable;
+  GemmCompute compute = GemmCompute::fp32;
 };
+
+const char* algo_name(SSDAlgo a) { return a == SSDAlgo::gemm ? "gemm" : "portable"; }
+constexpr SSDAlgo kAlgos[] = {SSDAlgo::portable, SSDAlgo::gemm};
 
 template <class T>
 struct Data {
@@ -41,6 +46,8 @@ struct Data {
     shape.chunk = c.Q;
     shape.dt_lo = c.dt_lo;
     shape.dt_hi = c.dt_hi;
+    shape.algo = c.algo;
+    shape.compute = c.compute;
     const index_t E = c.H * c.P;
     xbc = View2<T>("xbc", c.B * c.L, E + 2 * c.G * c.N);
     dt = View2<T>("dt", c.B * c.L, c.H);
@@ -101,7 +108,7 @@ void check_forward(const Case& c, double tol) {
   ssd_forward<T>(d.shape, d.in(), y, fin);
   std::vector<double> fin_ref;
   const auto y_ref = d.reference(&fin_ref);
-  INFO("L=" << c.L << " Q=" << c.Q << " init=" << c.init << " records=" << c.records);
+  INFO("L=" << c.L << " Q=" << c.Q << " init=" << c.init << " records=" << c.records << " algo=" << algo_name(c.algo));
   CHECK(rel_err(to_vec(y), y_ref) < tol);
   CHECK(rel_err(to_vec(fin), fin_ref) < tol);
 }
@@ -109,38 +116,63 @@ void check_forward(const Case& c, double tol) {
 }  // namespace
 
 TEST_CASE("SSD chunked forward equals the token-by-token recurrence (double)", "[ssd]") {
-  for (index_t L : {1, 16, 37, 64, 100}) {
-    for (index_t Q : {8, 16, 32}) {
-      Case c;
-      c.L = L;
-      c.Q = Q;
-      check_forward<double>(c, 1e-12);
-      c.init = false;
-      c.records = false;
-      check_forward<double>(c, 1e-12);
+  for (SSDAlgo algo : kAlgos)
+    for (index_t L : {1, 16, 37, 64, 100}) {
+      for (index_t Q : {8, 16, 32}) {
+        Case c;
+        c.L = L;
+        c.Q = Q;
+        c.algo = algo;
+        check_forward<double>(c, 1e-12);
+        c.init = false;
+        c.records = false;
+        check_forward<double>(c, 1e-12);
+      }
     }
-  }
 }
 
 TEST_CASE("SSD chunked forward in float stays close to the double recurrence", "[ssd]") {
-  Case c;
-  c.L = 150;
-  c.Q = 64;
-  check_forward<float>(c, 2e-5);
+  for (SSDAlgo algo : kAlgos) {
+    Case c;
+    c.L = 150;
+    c.Q = 64;
+    c.algo = algo;
+    check_forward<float>(c, 2e-5);
+  }
+}
+
+TEST_CASE("SSD GEMM formulation on tensor cores (tf32, bf16 operands) stays within their rounding", "[ssd]") {
+  // On host builds these compute in fp32 and meet the fp32 bound; on CUDA the chunk GEMMs round their operands to
+  // tf32 (10-bit mantissa) or bf16 (7-bit), with fp32 accumulation.
+  for (GemmCompute cmp : {GemmCompute::tf32, GemmCompute::bf16}) {
+    Case c;
+    c.L = 300;
+    c.Q = 64;
+    c.P = 16;
+    c.N = 32;
+    c.algo = SSDAlgo::gemm;
+    c.compute = cmp;
+    check_forward<float>(c, cmp == GemmCompute::tf32 ? 3e-3 : 2e-2);
+  }
 }
 
 TEST_CASE("SSD dt_limit clamp matches the reference", "[ssd]") {
-  Case c;
-  c.L = 50;
-  c.dt_lo = 0.05;
-  c.dt_hi = 0.3;
-  check_forward<double>(c, 1e-12);
+  for (SSDAlgo algo : kAlgos) {
+    Case c;
+    c.L = 50;
+    c.dt_lo = 0.05;
+    c.dt_hi = 0.3;
+    c.algo = algo;
+    check_forward<double>(c, 1e-12);
+  }
 }
 
-TEST_CASE("SSD results do not depend on the chunk size (32, 64, 256)", "[ssd]") {
+TEST_CASE("SSD results do not depend on the chunk size (32, 64, 256) or the algorithm", "[ssd]") {
   std::vector<std::vector<double>> ys, fins;
+  for (SSDAlgo algo : kAlgos)
   for (index_t Q : {32, 64, 256}) {
     Case c;
+    c.algo = algo;
     c.L = 300;
     c.H = 2;
     c.P = 4;
@@ -154,10 +186,11 @@ TEST_CASE("SSD results do not depend on the chunk size (32, 64, 256)", "[ssd]") 
     ys.push_back(to_vec(y));
     fins.push_back(to_vec(fin));
   }
-  CHECK(rel_err(ys[1], ys[0]) < 1e-12);
-  CHECK(rel_err(ys[2], ys[0]) < 1e-12);
-  CHECK(rel_err(fins[1], fins[0]) < 1e-12);
-  CHECK(rel_err(fins[2], fins[0]) < 1e-12);
+  for (std::size_t i = 1; i < ys.size(); ++i) {
+    INFO("run " << i << " (algo " << i / 3 << ", chunk " << i % 3 << ")");
+    CHECK(rel_err(ys[i], ys[0]) < 1e-12);
+    CHECK(rel_err(fins[i], fins[0]) < 1e-12);
+  }
 }
 
 TEST_CASE("SSD packed records equal separate runs (seq_idx never leaks)", "[ssd]") {
@@ -203,10 +236,12 @@ TEST_CASE("SSD packed records equal separate runs (seq_idx never leaks)", "[ssd]
 }
 
 TEST_CASE("SSD backward matches finite differences for every input", "[ssd][gradcheck]") {
+  for (SSDAlgo algo : kAlgos)
   for (index_t Q : {8, 16}) {
     Case c;
     c.L = 29;
     c.Q = Q;
+    c.algo = algo;
     c.dt_lo = 0.0;
     Data<double> d(c);
     View2<double> dy("dy", c.B * c.L, c.H * c.P);
@@ -228,7 +263,7 @@ TEST_CASE("SSD backward matches finite differences for every input", "[ssd][grad
     g.dD = View1<double>("dD", c.H);
     g.dinit_state = View4<double>("dinit", c.B, c.H, c.P, c.N);
     ssd_backward<double>(d.shape, d.in(), dy, dfin, g);
-    INFO("Q=" << Q);
+    INFO("Q=" << Q << " algo=" << algo_name(algo));
     CHECK(fd_check(d.xbc, to_vec(g.dxbc), loss, 60).rel() < 1e-6);
     CHECK(fd_check(d.dt, to_vec(g.ddt), loss, 30).rel() < 1e-6);
     CHECK(fd_check(d.A_log, to_vec(g.dA_log), loss).rel() < 1e-6);
@@ -275,3 +310,39 @@ TEST_CASE("SSD backward gives zero dt gradient where dt_limit clamps", "[ssd][gr
   CHECK(fd_check(d.dt, ddt, loss, 40).rel() < 1e-6);
 }
 
+
+TEST_CASE("SSD GEMM formulation: backward equals the portable kernels' (double)", "[ssd][gradcheck]") {
+  // L a multiple of Q (one batched call over rows and chunks) and not (a shorter last chunk per row); records,
+  // an initial state and a final-state gradient; dt_limit active on some tokens.
+  for (index_t L : {64, 77})
+    for (bool records : {true, false}) {
+      std::vector<std::vector<double>> grads[2];
+      for (int ai = 0; ai < 2; ++ai) {
+        Case c;
+        c.L = L;
+        c.Q = 16;
+        c.records = records;
+        c.dt_lo = 0.05;
+        c.algo = kAlgos[ai];
+        Data<double> d(c);
+        View2<double> dy("dy", c.B * c.L, c.H * c.P);
+        View4<double> dfin("dfin", c.B, c.H, c.P, c.N);
+        fill_uniform(dy, 21);
+        fill_uniform(dfin, 22);
+        SSDGrad<double> g;
+        g.dxbc = View2<double>("dxbc", d.xbc.extent(0), d.xbc.extent(1));
+        g.ddt = View2<double>("ddt", d.dt.extent(0), d.dt.extent(1));
+        g.dA_log = View1<double>("dA_log", c.H);
+        g.ddt_bias = View1<double>("ddt_bias", c.H);
+        g.dD = View1<double>("dD", c.H);
+        g.dinit_state = View4<double>("dinit", c.B, c.H, c.P, c.N);
+        ssd_backward<double>(d.shape, d.in(), dy, dfin, g);
+        grads[ai] = {to_vec(g.dxbc), to_vec(g.ddt), to_vec(g.dA_log), to_vec(g.ddt_bias), to_vec(g.dD),
+                     to_vec(g.dinit_state)};
+      }
+      for (std::size_t i = 0; i < grads[0].size(); ++i) {
+        INFO("L=" << L << " records=" << records << " gradient " << i);
+        CHECK(rel_err(grads[1][i], grads[0][i]) < 1e-12);
+      }
+    }
+}

@@ -200,6 +200,8 @@ SSDShape Mamba2Mixer<T>::ssd_shape(index_t batch, index_t seqlen) const {
   s.chunk = cfg_.chunk;
   s.dt_lo = cfg_.dt_limit_lo;
   s.dt_hi = cfg_.dt_limit_hi;
+  s.algo = cfg_.ssd_algo;
+  s.compute = cfg_.ssd_compute;
   return s;
 }
 

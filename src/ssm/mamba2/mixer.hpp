@@ -62,6 +62,8 @@ struct Mamba2Config {
   double A_init_lo = 1, A_init_hi = 16;
   double dt_limit_lo = 0, dt_limit_hi = std::numeric_limits<double>::infinity();
   double norm_eps = 1e-5;
+  SSDAlgo ssd_algo = SSDAlgo::automatic;        // how the chunked scan is computed (ssd.hpp)
+  GemmCompute ssd_compute = GemmCompute::fp32;  // arithmetic of its chunk GEMMs on CUDA (fp32, tf32, bf16)
 
   index_t d_inner() const { return expand * d_model; }
   index_t nheads() const { return d_inner() / headdim; }

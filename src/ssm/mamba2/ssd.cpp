@@ -1,6 +1,8 @@
 #include "ssm/mamba2/ssd.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "core/error.hpp"
 
@@ -205,7 +207,424 @@ void state_passing(const Ctx<T>& c, const View4<const acc_t<T>>& init, const Vie
   });
 }
 
+// Reverse state passing, in place: dstates(b, c) (on entry dL/dS_in(c) from chunk c's own outputs) becomes
+// dL/dH_c (the state at the end of chunk c); dinit = dL/dH_{-1}.
+template <class T>
+void state_passing_bwd(const Ctx<T>& c, const View5<acc_t<T>>& dstates, const View4<const acc_t<T>>& dfinal_state,
+                       const View4<acc_t<T>>& dinit) {
+  using P = acc_t<T>;
+  const bool has_dfinal = dfinal_state.extent(0) > 0, has_dinit = dinit.extent(0) > 0;
+  par_for("ssd::state_passing_bwd", c.Bsz * c.H, c.Pd * c.N, KOKKOS_LAMBDA(index_t bh, index_t pn) {
+    const index_t b = bh / c.H, h = bh % c.H, p = pn / c.N, n = pn % c.N;
+    P dH = has_dfinal ? dfinal_state(b, h, p, n) : P(0);
+    for (index_t ch = c.nc - 1; ch >= 0; --ch) {
+      const index_t last = c.chunk_end(ch) - 1;
+      const P from_outputs = dstates(b, ch, h, p, n);
+      dstates(b, ch, h, p, n) = dH;
+      const P decay = c.rec(b, last) == c.rec_in(b, ch) ? exp_nonpos(c.acs(b, h, last)) : P(0);
+      dH = from_outputs + decay * dH;
+    }
+    if (has_dinit) dinit(b, h, p, n) = dH;
+  });
+}
+
+// dB and dC summed over the heads of each group into the input's gradient columns; the per-(b, c, h) partial
+// sums of dA, d dt_bias, dD summed over (batch, chunk) in order into the parameter gradients.
+template <class T>
+void group_param_reduce(const Ctx<T>& c, const View3<acc_t<T>>& dBh, const View3<acc_t<T>>& dCh,
+                        const View4<acc_t<T>>& partial, const SSDGrad<T>& gr) {
+  using P = acc_t<T>;
+  const auto dxbc = gr.dxbc;
+  // Sum dB and dC over the heads of each group into the input's gradient columns.
+  par_for("ssd::group_reduce", c.Bsz * c.L, c.G * c.N, KOKKOS_LAMBDA(index_t r, index_t gn) {
+    const index_t g = gn / c.N, n = gn % c.N;
+    P sb = 0, sc = 0;
+    for (index_t h = g * c.hpg; h < (g + 1) * c.hpg; ++h) {
+      sb += dBh(r, h, n);
+      sc += dCh(r, h, n);
+    }
+    dxbc(r, c.b_col + g * c.N + n) = static_cast<T>(sb);
+    dxbc(r, c.c_col + g * c.N + n) = static_cast<T>(sc);
+  });
+  // Per-head parameter gradients, summed over (batch, chunk) in order.
+  const auto dA_log = gr.dA_log;
+  const auto ddt_bias = gr.ddt_bias;
+  const auto dD = gr.dD;
+  par_for("ssd::param_reduce", c.H, KOKKOS_LAMBDA(index_t h) {
+    P sa = 0, sb = 0, sd = 0;
+    for (index_t b = 0; b < c.Bsz; ++b)
+      for (index_t ch = 0; ch < c.nc; ++ch) {
+        sa += partial(b, ch, h, 0);
+        sb += partial(b, ch, h, 1);
+        sd += partial(b, ch, h, 2);
+      }
+    dA_log(h) += sa * c.A(h);  // dA/dA_log = A
+    ddt_bias(h) += sb;
+    dD(h) += sd;
+  });
+}
+
+// ------------------------------------------------------------------ the GEMM formulation (SSDAlgo::gemm)
+//
+// Per (row b, chunk c, head h), chunk tokens l, s in [0, q), a = Acs (in-chunk inclusive cumsum of Delta A):
+//   E(l, s)  = [s <= l, same record, exp(a_l - a_s) >= cutoff] exp(a_l - a_s)       (the decay mask)
+//   M(l, s)  = (C_l . B_s) E(l, s) Delta_s
+//   e_in(l)  = [rec(l) == rec_in, cutoff] exp(a_l),   es(s) = [rec(s) == rec(last), cutoff] exp(a_last - a_s)
+//   forward:  S_loc = sum_s es(s) Delta_s x_s B_s^T,  y = e_in . (C S_in^T) + M X + D x
+//   backward: DX = dY X^T; dX = M^T dY + diag(Delta es) B dH^T + D dY; dCB = DX o E Delta_s;
+//             dC = dCB B + diag(e_in) dY S_in; dB = dCB^T C + diag(Delta es) X dH;
+//             dS_in(local) = (diag(e_in) dY)^T C, then the reverse state passing gives dH per chunk.
+// Every product above is a batched GEMM over the chunks of one head (chunk_gemm), and the Q x Q matrices of a
+// block of heads live in a workspace of at most kQQBudget bytes each.
+constexpr index_t kQ = -1;                          // "the chunk length" in chunk_gemm's dimensions
+constexpr std::size_t kQQBudget = 256ull << 20;     // bytes per Q x Q workspace (a block of heads)
+
+// One operand of a per-chunk GEMM: token-indexed (chunk (b, c) starts at row b L + c Q of a row-major matrix with
+// row stride ld) or chunk-indexed (blocks of `bs` elements, block b nc + c, row stride ld inside a block).
+template <class Ptr>
+struct ChunkOp {
+  Ptr p;
+  index_t ld;
+  bool token;
+  index_t bs;
+};
+template <class Ptr>
+ChunkOp<Ptr> tok(Ptr p, index_t ld) {
+  return {p, ld, true, 0};
+}
+template <class Ptr>
+ChunkOp<Ptr> blk(Ptr p, index_t ld, index_t bs) {
+  return {p, ld, false, bs};
+}
+
+// C_j = alpha op(A_j) op(B_j) + beta C_j for every chunk j = (b, c); m, n, k are sizes or kQ (the chunk's
+// length: Q, or the shorter last chunk when Q does not divide L, which gets its own call per row).
+template <class T>
+void chunk_gemm(const Ctx<T>& c, GemmCompute cmp, Trans ta, Trans tb, index_t m, index_t n, index_t k, T alpha,
+                ChunkOp<const T*> A, ChunkOp<const T*> B, T beta, ChunkOp<T*> C) {
+  auto dim = [](index_t d, index_t q) { return d == kQ ? q : d; };
+  auto stride = [&](const auto& o) { return o.token ? c.Q * o.ld : o.bs; };
+  auto at = [&](const auto& o, index_t b, index_t ch) {
+    return o.p + (o.token ? (b * c.L + ch * c.Q) * o.ld : (b * c.nc + ch) * o.bs);
+  };
+  auto call = [&](index_t b, index_t ch, index_t count, index_t q) {
+    gemm_strided_batched(ta, tb, dim(m, q), dim(n, q), dim(k, q), alpha, at(A, b, ch), A.ld, stride(A), at(B, b, ch),
+                         B.ld, stride(B), beta, at(C, b, ch), C.ld, stride(C), count, cmp);
+  };
+  const index_t tail = c.L - (c.nc - 1) * c.Q;
+  if (tail == c.Q) {
+    call(0, 0, c.Bsz * c.nc, c.Q);  // row b chunk c is batch entry b nc + c for both kinds of operand
+    return;
+  }
+  for (index_t b = 0; b < c.Bsz; ++b) {
+    if (c.nc > 1) call(b, 0, c.nc - 1, c.Q);
+    call(b, c.nc - 1, 1, tail);
+  }
+}
+
+// Views and sizes shared by the forward and backward of the GEMM formulation.
+template <class T>
+struct GemmCtx {
+  index_t ldx, HP, hb, nblk;  // xbc row stride, H P, heads per workspace block, number of blocks
+  View2<T> xw;                // (B L, H P): es(s) Delta_s x_s, the chunk-state operand
+  View4<T> w1, w2;            // (hb, B nc, Q, Q) workspaces
+};
+
+template <class T>
+GemmCtx<T> make_gemm_ctx(const Ctx<T>& c, bool backward) {
+  GemmCtx<T> g;
+  g.ldx = index_t(c.xbc.stride(0));
+  g.HP = c.H * c.Pd;
+  const std::size_t per_head = std::size_t(c.Bsz * c.nc) * c.Q * c.Q * sizeof(T);
+  g.hb = std::max<index_t>(1, std::min<index_t>(c.H, index_t(kQQBudget / std::max<std::size_t>(per_head, 1))));
+  g.nblk = (c.H + g.hb - 1) / g.hb;
+  g.xw = make_uninit<View2<T>>("ssd::xw", c.Bsz * c.L, g.HP);
+  g.w1 = make_uninit<View4<T>>("ssd::qq1", g.hb, c.Bsz * c.nc, c.Q, c.Q);
+  if (backward) g.w2 = make_uninit<View4<T>>("ssd::qq2", g.hb, c.Bsz * c.nc, c.Q, c.Q);
+  return g;
+}
+
+// Chunk-local states (into c.states), then the state passing (c.states becomes the state entering each chunk),
+// then C B^T (into c.cb).
+template <class T>
+void gemm_states_and_cb(const Ctx<T>& c, const GemmCtx<T>& g, GemmCompute cmp, const View4<const T>& init,
+                        const View4<T>& final_state) {
+  const auto xw = g.xw;
+  par_for("ssd::state_weights", c.Bsz * c.L, g.HP, KOKKOS_LAMBDA(index_t r, index_t hp) {
+    const index_t b = r / c.L, t = r % c.L, h = hp / c.Pd;
+    const index_t last = c.chunk_end(t / c.Q) - 1;
+    const T e = exp_nonpos(c.acs(b, h, last) - c.acs(b, h, t));
+    const T w = (c.rec(b, t) != c.rec(b, last) || e < T(kNegligibleDecay)) ? T(0) : e * c.delta(b, h, t);
+    xw(r, hp) = w * c.xbc(r, c.x_col + hp);
+  });
+  const T* X = c.xbc.data();
+  const index_t PN = c.Pd * c.N;
+  for (index_t h = 0; h < c.H; ++h) {
+    const index_t grp = h / c.hpg;
+    chunk_gemm<T>(c, cmp, Trans::T, Trans::N, c.Pd, c.N, kQ, T(1), tok<const T*>(xw.data() + h * c.Pd, g.HP),
+                  tok(X + c.b_col + grp * c.N, g.ldx), T(0), blk(c.states.data() + h * PN, c.N, c.H * PN));
+  }
+  state_passing(c, init, final_state);
+  for (index_t grp = 0; grp < c.G; ++grp)
+    chunk_gemm<T>(c, cmp, Trans::N, Trans::T, kQ, kQ, c.N, T(1), tok(X + c.c_col + grp * c.N, g.ldx),
+                  tok(X + c.b_col + grp * c.N, g.ldx), T(0),
+                  blk(c.cb.data() + grp * c.Q * c.Q, c.Q, c.G * c.Q * c.Q));
+}
+
+template <class T>
+KOKKOS_INLINE_FUNCTION T e_in_of(const Ctx<T>& c, index_t b, index_t h, index_t t) {
+  const T e = c.rec(b, t) == c.rec_in(b, t / c.Q) ? exp_nonpos(c.acs(b, h, t)) : T(0);
+  return e < T(kNegligibleDecay) ? T(0) : e;
+}
+
+template <class T>
+void ssd_forward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, const View2<T>& y,
+                      const View4<T>& final_state) {
+  const GemmCompute cmp = s.compute;
+  dt_cumsum(c);
+  const GemmCtx<T> g = make_gemm_ctx(c, false);
+  gemm_states_and_cb(c, g, cmp, in.init_state, final_state);
+  const T* X = c.xbc.data();
+  const index_t PN = c.Pd * c.N, ldy = index_t(y.stride(0));
+  // inter-chunk outputs C S_in^T, then y = e_in y + D x
+  for (index_t h = 0; h < c.H; ++h) {
+    const index_t grp = h / c.hpg;
+    chunk_gemm<T>(c, cmp, Trans::N, Trans::T, kQ, c.Pd, c.N, T(1), tok(X + c.c_col + grp * c.N, g.ldx),
+                  blk<const T*>(c.states.data() + h * PN, c.N, c.H * PN), T(0), tok(y.data() + h * c.Pd, ldy));
+  }
+  par_for("ssd::out_scale", c.Bsz * c.L, g.HP, KOKKOS_LAMBDA(index_t r, index_t hp) {
+    const index_t b = r / c.L, t = r % c.L, h = hp / c.Pd;
+    y(r, hp) = e_in_of(c, b, h, t) * y(r, hp) + c.D(h) * c.xbc(r, c.x_col + hp);
+  });
+  // intra-chunk outputs M X, a block of heads at a time
+  const auto w1 = g.w1;
+  const index_t nbc = c.Bsz * c.nc, QQ = c.Q * c.Q;
+  for (index_t blk0 = 0; blk0 < c.H; blk0 += g.hb) {
+    const index_t nh = std::min(g.hb, c.H - blk0);
+    par_for("ssd::decay_matrix", nh * nbc * c.Q, c.Q, KOKKOS_LAMBDA(index_t hjl, index_t is) {
+      const index_t il = hjl % c.Q, j = (hjl / c.Q) % nbc, hi = hjl / (c.Q * nbc);
+      const index_t h = blk0 + hi, b = j / c.nc, ch = j % c.nc, t0 = ch * c.Q, q = c.chunk_end(ch) - t0;
+      T v = 0;
+      if (il < q && is <= il && c.rec(b, t0 + il) == c.rec(b, t0 + is)) {
+        const T e = exp_nonpos(c.acs(b, h, t0 + il) - c.acs(b, h, t0 + is));
+        if (e >= T(kNegligibleDecay)) v = c.cb(b, ch, h / c.hpg, il, is) * e * c.delta(b, h, t0 + is);
+      }
+      w1(hi, j, il, is) = v;
+    });
+    for (index_t hi = 0; hi < nh; ++hi) {
+      const index_t h = blk0 + hi;
+      chunk_gemm<T>(c, cmp, Trans::N, Trans::N, kQ, c.Pd, kQ, T(1), blk<const T*>(w1.data() + hi * nbc * QQ, c.Q, QQ),
+                    tok(X + c.x_col + h * c.Pd, g.ldx), T(1), tok(y.data() + h * c.Pd, ldy));
+    }
+  }
+}
+
+template <class T>
+void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, const View2<const T>& dy,
+                       const View4<const T>& dfinal_state, const SSDGrad<T>& gr) {
+  const GemmCompute cmp = s.compute;
+  dt_cumsum(c);
+  const GemmCtx<T> g = make_gemm_ctx(c, true);
+  gemm_states_and_cb(c, g, cmp, in.init_state, View4<T>());
+  const T* X = c.xbc.data();
+  const index_t PN = c.Pd * c.N, ldy = index_t(dy.stride(0)), nbc = c.Bsz * c.nc, QQ = c.Q * c.Q, nr = c.Bsz * c.L;
+
+  // dL/dS_in from each chunk's own outputs: (diag(e_in) dY)^T C (xw is free again: it holds e_in dY)
+  const auto dye = g.xw;
+  par_for("ssd::dy_scaled", nr, g.HP, KOKKOS_LAMBDA(index_t r, index_t hp) {
+    dye(r, hp) = e_in_of(c, r / c.L, hp / c.Pd, r % c.L) * dy(r, hp);
+  });
+  View5<T> dstates = make_uninit<View5<T>>("ssd::dstates", c.Bsz, c.nc, c.H, c.Pd, c.N);
+  for (index_t h = 0; h < c.H; ++h) {
+    const index_t grp = h / c.hpg;
+    chunk_gemm<T>(c, cmp, Trans::T, Trans::N, c.Pd, c.N, kQ, T(1), tok<const T*>(dye.data() + h * c.Pd, g.HP),
+                  tok(X + c.c_col + grp * c.N, g.ldx), T(0), blk(dstates.data() + h * PN, c.N, c.H * PN));
+  }
+  state_passing_bwd(c, dstates, dfinal_state, gr.dinit_state);
+
+  View3<T> dBh = make_uninit<View3<T>>("ssd::dBh", nr, c.H, c.N);
+  View3<T> dCh = make_uninit<View3<T>>("ssd::dCh", nr, c.H, c.N);
+  View4<T> partial = make_uninit<View4<T>>("ssd::partial", c.Bsz, c.nc, c.H, 3);
+  // Per-token sums of a block of heads: 0 dd = sum_{l>=s} K DX, 1 out = Delta_s sum_{l>s} K DX,
+  // 2 in = sum_{s<l} Delta_s K DX, 3 ddot = dy_l . x_l, 4 w_inter, 5 dd_state (K = E (C.B)).
+  View3<T> v = make_uninit<View3<T>>("ssd::token_sums", g.hb, nr, 6);
+  View2<T> t1 = make_uninit<View2<T>>("ssd::bdh", nr, g.hb * c.Pd);  // B_s dH^T of each head of the block
+  const auto w1 = g.w1, w2 = g.w2;
+  const auto dxbc = gr.dxbc;
+  const auto ddt = gr.ddt;
+  const index_t ldd = index_t(dxbc.stride(0)), ldt1 = g.hb * c.Pd;
+  T* dX = dxbc.data();
+  for (index_t blk0 = 0; blk0 < c.H; blk0 += g.hb) {
+    const index_t nh = std::min(g.hb, c.H - blk0);
+    // DX = dY X^T
+    for (index_t hi = 0; hi < nh; ++hi) {
+      const index_t h = blk0 + hi;
+      chunk_gemm<T>(c, cmp, Trans::N, Trans::T, kQ, kQ, c.Pd, T(1), tok(dy.data() + h * c.Pd, ldy),
+                    tok(X + c.x_col + h * c.Pd, g.ldx), T(0), blk(w1.data() + hi * nbc * QQ, c.Q, QQ));
+    }
+    // column sums over l >= s (one thread per source token; rows of the workspace are read coalesced)
+    par_for("ssd::bwd_colsums", nh * nbc, c.Q, KOKKOS_LAMBDA(index_t hj, index_t is) {
+      const index_t j = hj % nbc, hi = hj / nbc, h = blk0 + hi, b = j / c.nc, ch = j % c.nc, t0 = ch * c.Q;
+      const index_t q = c.chunk_end(ch) - t0;
+      if (is >= q) return;
+      const index_t ts = t0 + is, grp = h / c.hpg;
+      const int r_s = c.rec(b, ts);
+      const T acs_s = c.acs(b, h, ts);
+      T dd = 0, out = 0;
+      for (index_t il = is; il < q; ++il) {
+        if (c.rec(b, t0 + il) != r_s) break;  // records are contiguous runs
+        const T e = exp_nonpos(c.acs(b, h, t0 + il) - acs_s);
+        if (e < T(kNegligibleDecay)) break;  // decays only shrink with distance
+        const T kd = e * c.cb(b, ch, grp, il, is) * w1(hi, j, il, is);
+        dd += kd;
+        if (il > is) out += kd;
+      }
+      const index_t r = b * c.L + ts;
+      v(hi, r, 0) = dd;
+      v(hi, r, 1) = c.delta(b, h, ts) * out;
+      v(hi, r, 3) = w1(hi, j, is, is);
+    });
+    // rows: w1 <- M (masked, Delta_s), w2 <- dCB; the incoming sum of each output token
+    par_for_team_vec(
+        "ssd::bwd_rows", nh * nbc, kTeam, kVector, KOKKOS_LAMBDA(const Team& tm) {
+          const index_t hj = tm.league_rank();
+          const index_t j = hj % nbc, hi = hj / nbc, h = blk0 + hi, b = j / c.nc, ch = j % c.nc, t0 = ch * c.Q;
+          const index_t q = c.chunk_end(ch) - t0, grp = h / c.hpg;
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, q), [&](index_t il) {
+            const index_t tl = t0 + il;
+            const int r_l = c.rec(b, tl);
+            const T acs_l = c.acs(b, h, tl);
+            T insum = 0;
+            Kokkos::parallel_reduce(
+                Kokkos::ThreadVectorRange(tm, q),
+                [&](index_t is, T& acc) {
+                  T m = 0, dcb = 0;
+                  if (is <= il && c.rec(b, t0 + is) == r_l) {
+                    const T e = exp_nonpos(acs_l - c.acs(b, h, t0 + is));
+                    if (e >= T(kNegligibleDecay)) {
+                      const T dlt = c.delta(b, h, t0 + is), dx = w1(hi, j, il, is), kk = e * c.cb(b, ch, grp, il, is);
+                      m = kk * dlt;
+                      dcb = dx * e * dlt;
+                      if (is < il) acc += m * dx;
+                    }
+                  }
+                  w1(hi, j, il, is) = m;
+                  w2(hi, j, il, is) = dcb;
+                },
+                insum);
+            Kokkos::single(Kokkos::PerThread(tm), [&]() { v(hi, b * c.L + tl, 2) = insum; });
+          });
+        });
+    for (index_t hi = 0; hi < nh; ++hi) {
+      const index_t h = blk0 + hi, grp = h / c.hpg;
+      const ChunkOp<const T*> dYh = tok(dy.data() + h * c.Pd, ldy), Xh = tok(X + c.x_col + h * c.Pd, g.ldx),
+                              Bg = tok(X + c.b_col + grp * c.N, g.ldx);
+      const ChunkOp<const T*> dHh = blk<const T*>(dstates.data() + h * PN, c.N, c.H * PN),
+                              Sh = blk<const T*>(c.states.data() + h * PN, c.N, c.H * PN);
+      // dX = M^T dY (the rest added below), B dH^T, X dH (into dB), dY S_in (into dC)
+      chunk_gemm<T>(c, cmp, Trans::T, Trans::N, kQ, c.Pd, kQ, T(1), blk<const T*>(w1.data() + hi * nbc * QQ, c.Q, QQ),
+                    dYh, T(0), tok(dX + c.x_col + h * c.Pd, ldd));
+      chunk_gemm<T>(c, cmp, Trans::N, Trans::T, kQ, c.Pd, c.N, T(1), Bg, dHh, T(0), tok(t1.data() + hi * c.Pd, ldt1));
+      chunk_gemm<T>(c, cmp, Trans::N, Trans::N, kQ, c.N, c.Pd, T(1), Xh, dHh, T(0),
+                    tok(dBh.data() + h * c.N, c.H * c.N));
+      chunk_gemm<T>(c, cmp, Trans::N, Trans::N, kQ, c.N, c.Pd, T(1), dYh, Sh, T(0),
+                    tok(dCh.data() + h * c.N, c.H * c.N));
+    }
+    // per token: finish dx, scale the state parts of dB and dC, and the decay sums w_inter and dd_state
+    par_for_team_vec(
+        "ssd::bwd_token_epilogue", nh * nr, 1, kVector, KOKKOS_LAMBDA(const Team& tm) {
+          const index_t hr = tm.league_rank(), r = hr % nr, hi = hr / nr, h = blk0 + hi;
+          const index_t b = r / c.L, t = r % c.L, last = c.chunk_end(t / c.Q) - 1, grp = h / c.hpg;
+          T es = c.rec(b, t) == c.rec(b, last) ? exp_nonpos(c.acs(b, h, last) - c.acs(b, h, t)) : T(0);
+          es = es < T(kNegligibleDecay) ? T(0) : es;
+          const T dlt = c.delta(b, h, t), ein = e_in_of(c, b, h, t), Dh = c.D(h);
+          T dds = 0, winter = 0;
+          Kokkos::parallel_reduce(
+              Kokkos::TeamVectorRange(tm, c.Pd),
+              [&](index_t p, T& acc) {
+                const T bdh = t1(r, hi * c.Pd + p);
+                acc += c.xbc(r, c.x_col + h * c.Pd + p) * bdh;
+                dxbc(r, c.x_col + h * c.Pd + p) += Dh * dy(r, h * c.Pd + p) + dlt * es * bdh;
+              },
+              dds);
+          Kokkos::parallel_reduce(
+              Kokkos::TeamVectorRange(tm, c.N),
+              [&](index_t n, T& acc) {
+                dBh(r, h, n) *= dlt * es;
+                const T inter = ein * dCh(r, h, n);
+                dCh(r, h, n) = inter;
+                acc += inter * c.xbc(r, c.c_col + grp * c.N + n);
+              },
+              winter);
+          Kokkos::single(Kokkos::PerTeam(tm), [&]() {
+            v(hi, r, 4) = winter;
+            v(hi, r, 5) = es * dds;
+          });
+        });
+    // the dCB parts of dC and dB
+    for (index_t hi = 0; hi < nh; ++hi) {
+      const index_t h = blk0 + hi, grp = h / c.hpg;
+      const ChunkOp<const T*> W2 = blk<const T*>(w2.data() + hi * nbc * QQ, c.Q, QQ);
+      chunk_gemm<T>(c, cmp, Trans::N, Trans::N, kQ, c.N, kQ, T(1), W2, tok(X + c.b_col + grp * c.N, g.ldx), T(1),
+                    tok(dCh.data() + h * c.N, c.H * c.N));
+      chunk_gemm<T>(c, cmp, Trans::T, Trans::N, kQ, c.N, kQ, T(1), W2, tok(X + c.c_col + grp * c.N, g.ldx), T(1),
+                    tok(dBh.data() + h * c.N, c.H * c.N));
+    }
+    // dAcs per token, its reverse cumsum da, dDelta, d(raw dt) and the per-(b, c, h) partial sums
+    par_for_team_vec(
+        "ssd::bwd_dacs", nh * nbc, 1, kVector, KOKKOS_LAMBDA(const Team& tm) {
+          const index_t hj = tm.league_rank(), j = hj % nbc, hi = hj / nbc, h = blk0 + hi;
+          const index_t b = j / c.nc, ch = j % c.nc, t0 = ch * c.Q, q = c.chunk_end(ch) - t0, last = t0 + q - 1;
+          const T* dH = &dstates(b, ch, h, 0, 0);
+          const T* Sin = &c.states(b, ch, h, 0, 0);
+          T wdecay = 0;
+          if (c.rec(b, last) == c.rec_in(b, ch)) {
+            Kokkos::parallel_reduce(
+                Kokkos::TeamVectorRange(tm, PN), [&](index_t pn, T& acc) { acc += dH[pn] * Sin[pn]; }, wdecay);
+            wdecay *= exp_nonpos(c.acs(b, h, last));
+          }
+          T wstate_total = 0;
+          Kokkos::parallel_reduce(
+              Kokkos::TeamVectorRange(tm, q),
+              [&](index_t il, T& acc) { acc += c.delta(b, h, t0 + il) * v(hi, b * c.L + t0 + il, 5); }, wstate_total);
+          Kokkos::single(Kokkos::PerTeam(tm), [&]() {
+            const T A = c.A(h);
+            T run = 0, dA = 0, dbias = 0, dD = 0;
+            for (index_t il = q - 1; il >= 0; --il) {
+              const index_t t = t0 + il, r = b * c.L + t;
+              const T dlt = c.delta(b, h, t);
+              const T wstate = dlt * v(hi, r, 5);
+              T dacs = v(hi, r, 2) + v(hi, r, 4) - v(hi, r, 1) - wstate;
+              if (il == q - 1) dacs += wstate_total + wdecay;
+              run += dacs;
+              const T ddel = v(hi, r, 0) + v(hi, r, 5) + run * A;
+              const T u = c.dt(r, c.dt_col + h) + c.dt_bias(h);
+              const T sp = softplus(u);
+              const T du = (sp >= c.dt_lo && sp <= c.dt_hi) ? ddel * dsoftplus(u) : T(0);
+              ddt(r, c.dt_col + h) = du;
+              dA += run * dlt;
+              dbias += du;
+              dD += v(hi, r, 3);
+            }
+            partial(b, ch, h, 0) = dA;
+            partial(b, ch, h, 1) = dbias;
+            partial(b, ch, h, 2) = dD;
+          });
+        });
+  }
+  group_param_reduce(c, dBh, dCh, partial, gr);
+}
+
 }  // namespace
+
+SSDAlgo ssd_resolved_algo(const SSDShape& s) {
+  if (s.algo != SSDAlgo::automatic) return s.algo;
+#if defined(KOKKOS_ENABLE_CUDA)
+  return std::is_same_v<Exec, Kokkos::Cuda> ? SSDAlgo::gemm : SSDAlgo::portable;
+#else
+  return SSDAlgo::portable;
+#endif
+}
 
 template <class T>
 void ssd_forward(const SSDShape& s, const SSDIn<T>& in, const View2<T>& y, const View4<acc_t<T>>& final_state) {
@@ -213,6 +632,11 @@ void ssd_forward(const SSDShape& s, const SSDIn<T>& in, const View2<T>& y, const
   const Ctx<T> c = make_ctx(s, in);
   require(index_t(y.extent(0)) == c.Bsz * c.L && index_t(y.extent(1)) == c.H * c.Pd, "ssd_forward",
           "y must be (batch * seqlen, nheads * headdim)");
+  if (ssd_resolved_algo(s) == SSDAlgo::gemm) {
+    static_assert(std::is_same_v<T, P>, "the GEMM formulation keeps activations in the accumulation type");
+    ssd_forward_gemm<T>(c, s, in, y, final_state);
+    return;
+  }
   dt_cumsum(c);
   chunk_state(c);
   state_passing(c, in.init_state, final_state);
@@ -283,6 +707,10 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
   const Ctx<T> c = make_ctx(s, in);
   require(index_t(dy.extent(0)) == c.Bsz * c.L && index_t(dy.extent(1)) == c.H * c.Pd, "ssd_backward",
           "dy must be (batch * seqlen, nheads * headdim)");
+  if (ssd_resolved_algo(s) == SSDAlgo::gemm) {
+    ssd_backward_gemm<T>(c, s, in, dy, dfinal_state, gr);
+    return;
+  }
   // Recompute the forward intermediates.
   dt_cumsum(c);
   chunk_state(c);
@@ -319,24 +747,7 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
       },
       Scratch1<P>::shmem_size(c.Q), 0, 0);
 
-  // Reverse state passing, in place: dstates(b, c) becomes dL/dH_c (the state at the end of chunk c);
-  // dinit = dL/dH_{-1}.
-  {
-    const bool has_dfinal = dfinal_state.extent(0) > 0, has_dinit = gr.dinit_state.extent(0) > 0;
-    const auto dinit = gr.dinit_state;
-    par_for("ssd::state_passing_bwd", c.Bsz * c.H, c.Pd * c.N, KOKKOS_LAMBDA(index_t bh, index_t pn) {
-      const index_t b = bh / c.H, h = bh % c.H, p = pn / c.N, n = pn % c.N;
-      P dH = has_dfinal ? dfinal_state(b, h, p, n) : P(0);
-      for (index_t ch = c.nc - 1; ch >= 0; --ch) {
-        const index_t last = c.chunk_end(ch) - 1;
-        const P from_outputs = dstates(b, ch, h, p, n);
-        dstates(b, ch, h, p, n) = dH;
-        const P decay = c.rec(b, last) == c.rec_in(b, ch) ? exp_nonpos(c.acs(b, h, last)) : P(0);
-        dH = from_outputs + decay * dH;
-      }
-      if (has_dinit) dinit(b, h, p, n) = dH;
-    });
-  }
+  state_passing_bwd(c, dstates, dfinal_state, gr.dinit_state);
 
   // Per chunk and head: dx, dB_h, dC_h, dDelta -> d(raw dt), and per-(b, c, h) partial sums of dA, ddt_bias, dD.
   chunk_bmm(c);
@@ -523,33 +934,7 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
       },
       fast_bytes, large_bytes);
 
-  // Sum dB and dC over the heads of each group into the input's gradient columns.
-  par_for("ssd::group_reduce", c.Bsz * c.L, c.G * c.N, KOKKOS_LAMBDA(index_t r, index_t gn) {
-    const index_t g = gn / c.N, n = gn % c.N;
-    P sb = 0, sc = 0;
-    for (index_t h = g * c.hpg; h < (g + 1) * c.hpg; ++h) {
-      sb += dBh(r, h, n);
-      sc += dCh(r, h, n);
-    }
-    dxbc(r, c.b_col + g * c.N + n) = static_cast<T>(sb);
-    dxbc(r, c.c_col + g * c.N + n) = static_cast<T>(sc);
-  });
-  // Per-head parameter gradients, summed over (batch, chunk) in order.
-  const auto dA_log = gr.dA_log;
-  const auto ddt_bias = gr.ddt_bias;
-  const auto dD = gr.dD;
-  par_for("ssd::param_reduce", c.H, KOKKOS_LAMBDA(index_t h) {
-    P sa = 0, sb = 0, sd = 0;
-    for (index_t b = 0; b < c.Bsz; ++b)
-      for (index_t ch = 0; ch < c.nc; ++ch) {
-        sa += partial(b, ch, h, 0);
-        sb += partial(b, ch, h, 1);
-        sd += partial(b, ch, h, 2);
-      }
-    dA_log(h) += sa * c.A(h);  // dA/dA_log = A
-    ddt_bias(h) += sb;
-    dD(h) += sd;
-  });
+  group_param_reduce(c, dBh, dCh, partial, gr);
 }
 
 template <class T>

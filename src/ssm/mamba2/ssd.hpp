@@ -18,13 +18,24 @@
 
 #include "core/kokkos_types.hpp"
 #include "layers/conv1d.hpp"  // SeqIdxView
+#include "tensor/gemm.hpp"
 
 namespace mm {
+
+// How the chunked scan is computed (both give the same result up to rounding; tests run both):
+//   portable: hierarchical Kokkos kernels, one team per (row, chunk, head) doing the Q x Q work in scalar loops;
+//   gemm:     the chunk-local matrix products (C B^T, the masked Q x Q product with x, chunk states, the inter-chunk
+//             outputs and every product of the backward) as strided batched GEMMs (cuBLAS on CUDA: tensor cores
+//             under `compute` tf32/bf16), with the masks, decays and reductions in Kokkos elementwise kernels;
+//   automatic: gemm on CUDA, portable on host backends.
+enum class SSDAlgo { automatic, portable, gemm };
 
 struct SSDShape {
   index_t batch = 1, seqlen = 0, nheads = 1, headdim = 1, ngroups = 1, dstate = 1, chunk = 256;
   double dt_lo = 0.0;                                         // dt_limit[0]
   double dt_hi = std::numeric_limits<double>::infinity();    // dt_limit[1]
+  SSDAlgo algo = SSDAlgo::automatic;
+  GemmCompute compute = GemmCompute::fp32;  // arithmetic of the gemm algorithm's float GEMMs on CUDA
   index_t nchunks() const { return (seqlen + chunk - 1) / chunk; }
   void validate(const char* where) const;
 };
@@ -60,6 +71,9 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
 // One token per batch row (decode): `s.seqlen` must be 1 and the inputs hold `batch` rows; state (batch, H, P, N)
 // is advanced in place (S = exp(Delta A) S + Delta x B^T) and y (batch, H * P) = S C + D x is written. seq_idx and
 // init_state are ignored.
+// The algorithm `s.algo` resolves to in this build.
+SSDAlgo ssd_resolved_algo(const SSDShape& s);
+
 template <class T>
 void ssd_step(const SSDShape& s, const SSDIn<T>& in, const View4<acc_t<T>>& state, const View2<T>& y);
 
