@@ -2,12 +2,15 @@
 // acceptance criteria, and prints one table. Every figure is a median over repetitions after warm-up, timed
 // around Kokkos::fence(); inputs are random (never zeros).
 //
-//   mambamoe_bench [--out DIR] [--only copy,gemm,ssd,lm] [--reps N] [--lm-batch B --lm-seqlen L]
+//   mambamoe_bench [--out DIR] [--only copy,gemm,ssd,lm] [--reps N] [--lm-batch B --lm-seqlen L] [--profile]
 //                  [--ssd V,..] [--lm-ssd V,..]   V: portable | gemm-fp32 | gemm-tf32 | gemm-bf16 (SSD variants
 //                  timed; the first is the reference the others' outputs are compared with)
 //   mpiexec -n N mambamoe_bench --only lm --cp N ...   (the LM step with every sequence split over N ranks)
 //   mpiexec -n N mambamoe_bench --only lm --cp N --backend nccl   (the same over NCCL: device buffers, one GPU per rank)
 //
+// --profile: after the timings, one more call of each SSD variant (forward, then backward) and one LM step run with
+// a fence around every Kokkos kernel and profiling region (the cuBLAS calls are regions), and the time per label
+// is printed, largest first (fences add launch gaps, so the sum exceeds the unprofiled time).
 // Each case writes "name,metric,value,unit" rows to DIR/ours.csv (the perf script joins them with the peers').
 #include <algorithm>
 #include <atomic>
@@ -24,6 +27,8 @@
 #include <thread>
 #include <vector>
 
+#include <map>
+
 #include "core/error.hpp"
 #include "core/kokkos_types.hpp"
 #include "core/rng.hpp"
@@ -38,6 +43,79 @@
 #endif
 
 using namespace mm;
+
+// ------------------------------------------------------------------ --profile: fenced time per kernel label
+bool g_profile = false;
+
+namespace kprof {
+using clk = std::chrono::steady_clock;
+struct Acc {
+  double s = 0;
+  long n = 0;
+};
+std::map<std::string, Acc> acc;
+std::map<std::uint64_t, std::pair<std::string, clk::time_point>> open;
+std::vector<std::pair<std::string, clk::time_point>> regions;
+std::uint64_t next_id = 0;
+bool on = false;
+void begin(const char* name, const std::uint32_t, std::uint64_t* id) {
+  if (!on) return;
+  Kokkos::fence();
+  *id = ++next_id;
+  open[*id] = {name, clk::now()};
+}
+void end(std::uint64_t id) {
+  if (!on) return;
+  Kokkos::fence();
+  auto it = open.find(id);
+  if (it == open.end()) return;
+  Acc& a = acc[it->second.first];
+  a.s += std::chrono::duration<double>(clk::now() - it->second.second).count();
+  ++a.n;
+  open.erase(it);
+}
+void push(const char* name) {
+  if (!on) return;
+  Kokkos::fence();
+  regions.push_back({std::string("[region] ") + name, clk::now()});
+}
+void pop() {
+  if (!on || regions.empty()) return;
+  Kokkos::fence();
+  Acc& a = acc[regions.back().first];
+  a.s += std::chrono::duration<double>(clk::now() - regions.back().second).count();
+  ++a.n;
+  regions.pop_back();
+}
+void install() {
+  namespace KT = Kokkos::Tools::Experimental;
+  KT::set_begin_parallel_for_callback(begin);
+  KT::set_end_parallel_for_callback(end);
+  KT::set_begin_parallel_reduce_callback(begin);
+  KT::set_end_parallel_reduce_callback(end);
+  KT::set_begin_parallel_scan_callback(begin);
+  KT::set_end_parallel_scan_callback(end);
+  KT::set_push_region_callback(push);
+  KT::set_pop_region_callback(pop);
+}
+// Runs f once with every kernel fenced and timed; prints the labels by total time.
+template <class F>
+void report(const std::string& title, const F& f) {
+  Kokkos::fence();
+  acc.clear();
+  on = true;
+  const auto t0 = clk::now();
+  f();
+  Kokkos::fence();
+  const double total = std::chrono::duration<double>(clk::now() - t0).count();
+  on = false;
+  std::vector<std::pair<std::string, Acc>> v(acc.begin(), acc.end());
+  std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) { return a.second.s > b.second.s; });
+  std::printf("  profile of %s (fenced, %.2f ms in all):\n", title.c_str(), total * 1e3);
+  for (const auto& [name, a] : v)
+    if (a.s >= 0.002 * total) std::printf("    %-48s %9.3f ms %6ld calls\n", name.c_str(), a.s * 1e3, a.n);
+}
+}  // namespace kprof
 
 namespace {
 
@@ -234,6 +312,10 @@ void bench_ssd(int reps, const std::vector<SSDVariant>& variants) {
       ssd_backward<T>(s, in, dy, View4<const float>(), g);
     });
     record(nfb, "time", t_fb * 1e3, "ms");
+    if (g_profile) {
+      kprof::report(nf, [&] { ssd_forward<T>(s, in, y, View4<float>()); });
+      kprof::report("ssd bwd " + var.name, [&] { ssd_backward<T>(s, in, dy, View4<const float>(), g); });
+    }
     Kokkos::fence();
     if (vi == 0) {
       y0 = host(y);
@@ -310,6 +392,7 @@ void bench_lm(index_t batch, index_t seqlen, int reps, int cp_size, parallel::Ba
     record(name, "peak device memory", mem.peak_gib(), "GiB");
   }
   record(name, "time", t * 1e3, "ms");
+  if (g_profile) kprof::report(name, one);
   record(name, "throughput", double(batch * seqlen) / t / 1e3, "k tokens/s");
   const double flops = 6.0 * double(lm.params().count()) * double(batch * seqlen);
   record(name, "model FLOP rate (6 N T)", flops / t / 1e12, "TFLOP/s");
@@ -363,6 +446,7 @@ int run(int argc, char** argv, int cp_size, int rank) {
     else if (a == "--lm-seqlen") lm_seqlen = std::stoll(next());
     else if (a == "--cp") next();
     else if (a == "--ssd") ssd_list = next();
+    else if (a == "--profile") g_profile = true;
     else if (a == "--lm-ssd") lm_ssd = next();
     else if (a == "--backend") {
       const std::string b = next();
@@ -383,6 +467,7 @@ int run(int argc, char** argv, int cp_size, int rank) {
     std::stringstream ss(only);
     for (std::string w; std::getline(ss, w, ',');) want.insert(w);
   }
+  if (g_profile) kprof::install();
   if (rank == 0) std::printf("mambamoe_bench on %s, gemm backend %s\n", Exec::name(), gemm_backend_name());
   try {
     if (want.count("copy")) bench_copy(reps);

@@ -110,8 +110,22 @@ LayerMem mem_mamba2(const Mamba2Config& c, const Dims& d, Recompute pol) {
   const double ctx = d.a * 2 * H * d.n + states + d.a * d.b * nc * G * Q * Q;
   m.fwd_extra = ctx;
   const double grads = d.n * d.t * (2 * E + din + C);  // dyn, dy, dzxbcdt, dxbc
-  const double scan_bwd = ctx + states + 2 * d.a * d.n * H * N + d.a * d.b * nc * H * 3;
   const double conv_bwd = d.a * d.n * C;
+  SSDShape shape;
+  shape.algo = c.ssd_algo;
+  if (ssd_resolved_algo(shape) == SSDAlgo::gemm) {
+    // ssd.cpp's GEMM formulation: xw (n, H P), Q x Q workspaces for hb heads at a time (kQQBudget = 256 MiB each),
+    // and in the backward a second workspace, dstates, dBh, dCh, the partial sums, six per-token sums and B dH^T
+    // of the block's heads. No team scratch.
+    const double per_head = d.a * d.b * nc * Q * Q;
+    const double hb = std::max(1.0, std::min(H, std::floor(double(256ull << 20) / std::max(per_head, 1.0))));
+    m.fwd_extra = ctx + d.a * d.n * E + hb * per_head;
+    const double scan_bwd = ctx + d.a * d.n * E + 2 * hb * per_head + states + 2 * d.a * d.n * H * N +
+                            d.a * d.b * nc * H * 3 + 6 * d.a * hb * d.n + d.a * d.n * hb * P;
+    m.bwd_extra = grads + std::max(scan_bwd, conv_bwd);
+    return m;
+  }
+  const double scan_bwd = ctx + states + 2 * d.a * d.n * H * N + d.a * d.b * nc * H * 3;
   m.bwd_extra = grads + std::max(scan_bwd, conv_bwd);
   // ssd::chunk_bwd: 3 Q x Q tiles in level-1 scratch (+ the dL/dH tile when it does not fit on chip)
   const double dh = d.a * P * (N + 1);

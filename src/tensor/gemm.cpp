@@ -2,6 +2,8 @@
 
 #include "core/error.hpp"
 
+#include <Kokkos_Profiling_ScopedRegion.hpp>
+
 #if defined(KOKKOS_ENABLE_CUDA)
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -69,6 +71,7 @@ void gemm_cublas(Trans ta, Trans tb, S alpha, GemmIn<T> A, GemmIn<T> B, S beta, 
   const Shape s = check_shapes(ta, tb, A, B, C);
   if (s.m == 0 || s.n == 0) return;
   require(s.m < (1ll << 31) && s.n < (1ll << 31) && s.k < (1ll << 31), "gemm", "dimension exceeds int32");
+  Kokkos::Profiling::ScopedRegion region("gemm::cublas");
   check(cublasGemmEx(handle(), op(tb), op(ta), int(s.n), int(s.m), int(s.k), &alpha, B.data(), dtype,
                      int(B.stride(0)), A.data(), dtype, int(A.stride(0)), &beta, C.data(), dtype, int(C.stride(0)),
                      compute, CUBLAS_GEMM_DEFAULT),
@@ -83,6 +86,7 @@ void batched_cublas(Trans ta, Trans tb, index_t m, index_t n, index_t k, T alpha
   require(m < (1ll << 31) && n < (1ll << 31) && k < (1ll << 31) && lda < (1ll << 31) && ldb < (1ll << 31) &&
               ldc < (1ll << 31) && count < (1ll << 31),
           "gemm_strided_batched", "dimension exceeds int32");
+  Kokkos::Profiling::ScopedRegion region("gemm::cublas_strided_batched");
   check(cublasGemmStridedBatchedEx(handle(), op(tb), op(ta), int(n), int(m), int(k), &alpha, B, dtype, int(ldb),
                                    (long long)sB, A, dtype, int(lda), (long long)sA, &beta, C, dtype, int(ldc),
                                    (long long)sC, int(count), compute, CUBLAS_GEMM_DEFAULT),
@@ -118,6 +122,7 @@ void gemm_kokkosblas(Trans ta, Trans tb, T alpha, GemmIn<T> A, GemmIn<T> B, T be
     par_for("gemm::scale_k0", s.m, s.n, KOKKOS_LAMBDA(index_t i, index_t j) { C(i, j) *= beta; });
     return;
   }
+  Kokkos::Profiling::ScopedRegion region("gemm::kokkosblas");
   KokkosBlas::gemm(ta == Trans::N ? "N" : "T", tb == Trans::N ? "N" : "T", alpha, A, B, beta, C);
 }
 

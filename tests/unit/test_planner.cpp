@@ -196,6 +196,11 @@ TEST_CASE("planner: activation estimate equals the peak the real training step a
     x.n_layer = 3;
     models.push_back(x);
   }
+  {
+    PlanModel x = models.back();  // the same with the SSD's GEMM formulation (the CUDA default)
+    x.mixer.ssd_algo = mm::SSDAlgo::gemm;
+    models.push_back(x);
+  }
   models.push_back(small_mixed());
   // each kind alone (its own peak), and MoE with a capacity-free router, jitter and an expert recompute flag
   for (const char* pat : {"M1 M1", "M3 M3", "E E", "D D", "M2 E"}) {

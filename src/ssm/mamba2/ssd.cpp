@@ -350,12 +350,18 @@ template <class T>
 void gemm_states_and_cb(const Ctx<T>& c, const GemmCtx<T>& g, GemmCompute cmp, const View4<const T>& init,
                         const View4<T>& final_state) {
   const auto xw = g.xw;
-  par_for("ssd::state_weights", c.Bsz * c.L, g.HP, KOKKOS_LAMBDA(index_t r, index_t hp) {
-    const index_t b = r / c.L, t = r % c.L, h = hp / c.Pd;
+  // one team per token row, lanes over (head, p): coalesced, no 64-bit index division per element
+  par_for_team_vec("ssd::state_weights", c.Bsz * c.L, kTeam, kVector, KOKKOS_LAMBDA(const Team& tm) {
+    const index_t r = tm.league_rank(), b = r / c.L, t = r % c.L;
     const index_t last = c.chunk_end(t / c.Q) - 1;
-    const T e = exp_nonpos(c.acs(b, h, last) - c.acs(b, h, t));
-    const T w = (c.rec(b, t) != c.rec(b, last) || e < T(kNegligibleDecay)) ? T(0) : e * c.delta(b, h, t);
-    xw(r, hp) = w * c.xbc(r, c.x_col + hp);
+    const bool same = c.rec(b, t) == c.rec(b, last);
+    const int Pd = int(c.Pd);
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, int(g.HP)), [&](int hp) {
+      const int h = hp / Pd;
+      const T e = exp_nonpos(c.acs(b, h, last) - c.acs(b, h, t));
+      const T w = (!same || e < T(kNegligibleDecay)) ? T(0) : e * c.delta(b, h, t);
+      xw(r, hp) = w * c.xbc(r, c.x_col + hp);
+    });
   });
   const T* X = c.xbc.data();
   const index_t PN = c.Pd * c.N;
@@ -392,24 +398,38 @@ void ssd_forward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, co
     chunk_gemm<T>(c, cmp, Trans::N, Trans::T, kQ, c.Pd, c.N, T(1), tok(X + c.c_col + grp * c.N, g.ldx),
                   blk<const T*>(c.states.data() + h * PN, c.N, c.H * PN), T(0), tok(y.data() + h * c.Pd, ldy));
   }
-  par_for("ssd::out_scale", c.Bsz * c.L, g.HP, KOKKOS_LAMBDA(index_t r, index_t hp) {
-    const index_t b = r / c.L, t = r % c.L, h = hp / c.Pd;
-    y(r, hp) = e_in_of(c, b, h, t) * y(r, hp) + c.D(h) * c.xbc(r, c.x_col + hp);
+  par_for_team_vec("ssd::out_scale", c.Bsz * c.L, kTeam, kVector, KOKKOS_LAMBDA(const Team& tm) {
+    const index_t r = tm.league_rank(), b = r / c.L, t = r % c.L;
+    const int Pd = int(c.Pd);
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, int(c.H * c.Pd)), [&](int hp) {
+      const int h = hp / Pd;
+      y(r, hp) = e_in_of(c, b, index_t(h), t) * y(r, hp) + c.D(h) * c.xbc(r, c.x_col + hp);
+    });
   });
   // intra-chunk outputs M X, a block of heads at a time
   const auto w1 = g.w1;
   const index_t nbc = c.Bsz * c.nc, QQ = c.Q * c.Q;
   for (index_t blk0 = 0; blk0 < c.H; blk0 += g.hb) {
     const index_t nh = std::min(g.hb, c.H - blk0);
-    par_for("ssd::decay_matrix", nh * nbc * c.Q, c.Q, KOKKOS_LAMBDA(index_t hjl, index_t is) {
-      const index_t il = hjl % c.Q, j = (hjl / c.Q) % nbc, hi = hjl / (c.Q * nbc);
-      const index_t h = blk0 + hi, b = j / c.nc, ch = j % c.nc, t0 = ch * c.Q, q = c.chunk_end(ch) - t0;
-      T v = 0;
-      if (il < q && is <= il && c.rec(b, t0 + il) == c.rec(b, t0 + is)) {
-        const T e = exp_nonpos(c.acs(b, h, t0 + il) - c.acs(b, h, t0 + is));
-        if (e >= T(kNegligibleDecay)) v = c.cb(b, ch, h / c.hpg, il, is) * e * c.delta(b, h, t0 + is);
-      }
-      w1(hi, j, il, is) = v;
+    par_for_team_vec("ssd::decay_matrix", nh * nbc, kTeam, kVector, KOKKOS_LAMBDA(const Team& tm) {
+      const index_t hj = tm.league_rank(), j = hj % nbc, hi = hj / nbc, h = blk0 + hi;
+      const index_t b = j / c.nc, ch = j % c.nc, t0 = ch * c.Q, q = c.chunk_end(ch) - t0;
+      const int Q = int(c.Q);
+      const T* CB = &c.cb(b, ch, h / c.hpg, 0, 0);
+      T* W = &w1(hi, j, 0, 0);
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, Q), [&](int il) {
+        const bool row = il < q;
+        const int r_l = row ? c.rec(b, t0 + il) : 0;
+        const T acs_l = row ? c.acs(b, h, t0 + il) : T(0);
+        Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, Q), [&](int is) {
+          T v = 0;
+          if (row && is <= il && c.rec(b, t0 + is) == r_l) {
+            const T e = exp_nonpos(acs_l - c.acs(b, h, t0 + is));
+            if (e >= T(kNegligibleDecay)) v = CB[il * Q + is] * e * c.delta(b, h, t0 + is);
+          }
+          W[il * Q + is] = v;
+        });
+      });
     });
     for (index_t hi = 0; hi < nh; ++hi) {
       const index_t h = blk0 + hi;
@@ -431,8 +451,12 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
 
   // dL/dS_in from each chunk's own outputs: (diag(e_in) dY)^T C (xw is free again: it holds e_in dY)
   const auto dye = g.xw;
-  par_for("ssd::dy_scaled", nr, g.HP, KOKKOS_LAMBDA(index_t r, index_t hp) {
-    dye(r, hp) = e_in_of(c, r / c.L, hp / c.Pd, r % c.L) * dy(r, hp);
+  par_for_team_vec("ssd::dy_scaled", nr, kTeam, kVector, KOKKOS_LAMBDA(const Team& tm) {
+    const index_t r = tm.league_rank(), b = r / c.L, t = r % c.L;
+    const int Pd = int(c.Pd);
+    Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, int(c.H * c.Pd)), [&](int hp) {
+      dye(r, hp) = e_in_of(c, b, index_t(hp / Pd), t) * dy(r, hp);
+    });
   });
   View5<T> dstates = make_uninit<View5<T>>("ssd::dstates", c.Bsz, c.nc, c.H, c.Pd, c.N);
   for (index_t h = 0; h < c.H; ++h) {
@@ -463,26 +487,30 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
                     tok(X + c.x_col + h * c.Pd, g.ldx), T(0), blk(w1.data() + hi * nbc * QQ, c.Q, QQ));
     }
     // column sums over l >= s (one thread per source token; rows of the workspace are read coalesced)
-    par_for("ssd::bwd_colsums", nh * nbc, c.Q, KOKKOS_LAMBDA(index_t hj, index_t is) {
-      const index_t j = hj % nbc, hi = hj / nbc, h = blk0 + hi, b = j / c.nc, ch = j % c.nc, t0 = ch * c.Q;
-      const index_t q = c.chunk_end(ch) - t0;
-      if (is >= q) return;
-      const index_t ts = t0 + is, grp = h / c.hpg;
-      const int r_s = c.rec(b, ts);
-      const T acs_s = c.acs(b, h, ts);
-      T dd = 0, out = 0;
-      for (index_t il = is; il < q; ++il) {
-        if (c.rec(b, t0 + il) != r_s) break;  // records are contiguous runs
-        const T e = exp_nonpos(c.acs(b, h, t0 + il) - acs_s);
-        if (e < T(kNegligibleDecay)) break;  // decays only shrink with distance
-        const T kd = e * c.cb(b, ch, grp, il, is) * w1(hi, j, il, is);
-        dd += kd;
-        if (il > is) out += kd;
-      }
-      const index_t r = b * c.L + ts;
-      v(hi, r, 0) = dd;
-      v(hi, r, 1) = c.delta(b, h, ts) * out;
-      v(hi, r, 3) = w1(hi, j, is, is);
+    par_for_team_vec("ssd::bwd_colsums", nh * nbc, kTeam, kVector, KOKKOS_LAMBDA(const Team& tm) {
+      const index_t hj = tm.league_rank(), j = hj % nbc, hi = hj / nbc, h = blk0 + hi;
+      const index_t b = j / c.nc, ch = j % c.nc, t0 = ch * c.Q, grp = h / c.hpg;
+      const int q = int(c.chunk_end(ch) - t0), Q = int(c.Q);
+      const T* W = &w1(hi, j, 0, 0);
+      const T* CB = &c.cb(b, ch, grp, 0, 0);
+      Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, q), [&](int is) {
+        const index_t ts = t0 + is;
+        const int r_s = c.rec(b, ts);
+        const T acs_s = c.acs(b, h, ts);
+        T dd = 0, out = 0;
+        for (int il = is; il < q; ++il) {
+          if (c.rec(b, t0 + il) != r_s) break;  // records are contiguous runs
+          const T e = exp_nonpos(c.acs(b, h, t0 + il) - acs_s);
+          if (e < T(kNegligibleDecay)) break;  // decays only shrink with distance
+          const T kd = e * CB[il * Q + is] * W[il * Q + is];
+          dd += kd;
+          if (il > is) out += kd;
+        }
+        const index_t r = b * c.L + ts;
+        v(hi, r, 0) = dd;
+        v(hi, r, 1) = c.delta(b, h, ts) * out;
+        v(hi, r, 3) = W[is * Q + is];
+      });
     });
     // rows: w1 <- M (masked, Delta_s), w2 <- dCB; the incoming sum of each output token
     par_for_team_vec(
@@ -531,34 +559,39 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
                     tok(dCh.data() + h * c.N, c.H * c.N));
     }
     // per token: finish dx, scale the state parts of dB and dC, and the decay sums w_inter and dd_state
+    const index_t rows_per_team = kTeam, nrt = (nr + rows_per_team - 1) / rows_per_team;
     par_for_team_vec(
-        "ssd::bwd_token_epilogue", nh * nr, 1, kVector, KOKKOS_LAMBDA(const Team& tm) {
-          const index_t hr = tm.league_rank(), r = hr % nr, hi = hr / nr, h = blk0 + hi;
-          const index_t b = r / c.L, t = r % c.L, last = c.chunk_end(t / c.Q) - 1, grp = h / c.hpg;
-          T es = c.rec(b, t) == c.rec(b, last) ? exp_nonpos(c.acs(b, h, last) - c.acs(b, h, t)) : T(0);
-          es = es < T(kNegligibleDecay) ? T(0) : es;
-          const T dlt = c.delta(b, h, t), ein = e_in_of(c, b, h, t), Dh = c.D(h);
-          T dds = 0, winter = 0;
-          Kokkos::parallel_reduce(
-              Kokkos::TeamVectorRange(tm, c.Pd),
-              [&](index_t p, T& acc) {
-                const T bdh = t1(r, hi * c.Pd + p);
-                acc += c.xbc(r, c.x_col + h * c.Pd + p) * bdh;
-                dxbc(r, c.x_col + h * c.Pd + p) += Dh * dy(r, h * c.Pd + p) + dlt * es * bdh;
-              },
-              dds);
-          Kokkos::parallel_reduce(
-              Kokkos::TeamVectorRange(tm, c.N),
-              [&](index_t n, T& acc) {
-                dBh(r, h, n) *= dlt * es;
-                const T inter = ein * dCh(r, h, n);
-                dCh(r, h, n) = inter;
-                acc += inter * c.xbc(r, c.c_col + grp * c.N + n);
-              },
-              winter);
-          Kokkos::single(Kokkos::PerTeam(tm), [&]() {
-            v(hi, r, 4) = winter;
-            v(hi, r, 5) = es * dds;
+        "ssd::bwd_token_epilogue", nh * nrt, kTeam, kVector, KOKKOS_LAMBDA(const Team& tm) {
+          const index_t hr = tm.league_rank(), hi = hr / nrt, h = blk0 + hi, r0 = (hr % nrt) * rows_per_team;
+          const index_t grp = h / c.hpg;
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, std::min(rows_per_team, nr - r0)), [&](index_t ri) {
+            const index_t r = r0 + ri;
+            const index_t b = r / c.L, t = r % c.L, last = c.chunk_end(t / c.Q) - 1;
+            T es = c.rec(b, t) == c.rec(b, last) ? exp_nonpos(c.acs(b, h, last) - c.acs(b, h, t)) : T(0);
+            es = es < T(kNegligibleDecay) ? T(0) : es;
+            const T dlt = c.delta(b, h, t), ein = e_in_of(c, b, h, t), Dh = c.D(h);
+            T dds = 0, winter = 0;
+            Kokkos::parallel_reduce(
+                Kokkos::ThreadVectorRange(tm, c.Pd),
+                [&](index_t p, T& acc) {
+                  const T bdh = t1(r, hi * c.Pd + p);
+                  acc += c.xbc(r, c.x_col + h * c.Pd + p) * bdh;
+                  dxbc(r, c.x_col + h * c.Pd + p) += Dh * dy(r, h * c.Pd + p) + dlt * es * bdh;
+                },
+                dds);
+            Kokkos::parallel_reduce(
+                Kokkos::ThreadVectorRange(tm, c.N),
+                [&](index_t n, T& acc) {
+                  dBh(r, h, n) *= dlt * es;
+                  const T inter = ein * dCh(r, h, n);
+                  dCh(r, h, n) = inter;
+                  acc += inter * c.xbc(r, c.c_col + grp * c.N + n);
+                },
+                winter);
+            Kokkos::single(Kokkos::PerThread(tm), [&]() {
+              v(hi, r, 4) = winter;
+              v(hi, r, 5) = es * dds;
+            });
           });
         });
     // the dCB parts of dC and dB
@@ -570,11 +603,15 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
       chunk_gemm<T>(c, cmp, Trans::T, Trans::N, kQ, c.N, kQ, T(1), W2, tok(X + c.c_col + grp * c.N, g.ldx), T(1),
                     tok(dBh.data() + h * c.N, c.H * c.N));
     }
-    // dAcs per token, its reverse cumsum da, dDelta, d(raw dt) and the per-(b, c, h) partial sums
+    // dAcs per token, its reverse cumsum da, dDelta, d(raw dt) and the per-(b, c, h) partial sums: the per-token
+    // terms in parallel into team scratch, then one serial pass for the reverse cumsum.
     par_for_team_vec(
-        "ssd::bwd_dacs", nh * nbc, 1, kVector, KOKKOS_LAMBDA(const Team& tm) {
+        "ssd::bwd_dacs", nh * nbc, kTeam, kVector,
+        KOKKOS_LAMBDA(const Team& tm) {
           const index_t hj = tm.league_rank(), j = hj % nbc, hi = hj / nbc, h = blk0 + hi;
           const index_t b = j / c.nc, ch = j % c.nc, t0 = ch * c.Q, q = c.chunk_end(ch) - t0, last = t0 + q - 1;
+          Scratch1<T> dacs(tm.team_scratch(0), c.Q), base(tm.team_scratch(0), c.Q), dsp(tm.team_scratch(0), c.Q),
+              dlt(tm.team_scratch(0), c.Q), ddot(tm.team_scratch(0), c.Q), du(tm.team_scratch(0), c.Q);
           const T* dH = &dstates(b, ch, h, 0, 0);
           const T* Sin = &c.states(b, ch, h, 0, 0);
           T wdecay = 0;
@@ -586,31 +623,40 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
           T wstate_total = 0;
           Kokkos::parallel_reduce(
               Kokkos::TeamVectorRange(tm, q),
-              [&](index_t il, T& acc) { acc += c.delta(b, h, t0 + il) * v(hi, b * c.L + t0 + il, 5); }, wstate_total);
+              [&](index_t il, T& acc) {
+                const index_t t = t0 + il, r = b * c.L + t;
+                const T d = c.delta(b, h, t), wstate = d * v(hi, r, 5);
+                acc += wstate;
+                dacs(il) = v(hi, r, 2) + v(hi, r, 4) - v(hi, r, 1) - wstate;
+                base(il) = v(hi, r, 0) + v(hi, r, 5);
+                dlt(il) = d;
+                ddot(il) = v(hi, r, 3);
+                const T u = c.dt(r, c.dt_col + h) + c.dt_bias(h);
+                const T sp = softplus(u);
+                dsp(il) = (sp >= c.dt_lo && sp <= c.dt_hi) ? dsoftplus(u) : T(0);
+              },
+              wstate_total);
+          tm.team_barrier();
           Kokkos::single(Kokkos::PerTeam(tm), [&]() {
             const T A = c.A(h);
             T run = 0, dA = 0, dbias = 0, dD = 0;
             for (index_t il = q - 1; il >= 0; --il) {
-              const index_t t = t0 + il, r = b * c.L + t;
-              const T dlt = c.delta(b, h, t);
-              const T wstate = dlt * v(hi, r, 5);
-              T dacs = v(hi, r, 2) + v(hi, r, 4) - v(hi, r, 1) - wstate;
-              if (il == q - 1) dacs += wstate_total + wdecay;
-              run += dacs;
-              const T ddel = v(hi, r, 0) + v(hi, r, 5) + run * A;
-              const T u = c.dt(r, c.dt_col + h) + c.dt_bias(h);
-              const T sp = softplus(u);
-              const T du = (sp >= c.dt_lo && sp <= c.dt_hi) ? ddel * dsoftplus(u) : T(0);
-              ddt(r, c.dt_col + h) = du;
-              dA += run * dlt;
-              dbias += du;
-              dD += v(hi, r, 3);
+              run += dacs(il) + (il == q - 1 ? wstate_total + wdecay : T(0));
+              const T g = (base(il) + run * A) * dsp(il);
+              du(il) = g;
+              dA += run * dlt(il);
+              dbias += g;
+              dD += ddot(il);
             }
             partial(b, ch, h, 0) = dA;
             partial(b, ch, h, 1) = dbias;
             partial(b, ch, h, 2) = dD;
           });
-        });
+          tm.team_barrier();
+          Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, q),
+                               [&](index_t il) { ddt(b * c.L + t0 + il, c.dt_col + h) = du(il); });
+        },
+        6 * Scratch1<T>::shmem_size(c.Q), 0, 0);
   }
   group_param_reduce(c, dBh, dCh, partial, gr);
 }
