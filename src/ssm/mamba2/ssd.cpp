@@ -559,12 +559,15 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
                     tok(dCh.data() + h * c.N, c.H * c.N));
     }
     // per token: finish dx, scale the state parts of dB and dC, and the decay sums w_inter and dd_state
-    const index_t rows_per_team = kTeam, nrt = (nr + rows_per_team - 1) / rows_per_team;
+    // (kTeam itself in the lambda: a local constant read through std::min's reference would be odr-used and
+    // not captured, which reads host stack memory on the device)
+    const index_t nrt = (nr + kTeam - 1) / kTeam;
     par_for_team_vec(
         "ssd::bwd_token_epilogue", nh * nrt, kTeam, kVector, KOKKOS_LAMBDA(const Team& tm) {
-          const index_t hr = tm.league_rank(), hi = hr / nrt, h = blk0 + hi, r0 = (hr % nrt) * rows_per_team;
+          const index_t hr = tm.league_rank(), hi = hr / nrt, h = blk0 + hi, r0 = (hr % nrt) * kTeam;
+          const index_t nrows = nr - r0 < index_t(kTeam) ? nr - r0 : index_t(kTeam);
           const index_t grp = h / c.hpg;
-          Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, std::min(rows_per_team, nr - r0)), [&](index_t ri) {
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, nrows), [&](index_t ri) {
             const index_t r = r0 + ri;
             const index_t b = r / c.L, t = r % c.L, last = c.chunk_end(t / c.Q) - 1;
             T es = c.rec(b, t) == c.rec(b, last) ? exp_nonpos(c.acs(b, h, last) - c.acs(b, h, t)) : T(0);
