@@ -193,14 +193,20 @@ template <class T>
 void state_passing(const Ctx<T>& c, const View4<const acc_t<T>>& init, const View4<acc_t<T>>& final_state) {
   using P = acc_t<T>;
   const bool has_init = init.extent(0) > 0, has_final = final_state.extent(0) > 0;
+  // Each lane walks its (p, n) element through the chunks; the next chunk's value is loaded before the current one
+  // is stored, so the loads of the chain do not wait for the stores (they are different elements).
+  const index_t cstride = c.H * c.Pd * c.N;
   par_for("ssd::state_passing", c.Bsz * c.H, c.Pd * c.N, KOKKOS_LAMBDA(index_t bh, index_t pn) {
     const index_t b = bh / c.H, h = bh % c.H, p = pn / c.N, n = pn % c.N;
+    P* st = &c.states(b, 0, h, p, n);
     P H = has_init ? init(b, h, p, n) : P(0);
+    P next = st[0];
     for (index_t ch = 0; ch < c.nc; ++ch) {
       const index_t last = c.chunk_end(ch) - 1;
-      const P local = c.states(b, ch, h, p, n);
-      c.states(b, ch, h, p, n) = H;
+      const P local = next;
+      if (ch + 1 < c.nc) next = st[(ch + 1) * cstride];
       const P decay = c.rec(b, last) == c.rec_in(b, ch) ? exp_nonpos(c.acs(b, h, last)) : P(0);
+      st[ch * cstride] = H;
       H = decay * H + local;
     }
     if (has_final) final_state(b, h, p, n) = H;
@@ -214,17 +220,44 @@ void state_passing_bwd(const Ctx<T>& c, const View5<acc_t<T>>& dstates, const Vi
                        const View4<acc_t<T>>& dinit) {
   using P = acc_t<T>;
   const bool has_dfinal = dfinal_state.extent(0) > 0, has_dinit = dinit.extent(0) > 0;
+  const index_t cstride = c.H * c.Pd * c.N;  // as in state_passing: the next value is loaded before the store
   par_for("ssd::state_passing_bwd", c.Bsz * c.H, c.Pd * c.N, KOKKOS_LAMBDA(index_t bh, index_t pn) {
     const index_t b = bh / c.H, h = bh % c.H, p = pn / c.N, n = pn % c.N;
+    P* st = &dstates(b, 0, h, p, n);
     P dH = has_dfinal ? dfinal_state(b, h, p, n) : P(0);
+    P next = st[(c.nc - 1) * cstride];
     for (index_t ch = c.nc - 1; ch >= 0; --ch) {
       const index_t last = c.chunk_end(ch) - 1;
-      const P from_outputs = dstates(b, ch, h, p, n);
-      dstates(b, ch, h, p, n) = dH;
+      const P from_outputs = next;
+      if (ch > 0) next = st[(ch - 1) * cstride];
       const P decay = c.rec(b, last) == c.rec_in(b, ch) ? exp_nonpos(c.acs(b, h, last)) : P(0);
+      st[ch * cstride] = dH;
       dH = from_outputs + decay * dH;
     }
     if (has_dinit) dinit(b, h, p, n) = dH;
+  });
+}
+
+// The per-(b, c, h) partial sums of dA, d dt_bias, dD summed over (batch, chunk) in order into the parameter
+// gradients.
+template <class T>
+void param_reduce(const Ctx<T>& c, const View4<acc_t<T>>& partial, const SSDGrad<T>& gr) {
+  using P = acc_t<T>;
+  // Per-head parameter gradients, summed over (batch, chunk) in order.
+  const auto dA_log = gr.dA_log;
+  const auto ddt_bias = gr.ddt_bias;
+  const auto dD = gr.dD;
+  par_for("ssd::param_reduce", c.H, KOKKOS_LAMBDA(index_t h) {
+    P sa = 0, sb = 0, sd = 0;
+    for (index_t b = 0; b < c.Bsz; ++b)
+      for (index_t ch = 0; ch < c.nc; ++ch) {
+        sa += partial(b, ch, h, 0);
+        sb += partial(b, ch, h, 1);
+        sd += partial(b, ch, h, 2);
+      }
+    dA_log(h) += sa * c.A(h);  // dA/dA_log = A
+    ddt_bias(h) += sb;
+    dD(h) += sd;
   });
 }
 
@@ -246,22 +279,7 @@ void group_param_reduce(const Ctx<T>& c, const View3<acc_t<T>>& dBh, const View3
     dxbc(r, c.b_col + g * c.N + n) = static_cast<T>(sb);
     dxbc(r, c.c_col + g * c.N + n) = static_cast<T>(sc);
   });
-  // Per-head parameter gradients, summed over (batch, chunk) in order.
-  const auto dA_log = gr.dA_log;
-  const auto ddt_bias = gr.ddt_bias;
-  const auto dD = gr.dD;
-  par_for("ssd::param_reduce", c.H, KOKKOS_LAMBDA(index_t h) {
-    P sa = 0, sb = 0, sd = 0;
-    for (index_t b = 0; b < c.Bsz; ++b)
-      for (index_t ch = 0; ch < c.nc; ++ch) {
-        sa += partial(b, ch, h, 0);
-        sb += partial(b, ch, h, 1);
-        sd += partial(b, ch, h, 2);
-      }
-    dA_log(h) += sa * c.A(h);  // dA/dA_log = A
-    ddt_bias(h) += sb;
-    dD(h) += sd;
-  });
+  param_reduce(c, partial, gr);
 }
 
 // ------------------------------------------------------------------ the GEMM formulation (SSDAlgo::gemm)
@@ -272,7 +290,8 @@ void group_param_reduce(const Ctx<T>& c, const View3<acc_t<T>>& dBh, const View3
 //   e_in(l)  = [rec(l) == rec_in, cutoff] exp(a_l),   es(s) = [rec(s) == rec(last), cutoff] exp(a_last - a_s)
 //   forward:  S_loc = sum_s es(s) Delta_s x_s B_s^T,  y = e_in . (C S_in^T) + M X + D x
 //   backward: DX = dY X^T; dX = M^T dY + diag(Delta es) B dH^T + D dY; dCB = DX o E Delta_s;
-//             dC = dCB B + diag(e_in) dY S_in; dB = dCB^T C + diag(Delta es) X dH;
+//             dC = dCB B + diag(e_in) dY S_in; dB = dCB^T C + diag(Delta es) X dH (both accumulated over the
+//             heads of a group by the GEMMs, straight into the gradient columns);
 //             dS_in(local) = (diag(e_in) dY)^T C, then the reverse state passing gives dH per chunk.
 // Every product above is a batched GEMM over the chunks of one head (chunk_gemm), and the Q x Q matrices of a
 // block of heads live in a workspace of at most kQQBudget bytes each.
@@ -449,8 +468,8 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
   const T* X = c.xbc.data();
   const index_t PN = c.Pd * c.N, ldy = index_t(dy.stride(0)), nbc = c.Bsz * c.nc, QQ = c.Q * c.Q, nr = c.Bsz * c.L;
 
-  // dL/dS_in from each chunk's own outputs: (diag(e_in) dY)^T C (xw is free again: it holds e_in dY)
-  const auto dye = g.xw;
+  // dL/dS_in from each chunk's own outputs: (diag(e_in) dY)^T C; xw (es Delta x) stays for dB's state term
+  View2<T> dye = make_uninit<View2<T>>("ssd::dye", nr, g.HP);
   par_for_team_vec("ssd::dy_scaled", nr, kTeam, kVector, KOKKOS_LAMBDA(const Team& tm) {
     const index_t r = tm.league_rank(), b = r / c.L, t = r % c.L;
     const int Pd = int(c.Pd);
@@ -466,14 +485,13 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
   }
   state_passing_bwd(c, dstates, dfinal_state, gr.dinit_state);
 
-  View3<T> dBh = make_uninit<View3<T>>("ssd::dBh", nr, c.H, c.N);
-  View3<T> dCh = make_uninit<View3<T>>("ssd::dCh", nr, c.H, c.N);
   View4<T> partial = make_uninit<View4<T>>("ssd::partial", c.Bsz, c.nc, c.H, 3);
   // Per-token sums of a block of heads: 0 dd = sum_{l>=s} K DX, 1 out = Delta_s sum_{l>s} K DX,
   // 2 in = sum_{s<l} Delta_s K DX, 3 ddot = dy_l . x_l, 4 w_inter, 5 dd_state (K = E (C.B)).
   View3<T> v = make_uninit<View3<T>>("ssd::token_sums", g.hb, nr, 6);
   View2<T> t1 = make_uninit<View2<T>>("ssd::bdh", nr, g.hb * c.Pd);  // B_s dH^T of each head of the block
-  const auto w1 = g.w1, w2 = g.w2;
+  View2<T> t2 = make_uninit<View2<T>>("ssd::csin", nr, g.hb * c.Pd);  // C_l S_in^T of each head of the block
+  const auto w1 = g.w1, w2 = g.w2, xw = g.xw;
   const auto dxbc = gr.dxbc;
   const auto ddt = gr.ddt;
   const index_t ldd = index_t(dxbc.stride(0)), ldt1 = g.hb * c.Pd;
@@ -549,16 +567,25 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
                               Bg = tok(X + c.b_col + grp * c.N, g.ldx);
       const ChunkOp<const T*> dHh = blk<const T*>(dstates.data() + h * PN, c.N, c.H * PN),
                               Sh = blk<const T*>(c.states.data() + h * PN, c.N, c.H * PN);
-      // dX = M^T dY (the rest added below), B dH^T, X dH (into dB), dY S_in (into dC)
+      // dX = M^T dY (the rest added below), B dH^T and C S_in^T (for the per-token decay sums)
       chunk_gemm<T>(c, cmp, Trans::T, Trans::N, kQ, c.Pd, kQ, T(1), blk<const T*>(w1.data() + hi * nbc * QQ, c.Q, QQ),
                     dYh, T(0), tok(dX + c.x_col + h * c.Pd, ldd));
       chunk_gemm<T>(c, cmp, Trans::N, Trans::T, kQ, c.Pd, c.N, T(1), Bg, dHh, T(0), tok(t1.data() + hi * c.Pd, ldt1));
-      chunk_gemm<T>(c, cmp, Trans::N, Trans::N, kQ, c.N, c.Pd, T(1), Xh, dHh, T(0),
-                    tok(dBh.data() + h * c.N, c.H * c.N));
-      chunk_gemm<T>(c, cmp, Trans::N, Trans::N, kQ, c.N, c.Pd, T(1), dYh, Sh, T(0),
-                    tok(dCh.data() + h * c.N, c.H * c.N));
+      chunk_gemm<T>(c, cmp, Trans::N, Trans::T, kQ, c.Pd, c.N, T(1), tok(X + c.c_col + grp * c.N, g.ldx), Sh, T(0),
+                    tok(t2.data() + hi * c.Pd, ldt1));
+      // dB and dC of the group, accumulated over its heads straight into the gradient columns (the group's first
+      // head overwrites): dB += (es Delta X) dH + dCB^T C, dC += (e_in dY) S_in + dCB B
+      const T beta0 = h % c.hpg == 0 ? T(0) : T(1);
+      const ChunkOp<const T*> W2 = blk<const T*>(w2.data() + hi * nbc * QQ, c.Q, QQ);
+      const ChunkOp<T*> dBg = tok(dX + c.b_col + grp * c.N, ldd), dCg = tok(dX + c.c_col + grp * c.N, ldd);
+      chunk_gemm<T>(c, cmp, Trans::N, Trans::N, kQ, c.N, c.Pd, T(1), tok<const T*>(xw.data() + h * c.Pd, g.HP), dHh,
+                    beta0, dBg);
+      chunk_gemm<T>(c, cmp, Trans::T, Trans::N, kQ, c.N, kQ, T(1), W2, tok(X + c.c_col + grp * c.N, g.ldx), T(1), dBg);
+      chunk_gemm<T>(c, cmp, Trans::N, Trans::N, kQ, c.N, c.Pd, T(1), tok<const T*>(dye.data() + h * c.Pd, g.HP), Sh,
+                    beta0, dCg);
+      chunk_gemm<T>(c, cmp, Trans::N, Trans::N, kQ, c.N, kQ, T(1), W2, Bg, T(1), dCg);
     }
-    // per token: finish dx, scale the state parts of dB and dC, and the decay sums w_inter and dd_state
+    // per token: finish dx, and the decay sums w_inter = e_in dy . (C S_in^T) and dd_state = es x . (B dH^T)
     // (kTeam itself in the lambda: a local constant read through std::min's reference would be odr-used and
     // not captured, which reads host stack memory on the device)
     const index_t nrt = (nr + kTeam - 1) / kTeam;
@@ -566,13 +593,12 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
         "ssd::bwd_token_epilogue", nh * nrt, kTeam, kVector, KOKKOS_LAMBDA(const Team& tm) {
           const index_t hr = tm.league_rank(), hi = hr / nrt, h = blk0 + hi, r0 = (hr % nrt) * kTeam;
           const index_t nrows = nr - r0 < index_t(kTeam) ? nr - r0 : index_t(kTeam);
-          const index_t grp = h / c.hpg;
           Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, nrows), [&](index_t ri) {
             const index_t r = r0 + ri;
             const index_t b = r / c.L, t = r % c.L, last = c.chunk_end(t / c.Q) - 1;
             T es = c.rec(b, t) == c.rec(b, last) ? exp_nonpos(c.acs(b, h, last) - c.acs(b, h, t)) : T(0);
             es = es < T(kNegligibleDecay) ? T(0) : es;
-            const T dlt = c.delta(b, h, t), ein = e_in_of(c, b, h, t), Dh = c.D(h);
+            const T dlt = c.delta(b, h, t), Dh = c.D(h);
             T dds = 0, winter = 0;
             Kokkos::parallel_reduce(
                 Kokkos::ThreadVectorRange(tm, c.Pd),
@@ -583,29 +609,14 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
                 },
                 dds);
             Kokkos::parallel_reduce(
-                Kokkos::ThreadVectorRange(tm, c.N),
-                [&](index_t n, T& acc) {
-                  dBh(r, h, n) *= dlt * es;
-                  const T inter = ein * dCh(r, h, n);
-                  dCh(r, h, n) = inter;
-                  acc += inter * c.xbc(r, c.c_col + grp * c.N + n);
-                },
-                winter);
+                Kokkos::ThreadVectorRange(tm, c.Pd),
+                [&](index_t p, T& acc) { acc += dye(r, h * c.Pd + p) * t2(r, hi * c.Pd + p); }, winter);
             Kokkos::single(Kokkos::PerThread(tm), [&]() {
               v(hi, r, 4) = winter;
               v(hi, r, 5) = es * dds;
             });
           });
         });
-    // the dCB parts of dC and dB
-    for (index_t hi = 0; hi < nh; ++hi) {
-      const index_t h = blk0 + hi, grp = h / c.hpg;
-      const ChunkOp<const T*> W2 = blk<const T*>(w2.data() + hi * nbc * QQ, c.Q, QQ);
-      chunk_gemm<T>(c, cmp, Trans::N, Trans::N, kQ, c.N, kQ, T(1), W2, tok(X + c.b_col + grp * c.N, g.ldx), T(1),
-                    tok(dCh.data() + h * c.N, c.H * c.N));
-      chunk_gemm<T>(c, cmp, Trans::T, Trans::N, kQ, c.N, kQ, T(1), W2, tok(X + c.c_col + grp * c.N, g.ldx), T(1),
-                    tok(dBh.data() + h * c.N, c.H * c.N));
-    }
     // dAcs per token, its reverse cumsum da, dDelta, d(raw dt) and the per-(b, c, h) partial sums: the per-token
     // terms in parallel into team scratch, then one serial pass for the reverse cumsum.
     par_for_team_vec(
@@ -661,7 +672,7 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
         },
         6 * Scratch1<T>::shmem_size(c.Q), 0, 0);
   }
-  group_param_reduce(c, dBh, dCh, partial, gr);
+  param_reduce(c, partial, gr);
 }
 
 }  // namespace
