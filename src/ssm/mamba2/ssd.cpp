@@ -491,7 +491,8 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
   View3<T> v = make_uninit<View3<T>>("ssd::token_sums", g.hb, nr, 6);
   View2<T> t1 = make_uninit<View2<T>>("ssd::bdh", nr, g.hb * c.Pd);  // B_s dH^T of each head of the block
   View2<T> t2 = make_uninit<View2<T>>("ssd::csin", nr, g.hb * c.Pd);  // C_l S_in^T of each head of the block
-  const auto w1 = g.w1, w2 = g.w2, xw = g.xw;
+  const auto w1 = g.w1, w2 = g.w2;
+  const auto xw = g.xw;
   const auto dxbc = gr.dxbc;
   const auto ddt = gr.ddt;
   const index_t ldd = index_t(dxbc.stride(0)), ldt1 = g.hb * c.Pd;
