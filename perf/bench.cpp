@@ -3,6 +3,7 @@
 // around Kokkos::fence(); inputs are random (never zeros).
 //
 //   mambamoe_bench [--out DIR] [--only copy,gemm,ssd,lm] [--reps N] [--lm-batch B --lm-seqlen L] [--profile]
+//                  [--lm-window W]   (the LM's Mamba-2 layers in windows of W tokens: model.mixer_window)
 //                  [--ssd V,..] [--lm-ssd V,..]   V: portable | gemm-fp32 | gemm-tf32 | gemm-bf16 (SSD variants
 //                  timed; the first is the reference the others' outputs are compared with)
 //   mpiexec -n N mambamoe_bench --only lm --cp N ...   (the LM step with every sequence split over N ranks)
@@ -333,8 +334,9 @@ void bench_ssd(int reps, const std::vector<SSDVariant>& variants) {
 // sequence's tokens/s, and the bytes each rank sent per step beyond the gradient all-reduce (state passing, conv
 // halos, loss sums).
 void bench_lm(index_t batch, index_t seqlen, int reps, int cp_size, parallel::Backend backend,
-              const SSDVariant& ssd) {
+              const SSDVariant& ssd, index_t window) {
   LMConfig cfg;
+  cfg.mixer.window = window;
   cfg.mixer.ssd_algo = ssd.algo;
   cfg.mixer.ssd_compute = ssd.compute;
   set_float_gemm_compute(ssd.compute);  // the layers' weight GEMMs in the same arithmetic
@@ -374,7 +376,8 @@ void bench_lm(index_t batch, index_t seqlen, int reps, int cp_size, parallel::Ba
   }
   const std::string name = "lm train step fp32 act, " + ssd.name + " " + std::to_string(batch) + "x" + std::to_string(seqlen) +
                            (cp_size > 1 ? " cp" + std::to_string(cp_size) : "") +
-                           (cp_size > 1 && backend == parallel::Backend::nccl ? " nccl" : "");
+                           (cp_size > 1 && backend == parallel::Backend::nccl ? " nccl" : "") +
+                           (window > 0 ? " window " + std::to_string(window) : "");
   record(name, "parameters", double(lm.params().count()) / 1e6, "M");
   std::int64_t step = 0;
   auto one = [&] {
@@ -427,7 +430,7 @@ int run(int argc, char** argv, int cp_size, int rank) {
   g_rank = rank;
   std::string out = ".", only = "copy,gemm,ssd,lm";
   int reps = 10;
-  index_t lm_batch = 4, lm_seqlen = 8192;
+  index_t lm_batch = 4, lm_seqlen = 8192, lm_window = 0;
   parallel::Backend backend = parallel::Backend::mpi;
   std::string ssd_list = "gemm-fp32,gemm-tf32,gemm-bf16,portable", lm_ssd = "gemm-tf32";
   for (int i = 1; i < argc; ++i) {
@@ -444,6 +447,7 @@ int run(int argc, char** argv, int cp_size, int rank) {
     else if (a == "--reps") reps = std::stoi(next());
     else if (a == "--lm-batch") lm_batch = std::stoll(next());
     else if (a == "--lm-seqlen") lm_seqlen = std::stoll(next());
+    else if (a == "--lm-window") lm_window = std::stoll(next());
     else if (a == "--cp") next();
     else if (a == "--ssd") ssd_list = next();
     else if (a == "--profile") g_profile = true;
@@ -458,7 +462,7 @@ int run(int argc, char** argv, int cp_size, int rank) {
     }
     else {
       std::cerr << "mambamoe_bench: unknown option " << a
-                << " (known: --out DIR, --only copy,gemm,ssd,lm, --reps N, --lm-batch B, --lm-seqlen L, --cp N, --backend mpi|nccl, --ssd V1,V2,.., --lm-ssd V1,..; V: portable, gemm-fp32, gemm-tf32, gemm-bf16)\n";
+                << " (known: --out DIR, --only copy,gemm,ssd,lm, --reps N, --lm-batch B, --lm-seqlen L, --lm-window W, --cp N, --backend mpi|nccl, --ssd V1,V2,.., --lm-ssd V1,..; V: portable, gemm-fp32, gemm-tf32, gemm-bf16)\n";
       return 2;
     }
   }
@@ -480,7 +484,7 @@ int run(int argc, char** argv, int cp_size, int rank) {
     };
     if (want.count("ssd")) bench_ssd(reps, variants(ssd_list));
     if (want.count("lm"))
-      for (const auto& v : variants(lm_ssd)) bench_lm(lm_batch, lm_seqlen, std::max(3, reps / 3), cp_size, backend, v);
+      for (const auto& v : variants(lm_ssd)) bench_lm(lm_batch, lm_seqlen, std::max(3, reps / 3), cp_size, backend, v, lm_window);
   } catch (const std::exception& e) {
     std::cerr << "mambamoe_bench: " << e.what() << "\n";
     return 1;

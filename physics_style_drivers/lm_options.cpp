@@ -116,6 +116,10 @@ void declare_backbone_options(io::Deck& d) {
       .add<double>("model.dt_limit_max", std::numeric_limits<double>::infinity(),
                    "clamp of softplus(dt + dt_bias), upper (inf: none)")
       .add<double>("model.norm_eps", m.norm_eps, "RMSNorm epsilon")
+      .add<I>("model.mixer_window", 0,
+              "M2 layers: run sequences longer than this many tokens in windows carrying the conv and SSM states "
+              "(the backward recomputes each window from its boundary state, right to left), so a layer's working "
+              "memory follows the window, not the sequence; same results as one pass. 0: one pass")
       .add<std::string>("model.ssd_algorithm", "auto",
                         "M2 layers: how the SSD is computed: auto (gemm on CUDA, portable on CPU), portable (Kokkos "
                         "team kernels), gemm (batched chunk GEMMs)")
@@ -278,6 +282,7 @@ Mamba2Config make_mixer_config(const io::Deck& d) {
   m.dt_limit_lo = d.get<double>("model.dt_limit_min");
   m.dt_limit_hi = d.get<double>("model.dt_limit_max");
   m.norm_eps = d.get<double>("model.norm_eps");
+  m.window = d.get<I>("model.mixer_window");
   const std::string where = d.path().empty() ? "[model]" : d.path() + " [model]";
   {
     const std::string a = d.get<std::string>("model.ssd_algorithm");

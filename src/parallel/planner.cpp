@@ -99,6 +99,31 @@ struct Dims {
 };
 
 LayerMem mem_mamba2(const Mamba2Config& c, const Dims& d, Recompute pol) {
+  if (c.window > 0 && d.L > double(c.window)) {
+    // Mamba2Mixer's windows: the forward keeps the state entering each window but the first, (nw - 1) S, and at
+    // most nw states live at once; each window allocates u and out (the backward u, dout, du), its record ids and
+    // one window's activations and transients; the backward carries two state gradients.
+    Mamba2Config cw = c;
+    cw.window = 0;
+    Dims dw = d;
+    dw.L = double(c.window);
+    dw.n = d.b * dw.L;
+    const LayerMem x = mem_mamba2(cw, dw, Recompute::mixer);
+    const double nw = std::ceil(d.L / double(c.window));
+    const double S = d.b * (double(c.conv_dim()) / d.tp * double(c.d_conv - 1) * d.t +
+                            double(c.nheads()) / d.tp * double(c.headdim) * double(c.d_state) * d.a);
+    const double Dm = double(c.d_model), seqw = 4.0 * dw.n;
+    const double s2 = std::min(2.0, nw - 1.0) * S;
+    LayerMem m;
+    m.keep = (nw - 1) * S;
+    m.full = x.full + m.keep;
+    m.fwd_extra = x.fwd_extra + 2 * dw.n * Dm * d.t + seqw + S;
+    const double rec = x.rec_extra >= 0 ? x.rec_extra : x.fwd_extra;
+    m.rec_extra = 3 * dw.n * Dm * d.t + seqw + s2 + rec;
+    m.bwd_extra = 3 * dw.n * Dm * d.t + seqw + s2 + x.bwd_extra;
+    m.scratch = x.scratch;
+    return m;
+  }
   const double E = double(c.d_inner()) / d.tp, H = double(c.nheads()) / d.tp, G = double(c.ngroups) / d.tp;
   const double N = double(c.d_state), P = double(c.headdim), Q = double(c.chunk);
   const double GN = G * N, C = E + 2 * GN, din = 2 * E + 2 * GN + H;
@@ -305,6 +330,9 @@ std::string check_layout(const PlanInput& in, const Layout& layout_in) {
   if (!why.empty()) return why;
   if (in.seqlen % l.cp != 0)
     return "seqlen = " + std::to_string(in.seqlen) + " does not divide by cp = " + std::to_string(l.cp);
+  if (l.cp > 1 && in.model.mixer.window > 0 && uses(kinds_of(in.model), LayerKind::mamba2))
+    return "model.mixer_window = " + std::to_string(in.model.mixer.window) + " needs cp = 1 (got cp = " +
+           std::to_string(l.cp) + ")";
   const auto p = kinds_of(in.model);
   const index_t slice = in.seqlen / l.cp;
   auto chunk_rule = [&](index_t chunk, const char* kind) -> std::string {

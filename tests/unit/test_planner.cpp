@@ -200,6 +200,9 @@ TEST_CASE("planner: activation estimate equals the peak the real training step a
     PlanModel x = models.back();  // the same with the SSD's GEMM formulation (the CUDA default)
     x.mixer.ssd_algo = mm::SSDAlgo::gemm;
     models.push_back(x);
+    x = models.front();  // and with the mixers in windows of 24 tokens (3 and 9 windows)
+    x.mixer.window = 24;
+    models.push_back(x);
   }
   models.push_back(small_mixed());
   // each kind alone (its own peak), and MoE with a capacity-free router, jitter and an expert recompute flag
@@ -339,6 +342,19 @@ TEST_CASE("planner: a 10^6-token sequence of the 24-layer d_model 768 Mamba-2 mo
   CHECK(err1.find("recompute mixer") != std::string::npos);
   CHECK(err1.find("too much") != std::string::npos);
   WARN("10^6 tokens, 1 GPU: " << err1.substr(0, err1.find('\n')));
+  {
+    // With the Mamba-2 layers in windows of 131,072 tokens (model.mixer_window; the GEMM SSD as on the GPU) the
+    // layers' working memory follows the window and one H200 holds the sequence: what stays is the residual
+    // stream of every block, the LM head's buffers and one window's activations.
+    PlanInput w = in;
+    w.model.mixer.window = 131072;
+    w.model.mixer.ssd_algo = mm::SSDAlgo::gemm;
+    const Plan pw = plan(w);
+    INFO(describe(pw) << pw.reasoning);
+    CHECK(pw.layout.cp == 1);
+    CHECK(pw.bytes_total < 0.9 * 141e9);
+    WARN("10^6 tokens, 1 GPU, mixer_window 131072: " << describe(pw));
+  }
   {
     PlanInput in20 = in;
     in20.seqlen = 1 << 20;

@@ -62,6 +62,9 @@ struct Mamba2Config {
   double A_init_lo = 1, A_init_hi = 16;
   double dt_limit_lo = 0, dt_limit_hi = std::numeric_limits<double>::infinity();
   double norm_eps = 1e-5;
+  // Sequences longer than this many tokens run in windows carrying the conv and SSM states (0: one pass); see
+  // Mamba2Mixer::forward.
+  index_t window = 0;
   SSDAlgo ssd_algo = SSDAlgo::automatic;        // how the chunked scan is computed (ssd.hpp)
   GemmCompute ssd_compute = GemmCompute::fp32;  // arithmetic of its chunk GEMMs on CUDA (fp32, tf32, bf16)
 
@@ -86,6 +89,10 @@ struct Mamba2Acts {
   View4<acc_t<T>> ssm_init;     // (context parallel: the halo and the incoming state S_in)
   View2<T> cp_mask;             // context parallel: which halo entries are used (batch, d_conv - 1)
   std::vector<int> cp_cont;     // context parallel: per batch row, whether token 0 continues the left record
+  // windowed (config window > 0 and seqlen > window): the state entering each window w >= 1 (index w - 1), already
+  // zeroed for rows whose window starts a new record; the forward keeps only u and these
+  std::vector<View3<T>> win_conv;
+  std::vector<View4<acc_t<T>>> win_ssm;
 };
 
 // Decode state: conv (batch, conv_dim, d_conv - 1), the conv inputs before the next token, oldest first;
@@ -123,9 +130,22 @@ class Mamba2Mixer {
   void forward(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq, const View2<T>& out,
                Mamba2Acts<T>& acts, bool save, const Mamba2State<T>* init, Mamba2State<T>* final) const;
 
+  // Windows (config window W > 0, seqlen > W, cp = 1, no explicit states): forward() runs the sequence in
+  // windows of W tokens (the last one shorter), each from the state the previous one left (rows whose window
+  // starts a new record start from zero), and keeps only u and the states at the window boundaries; backward()
+  // runs the windows right to left, recomputing each one's internals from its boundary state and carrying the
+  // gradient of the state leftwards. The working memory of the layer then follows W instead of seqlen; the
+  // results are those of one pass up to rounding.
+
   // du (B*L, D) is written; parameter gradients are accumulated into the store's gradient buffer.
   void backward(Mamba2Acts<T>& acts, index_t batch, index_t seqlen, const SeqIdxView& seq,
                 const View2<const T>& dout, const View2<T>& du) const;
+
+  // The backward of forward(..., init, final): `dfinal` (nullptr: zero) is the gradient of the final state, and
+  // `dinit` (nullptr: not wanted) receives the gradient of the initial state (zero where the forward had none).
+  void backward(Mamba2Acts<T>& acts, index_t batch, index_t seqlen, const SeqIdxView& seq,
+                const View2<const T>& dout, const View2<T>& du, const Mamba2State<T>* dfinal,
+                Mamba2State<T>* dinit) const;
 
   // Bytes one cp rank sends per layer forward + backward (the formula above) for `batch` rows.
   std::uint64_t cp_traffic_bytes(index_t batch, bool with_seq_idx) const;
@@ -144,6 +164,11 @@ class Mamba2Mixer {
   void check_state(const Mamba2State<T>& s, index_t batch, const char* what) const;
   void forward_cp(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq, const View2<T>& out,
                   Mamba2Acts<T>& acts, bool save) const;
+  bool windowed(index_t seqlen) const { return cfg_.window > 0 && seqlen > cfg_.window && cp_->size() == 1; }
+  void forward_windows(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq,
+                       const View2<T>& out, Mamba2Acts<T>& acts) const;
+  void backward_windows(Mamba2Acts<T>& acts, index_t batch, index_t seqlen, const SeqIdxView& seq,
+                        const View2<const T>& dout, const View2<T>& du) const;
 
   Mamba2Config cfg_;
   // this rank's widths: d_inner, nheads, ngroups, conv channels, in_proj rows (the global ones when tp = 1)
