@@ -4,7 +4,7 @@
 # this project: Kokkos (CUDA), Boost.Program_options, htslib and the peers are given by path.
 #
 #   perf/gpu_bench.sh --kokkos PREFIX --out DIR --mamba-ssm DIR [--causal-conv1d DIR] [--boost-po LIB]
-#                     [--htslib PREFIX] [--stages build,test,bench,cp] [--test-timeout S] [--bench-only LIST]
+#                     [--htslib PREFIX] [--stages build,test,bench,long,cp] [--test-timeout S] [--bench-only LIST]
 #                     [--commit HASH]   (the commit to print, where the copy on the GPU machine has no usable .git)
 #                     [--peer-args "ARGS"]    (passed to perf/peers.py, e.g. "--ssd-dtypes bf16")
 #                     [--bench-args "ARGS"]   (passed to mambamoe_bench, e.g. "--ssd gemm-tf32,portable --lm-ssd gemm-bf16")
@@ -12,6 +12,7 @@
 # --mamba-ssm DIR is the folder that holds the mamba_ssm package (e.g. $PWD/.peers); --causal-conv1d DIR holds the
 # built causal_conv1d_cuda*.so and the causal_conv1d package (perf/build_causal_conv1d.py makes it), without which
 # the peer's LM runs its unfused path. --bench-only also takes tfm (a PyTorch Transformer, peers only).
+# --stages long: the LM step on one 1,048,576-token sequence with the Mamba-2 layers in windows of 131,072 tokens.
 # --stages cp (2 GPUs): the LM step at 131,072 tokens on one GPU against cp = 2 at 262,144 tokens over two.
 # Writes under DIR: build.log, ctest.log, ours.csv, peers.csv, bench.log, and summary.txt (the table, also printed).
 set -uo pipefail
@@ -71,6 +72,15 @@ if has bench; then
   fi
   { echo "commit $commit, $(date -u +%F), $(head -2 "$out/gpu.txt" | tail -1)"; cat "$out/bench.log"; cat "$out/peers.log" 2>/dev/null; } \
     | tee "$out/summary.txt"
+fi
+
+# One 1,048,576-token sequence on one GPU (issue 3): the LM step with the Mamba-2 layers in windows of 131,072
+# tokens (model.mixer_window), tf32 GEMMs.
+if has long; then
+  "$root/build/cuda/perf/mambamoe_bench" --out "$out" --only lm --lm-batch 1 --lm-seqlen 1048576 --lm-window 131072 \
+    --lm-ssd gemm-tf32 --reps 3 > "$out/long.log" 2>&1 || rc=1
+  mv "$out/ours.csv" "$out/long.csv" 2>/dev/null
+  grep "lm train" "$out/long.log" || tail -20 "$out/long.log"
 fi
 
 # Context-parallel weak scaling on 2 GPUs (issue 6): the LM step on one GPU at 131,072 tokens, then cp = 2 over two
