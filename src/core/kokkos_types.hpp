@@ -148,6 +148,24 @@ inline void par_for_team_vec2(const char* label, index_t league, int gpu_team, i
   Kokkos::parallel_for(label, policy, f);
 }
 
+// Rows per team of par_for_rows (one per team thread on GPUs).
+inline constexpr int kRowsPerTeam = 8;
+
+// Row kernels: f(team, i) for every row i < n, with the work inside a row on the calling thread's vector lanes
+// (Kokkos::ThreadVectorRange). On a GPU kRowsPerTeam rows per team of kRowsPerTeam x 32, so a warp walks one row
+// contiguously (a plain thread-per-row loop has the lanes of a warp reading rows apart); on host backends the
+// lanes are one, so the inner loops run in order, exactly as a sequential loop over the row.
+template <class F>
+inline void par_for_rows(const char* label, index_t n, const F& f) {
+  if (n <= 0) return;
+  const index_t league = (n + kRowsPerTeam - 1) / kRowsPerTeam;
+  par_for_team_vec(label, league, kRowsPerTeam, 32, KOKKOS_LAMBDA(const Team& tm) {
+    const index_t i0 = index_t(tm.league_rank()) * kRowsPerTeam;
+    const index_t cnt = n - i0 < index_t(kRowsPerTeam) ? n - i0 : index_t(kRowsPerTeam);
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, cnt), [&](index_t k) { f(tm, i0 + k); });
+  });
+}
+
 // Allocate a device view without initialising it (for outputs that every kernel overwrites).
 template <class V, class... Extents>
 inline V make_uninit(const std::string& label, Extents... ext) {

@@ -11,12 +11,14 @@ void rmsnorm_forward(const View2<const X>& x, const View1<const acc_t<T>>& w, do
   using P = acc_t<T>;
   const index_t n = x.extent(0), d = x.extent(1);
   const P e = P(eps);
-  par_for("rmsnorm::forward", n, KOKKOS_LAMBDA(index_t i) {
+  par_for_rows("rmsnorm::forward", n, KOKKOS_LAMBDA(const Team& tm, index_t i) {
     P ss = 0;
-    for (index_t j = 0; j < d; ++j) ss += P(x(i, j)) * P(x(i, j));
+    Kokkos::parallel_reduce(
+        Kokkos::ThreadVectorRange(tm, d), [&](index_t j, P& a) { a += P(x(i, j)) * P(x(i, j)); }, ss);
     const P r = P(1) / Kokkos::sqrt(ss / P(d) + e);
-    rstd(i) = r;
-    for (index_t j = 0; j < d; ++j) y(i, j) = static_cast<T>(P(x(i, j)) * r * w(j));
+    Kokkos::single(Kokkos::PerThread(tm), [&]() { rstd(i) = r; });
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, d),
+                         [&](index_t j) { y(i, j) = static_cast<T>(P(x(i, j)) * r * w(j)); });
   });
 }
 
@@ -26,15 +28,16 @@ void rmsnorm_backward(const View2<const X>& x, const View1<const acc_t<T>>& w, c
                       const View1<acc_t<T>>& dw) {
   using P = acc_t<T>;
   const index_t n = x.extent(0), d = x.extent(1);
-  par_for("rmsnorm::backward_dx", n, KOKKOS_LAMBDA(index_t i) {
+  par_for_rows("rmsnorm::backward_dx", n, KOKKOS_LAMBDA(const Team& tm, index_t i) {
     const P r = rstd(i);
     P dot = 0;
-    for (index_t j = 0; j < d; ++j) dot += P(dy(i, j)) * w(j) * P(x(i, j));
+    Kokkos::parallel_reduce(
+        Kokkos::ThreadVectorRange(tm, d), [&](index_t j, P& a) { a += P(dy(i, j)) * w(j) * P(x(i, j)); }, dot);
     const P c = r * r * dot / P(d);
-    for (index_t j = 0; j < d; ++j) {
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, d), [&](index_t j) {
       const P g = r * (P(dy(i, j)) * w(j) - P(x(i, j)) * c);
       dx(i, j) = accumulate_dx ? static_cast<X>(P(dx(i, j)) + g) : static_cast<X>(g);
-    }
+    });
   });
   column_reduce<P>("rmsnorm::backward_dw", n, d,
                    KOKKOS_LAMBDA(index_t i, index_t j) { return P(dy(i, j)) * P(x(i, j)) * rstd(i); }, dw, true);
@@ -53,19 +56,22 @@ void gated_rmsnorm_forward(const GatedNormIn<T>& in, index_t width, index_t grou
   const index_t xc = in.x_col, zc = in.z_col;
   const bool gate_first = order == GateOrder::gate_first;
   const P e = P(eps);
-  par_for("gated_rmsnorm::forward", n, ng, KOKKOS_LAMBDA(index_t i, index_t g) {
-    const index_t j0 = g * group_size;
+  par_for_rows("gated_rmsnorm::forward", n * ng, KOKKOS_LAMBDA(const Team& tm, index_t ig) {
+    const index_t i = ig / ng, g = ig % ng, j0 = g * group_size;
     P ss = 0;
-    for (index_t j = j0; j < j0 + group_size; ++j) {
-      const P u = gate_first ? P(x(i, xc + j)) * silu(P(z(i, zc + j))) : P(x(i, xc + j));
-      ss += u * u;
-    }
+    Kokkos::parallel_reduce(
+        Kokkos::ThreadVectorRange(tm, j0, j0 + group_size),
+        [&](index_t j, P& a) {
+          const P u = gate_first ? P(x(i, xc + j)) * silu(P(z(i, zc + j))) : P(x(i, xc + j));
+          a += u * u;
+        },
+        ss);
     const P r = P(1) / Kokkos::sqrt(ss / P(group_size) + e);
-    rstd(i, g) = r;
-    for (index_t j = j0; j < j0 + group_size; ++j) {
+    Kokkos::single(Kokkos::PerThread(tm), [&]() { rstd(i, g) = r; });
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, j0, j0 + group_size), [&](index_t j) {
       const P s = silu(P(z(i, zc + j)));
       y(i, j) = static_cast<T>(P(x(i, xc + j)) * s * r * w(j));
-    }
+    });
   });
 }
 
@@ -80,19 +86,22 @@ void gated_rmsnorm_backward(const GatedNormIn<T>& in, index_t width, index_t gro
   const auto z = in.z;
   const index_t xc = in.x_col, zc = in.z_col;
   const bool gate_first = order == GateOrder::gate_first;
-  par_for("gated_rmsnorm::backward_dx", n, ng, KOKKOS_LAMBDA(index_t i, index_t g) {
-    const index_t j0 = g * group_size;
+  par_for_rows("gated_rmsnorm::backward_dx", n * ng, KOKKOS_LAMBDA(const Team& tm, index_t ig) {
+    const index_t i = ig / ng, g = ig % ng, j0 = g * group_size;
     const P r = rstd(i, g);
     // v = the normalised quantity (u = x silu(z) if gate_first, x otherwise); dv = dL/d(normalised v)
     P dot = 0;
-    for (index_t j = j0; j < j0 + group_size; ++j) {
-      const P s = silu(P(z(i, zc + j)));
-      const P v = gate_first ? P(x(i, xc + j)) * s : P(x(i, xc + j));
-      const P dv = gate_first ? P(dy(i, j)) * w(j) : P(dy(i, j)) * w(j) * s;
-      dot += dv * v;
-    }
+    Kokkos::parallel_reduce(
+        Kokkos::ThreadVectorRange(tm, j0, j0 + group_size),
+        [&](index_t j, P& a) {
+          const P s = silu(P(z(i, zc + j)));
+          const P v = gate_first ? P(x(i, xc + j)) * s : P(x(i, xc + j));
+          const P dv = gate_first ? P(dy(i, j)) * w(j) : P(dy(i, j)) * w(j) * s;
+          a += dv * v;
+        },
+        dot);
     const P c = r * r * dot / P(group_size);
-    for (index_t j = j0; j < j0 + group_size; ++j) {
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, j0, j0 + group_size), [&](index_t j) {
       const P zz = P(z(i, zc + j));
       const P s = silu(zz);
       const P xx = P(x(i, xc + j));
@@ -106,7 +115,7 @@ void gated_rmsnorm_backward(const GatedNormIn<T>& in, index_t width, index_t gro
         dx(i, dx_col + j) = static_cast<T>(r * (dnx - xx * c));
         dz(i, dz_col + j) = static_cast<T>(P(dy(i, j)) * xx * r * w(j) * dsilu(zz));
       }
-    }
+    });
   });
   column_reduce<P>(
       "gated_rmsnorm::backward_dw", n, width,
