@@ -430,7 +430,11 @@ Plan estimate(const PlanInput& in, const Layout& layout_in, index_t micro_batch,
     scratch = std::max(scratch, x.scratch);
   }
   p.bytes_activations = std::max(fwd_peak, bwd_peak);
-  p.bytes_workspace = scratch + in.runtime_reserve_bytes;
+  // with ep * dp > 1 the trainer's all-gather buffer of per-micro-batch gradients (TrainConfig::gather_buffer_bytes,
+  // 64 MiB, or all data ranks' gradients when smaller)
+  const double data_ranks = double(l.ep * l.dp);
+  const double gather = data_ranks > 1 ? std::min(a * double(pc.padded) * data_ranks, double(64ull << 20)) : 0.0;
+  p.bytes_workspace = scratch + gather + in.runtime_reserve_bytes;
   p.bytes_total = p.bytes_params + p.bytes_grads + p.bytes_optimizer + p.bytes_activations + p.bytes_workspace;
   p.bytes_available = in.memory_fraction * in.gpu_memory_bytes;
   return p;

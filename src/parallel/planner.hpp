@@ -66,8 +66,10 @@
 //   and the communication buffers of tp / cp (not implemented yet; cp's are O(b H P N) per layer, tp's all-reduce
 //   works in place on the n D layer output).
 // Workspace: Kokkos' level-1 team scratch of the SSD backward, kept by Kokkos between launches: 3 a Q^2 (+ the
-//   dL/dH tile a P (N+1) if it does not fit on chip) per team times min(teams, gpu_concurrency / 256); plus
-//   runtime_reserve_bytes for the CUDA context, cuBLAS workspace and the communication library (not modelled).
+//   dL/dH tile a P (N+1) if it does not fit on chip) per team times min(teams, gpu_concurrency / 256) (none for
+//   the GEMM formulation); with ep * dp > 1 the trainer's gradient all-gather buffer (at most 64 MiB: it gathers
+//   in buckets); plus runtime_reserve_bytes for the CUDA context, cuBLAS workspace and the communication library
+//   (not modelled).
 //
 // Rules (a layout that breaks one is rejected, the reason says which): tp * cp * ep * dp = gpus; tp <= gpus per node;
 // tp divides nheads and ngroups of M2 and M3 layers, d_inner of M1 layers, d_ff (and shared_d_ff) of E and D layers;

@@ -95,7 +95,11 @@ Trainer<Model>::Trainer(Model& model, const TrainConfig& cfg, std::string deck_t
           " ranks (make grad_accum a multiple of ep * dp)");
   const index_t n = model_.params().grads().extent(0);
   grad_sum_ = View1<P>("trainer::grad_sum", n);
-  if (dp_size_ > 1) gathered_ = View1<P>("trainer::gathered_grads", n * index_t(dp_size_));
+  if (dp_size_ > 1) {  // the all-gather runs in buckets, so its buffer is at most cfg.gather_buffer_bytes
+    gather_bucket_ = std::min<index_t>(
+        n, std::max<index_t>(1, index_t(cfg_.gather_buffer_bytes / sizeof(P)) / index_t(dp_size_)));
+    gathered_ = View1<P>("trainer::gathered_grads", gather_bucket_ * index_t(dp_size_));
+  }
   // which gradient elements are slices (for the global norm and the reduction over the data ranks)
   split_ = Kokkos::View<std::uint8_t*, Layout, Mem>("trainer::split", n);
   auto hs = Kokkos::create_mirror_view(split_);
@@ -257,19 +261,26 @@ void Trainer<Model>::reduce_round_gradients(const View1<P>& sum) {
     return;
   }
   // one gradient per data rank, in rank order = global micro-batch order; an expert slice (split 2) adds only the
-  // data ranks of its own ep coordinate (data rank q = ep_rank + ep * dp_rank)
-  data_->allgather(ps.grads(), gathered_);
+  // data ranks of its own ep coordinate (data rank q = ep_rank + ep * dp_rank). Bucket by bucket: the sums are
+  // the same as from one all-gather of everything.
   const auto gathered = gathered_;
   const auto split = split_;
   const index_t n = sum.extent(0);
   const int parts = dp_size_, ep = ep_size_, me = ep_rank_;
-  par_for("trainer::sum_gathered_grads", n, KOKKOS_LAMBDA(index_t i) {
-    P s = sum(i);
-    const bool expert = split(i) == 2;
-    for (int q = 0; q < parts; ++q)
-      if (!expert || q % ep == me) s = s + gathered(index_t(q) * n + i);
-    sum(i) = s;
-  });
+  for (index_t off = 0; off < n; off += gather_bucket_) {
+    const index_t len = std::min(gather_bucket_, n - off);
+    const View1<P> send = Kokkos::subview(g, Kokkos::make_pair(off, off + len));
+    const View1<P> recv = Kokkos::subview(gathered, Kokkos::make_pair(index_t(0), len * index_t(parts)));
+    data_->allgather(send, recv);
+    par_for("trainer::sum_gathered_grads", len, KOKKOS_LAMBDA(index_t k) {
+      const index_t i = off + k;
+      P s = sum(i);
+      const bool expert = split(i) == 2;
+      for (int q = 0; q < parts; ++q)
+        if (!expert || q % ep == me) s = s + recv(index_t(q) * len + k);
+      sum(i) = s;
+    });
+  }
 }
 
 template <class Model>

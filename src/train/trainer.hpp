@@ -51,6 +51,9 @@ struct TrainConfig {
   // data parallelism forms (gathered per micro-batch and summed in order), so the parameters are bit-identical to
   // plain dp; the saving is the optimizer state (8 of the 16 bytes per parameter) divided by dp.
   bool zero1 = false;
+  // With ep * dp > 1 the per-micro-batch gradients are all-gathered in buckets, so the receive buffer holds at
+  // most this many bytes (data ranks x bucket); the sums do not depend on it.
+  std::size_t gather_buffer_bytes = std::size_t(64) << 20;
 };
 
 struct StepRecord {
@@ -131,7 +134,8 @@ class Trainer {
   std::shared_ptr<const parallel::Comm> zero_;  // ZeRO-1: the dp communicator (null: off)
   View1<P> zero_send_, zero_recv_;  // per gradient element: 0 replicated, 1 tp slice, 2 ep slice
   View1<P> grad_sum_;     // the step's gradient: per-micro-batch gradients summed in global micro-batch order
-  View1<P> gathered_;     // dp > 1: one round's per-micro-batch gradients of every dp rank, in rank order
+  View1<P> gathered_;     // dp > 1: one bucket of a round's per-micro-batch gradients of every dp rank, rank order
+  index_t gather_bucket_ = 0;  // gradient elements per all-gather
 };
 
 // Read a checkpoint's parameters into `params` (names and shapes must match), and the deck it was written with.
