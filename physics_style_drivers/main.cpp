@@ -73,7 +73,8 @@ int run(int argc, char** argv, int rank) {
     std::fflush(stdout);
   }
   if (print_deck) return 0;
-  mm::set_float_gemm_compute(mm::parse_gemm_compute(deck.get<std::string>("run.gemm_precision"), "[run] gemm_precision"));
+  mm::set_float_gemm_compute(
+      mm::parse_gemm_compute(deck.get<std::string>("run.gemm_precision"), deck_path + " [run] gemm_precision"));
   const auto grid = mm::drivers::make_process_grid(deck);  // validates [parallel] against the MPI ranks
   mm::require(grid->world_size() == 1 || driver.name == "genomics_lm", "[parallel]", "driver ", driver.name,
               " runs on one rank (got ", grid->world_size(), "); parallel layouts are implemented for genomics_lm");

@@ -58,6 +58,11 @@ expect "empty FASTA" "$work/empty.fa" "empty" -- run "$lambda_deck" --data.fasta
 
 expect "shapes that do not divide" "headdim = 48" "not divisible" -- run "$lambda_deck" --model.headdim=48
 
+expect "unknown SSD algorithm" "model.ssd_algorithm" "'fast'" "auto, portable, gemm" -- \
+  run "$lambda_deck" --model.ssd_algorithm=fast
+expect "unknown GEMM precision" "gemm_precision" "'fp16'" "fp32, tf32, bf16" -- run "$lambda_deck" --run.gemm_precision=fp16
+expect "negative mixer window" "window" "-3" -- run "$lambda_deck" --model.mixer_window=-3
+
 expect "heads not divisible by groups" "ngroups = 3" "not divisible" -- run "$lambda_deck" --model.ngroups=3
 
 # A real checkpoint, then truncated to half its size.
