@@ -117,9 +117,9 @@ void declare_backbone_options(io::Deck& d) {
                    "clamp of softplus(dt + dt_bias), upper (inf: none)")
       .add<double>("model.norm_eps", m.norm_eps, "RMSNorm epsilon")
       .add<I>("model.mixer_window", 0,
-              "M2 layers: run sequences longer than this many tokens in windows carrying the conv and SSM states "
-              "(the backward recomputes each window from its boundary state, right to left), so a layer's working "
-              "memory follows the window, not the sequence; same results as one pass. 0: one pass")
+              "M1 and M2 layers: run sequences longer than this many tokens in windows carrying the conv and SSM "
+              "states (the backward recomputes each window from its boundary state, right to left), so a layer's "
+              "working memory follows the window, not the sequence; same results as one pass. 0: one pass")
       .add<std::string>("model.ssd_algorithm", "auto",
                         "M2 layers: how the SSD is computed: auto (gemm on CUDA, portable on CPU), portable (Kokkos "
                         "team kernels), gemm (batched chunk GEMMs)")
@@ -181,6 +181,7 @@ LayerStackConfig make_layer_stack_config(const io::Deck& d) {
   m1.expand = d.get<I>("mamba1.expand") > 0 ? d.get<I>("mamba1.expand") : expand;
   m1.dt_rank = d.get<I>("mamba1.dt_rank");
   m1.chunk = d.get<I>("mamba1.chunk_size");
+  m1.window = d.get<I>("model.mixer_window");
   m1.d_conv = d.get<I>("model.d_conv");
   m1.dt_min = d.get<double>("model.dt_min");
   m1.dt_max = d.get<double>("model.dt_max");

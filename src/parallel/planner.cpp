@@ -98,31 +98,40 @@ struct Dims {
   double concurrency_teams;
 };
 
+// A mixer run in windows of W tokens (ssm/windows.hpp), from the terms `x` of one window of W tokens
+// (Recompute::mixer) and the bytes S of one decode state: the forward keeps the state entering each window but the
+// first, (nw - 1) S, and has at most nw states live at once; each window allocates u and out (the backward u,
+// dout, du) and its record ids besides one window's activations and transients; the backward carries two state
+// gradients.
+LayerMem windowed_mem(const LayerMem& x, double nw, double S, double window_rows, double d_model, const Dims& d) {
+  const double seqw = 4.0 * window_rows, s2 = std::min(2.0, nw - 1.0) * S, io = window_rows * d_model * d.t;
+  LayerMem m;
+  m.keep = (nw - 1) * S;
+  m.full = x.full + m.keep;
+  m.fwd_extra = x.fwd_extra + 2 * io + seqw + S;
+  const double rec = x.rec_extra >= 0 ? x.rec_extra : x.fwd_extra;
+  m.rec_extra = 3 * io + seqw + s2 + rec;
+  m.bwd_extra = 3 * io + seqw + s2 + x.bwd_extra;
+  m.scratch = x.scratch;
+  return m;
+}
+
+Dims window_dims(const Dims& d, index_t window) {
+  Dims w = d;
+  w.L = double(window);
+  w.n = d.b * w.L;
+  return w;
+}
+
 LayerMem mem_mamba2(const Mamba2Config& c, const Dims& d, Recompute pol) {
   if (c.window > 0 && d.L > double(c.window)) {
-    // Mamba2Mixer's windows: the forward keeps the state entering each window but the first, (nw - 1) S, and at
-    // most nw states live at once; each window allocates u and out (the backward u, dout, du), its record ids and
-    // one window's activations and transients; the backward carries two state gradients.
     Mamba2Config cw = c;
     cw.window = 0;
-    Dims dw = d;
-    dw.L = double(c.window);
-    dw.n = d.b * dw.L;
-    const LayerMem x = mem_mamba2(cw, dw, Recompute::mixer);
-    const double nw = std::ceil(d.L / double(c.window));
+    const Dims dw = window_dims(d, c.window);
     const double S = d.b * (double(c.conv_dim()) / d.tp * double(c.d_conv - 1) * d.t +
                             double(c.nheads()) / d.tp * double(c.headdim) * double(c.d_state) * d.a);
-    const double Dm = double(c.d_model), seqw = 4.0 * dw.n;
-    const double s2 = std::min(2.0, nw - 1.0) * S;
-    LayerMem m;
-    m.keep = (nw - 1) * S;
-    m.full = x.full + m.keep;
-    m.fwd_extra = x.fwd_extra + 2 * dw.n * Dm * d.t + seqw + S;
-    const double rec = x.rec_extra >= 0 ? x.rec_extra : x.fwd_extra;
-    m.rec_extra = 3 * dw.n * Dm * d.t + seqw + s2 + rec;
-    m.bwd_extra = 3 * dw.n * Dm * d.t + seqw + s2 + x.bwd_extra;
-    m.scratch = x.scratch;
-    return m;
+    return windowed_mem(mem_mamba2(cw, dw, Recompute::mixer), std::ceil(d.L / double(c.window)), S, dw.n,
+                        double(c.d_model), d);
   }
   const double E = double(c.d_inner()) / d.tp, H = double(c.nheads()) / d.tp, G = double(c.ngroups) / d.tp;
   const double N = double(c.d_state), P = double(c.headdim), Q = double(c.chunk);
@@ -161,6 +170,15 @@ LayerMem mem_mamba2(const Mamba2Config& c, const Dims& d, Recompute pol) {
 }
 
 LayerMem mem_mamba1(const Mamba1Config& c, const Dims& d, Recompute pol) {
+  if (c.window > 0 && d.L > double(c.window)) {
+    Mamba1Config cw = c;
+    cw.window = 0;
+    const Dims dw = window_dims(d, c.window);
+    const double E1 = double(c.d_inner()) / d.tp;
+    const double S = d.b * (E1 * double(c.d_conv - 1) * d.t + E1 * double(c.d_state) * d.a);
+    return windowed_mem(mem_mamba1(cw, dw, Recompute::mixer), std::ceil(d.L / double(c.window)), S, dw.n,
+                        double(c.d_model), d);
+  }
   const double E = double(c.d_inner()) / d.tp, N = double(c.d_state), R = double(c.rank()), Q = double(c.chunk);
   const double nc = std::ceil(d.L / Q);
   LayerMem m;
@@ -330,9 +348,13 @@ std::string check_layout(const PlanInput& in, const Layout& layout_in) {
   if (!why.empty()) return why;
   if (in.seqlen % l.cp != 0)
     return "seqlen = " + std::to_string(in.seqlen) + " does not divide by cp = " + std::to_string(l.cp);
-  if (l.cp > 1 && in.model.mixer.window > 0 && uses(kinds_of(in.model), LayerKind::mamba2))
-    return "model.mixer_window = " + std::to_string(in.model.mixer.window) + " needs cp = 1 (got cp = " +
-           std::to_string(l.cp) + ")";
+  {
+    const auto kinds = kinds_of(in.model);
+    const index_t w = std::max(uses(kinds, LayerKind::mamba2) ? in.model.mixer.window : 0,
+                               uses(kinds, LayerKind::mamba1) ? in.model.layers.mamba1.window : 0);
+    if (l.cp > 1 && w > 0)
+      return "model.mixer_window = " + std::to_string(w) + " needs cp = 1 (got cp = " + std::to_string(l.cp) + ")";
+  }
   const auto p = kinds_of(in.model);
   const index_t slice = in.seqlen / l.cp;
   auto chunk_rule = [&](index_t chunk, const char* kind) -> std::string {

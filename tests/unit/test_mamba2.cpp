@@ -173,6 +173,7 @@ TEST_CASE("Mamba-2 mixer backward with explicit states matches finite difference
 }
 
 TEST_CASE("Mamba-2 mixer in windows with carried states equals one pass (forward and backward)", "[mamba2]") {
+  // (the same windows as the Mamba-1 test; both go through ssm/windows.hpp)
   // Windows of 2 (shorter than the conv's d_conv - 1 = 3), 5 and 7 tokens over L = 19, both recompute policies.
   // Row 0 holds two records, split at t = 9 (inside a window for every W) or at t = 10 (a window boundary for
   // W = 2 and 5: that window starts from zero); row 1 is one record.

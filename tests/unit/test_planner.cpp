@@ -204,6 +204,13 @@ TEST_CASE("planner: activation estimate equals the peak the real training step a
     x.mixer.window = 24;
     models.push_back(x);
   }
+  {
+    PlanModel x = small_mixed();  // Mamba-1 layers in windows of 40 tokens (2 and 5 windows)
+    x.layers.pattern = mm::parse_layer_pattern("M1 M1", "test");
+    x.n_layer = 2;
+    x.layers.mamba1.window = 40;
+    models.push_back(x);
+  }
   models.push_back(small_mixed());
   // each kind alone (its own peak), and MoE with a capacity-free router, jitter and an expert recompute flag
   for (const char* pat : {"M1 M1", "M3 M3", "E E", "D D", "M2 E"}) {

@@ -6,6 +6,7 @@
 #include "core/error.hpp"
 #include "layers/linear.hpp"
 #include "parallel/tensor_parallel.hpp"
+#include "ssm/windows.hpp"
 
 namespace mm {
 
@@ -18,6 +19,7 @@ void Mamba1Config::validate(const std::string& context) const {
   require(chunk > 0, context, "chunk_size must be positive (got ", chunk, ")");
   require(dt_min > 0 && dt_max >= dt_min, context, "need 0 < dt_min <= dt_max (got ", dt_min, ", ", dt_max, ")");
   require(dt_init_floor >= 0, context, "dt_init_floor must be non-negative (got ", dt_init_floor, ")");
+  require(window >= 0, context, "window must be 0 (off) or a positive number of tokens (got ", window, ")");
 }
 
 template <class T>
@@ -27,6 +29,8 @@ Mamba1Mixer<T>::Mamba1Mixer(const Mamba1Config& cfg, ParamStore<P>& store, const
   const std::string ctx = prefix.empty() ? "mamba1" : prefix;
   cfg_.validate(ctx);
   require(n_layer > 0, ctx, "n_layer must be positive (got ", n_layer, ")");
+  require(cfg_.window == 0 || cp_->size() == 1, ctx, "window = ", cfg_.window,
+          " (model.mixer_window) needs cp = 1: with context parallelism each rank already holds a slice");
   const index_t D = cfg_.d_model, E = cfg_.d_inner(), W = cfg_.d_conv, R = cfg_.rank(), N = cfg_.d_state;
   // the fan-ins of the bounds are the unsharded ones (a shard holds the slice of the unsharded initialisation)
   const double lin_in = 1.0 / std::sqrt(double(D)), lin_e = 1.0 / std::sqrt(double(E));
@@ -263,6 +267,10 @@ void Mamba1Mixer<T>::forward(const View2<T>& u, index_t batch, index_t seqlen, c
     forward_cp(u, batch, seqlen, seq, out, acts, save);
     return;
   }
+  if (!init && !final && cfg_.window > 0 && seqlen > cfg_.window) {
+    windows::forward(*this, cfg_.window, u, batch, seqlen, seq, out, acts);
+    return;
+  }
   acts = Mamba1Acts<T>{};
   if (init) {  // copies: `final` may be `init`, and the backward needs the state the forward started from
     check_state(*init, batch, "Mamba1Mixer::forward (initial state)");
@@ -292,6 +300,22 @@ void Mamba1Mixer<T>::forward(const View2<T>& u, index_t batch, index_t seqlen, c
 template <class T>
 void Mamba1Mixer<T>::backward(Mamba1Acts<T>& a, index_t batch, index_t seqlen, const SeqIdxView& seq,
                               const View2<const T>& dout, const View2<T>& du) const {
+  backward(a, batch, seqlen, seq, dout, du, nullptr, nullptr);
+}
+
+template <class T>
+void Mamba1Mixer<T>::backward(Mamba1Acts<T>& a, index_t batch, index_t seqlen, const SeqIdxView& seq,
+                              const View2<const T>& dout, const View2<T>& du, const Mamba1State<T>* dfinal_state,
+                              Mamba1State<T>* dinit_state) const {
+  require(cp_->size() == 1 || (!dfinal_state && !dinit_state), "Mamba1Mixer::backward",
+          "explicit state gradients are not supported with cp = ", cp_->size());
+  if (!a.win_ssm.empty()) {
+    require(!dfinal_state && !dinit_state, "Mamba1Mixer::backward", "a windowed forward has no explicit states");
+    windows::backward(*this, cfg_.window, a, batch, seqlen, seq, dout, du);
+    return;
+  }
+  if (dfinal_state) check_state(*dfinal_state, batch, "Mamba1Mixer::backward (final state gradient)");
+  if (dinit_state) check_state(*dinit_state, batch, "Mamba1Mixer::backward (initial state gradient)");
   if (a.xz.extent(0) == 0) run_internals(a.u, batch, seqlen, seq, a, true, View3<P>());  // recompute policy
   const index_t n = batch * seqlen, E = E_, R = cfg_.rank(), N = cfg_.d_state;
   const View2<P> A = A_matrix();
@@ -313,7 +337,8 @@ void Mamba1Mixer<T>::backward(Mamba1Acts<T>& a, index_t batch, index_t seqlen, c
   g.dA = dA;
   g.dD = store_->g1(D_);
   g.ddelta_bias = store_->g1(dt_b_);
-  View3<P> dfinal;
+  View3<P> dfinal = dfinal_state ? dfinal_state->ssm : View3<P>();
+  if (dinit_state) g.dinit_state = dinit_state->ssm;
   if (cp_->size() > 1) {
     require(index_t(a.cp_cont.size()) == batch, "Mamba1Mixer::backward", "cp = ", cp_->size(),
             " needs the forward of the same mixer with cp (no context-parallel state kept for batch = ", batch, ")");
@@ -340,6 +365,20 @@ void Mamba1Mixer<T>::backward(Mamba1Acts<T>& a, index_t batch, index_t seqlen, c
   // conv: d(x) into the x columns of d(xz)
   conv1d_silu_backward<T>(Conv1dIn<T>{a.xz, 0, batch, seqlen, E, a.conv_init}, store_->v2(conv_w_),
                           store_->v1(conv_b_), seq, dxc, dxz, 0, store_->g2(conv_w_), store_->g1(conv_b_));
+  const index_t Hc = cfg_.d_conv - 1;
+  if (dinit_state) {  // the conv prefix fed the outputs of token 0's record
+    if (a.conv_init.extent(0) > 0 && Hc > 0) {
+      View2<T> all(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba1::prefix_mask"), batch, Hc);
+      Kokkos::deep_copy(all, T(1));
+      parallel::conv1d_silu_prefix_grad<T>(Conv1dIn<T>{a.xz, 0, batch, seqlen, E, a.conv_init}, store_->v2(conv_w_),
+                                           store_->v1(conv_b_), seq, dxc, all, dinit_state->conv);
+    } else {
+      Kokkos::deep_copy(dinit_state->conv, T(0));
+    }
+  }
+  if (dfinal_state)  // the final conv state: the last d_conv - 1 conv inputs (the x columns of xz)
+    windows::conv_state_out_backward<T>(dfinal_state->conv, a.conv_init, seq, seqlen, dxz, 0,
+                                        dinit_state ? dinit_state->conv : View3<T>());
   if (cp_->size() > 1) {  // the halo's gradient goes back to the left neighbour, which adds it to its rows
     View3<T> dprefix(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba1::cp_dprefix"), batch, E,
                      cfg_.d_conv - 1);

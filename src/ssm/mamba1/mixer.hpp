@@ -57,6 +57,7 @@ struct Mamba1Config {
   index_t expand = 2;
   index_t dt_rank = 0;  // 0: ceil(d_model / 16)
   index_t chunk = 256;  // checkpoint interval of the selective scan (does not change results)
+  index_t window = 0;   // sequences longer than this run in windows with carried states (ssm/windows.hpp); 0: off
   double dt_min = 1e-3, dt_max = 0.1, dt_init_floor = 1e-4;
 
   index_t d_inner() const { return expand * d_model; }
@@ -81,6 +82,8 @@ struct Mamba1Acts {
   View3<acc_t<T>> ssm_init;     // (context parallel: the halo and the incoming state S_in)
   View2<T> cp_mask;             // context parallel: which halo entries are used (batch, d_conv - 1)
   std::vector<int> cp_cont;     // context parallel: per batch row, whether token 0 continues the left record
+  std::vector<View3<T>> win_conv;        // windowed: the state entering each window w >= 1 (entry w - 1)
+  std::vector<View3<acc_t<T>>> win_ssm;
 };
 
 // Decode state: conv (batch, E, d_conv - 1), the inputs before the next token, oldest first; ssm (batch, E, N).
@@ -120,9 +123,19 @@ class Mamba1Mixer {
   void forward(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq, const View2<T>& out,
                Mamba1Acts<T>& acts, bool save, const Mamba1State<T>* init, Mamba1State<T>* final) const;
 
+  // Windows (config window W > 0, seqlen > W, cp = 1, no explicit states): forward() and backward() run the
+  // sequence in windows of W tokens with carried states (ssm/windows.hpp); the layer's working memory then
+  // follows W instead of seqlen, the results are those of one pass up to rounding.
+
   // du (B*L, D) is written; parameter gradients are accumulated into the store's gradient buffer.
   void backward(Mamba1Acts<T>& acts, index_t batch, index_t seqlen, const SeqIdxView& seq,
                 const View2<const T>& dout, const View2<T>& du) const;
+
+  // The backward of forward(..., init, final): `dfinal` (nullptr: zero) is the gradient of the final state, and
+  // `dinit` (nullptr: not wanted) receives the gradient of the initial state (zero where the forward had none).
+  void backward(Mamba1Acts<T>& acts, index_t batch, index_t seqlen, const SeqIdxView& seq,
+                const View2<const T>& dout, const View2<T>& du, const Mamba1State<T>* dfinal,
+                Mamba1State<T>* dinit) const;
 
   // Bytes one cp rank sends per layer forward + backward (the formula above) for `batch` rows.
   std::uint64_t cp_traffic_bytes(index_t batch, bool with_seq_idx) const;

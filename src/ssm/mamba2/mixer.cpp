@@ -7,6 +7,7 @@
 #include "layers/linear.hpp"
 #include "layers/rmsnorm.hpp"
 #include "parallel/tensor_parallel.hpp"
+#include "ssm/windows.hpp"
 
 namespace mm {
 
@@ -137,45 +138,6 @@ void Mamba2Config::validate(const std::string& context) const {
   require(window >= 0, context, "window must be 0 (off) or a positive number of tokens (got ", window, ")");
 }
 
-namespace {
-
-// Rows [t0, t0 + Lw) of every batch row of a (batch * L, D) matrix, packed as (batch * Lw, D), and back.
-template <class T>
-void window_gather(const View2<const T>& src, index_t L, index_t t0, index_t Lw, const View2<T>& dst) {
-  const index_t batch = dst.extent(0) / Lw;
-  par_for("mamba2::window_gather", batch * Lw, dst.extent(1), KOKKOS_LAMBDA(index_t r, index_t j) {
-    dst(r, j) = src((r / Lw) * L + t0 + r % Lw, j);
-  });
-}
-template <class T>
-void window_scatter(const View2<const T>& src, index_t L, index_t t0, index_t Lw, const View2<T>& dst) {
-  const index_t batch = src.extent(0) / Lw;
-  par_for("mamba2::window_scatter", batch * Lw, src.extent(1), KOKKOS_LAMBDA(index_t r, index_t j) {
-    dst((r / Lw) * L + t0 + r % Lw, j) = src(r, j);
-  });
-}
-SeqIdxView window_seq(const SeqIdxView& seq, index_t t0, index_t Lw) {
-  if (seq.extent(0) == 0) return seq;
-  Kokkos::View<std::int32_t**, Layout, Mem> w(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba2::window_seq"),
-                                              seq.extent(0), Lw);
-  par_for("mamba2::window_seq", seq.extent(0), Lw, KOKKOS_LAMBDA(index_t b, index_t t) { w(b, t) = seq(b, t0 + t); });
-  return w;
-}
-// Zeroes the rows (batch entries) of a state whose window starts a new record at t0 (token t0 - 1 is another one).
-template <class T, class P>
-void zero_new_records(const SeqIdxView& seq, index_t t0, const View3<T>& conv, const View4<P>& ssm) {
-  if (seq.extent(0) == 0) return;
-  const index_t nc = conv.extent(1) * conv.extent(2), ns = ssm.extent(1) * ssm.extent(2) * ssm.extent(3);
-  T* cd = conv.data();
-  P* sd = ssm.data();
-  par_for("mamba2::window_new_record", seq.extent(0), nc + ns, KOKKOS_LAMBDA(index_t b, index_t i) {
-    if (seq(b, t0 - 1) == seq(b, t0)) return;
-    if (i < nc) cd[b * nc + i] = T(0);
-    else sd[b * ns + (i - nc)] = P(0);
-  });
-}
-
-}  // namespace
 
 template <class T>
 Mamba2Mixer<T>::Mamba2Mixer(const Mamba2Config& cfg, ParamStore<P>& store, const std::string& prefix,
@@ -301,7 +263,7 @@ void Mamba2Mixer<T>::forward(const View2<T>& u, index_t batch, index_t seqlen, c
     return;
   }
   if (!init && !final && windowed(seqlen)) {
-    forward_windows(u, batch, seqlen, seq, out, acts);
+    windows::forward(*this, cfg_.window, u, batch, seqlen, seq, out, acts);
     return;
   }
   acts = Mamba2Acts<T>{};
@@ -331,65 +293,6 @@ void Mamba2Mixer<T>::forward(const View2<T>& u, index_t batch, index_t seqlen, c
 }
 
 template <class T>
-void Mamba2Mixer<T>::forward_windows(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq,
-                                     const View2<T>& out, Mamba2Acts<T>& acts) const {
-  const index_t W = cfg_.window, nw = (seqlen + W - 1) / W, D = cfg_.d_model;
-  acts = Mamba2Acts<T>{};
-  acts.u = u;
-  Mamba2State<T> cur;
-  for (index_t w = 0; w < nw; ++w) {
-    const index_t t0 = w * W, Lw = std::min(W, seqlen - t0);
-    View2<T> uw = make_uninit<View2<T>>("mamba2::window_u", batch * Lw, D);
-    View2<T> ow = make_uninit<View2<T>>("mamba2::window_out", batch * Lw, D);
-    window_gather<T>(u, seqlen, t0, Lw, uw);
-    if (w > 0) zero_new_records<T, P>(seq, t0, cur.conv, cur.ssm);
-    Mamba2State<T> next;
-    if (w + 1 < nw) next = make_state(batch);
-    Mamba2Acts<T> aw;
-    forward(uw, batch, Lw, window_seq(seq, t0, Lw), ow, aw, false, w > 0 ? &cur : nullptr,
-            w + 1 < nw ? &next : nullptr);
-    if (w > 0) {  // the copies of the state the window started from
-      acts.win_conv.push_back(aw.conv_init);
-      acts.win_ssm.push_back(aw.ssm_init);
-    }
-    window_scatter<T>(ow, seqlen, t0, Lw, out);
-    cur = next;
-  }
-}
-
-template <class T>
-void Mamba2Mixer<T>::backward_windows(Mamba2Acts<T>& a, index_t batch, index_t seqlen, const SeqIdxView& seq,
-                                      const View2<const T>& dout, const View2<T>& du) const {
-  const index_t W = cfg_.window, nw = (seqlen + W - 1) / W, D = cfg_.d_model;
-  require(index_t(a.win_ssm.size()) == nw - 1, "Mamba2Mixer::backward", "the windowed forward kept ",
-          a.win_ssm.size(), " boundary states for ", nw, " windows");
-  Mamba2State<T> dcarry;  // gradient of the state the window to the right started from
-  for (index_t w = nw - 1; w >= 0; --w) {
-    const index_t t0 = w * W, Lw = std::min(W, seqlen - t0);
-    View2<T> uw = make_uninit<View2<T>>("mamba2::window_u", batch * Lw, D);
-    View2<T> dow = make_uninit<View2<T>>("mamba2::window_dout", batch * Lw, D);
-    View2<T> duw = make_uninit<View2<T>>("mamba2::window_du", batch * Lw, D);
-    window_gather<T>(a.u, seqlen, t0, Lw, uw);
-    window_gather<T>(dout, seqlen, t0, Lw, dow);
-    Mamba2Acts<T> aw;
-    aw.u = uw;
-    if (w > 0) {
-      aw.conv_init = a.win_conv[std::size_t(w - 1)];
-      aw.ssm_init = a.win_ssm[std::size_t(w - 1)];
-    }
-    Mamba2State<T> dinit;
-    if (w > 0) dinit = make_state(batch);
-    backward(aw, batch, Lw, window_seq(seq, t0, Lw), dow, duw, w + 1 < nw ? &dcarry : nullptr,
-             w > 0 ? &dinit : nullptr);
-    window_scatter<T>(duw, seqlen, t0, Lw, du);
-    if (w > 0) {
-      zero_new_records<T, P>(seq, t0, dinit.conv, dinit.ssm);  // those rows started from zero, not from the state
-      dcarry = dinit;
-    }
-  }
-}
-
-template <class T>
 void Mamba2Mixer<T>::backward(Mamba2Acts<T>& a, index_t batch, index_t seqlen, const SeqIdxView& seq,
                               const View2<const T>& dout, const View2<T>& du) const {
   backward(a, batch, seqlen, seq, dout, du, nullptr, nullptr);
@@ -403,7 +306,7 @@ void Mamba2Mixer<T>::backward(Mamba2Acts<T>& a, index_t batch, index_t seqlen, c
           "explicit state gradients are not supported with cp = ", cp_->size());
   if (!a.win_ssm.empty()) {
     require(!dfinal_state && !dinit_state, "Mamba2Mixer::backward", "a windowed forward has no explicit states");
-    backward_windows(a, batch, seqlen, seq, dout, du);
+    windows::backward(*this, cfg_.window, a, batch, seqlen, seq, dout, du);
     return;
   }
   if (dfinal_state) check_state(*dfinal_state, batch, "Mamba2Mixer::backward (final state gradient)");
@@ -458,24 +361,9 @@ void Mamba2Mixer<T>::backward(Mamba2Acts<T>& a, index_t batch, index_t seqlen, c
       Kokkos::deep_copy(dinit_state->conv, T(0));
     }
   }
-  if (dfinal_state && Hc > 0) {
-    // the final conv state is the last d_conv - 1 conv inputs of the last token's record (conv1d_state_out):
-    // their gradient goes to those rows of d(zxbcdt), or through to the initial state when seqlen < d_conv - 1
-    const auto dfc = dfinal_state->conv;
-    const auto pre = a.conv_init;
-    const View3<T> dic = dinit_state ? dinit_state->conv : View3<T>();
-    const bool has_seq = seq.extent(0) > 0;
-    const index_t L = seqlen, C = C_;
-    par_for("mamba2::final_conv_grad", batch * C, Hc, KOKKOS_LAMBDA(index_t bc, index_t k) {
-      const index_t b = bc / C, c = bc % C, s = L - Hc + k;
-      const T gv = dfc(b, c, k);
-      if (s >= 0) {
-        if (!has_seq || seq(b, L - 1) == seq(b, s)) dzxbcdt(b * L + s, E + c) += gv;
-      } else if (pre.extent(0) > 0 && dic.extent(0) > 0 && (!has_seq || seq(b, L - 1) == seq(b, 0))) {
-        dic(b, c, Hc + s) += gv;
-      }
-    });
-  }
+  if (dfinal_state)  // the final conv state: the last d_conv - 1 conv inputs ([x | B | C] columns of zxbcdt)
+    windows::conv_state_out_backward<T>(dfinal_state->conv, a.conv_init, seq, seqlen, dzxbcdt, E,
+                                        dinit_state ? dinit_state->conv : View3<T>());
   if (cp_->size() > 1) {  // the halo's gradient goes back to the left neighbour, which adds it to its rows
     View3<T> dprefix(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba2::cp_dprefix"), batch, C_,
                      cfg_.d_conv - 1);

@@ -130,12 +130,9 @@ class Mamba2Mixer {
   void forward(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq, const View2<T>& out,
                Mamba2Acts<T>& acts, bool save, const Mamba2State<T>* init, Mamba2State<T>* final) const;
 
-  // Windows (config window W > 0, seqlen > W, cp = 1, no explicit states): forward() runs the sequence in
-  // windows of W tokens (the last one shorter), each from the state the previous one left (rows whose window
-  // starts a new record start from zero), and keeps only u and the states at the window boundaries; backward()
-  // runs the windows right to left, recomputing each one's internals from its boundary state and carrying the
-  // gradient of the state leftwards. The working memory of the layer then follows W instead of seqlen; the
-  // results are those of one pass up to rounding.
+  // Windows (config window W > 0, seqlen > W, cp = 1, no explicit states): forward() and backward() run the
+  // sequence in windows of W tokens with carried states (ssm/windows.hpp); the layer's working memory then
+  // follows W instead of seqlen, the results are those of one pass up to rounding.
 
   // du (B*L, D) is written; parameter gradients are accumulated into the store's gradient buffer.
   void backward(Mamba2Acts<T>& acts, index_t batch, index_t seqlen, const SeqIdxView& seq,
@@ -165,10 +162,6 @@ class Mamba2Mixer {
   void forward_cp(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq, const View2<T>& out,
                   Mamba2Acts<T>& acts, bool save) const;
   bool windowed(index_t seqlen) const { return cfg_.window > 0 && seqlen > cfg_.window && cp_->size() == 1; }
-  void forward_windows(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq,
-                       const View2<T>& out, Mamba2Acts<T>& acts) const;
-  void backward_windows(Mamba2Acts<T>& acts, index_t batch, index_t seqlen, const SeqIdxView& seq,
-                        const View2<const T>& dout, const View2<T>& du) const;
 
   Mamba2Config cfg_;
   // this rank's widths: d_inner, nheads, ngroups, conv channels, in_proj rows (the global ones when tp = 1)

@@ -1,0 +1,149 @@
+// Running a mixer over a long sequence in windows with carried states (the mixers' `window` setting).
+//
+// A mixer with decode states (conv: the last d_conv - 1 conv inputs; ssm: the scan state) and an explicit-state
+// forward/backward pair
+//   forward(u, batch, L, seq, out, acts, save, const State* init, State* final)
+//   backward(acts, batch, L, seq, dout, du, const State* dfinal, State* dinit)
+// runs a sequence longer than W tokens as windows of W (the last one shorter): window w starts from the state
+// window w - 1 left (zeroed for the rows whose window starts a new record: a state never crosses records) and
+// only u and the boundary states are kept; the backward runs the windows right to left, each recomputing its
+// internals from its boundary state and handing the gradient of that state to the window on its left. The
+// results are those of one pass up to rounding; the working memory follows W.
+//
+// Acts must have the members u, conv_init, ssm_init (what an explicit-state forward keeps) and win_conv, win_ssm
+// (vectors of the boundary states, entry w - 1 for window w).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "core/error.hpp"
+#include "core/kokkos_types.hpp"
+#include "layers/conv1d.hpp"
+
+namespace mm::windows {
+
+// Rows [t0, t0 + Lw) of every batch row of a (batch * L, D) matrix, packed as (batch * Lw, D), and back.
+template <class T>
+void gather(const View2<const T>& src, index_t L, index_t t0, index_t Lw, const View2<T>& dst) {
+  par_for("window::gather", dst.extent(0), dst.extent(1), KOKKOS_LAMBDA(index_t r, index_t j) {
+    dst(r, j) = src((r / Lw) * L + t0 + r % Lw, j);
+  });
+}
+template <class T>
+void scatter(const View2<const T>& src, index_t L, index_t t0, index_t Lw, const View2<T>& dst) {
+  par_for("window::scatter", src.extent(0), src.extent(1), KOKKOS_LAMBDA(index_t r, index_t j) {
+    dst((r / Lw) * L + t0 + r % Lw, j) = src(r, j);
+  });
+}
+
+// The record ids of tokens [t0, t0 + Lw) (empty stays empty).
+inline SeqIdxView seq_window(const SeqIdxView& seq, index_t t0, index_t Lw) {
+  if (seq.extent(0) == 0) return seq;
+  Kokkos::View<std::int32_t**, Layout, Mem> w(Kokkos::view_alloc(Kokkos::WithoutInitializing, "window::seq"),
+                                              seq.extent(0), Lw);
+  par_for("window::seq", seq.extent(0), Lw, KOKKOS_LAMBDA(index_t b, index_t t) { w(b, t) = seq(b, t0 + t); });
+  return w;
+}
+
+// Zeroes the batch rows of a state (or of its gradient) whose window starts a new record at t0.
+template <class State>
+void zero_new_records(const SeqIdxView& seq, index_t t0, const State& s) {
+  if (seq.extent(0) == 0) return;
+  const index_t batch = seq.extent(0), nc = s.conv.size() / batch, ns = s.ssm.size() / batch;
+  auto* cd = s.conv.data();
+  auto* sd = s.ssm.data();
+  using C = std::remove_pointer_t<decltype(cd)>;
+  using S = std::remove_pointer_t<decltype(sd)>;
+  par_for("window::new_record", batch, nc + ns, KOKKOS_LAMBDA(index_t b, index_t i) {
+    if (seq(b, t0 - 1) == seq(b, t0)) return;
+    if (i < nc) cd[b * nc + i] = C(0);
+    else sd[b * ns + (i - nc)] = S(0);
+  });
+}
+
+// The backward of conv1d_state_out (the last W - 1 conv inputs of the last token's record, read from the columns
+// [col, col + C) of x, or from the prefix where the sequence is shorter): the state gradient dstate
+// (batch, C, W - 1) is added to those rows of dx (same columns) and, for taps before the sequence, to dprefix
+// (when it and the prefix are not empty).
+template <class T>
+void conv_state_out_backward(const View3<const T>& dstate, const View3<const T>& prefix, const SeqIdxView& seq,
+                             index_t L, const View2<T>& dx, index_t col, const View3<T>& dprefix) {
+  const index_t batch = dstate.extent(0), C = dstate.extent(1), H = dstate.extent(2);
+  if (H == 0) return;
+  const bool has_seq = seq.extent(0) > 0, to_prefix = prefix.extent(0) > 0 && dprefix.extent(0) > 0;
+  par_for("window::conv_state_grad", batch * C, H, KOKKOS_LAMBDA(index_t bc, index_t k) {
+    const index_t b = bc / C, c = bc % C, s = L - H + k;
+    const T g = dstate(b, c, k);
+    if (s >= 0) {
+      if (!has_seq || seq(b, L - 1) == seq(b, s)) dx(b * L + s, col + c) += g;
+    } else if (to_prefix && (!has_seq || seq(b, L - 1) == seq(b, 0))) {
+      dprefix(b, c, H + s) += g;
+    }
+  });
+}
+
+// The windowed forward (see the top of this file); W < seqlen.
+template <class Mixer, class Acts, class T>
+void forward(const Mixer& m, index_t W, const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq,
+             const View2<T>& out, Acts& acts) {
+  const index_t nw = (seqlen + W - 1) / W, D = u.extent(1), Dout = out.extent(1);
+  acts = Acts{};
+  acts.u = u;
+  using State = decltype(m.make_state(batch));
+  State cur;
+  for (index_t w = 0; w < nw; ++w) {
+    const index_t t0 = w * W, Lw = std::min(W, seqlen - t0);
+    View2<T> uw = make_uninit<View2<T>>("window::u", batch * Lw, D);
+    View2<T> ow = make_uninit<View2<T>>("window::out", batch * Lw, Dout);
+    gather<T>(u, seqlen, t0, Lw, uw);
+    if (w > 0) zero_new_records(seq, t0, cur);
+    State next;
+    if (w + 1 < nw) next = m.make_state(batch);
+    Acts aw;
+    m.forward(uw, batch, Lw, seq_window(seq, t0, Lw), ow, aw, false, w > 0 ? &cur : nullptr,
+              w + 1 < nw ? &next : nullptr);
+    if (w > 0) {  // the forward's copies of the state the window started from
+      acts.win_conv.push_back(aw.conv_init);
+      acts.win_ssm.push_back(aw.ssm_init);
+    }
+    scatter<T>(ow, seqlen, t0, Lw, out);
+    cur = next;
+  }
+}
+
+// The windowed backward: windows right to left, each recomputed from its boundary state.
+template <class Mixer, class Acts, class T>
+void backward(const Mixer& m, index_t W, Acts& a, index_t batch, index_t seqlen, const SeqIdxView& seq,
+              const View2<const T>& dout, const View2<T>& du) {
+  const index_t nw = (seqlen + W - 1) / W, D = du.extent(1), Dout = dout.extent(1);
+  require(index_t(a.win_ssm.size()) == nw - 1, "windowed backward", "the windowed forward kept ", a.win_ssm.size(),
+          " boundary states for ", nw, " windows");
+  using State = decltype(m.make_state(batch));
+  State dcarry;  // gradient of the state the window to the right started from
+  for (index_t w = nw - 1; w >= 0; --w) {
+    const index_t t0 = w * W, Lw = std::min(W, seqlen - t0);
+    View2<T> uw = make_uninit<View2<T>>("window::u", batch * Lw, D);
+    View2<T> dow = make_uninit<View2<T>>("window::dout", batch * Lw, Dout);
+    View2<T> duw = make_uninit<View2<T>>("window::du", batch * Lw, D);
+    gather<T>(a.u, seqlen, t0, Lw, uw);
+    gather<T>(dout, seqlen, t0, Lw, dow);
+    Acts aw;
+    aw.u = uw;
+    if (w > 0) {
+      aw.conv_init = a.win_conv[std::size_t(w - 1)];
+      aw.ssm_init = a.win_ssm[std::size_t(w - 1)];
+    }
+    State dinit;
+    if (w > 0) dinit = m.make_state(batch);
+    m.backward(aw, batch, Lw, seq_window(seq, t0, Lw), dow, duw, w + 1 < nw ? &dcarry : nullptr,
+               w > 0 ? &dinit : nullptr);
+    scatter<T>(duw, seqlen, t0, Lw, du);
+    if (w > 0) {
+      zero_new_records(seq, t0, dinit);  // those rows started from zero, not from the state
+      dcarry = dinit;
+    }
+  }
+}
+
+}  // namespace mm::windows
