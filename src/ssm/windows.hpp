@@ -20,6 +20,7 @@
 #include "core/error.hpp"
 #include "core/kokkos_types.hpp"
 #include "layers/conv1d.hpp"
+#include "parallel/context_parallel.hpp"
 
 namespace mm::windows {
 
@@ -81,6 +82,21 @@ void conv_state_out_backward(const View3<const T>& dstate, const View3<const T>&
       dprefix(b, c, H + s) += g;
     }
   });
+}
+
+// The gradient of a conv prefix (the initial conv state `in.prefix`) of conv1d_silu_forward(in, w, bias, seq),
+// given the gradient dy of its output, into dprefix (batch, channels, W - 1); zero when the forward had no prefix.
+template <class T>
+void conv_init_backward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, const View1<const acc_t<T>>& bias,
+                        const SeqIdxView& seq, const View2<const T>& dy, const View3<T>& dprefix) {
+  const index_t H = w.extent(1) - 1;
+  if (in.prefix.extent(0) == 0 || H == 0) {
+    Kokkos::deep_copy(dprefix, T(0));
+    return;
+  }
+  View2<T> all(Kokkos::view_alloc(Kokkos::WithoutInitializing, "window::prefix_mask"), in.batch, H);
+  Kokkos::deep_copy(all, T(1));  // the prefix feeds token 0's record on every row
+  parallel::conv1d_silu_prefix_grad<T>(in, w, bias, seq, dy, all, dprefix);
 }
 
 // The windowed forward (see the top of this file); W < seqlen.

@@ -78,6 +78,13 @@ void gemm_cublas(Trans ta, Trans tb, S alpha, GemmIn<T> A, GemmIn<T> B, S beta, 
         "cublasGemmEx");
 }
 
+// cuBLAS compute type of a float GEMM: tensor cores with tf32 or bf16 operand rounding, or plain fp32.
+cublasComputeType_t float_compute_type(GemmCompute c) {
+  return c == GemmCompute::tf32   ? CUBLAS_COMPUTE_32F_FAST_TF32
+         : c == GemmCompute::bf16 ? CUBLAS_COMPUTE_32F_FAST_16BF
+                                  : CUBLAS_COMPUTE_32F;
+}
+
 template <class T>
 void batched_cublas(Trans ta, Trans tb, index_t m, index_t n, index_t k, T alpha, const T* A, index_t lda,
                     index_t sA, const T* B, index_t ldb, index_t sB, T beta, T* C, index_t ldc, index_t sC,
@@ -148,10 +155,7 @@ const char* gemm_compute_name(GemmCompute c) {
 
 #if defined(KOKKOS_ENABLE_CUDA)
 void gemm(Trans ta, Trans tb, float alpha, GemmIn<float> A, GemmIn<float> B, float beta, GemmOut<float> C) {
-  const cublasComputeType_t ct = g_float_compute == GemmCompute::tf32   ? CUBLAS_COMPUTE_32F_FAST_TF32
-                                 : g_float_compute == GemmCompute::bf16 ? CUBLAS_COMPUTE_32F_FAST_16BF
-                                                                        : CUBLAS_COMPUTE_32F;
-  gemm_cublas<float>(ta, tb, alpha, A, B, beta, C, CUDA_R_32F, ct);
+  gemm_cublas<float>(ta, tb, alpha, A, B, beta, C, CUDA_R_32F, float_compute_type(g_float_compute));
 }
 void gemm(Trans ta, Trans tb, double alpha, GemmIn<double> A, GemmIn<double> B, double beta,
           GemmOut<double> C) {
@@ -163,10 +167,8 @@ void gemm(Trans ta, Trans tb, float alpha, GemmIn<bf16> A, GemmIn<bf16> B, float
 void gemm_strided_batched(Trans ta, Trans tb, index_t m, index_t n, index_t k, float alpha, const float* A,
                           index_t lda, index_t sA, const float* B, index_t ldb, index_t sB, float beta, float* C,
                           index_t ldc, index_t sC, index_t count, GemmCompute compute) {
-  const cublasComputeType_t ct = compute == GemmCompute::tf32   ? CUBLAS_COMPUTE_32F_FAST_TF32
-                                 : compute == GemmCompute::bf16 ? CUBLAS_COMPUTE_32F_FAST_16BF
-                                                                : CUBLAS_COMPUTE_32F;
-  batched_cublas<float>(ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB, beta, C, ldc, sC, count, CUDA_R_32F, ct);
+  batched_cublas<float>(ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB, beta, C, ldc, sC, count, CUDA_R_32F,
+                        float_compute_type(compute));
 }
 void gemm_strided_batched(Trans ta, Trans tb, index_t m, index_t n, index_t k, double alpha, const double* A,
                           index_t lda, index_t sA, const double* B, index_t ldb, index_t sB, double beta,

@@ -365,17 +365,9 @@ void Mamba1Mixer<T>::backward(Mamba1Acts<T>& a, index_t batch, index_t seqlen, c
   // conv: d(x) into the x columns of d(xz)
   conv1d_silu_backward<T>(Conv1dIn<T>{a.xz, 0, batch, seqlen, E, a.conv_init}, store_->v2(conv_w_),
                           store_->v1(conv_b_), seq, dxc, dxz, 0, store_->g2(conv_w_), store_->g1(conv_b_));
-  const index_t Hc = cfg_.d_conv - 1;
-  if (dinit_state) {  // the conv prefix fed the outputs of token 0's record
-    if (a.conv_init.extent(0) > 0 && Hc > 0) {
-      View2<T> all(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba1::prefix_mask"), batch, Hc);
-      Kokkos::deep_copy(all, T(1));
-      parallel::conv1d_silu_prefix_grad<T>(Conv1dIn<T>{a.xz, 0, batch, seqlen, E, a.conv_init}, store_->v2(conv_w_),
-                                           store_->v1(conv_b_), seq, dxc, all, dinit_state->conv);
-    } else {
-      Kokkos::deep_copy(dinit_state->conv, T(0));
-    }
-  }
+  if (dinit_state)  // the conv prefix fed the outputs of token 0's record
+    windows::conv_init_backward<T>(Conv1dIn<T>{a.xz, 0, batch, seqlen, E, a.conv_init}, store_->v2(conv_w_),
+                                   store_->v1(conv_b_), seq, dxc, dinit_state->conv);
   if (dfinal_state)  // the final conv state: the last d_conv - 1 conv inputs (the x columns of xz)
     windows::conv_state_out_backward<T>(dfinal_state->conv, a.conv_init, seq, seqlen, dxz, 0,
                                         dinit_state ? dinit_state->conv : View3<T>());
