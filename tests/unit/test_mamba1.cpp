@@ -9,6 +9,7 @@
 #include "reference/mamba1_ref.hpp"
 #include "ssm/mamba1/mixer.hpp"
 #include "ssm/mamba1/selective_scan.hpp"
+#include "mixer_checks.hpp"
 #include "util.hpp"
 
 using namespace mm;
@@ -440,92 +441,14 @@ TEST_CASE("Mamba-1 mixer recompute policy gives bit-identical gradients", "[mamb
 
 TEST_CASE("Mamba-1 mixer backward with explicit states matches finite differences (initial and final state)",
           "[mamba1][gradcheck]") {
-  // loss = out . dout + final.conv . gc + final.ssm . gs; L = 2 < d_conv - 1 takes the final conv state partly from
-  // the initial one
-  for (index_t L : {2, 11}) {
-    const Mamba1Config cfg = tiny_m1();
-    const index_t B = 2;
-    ParamStore<double> ps;
-    Mamba1Mixer<double> mixer(cfg, ps, "m.", 2);
-    ps.allocate();
-    ps.initialize(5);
-    mmtest::jitter_params(ps, 99, 0.1);
-    fill_uniform(ps.v1(ps.index("m.dt_proj.bias")), 77, -1.0, 1.0);
-    View2<double> u("u", B * L, cfg.d_model), dout("dout", B * L, cfg.d_model), du("du", B * L, cfg.d_model);
-    fill_uniform(u, 1);
-    fill_uniform(dout, 2);
-    Mamba1State<double> init = mixer.make_state(B), gfin = mixer.make_state(B);
-    fill_uniform(init.conv, 3);
-    fill_uniform(init.ssm, 4);
-    fill_uniform(gfin.conv, 5);
-    fill_uniform(gfin.ssm, 6);
-    const auto seq = m1_records(B, L);
-    const auto dov = to_vec(dout), gcv = to_vec(gfin.conv), gsv = to_vec(gfin.ssm);
-    auto loss = [&]() {
-      View2<double> o("o", B * L, cfg.d_model);
-      Mamba1Acts<double> a;
-      Mamba1State<double> fin = mixer.make_state(B);
-      mixer.forward(u, B, L, seq, o, a, false, &init, &fin);
-      return mmtest::dot(to_vec(o), dov) + mmtest::dot(to_vec(fin.conv), gcv) + mmtest::dot(to_vec(fin.ssm), gsv);
-    };
-    Mamba1Acts<double> acts;
-    View2<double> out("out", B * L, cfg.d_model);
-    Mamba1State<double> fin = mixer.make_state(B), dinit = mixer.make_state(B);
-    mixer.forward(u, B, L, seq, out, acts, true, &init, &fin);
-    ps.zero_grads();
-    mixer.backward(acts, B, L, seq, dout, du, &gfin, &dinit);
-    INFO("L = " << L);
-    CHECK(fd_check(u, to_vec(du), loss, 40).rel() < 1e-6);
-    CHECK(fd_check(init.conv, to_vec(dinit.conv), loss).rel() < 1e-6);
-    CHECK(fd_check(init.ssm, to_vec(dinit.ssm), loss).rel() < 1e-6);
-    for (const auto& e : ps.entries()) {
-      const auto idx = ps.index(e.name);
-      INFO(e.name);
-      CHECK(fd_check(ps.v1(idx), to_vec(ps.g1(idx)), loss, 20).rel() < 1e-6);
-    }
-  }
+  for (index_t L : {2, 11})
+    mmtest::explicit_state_gradcheck<Mamba1Mixer<double>, Mamba1Acts<double>>(
+        tiny_m1(), L, m1_records(2, L),
+        [](ParamStore<double>& ps) { fill_uniform(ps.v1(ps.index("m.dt_proj.bias")), 77, -1.0, 1.0); });
 }
 
 TEST_CASE("Mamba-1 mixer in windows with carried states equals one pass (forward and backward)", "[mamba1]") {
-  // windows of 2 (shorter than d_conv - 1 = 3), 5 and 7 tokens over L = 19, both recompute policies; row 0 holds
-  // two records split at t = 9 (inside a window) or t = 10 (a window boundary for W = 2 and 5); row 1 is one record
-  const index_t B = 2, L = 19;
-  for (index_t cut : {9, 10})
-    for (index_t W : {2, 5, 7})
-      for (bool save : {true, false}) {
-        Kokkos::View<std::int32_t**, Layout, Mem> seq("seq", B, L);
-        {
-          auto h = Kokkos::create_mirror_view(seq);
-          for (index_t b = 0; b < B; ++b)
-            for (index_t t = 0; t < L; ++t) h(b, t) = b == 0 ? int(t >= cut) : 3;
-          Kokkos::deep_copy(seq, h);
-        }
-        std::vector<double> outs[2], dus[2], grads[2];
-        for (int windowed = 0; windowed < 2; ++windowed) {
-          Mamba1Config cfg = tiny_m1();
-          cfg.window = windowed ? W : 0;
-          ParamStore<double> ps;
-          Mamba1Mixer<double> mixer(cfg, ps, "m.", 2);
-          ps.allocate();
-          ps.initialize(5);
-          mmtest::jitter_params(ps, 99, 0.1);
-          View2<double> u("u", B * L, cfg.d_model), out("out", B * L, cfg.d_model);
-          View2<double> dout("dout", B * L, cfg.d_model), du("du", B * L, cfg.d_model);
-          fill_uniform(u, 1);
-          fill_uniform(dout, 2);
-          Mamba1Acts<double> acts;
-          mixer.forward(u, B, L, seq, out, acts, save);
-          ps.zero_grads();
-          mixer.backward(acts, B, L, seq, dout, du);
-          outs[windowed] = to_vec(out);
-          dus[windowed] = to_vec(du);
-          grads[windowed] = to_vec(ps.grads());
-        }
-        INFO("records cut " << cut << ", window " << W << ", save " << save);
-        CHECK(rel_err(outs[1], outs[0]) < 1e-12);
-        CHECK(rel_err(dus[1], dus[0]) < 1e-12);
-        CHECK(rel_err(grads[1], grads[0]) < 1e-12);
-      }
+  mmtest::windows_equal_one_pass<Mamba1Mixer<double>, Mamba1Acts<double>>(tiny_m1());
 }
 
 TEST_CASE("Mamba-1 initialisation follows mamba_ssm", "[mamba1]") {

@@ -7,6 +7,7 @@
 #include "model/lm.hpp"
 #include "reference/mamba2_ref.hpp"
 #include "ssm/mamba2/mixer.hpp"
+#include "mixer_checks.hpp"
 #include "util.hpp"
 
 using namespace mm;
@@ -127,95 +128,13 @@ TEST_CASE("Mamba-2 mixer recompute policy gives bit-identical gradients", "[mamb
 
 TEST_CASE("Mamba-2 mixer backward with explicit states matches finite differences (initial and final state)",
           "[mamba2][gradcheck]") {
-  // loss = out . dout + final.conv . gc + final.ssm . gs; the initial state is an input with its own gradient.
-  // L = 2 < d_conv - 1 = 3 takes the final conv state partly from the initial one.
-  for (index_t L : {2, 11}) {
-    const Mamba2Config cfg = tiny_mixer();
-    const index_t B = 2;
-    ParamStore<double> ps;
-    Mamba2Mixer<double> mixer(cfg, ps, "m.", 2);
-    ps.allocate();
-    ps.initialize(5);
-    mmtest::jitter_params(ps, 99, 0.1);
-    View2<double> u("u", B * L, cfg.d_model), dout("dout", B * L, cfg.d_model), du("du", B * L, cfg.d_model);
-    fill_uniform(u, 1);
-    fill_uniform(dout, 2);
-    Mamba2State<double> init = mixer.make_state(B), gfin = mixer.make_state(B);
-    fill_uniform(init.conv, 3);
-    fill_uniform(init.ssm, 4);
-    fill_uniform(gfin.conv, 5);
-    fill_uniform(gfin.ssm, 6);
-    const auto seq = records(B, L);
-    const auto dov = to_vec(dout), gcv = to_vec(gfin.conv), gsv = to_vec(gfin.ssm);
-    auto loss = [&]() {
-      View2<double> o("o", B * L, cfg.d_model);
-      Mamba2Acts<double> a;
-      Mamba2State<double> fin = mixer.make_state(B);
-      mixer.forward(u, B, L, seq, o, a, false, &init, &fin);
-      return mmtest::dot(to_vec(o), dov) + mmtest::dot(to_vec(fin.conv), gcv) + mmtest::dot(to_vec(fin.ssm), gsv);
-    };
-    Mamba2Acts<double> acts;
-    View2<double> out("out", B * L, cfg.d_model);
-    Mamba2State<double> fin = mixer.make_state(B), dinit = mixer.make_state(B);
-    mixer.forward(u, B, L, seq, out, acts, true, &init, &fin);
-    ps.zero_grads();
-    mixer.backward(acts, B, L, seq, dout, du, &gfin, &dinit);
-    INFO("L = " << L);
-    CHECK(fd_check(u, to_vec(du), loss, 40).rel() < 1e-6);
-    CHECK(fd_check(init.conv, to_vec(dinit.conv), loss).rel() < 1e-6);
-    CHECK(fd_check(init.ssm, to_vec(dinit.ssm), loss).rel() < 1e-6);
-    for (const auto& e : ps.entries()) {
-      const auto idx = ps.index(e.name);
-      INFO(e.name);
-      CHECK(fd_check(ps.v1(idx), to_vec(ps.g1(idx)), loss, 20).rel() < 1e-6);
-    }
-  }
+  for (index_t L : {2, 11})
+    mmtest::explicit_state_gradcheck<Mamba2Mixer<double>, Mamba2Acts<double>>(tiny_mixer(), L, records(2, L),
+                                                                            [](ParamStore<double>&) {});
 }
 
 TEST_CASE("Mamba-2 mixer in windows with carried states equals one pass (forward and backward)", "[mamba2]") {
-  // (the same windows as the Mamba-1 test; both go through ssm/windows.hpp)
-  // Windows of 2 (shorter than the conv's d_conv - 1 = 3), 5 and 7 tokens over L = 19, both recompute policies.
-  // Row 0 holds two records, split at t = 9 (inside a window for every W) or at t = 10 (a window boundary for
-  // W = 2 and 5: that window starts from zero); row 1 is one record.
-  const index_t B = 2, L = 19;
-  for (int layout = 0; layout < 2; ++layout)
-    for (index_t W : {2, 5, 7})
-      for (bool save : {true, false}) {
-        Mamba2Config base = tiny_mixer();
-        std::vector<double> outs[2], dus[2], grads[2];
-        Kokkos::View<std::int32_t**, Layout, Mem> seq("seq", B, L);
-        {
-          auto h = Kokkos::create_mirror_view(seq);
-          const index_t cut = layout == 0 ? 9 : 10;
-          for (index_t b = 0; b < B; ++b)
-            for (index_t t = 0; t < L; ++t) h(b, t) = b == 0 ? int(t >= cut) : 3;
-          Kokkos::deep_copy(seq, h);
-        }
-        for (int windowed = 0; windowed < 2; ++windowed) {
-          Mamba2Config cfg = base;
-          cfg.window = windowed ? W : 0;
-          ParamStore<double> ps;
-          Mamba2Mixer<double> mixer(cfg, ps, "m.", 2);
-          ps.allocate();
-          ps.initialize(5);
-          mmtest::jitter_params(ps, 99, 0.1);
-          View2<double> u("u", B * L, cfg.d_model), out("out", B * L, cfg.d_model);
-          View2<double> dout("dout", B * L, cfg.d_model), du("du", B * L, cfg.d_model);
-          fill_uniform(u, 1);
-          fill_uniform(dout, 2);
-          Mamba2Acts<double> acts;
-          mixer.forward(u, B, L, seq, out, acts, save);
-          ps.zero_grads();
-          mixer.backward(acts, B, L, seq, dout, du);
-          outs[windowed] = to_vec(out);
-          dus[windowed] = to_vec(du);
-          grads[windowed] = to_vec(ps.grads());
-        }
-        INFO("records cut " << (layout == 0 ? 9 : 10) << ", window " << W << ", save " << save);
-        CHECK(rel_err(outs[1], outs[0]) < 1e-12);
-        CHECK(rel_err(dus[1], dus[0]) < 1e-12);
-        CHECK(rel_err(grads[1], grads[0]) < 1e-12);
-      }
+  mmtest::windows_equal_one_pass<Mamba2Mixer<double>, Mamba2Acts<double>>(tiny_mixer());
 }
 
 TEST_CASE("Mamba-2 initialisation follows mamba_ssm", "[mamba2]") {

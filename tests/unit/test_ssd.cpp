@@ -90,6 +90,18 @@ struct Data {
     return i;
   }
 
+  // Zeroed gradient buffers for ssd_backward (the initial-state gradient only when asked for).
+  SSDGrad<T> grads(bool with_dinit) const {
+    SSDGrad<T> g;
+    g.dxbc = View2<T>("dxbc", xbc.extent(0), xbc.extent(1));
+    g.ddt = View2<T>("ddt", dt.extent(0), dt.extent(1));
+    g.dA_log = View1<Pt>("dA_log", cs.H);
+    g.ddt_bias = View1<Pt>("ddt_bias", cs.H);
+    g.dD = View1<Pt>("dD", cs.H);
+    if (with_dinit) g.dinit_state = View4<Pt>("dinit", cs.B, cs.H, cs.P, cs.N);
+    return g;
+  }
+
   std::vector<double> reference(std::vector<double>* fin) const {
     mmref::SSDRefShape s{cs.B, cs.L, cs.H, cs.P, cs.G, cs.N, cs.dt_lo, cs.dt_hi};
     std::vector<int> sq;
@@ -255,13 +267,7 @@ TEST_CASE("SSD backward matches finite differences for every input", "[ssd][grad
       ssd_forward<double>(d.shape, d.in(), y, fin);
       return mmtest::dot(to_vec(y), dyv) + mmtest::dot(to_vec(fin), dfv);
     };
-    SSDGrad<double> g;
-    g.dxbc = View2<double>("dxbc", d.xbc.extent(0), d.xbc.extent(1));
-    g.ddt = View2<double>("ddt", d.dt.extent(0), d.dt.extent(1));
-    g.dA_log = View1<double>("dA_log", c.H);
-    g.ddt_bias = View1<double>("ddt_bias", c.H);
-    g.dD = View1<double>("dD", c.H);
-    g.dinit_state = View4<double>("dinit", c.B, c.H, c.P, c.N);
+    SSDGrad<double> g = d.grads(true);
     ssd_backward<double>(d.shape, d.in(), dy, dfin, g);
     INFO("Q=" << Q << " algo=" << algo_name(algo));
     CHECK(fd_check(d.xbc, to_vec(g.dxbc), loss, 60).rel() < 1e-6);
@@ -281,12 +287,7 @@ TEST_CASE("SSD backward gives zero dt gradient where dt_limit clamps", "[ssd][gr
   Data<double> d(c);
   View2<double> dy("dy", c.B * c.L, c.H * c.P);
   fill_uniform(dy, 13);
-  SSDGrad<double> g;
-  g.dxbc = View2<double>("dxbc", d.xbc.extent(0), d.xbc.extent(1));
-  g.ddt = View2<double>("ddt", d.dt.extent(0), d.dt.extent(1));
-  g.dA_log = View1<double>("dA_log", c.H);
-  g.ddt_bias = View1<double>("ddt_bias", c.H);
-  g.dD = View1<double>("dD", c.H);
+  SSDGrad<double> g = d.grads(false);
   ssd_backward<double>(d.shape, d.in(), dy, View4<const double>(), g);
   const auto dt = to_vec(d.dt), bias = to_vec(d.dt_bias), ddt = to_vec(g.ddt);
   int clamped = 0, free = 0;
@@ -329,13 +330,7 @@ TEST_CASE("SSD GEMM formulation: backward equals the portable kernels' (double)"
         View4<double> dfin("dfin", c.B, c.H, c.P, c.N);
         fill_uniform(dy, 21);
         fill_uniform(dfin, 22);
-        SSDGrad<double> g;
-        g.dxbc = View2<double>("dxbc", d.xbc.extent(0), d.xbc.extent(1));
-        g.ddt = View2<double>("ddt", d.dt.extent(0), d.dt.extent(1));
-        g.dA_log = View1<double>("dA_log", c.H);
-        g.ddt_bias = View1<double>("ddt_bias", c.H);
-        g.dD = View1<double>("dD", c.H);
-        g.dinit_state = View4<double>("dinit", c.B, c.H, c.P, c.N);
+        SSDGrad<double> g = d.grads(true);
         ssd_backward<double>(d.shape, d.in(), dy, dfin, g);
         grads[ai] = {to_vec(g.dxbc), to_vec(g.ddt), to_vec(g.dA_log), to_vec(g.ddt_bias), to_vec(g.dD),
                      to_vec(g.dinit_state)};
