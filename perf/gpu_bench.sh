@@ -4,7 +4,7 @@
 # this project: Kokkos (CUDA), Boost.Program_options, htslib and the peers are given by path.
 #
 #   perf/gpu_bench.sh --kokkos PREFIX --out DIR --mamba-ssm DIR [--causal-conv1d DIR] [--boost-po LIB]
-#                     [--htslib PREFIX] [--stages build,test,bench,long,cp] [--test-timeout S] [--bench-only LIST]
+#                     [--htslib PREFIX] [--stages build,test,bench,long,cp,ecoli] [--test-timeout S] [--bench-only LIST]
 #                     [--commit HASH]   (the commit to print, where the copy on the GPU machine has no usable .git)
 #                     [--peer-args "ARGS"]    (passed to perf/peers.py, e.g. "--ssd-dtypes bf16")
 #                     [--bench-args "ARGS"]   (passed to mambamoe_bench, e.g. "--ssd gemm-tf32,portable --lm-ssd gemm-bf16")
@@ -13,6 +13,8 @@
 # built causal_conv1d_cuda*.so and the causal_conv1d package (perf/build_causal_conv1d.py makes it), without which
 # the peer's LM runs its unfused path. --bench-only also takes tfm (a PyTorch Transformer, peers only).
 # --stages long: the LM step on one 1,048,576-token sequence with the Mamba-2 layers in windows of 131,072 tokens.
+# --stages ecoli: inputs/genomics/ecoli.in as committed (needs data/ecoli_mg1655.fa.gz: scripts/fetch_data.sh ecoli),
+#   metrics under DIR/ecoli; it prints the held-out bits/base against the order-6 Markov baseline (1.934).
 # --stages cp (2 GPUs): the LM step at 131,072 tokens on one GPU against cp = 2 at 262,144 tokens over two.
 # Writes under DIR: build.log, ctest.log, ours.csv, peers.csv, bench.log, and summary.txt (the table, also printed).
 set -uo pipefail
@@ -81,6 +83,15 @@ if has long; then
     --lm-ssd gemm-tf32 --reps 3 > "$out/long.log" 2>&1 || rc=1
   mv "$out/ours.csv" "$out/long.csv" 2>/dev/null
   grep "lm train" "$out/long.log" || tail -20 "$out/long.log"
+fi
+
+# The E. coli DNA language model on the GPU (issue 3): the committed deck, its held-out bits/base at the end.
+if has ecoli; then
+  t0=$SECONDS
+  (cd "$root" && build/cuda/physics_style_drivers/mambamoe inputs/genomics/ecoli.in --run.output_dir="$out/ecoli" \
+    --train.time_limit_minutes=4) > "$out/ecoli.log" 2>&1 || rc=1
+  grep -iE "result|eval|error" "$out/ecoli.log" | tail -8
+  echo "ecoli: $((SECONDS - t0)) s"
 fi
 
 # Context-parallel weak scaling on 2 GPUs (issue 6): the LM step on one GPU at 131,072 tokens, then cp = 2 over two
