@@ -100,23 +100,76 @@ void batched_cublas(Trans ta, Trans tb, index_t m, index_t n, index_t k, T alpha
         "cublasGemmStridedBatchedEx");
 }
 
+// Device arrays of operand pointers for cublasGemmBatchedEx, grown as needed and kept until Kokkos::finalize.
+// Reuse is stream-ordered (the fill kernel and cuBLAS run on the same stream), and growing frees the old buffer
+// with cudaFree, which waits for the device.
+std::uintptr_t* pointer_buffer(index_t n) {
+  static View1<std::uintptr_t>* buf = nullptr;
+  if (buf == nullptr) {
+    buf = new View1<std::uintptr_t>();
+    Kokkos::push_finalize_hook([] {
+      delete buf;
+      buf = nullptr;
+    });
+  }
+  if (index_t(buf->extent(0)) < n) *buf = View1<std::uintptr_t>("gemm::pointers", n);
+  return buf->data();
+}
+
+template <class T>
+void batched2d_cublas(Trans ta, Trans tb, index_t m, index_t n, index_t k, T alpha, const T* A, index_t lda,
+                      index_t sAj, index_t sAi, const T* B, index_t ldb, index_t sBj, index_t sBi, T beta, T* C,
+                      index_t ldc, index_t sCj, index_t sCi, index_t nj, index_t ni, cudaDataType_t dtype,
+                      cublasComputeType_t compute) {
+  if (m == 0 || n == 0 || nj == 0 || ni == 0) return;
+  // one stride when the levels flatten (entry j ni + i at (j ni + i) s)
+  const bool flat = ni == 1 || (sAj == ni * sAi && sBj == ni * sBi && sCj == ni * sCi);
+  if (flat || nj == 1) {
+    const bool by_i = ni > 1;
+    batched_cublas<T>(ta, tb, m, n, k, alpha, A, lda, by_i ? sAi : sAj, B, ldb, by_i ? sBi : sBj, beta, C, ldc,
+                      by_i ? sCi : sCj, nj * ni, dtype, compute);
+    return;
+  }
+  const index_t count = nj * ni;
+  require(m < (1ll << 31) && n < (1ll << 31) && k < (1ll << 31) && lda < (1ll << 31) && ldb < (1ll << 31) &&
+              ldc < (1ll << 31) && count < (1ll << 31),
+          "gemm_batched_2d", "dimension exceeds int32");
+  Kokkos::Profiling::ScopedRegion region("gemm::cublas_batched_2d");
+  std::uintptr_t* ptr = pointer_buffer(3 * count);
+  const auto a0 = reinterpret_cast<std::uintptr_t>(A), b0 = reinterpret_cast<std::uintptr_t>(B),
+             c0 = reinterpret_cast<std::uintptr_t>(C);
+  const index_t sz = sizeof(T);
+  par_for("gemm::batched_2d_pointers", count, KOKKOS_LAMBDA(index_t e) {
+    const index_t j = e / ni, i = e % ni;
+    ptr[e] = a0 + std::uintptr_t((j * sAj + i * sAi) * sz);
+    ptr[count + e] = b0 + std::uintptr_t((j * sBj + i * sBi) * sz);
+    ptr[2 * count + e] = c0 + std::uintptr_t((j * sCj + i * sCi) * sz);
+  });
+  auto arr = reinterpret_cast<void**>(ptr);
+  check(cublasGemmBatchedEx(handle(), op(tb), op(ta), int(n), int(m), int(k), &alpha, arr + count, dtype, int(ldb),
+                            arr, dtype, int(lda), &beta, arr + 2 * count, dtype, int(ldc), int(count), compute,
+                            CUBLAS_GEMM_DEFAULT),
+        "cublasGemmBatchedEx");
+}
+
 #else
 
-// Host: one thread per output element of the batch, the k loop inside (row-major, op as given).
+// Host: one thread per output element of a two-level batch (entry (j, i) at X + j sXj + i sXi), the k loop
+// inside (row-major, op as given).
 template <class T>
-void batched_host(Trans ta, Trans tb, index_t m, index_t n, index_t k, T alpha, const T* A, index_t lda,
-                  index_t sA, const T* B, index_t ldb, index_t sB, T beta, T* C, index_t ldc, index_t sC,
-                  index_t count) {
-  if (m == 0 || n == 0 || count == 0) return;
+void batched2d_host(Trans ta, Trans tb, index_t m, index_t n, index_t k, T alpha, const T* A, index_t lda,
+                    index_t sAj, index_t sAi, const T* B, index_t ldb, index_t sBj, index_t sBi, T beta, T* C,
+                    index_t ldc, index_t sCj, index_t sCi, index_t nj, index_t ni) {
+  if (m == 0 || n == 0 || nj == 0 || ni == 0) return;
   const bool at = ta == Trans::T, bt = tb == Trans::T;
-  par_for("gemm::strided_batched", count * m, n, KOKKOS_LAMBDA(index_t bi, index_t j) {
-    const index_t b = bi / m, i = bi % m;
-    const T* a = A + b * sA;
-    const T* bb = B + b * sB;
+  par_for("gemm::batched_2d", nj * ni * m, n, KOKKOS_LAMBDA(index_t bi, index_t jj) {
+    const index_t e = bi / m, i = bi % m, bj = e / ni, b_i = e % ni;
+    const T* a = A + bj * sAj + b_i * sAi;
+    const T* bb = B + bj * sBj + b_i * sBi;
     T acc = 0;
     for (index_t kk = 0; kk < k; ++kk)
-      acc += (at ? a[kk * lda + i] : a[i * lda + kk]) * (bt ? bb[j * ldb + kk] : bb[kk * ldb + j]);
-    T& c = C[b * sC + i * ldc + j];
+      acc += (at ? a[kk * lda + i] : a[i * lda + kk]) * (bt ? bb[jj * ldb + kk] : bb[kk * ldb + jj]);
+    T& c = C[bj * sCj + b_i * sCi + i * ldc + jj];
     c = alpha * acc + (beta == T(0) ? T(0) : beta * c);
   });
 }
@@ -176,6 +229,19 @@ void gemm_strided_batched(Trans ta, Trans tb, index_t m, index_t n, index_t k, d
   batched_cublas<double>(ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB, beta, C, ldc, sC, count, CUDA_R_64F,
                          CUBLAS_COMPUTE_64F);
 }
+void gemm_batched_2d(Trans ta, Trans tb, index_t m, index_t n, index_t k, float alpha, const float* A, index_t lda,
+                     index_t sAj, index_t sAi, const float* B, index_t ldb, index_t sBj, index_t sBi, float beta,
+                     float* C, index_t ldc, index_t sCj, index_t sCi, index_t nj, index_t ni, GemmCompute compute) {
+  batched2d_cublas<float>(ta, tb, m, n, k, alpha, A, lda, sAj, sAi, B, ldb, sBj, sBi, beta, C, ldc, sCj, sCi, nj, ni,
+                          CUDA_R_32F, float_compute_type(compute));
+}
+void gemm_batched_2d(Trans ta, Trans tb, index_t m, index_t n, index_t k, double alpha, const double* A,
+                     index_t lda, index_t sAj, index_t sAi, const double* B, index_t ldb, index_t sBj, index_t sBi,
+                     double beta, double* C, index_t ldc, index_t sCj, index_t sCi, index_t nj, index_t ni,
+                     GemmCompute) {
+  batched2d_cublas<double>(ta, tb, m, n, k, alpha, A, lda, sAj, sAi, B, ldb, sBj, sBi, beta, C, ldc, sCj, sCi, nj,
+                           ni, CUDA_R_64F, CUBLAS_COMPUTE_64F);
+}
 const char* gemm_backend_name() { return "cuBLAS (bf16: cublasGemmEx, CUBLAS_COMPUTE_32F)"; }
 #else
 void gemm(Trans ta, Trans tb, float alpha, GemmIn<float> A, GemmIn<float> B, float beta, GemmOut<float> C) {
@@ -188,12 +254,24 @@ void gemm(Trans ta, Trans tb, double alpha, GemmIn<double> A, GemmIn<double> B, 
 void gemm_strided_batched(Trans ta, Trans tb, index_t m, index_t n, index_t k, float alpha, const float* A,
                           index_t lda, index_t sA, const float* B, index_t ldb, index_t sB, float beta, float* C,
                           index_t ldc, index_t sC, index_t count, GemmCompute) {
-  batched_host<float>(ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB, beta, C, ldc, sC, count);
+  batched2d_host<float>(ta, tb, m, n, k, alpha, A, lda, sA, 0, B, ldb, sB, 0, beta, C, ldc, sC, 0, count, 1);
 }
 void gemm_strided_batched(Trans ta, Trans tb, index_t m, index_t n, index_t k, double alpha, const double* A,
                           index_t lda, index_t sA, const double* B, index_t ldb, index_t sB, double beta,
                           double* C, index_t ldc, index_t sC, index_t count, GemmCompute) {
-  batched_host<double>(ta, tb, m, n, k, alpha, A, lda, sA, B, ldb, sB, beta, C, ldc, sC, count);
+  batched2d_host<double>(ta, tb, m, n, k, alpha, A, lda, sA, 0, B, ldb, sB, 0, beta, C, ldc, sC, 0, count, 1);
+}
+void gemm_batched_2d(Trans ta, Trans tb, index_t m, index_t n, index_t k, float alpha, const float* A, index_t lda,
+                     index_t sAj, index_t sAi, const float* B, index_t ldb, index_t sBj, index_t sBi, float beta,
+                     float* C, index_t ldc, index_t sCj, index_t sCi, index_t nj, index_t ni, GemmCompute) {
+  batched2d_host<float>(ta, tb, m, n, k, alpha, A, lda, sAj, sAi, B, ldb, sBj, sBi, beta, C, ldc, sCj, sCi, nj, ni);
+}
+void gemm_batched_2d(Trans ta, Trans tb, index_t m, index_t n, index_t k, double alpha, const double* A,
+                     index_t lda, index_t sAj, index_t sAi, const double* B, index_t ldb, index_t sBj, index_t sBi,
+                     double beta, double* C, index_t ldc, index_t sCj, index_t sCi, index_t nj, index_t ni,
+                     GemmCompute) {
+  batched2d_host<double>(ta, tb, m, n, k, alpha, A, lda, sAj, sAi, B, ldb, sBj, sBi, beta, C, ldc, sCj, sCi, nj,
+                         ni);
 }
 const char* gemm_backend_name() { return "KokkosBlas::gemm (host BLAS TPL)"; }
 #endif
