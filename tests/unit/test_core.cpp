@@ -104,6 +104,14 @@ TEST_CASE("column_reduce is exact and ordered", "[core]") {
     CHECK(h[j] == expect);
   }
   CHECK(ordered_sum<double>("test::sum", 100, KOKKOS_LAMBDA(index_t i) { return double(i); }) == 4950.0);
+  // more than 256 x 256 rows: the block partials are summed in blocks again (integers: exact in double)
+  const index_t big = 3 * 256 * 256 + 17;
+  CHECK(ordered_sum<double>("test::sum_big", big, KOKKOS_LAMBDA(index_t i) { return double(i % 1000); }) ==
+        [&] {
+          double e = 0;
+          for (index_t i = 0; i < big; ++i) e += double(i % 1000);
+          return e;
+        }());
 }
 
 TEST_CASE("GEMM dispatch matches a naive product for every transpose combination", "[gemm]") {
@@ -146,4 +154,43 @@ TEST_CASE("GEMM dispatch matches a naive product for every transpose combination
   View2<double> bad("bad", m + 1, n);
   View2<double> A2("A2", m, k), B2("B2", k, n);
   CHECK_THROWS_WITH(gemm(Trans::N, Trans::N, 1.0, A2, B2, 0.0, bad), ContainsSubstring("shapes do not match"));
+}
+
+TEST_CASE("Two-level batched GEMM matches a naive product (strided and pointer-array cases)", "[gemm]") {
+  // (nj, ni) batch over a buffer where entry (j, i) of X starts at j sXj + i sXi: with sXj = ni sXi the levels
+  // flatten into one stride; with interleaved heads (sXi < the matrix size) they do not.
+  const index_t m = 5, n = 6, k = 4, nj = 3, ni = 4;
+  for (bool flat : {true, false})
+    for (auto ta : {Trans::N, Trans::T})
+      for (auto tb : {Trans::N, Trans::T}) {
+        // A entries are ra x ca row-major with row stride lda; not flat: heads side by side in a row
+        const index_t ra = ta == Trans::N ? m : k, ca = ta == Trans::N ? k : m;
+        const index_t rb = tb == Trans::N ? k : n, cb = tb == Trans::N ? n : k;
+        const index_t lda = flat ? ca : ni * ca, ldb = flat ? cb : ni * cb, ldc = flat ? n : ni * n;
+        const index_t sAi = flat ? ra * ca : ca, sBi = flat ? rb * cb : cb, sCi = flat ? m * n : n;
+        const index_t sAj = flat ? ni * sAi : ra * lda, sBj = flat ? ni * sBi : rb * ldb, sCj = flat ? ni * sCi : m * ldc;
+        View1<double> A("A", nj * sAj), B("B", nj * sBj), C("C", nj * sCj);
+        mmtest::fill_uniform(A, 1);
+        mmtest::fill_uniform(B, 2);
+        mmtest::fill_uniform(C, 3);
+        const auto a = mmtest::to_vec(A), b = mmtest::to_vec(B), c0 = mmtest::to_vec(C);
+        gemm_batched_2d(ta, tb, m, n, k, 0.5, A.data(), lda, sAj, sAi, B.data(), ldb, sBj, sBi, 2.0, C.data(), ldc,
+                        sCj, sCi, nj, ni);
+        std::vector<double> ref = c0;
+        for (index_t j = 0; j < nj; ++j)
+          for (index_t i = 0; i < ni; ++i)
+            for (index_t r = 0; r < m; ++r)
+              for (index_t q = 0; q < n; ++q) {
+                const double* ap = a.data() + j * sAj + i * sAi;
+                const double* bp = b.data() + j * sBj + i * sBi;
+                double s = 0;
+                for (index_t l = 0; l < k; ++l)
+                  s += (ta == Trans::N ? ap[r * lda + l] : ap[l * lda + r]) *
+                       (tb == Trans::N ? bp[l * ldb + q] : bp[q * ldb + l]);
+                double& cr = ref[j * sCj + i * sCi + r * ldc + q];
+                cr = 0.5 * s + 2.0 * cr;
+              }
+        INFO("flat=" << flat << " ta=" << int(ta) << " tb=" << int(tb));
+        CHECK(mmtest::rel_err(mmtest::to_vec(C), ref) < 1e-14);
+      }
 }
