@@ -21,6 +21,7 @@ struct Case {
   double dt_lo = 0, dt_hi = std::numeric_limits<double>::infinity();
   SSDAlgo algo = SSDAlgo::portable;
   GemmCompute compute = GemmCompute::fp32;
+  double workspace = double(256ull << 20);  // gemm: bytes per Q x Q workspace
 };
 
 const char* algo_name(SSDAlgo a) { return a == SSDAlgo::gemm ? "gemm" : "portable"; }
@@ -48,6 +49,7 @@ struct Data {
     shape.dt_hi = c.dt_hi;
     shape.algo = c.algo;
     shape.compute = c.compute;
+    shape.gemm_workspace_bytes = c.workspace;
     const index_t E = c.H * c.P;
     xbc = View2<T>("xbc", c.B * c.L, E + 2 * c.G * c.N);
     dt = View2<T>("dt", c.B * c.L, c.H);
@@ -338,6 +340,54 @@ TEST_CASE("SSD GEMM formulation: backward equals the portable kernels' (double)"
       for (std::size_t i = 0; i < grads[0].size(); ++i) {
         INFO("L=" << L << " records=" << records << " gradient " << i);
         CHECK(rel_err(grads[1][i], grads[0][i]) < 1e-12);
+      }
+    }
+}
+
+TEST_CASE("SSD GEMM formulation: blocks of heads never straddle a group", "[ssd]") {
+  auto blocks = [](index_t H, index_t G, index_t fit) { return ssd_gemm_blocks(H, G, 100.0, 100.0 * fit + 50); };
+  CHECK(blocks(24, 1, 8).heads == 8);   // part of the one group: 8 divides 24
+  CHECK(blocks(24, 1, 7).heads == 6);   // 7 does not
+  CHECK(blocks(24, 1, 100).heads == 24);
+  CHECK(blocks(8, 4, 5).heads == 4);    // two whole groups of 2
+  CHECK(blocks(8, 4, 5).runs == 2);
+  CHECK(blocks(6, 2, 2).heads == 1);    // 2 does not divide 3 heads per group
+  CHECK(blocks(6, 2, 0).heads == 1);    // at least one head
+  CHECK(blocks(6, 2, 6).runs == 2);
+}
+
+TEST_CASE("SSD GEMM formulation: forward and backward do not depend on the workspace's blocks of heads", "[ssd][gradcheck]") {
+  // Blocks of one head, of part of a group, of whole groups; groups of 1, 2 and 3 heads; a shorter last chunk.
+  struct HG {
+    index_t H, G;
+  };
+  for (HG hg : {HG{4, 2}, HG{4, 1}, HG{6, 2}, HG{6, 3}})
+    for (index_t fit : {1, 2, 3, 4, 6}) {
+      std::vector<std::vector<double>> out[2];
+      for (int ai = 0; ai < 2; ++ai) {
+        Case c;
+        c.L = 45;
+        c.Q = 16;
+        c.H = hg.H;
+        c.G = hg.G;
+        c.dt_lo = 0.05;
+        c.algo = kAlgos[ai];
+        const index_t nc = (c.L + c.Q - 1) / c.Q;
+        c.workspace = double(c.B * nc * c.Q * c.Q * sizeof(double)) * fit;
+        Data<double> d(c);
+        View2<double> y("y", c.B * c.L, c.H * c.P), dy("dy", c.B * c.L, c.H * c.P);
+        View4<double> fin("fin", c.B, c.H, c.P, c.N), dfin("dfin", c.B, c.H, c.P, c.N);
+        ssd_forward<double>(d.shape, d.in(), y, fin);
+        fill_uniform(dy, 21);
+        fill_uniform(dfin, 22);
+        SSDGrad<double> g = d.grads(true);
+        ssd_backward<double>(d.shape, d.in(), dy, dfin, g);
+        out[ai] = {to_vec(y), to_vec(fin), to_vec(g.dxbc), to_vec(g.ddt), to_vec(g.dA_log), to_vec(g.ddt_bias),
+                   to_vec(g.dD), to_vec(g.dinit_state)};
+      }
+      for (std::size_t i = 0; i < out[0].size(); ++i) {
+        INFO("H=" << hg.H << " G=" << hg.G << " heads that fit " << fit << " output " << i);
+        CHECK(rel_err(out[1][i], out[0][i]) < 1e-12);
       }
     }
 }

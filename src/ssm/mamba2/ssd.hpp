@@ -36,6 +36,7 @@ struct SSDShape {
   double dt_hi = std::numeric_limits<double>::infinity();    // dt_limit[1]
   SSDAlgo algo = SSDAlgo::automatic;
   GemmCompute compute = GemmCompute::fp32;  // arithmetic of the gemm algorithm's float GEMMs on CUDA
+  double gemm_workspace_bytes = double(256ull << 20);  // gemm algorithm: bytes per Q x Q workspace (heads per block)
   index_t nchunks() const { return (seqlen + chunk - 1) / chunk; }
   void validate(const char* where) const;
 };
@@ -67,6 +68,16 @@ void ssd_forward(const SSDShape& s, const SSDIn<T>& in, const View2<T>& y, const
 template <class T>
 void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& dy,
                   const View4<const acc_t<T>>& dfinal_state, const SSDGrad<T>& g);
+
+// Blocks of heads of the GEMM formulation's Q x Q workspaces (ssd.cpp; the planner counts the same): `heads`
+// per block (at most `budget_bytes` / `per_head_bytes`, and never straddling a group: a multiple of the heads per
+// group, or a divisor of it), and `runs` per block, the groups (or parts of one) in a block, one summed dC B^T
+// workspace each in the backward.
+struct SSDGemmBlocks {
+  index_t heads = 1, runs = 1;
+};
+SSDGemmBlocks ssd_gemm_blocks(index_t nheads, index_t ngroups, double per_head_bytes,
+                              double budget_bytes = double(256ull << 20));
 
 // One token per batch row (decode): `s.seqlen` must be 1 and the inputs hold `batch` rows; state (batch, H, P, N)
 // is advanced in place (S = exp(Delta A) S + Delta x B^T) and y (batch, H * P) = S C + D x is written. seq_idx and
