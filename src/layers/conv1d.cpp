@@ -20,12 +20,12 @@ KOKKOS_INLINE_FUNCTION P conv_tap(const View2<const T>& x, index_t col, const Vi
   return P(prefix(b, c, W - 1 + s));
 }
 
-// The pre-activation of output (row, c): bias + the causal taps of the same record (forward and backward).
+// The pre-activation of output (b, t, c): bias + the causal taps of the same record (forward and backward).
 template <class T, class P>
 KOKKOS_INLINE_FUNCTION P conv_pre(const View2<const T>& x, index_t col, const View3<const T>& prefix, index_t L,
                                   const View2<const P>& w, const View1<const P>& bias, const SeqIdxView& seq,
-                                  index_t row, index_t c) {
-  const index_t b = row / L, t = row % L, W = w.extent(1);
+                                  index_t b, index_t t, index_t c) {
+  const index_t W = w.extent(1);
   P acc = bias(c);
   for (index_t k = 0; k < W; ++k) acc += w(c, k) * conv_tap<T, P>(x, col, prefix, L, W, seq, b, t, t - (W - 1) + k, c);
   return acc;
@@ -33,6 +33,7 @@ KOKKOS_INLINE_FUNCTION P conv_pre(const View2<const T>& x, index_t col, const Vi
 
 template <class T>
 void check_prefix(const Conv1dIn<T>& in, index_t W, const char* where) {
+  require(W >= 1 && W <= kMaxConvWidth, where, "conv width d_conv = ", W, " is outside [1, ", kMaxConvWidth, "]");
   require(in.prefix.extent(0) == 0 ||
               (index_t(in.prefix.extent(0)) == in.batch && index_t(in.prefix.extent(1)) == in.channels &&
                index_t(in.prefix.extent(2)) == W - 1),
@@ -41,15 +42,21 @@ void check_prefix(const Conv1dIn<T>& in, index_t W, const char* where) {
 }
 }  // namespace
 
+// The elementwise kernels walk rows (par_for_rows: one index division per row, channels on a warp's lanes); a
+// flat (row, channel) index cost three 64-bit divisions per element, which bounded them at a third of the
+// memory bandwidth on an H200.
 template <class T>
 void conv1d_silu_forward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, const View1<const acc_t<T>>& bias,
                          const SeqIdxView& seq_idx, const View2<T>& y) {
   check_prefix(in, w.extent(1), "conv1d_silu_forward");
   const auto x = in.x;
   const auto prefix = in.prefix;
-  const index_t col = in.col, L = in.seqlen;
-  par_for("conv1d::forward", in.batch * L, in.channels, KOKKOS_LAMBDA(index_t row, index_t c) {
-    y(row, c) = static_cast<T>(silu(conv_pre(x, col, prefix, L, w, bias, seq_idx, row, c)));
+  const index_t col = in.col, L = in.seqlen, C = in.channels;
+  par_for_rows("conv1d::forward", in.batch * L, KOKKOS_LAMBDA(const Team& tm, index_t row) {
+    const index_t b = row / L, t = row - b * L;
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, C), [&](index_t c) {
+      y(row, c) = static_cast<T>(silu(conv_pre(x, col, prefix, L, w, bias, seq_idx, b, t, c)));
+    });
   });
 }
 
@@ -64,31 +71,50 @@ void conv1d_silu_backward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w,
   const index_t col = in.col, L = in.seqlen, W = w.extent(1), C = in.channels, n = in.batch * L;
   // dpre(t, c) = dy(t, c) * silu'(pre(t, c)), recomputing pre.
   View2<P> dpre(Kokkos::view_alloc(Kokkos::WithoutInitializing, "conv1d::dpre"), n, C);
-  par_for("conv1d::backward_dpre", n, C, KOKKOS_LAMBDA(index_t row, index_t c) {
-    dpre(row, c) = P(dy(row, c)) * dsilu(conv_pre(x, col, prefix, L, w, bias, seq_idx, row, c));
+  par_for_rows("conv1d::backward_dpre", n, KOKKOS_LAMBDA(const Team& tm, index_t row) {
+    const index_t b = row / L, t = row - b * L;
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, C), [&](index_t c) {
+      dpre(row, c) = P(dy(row, c)) * dsilu(conv_pre(x, col, prefix, L, w, bias, seq_idx, b, t, c));
+    });
   });
   // dx(s, c) = sum_k w(c, k) dpre(s + (W-1) - k, c) over outputs t of the same record.
-  par_for("conv1d::backward_dx", n, C, KOKKOS_LAMBDA(index_t row, index_t c) {
-    const index_t b = row / L, s = row % L;
-    P acc = 0;
-    for (index_t k = 0; k < W; ++k) {
-      const index_t t = s + (W - 1) - k;
-      if (t < L && same_record(seq_idx, b, t, s)) acc += w(c, k) * dpre(b * L + t, c);
-    }
-    dx(row, dx_col + c) = static_cast<T>(acc);
+  par_for_rows("conv1d::backward_dx", n, KOKKOS_LAMBDA(const Team& tm, index_t row) {
+    const index_t b = row / L, s = row - b * L;
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, C), [&](index_t c) {
+      P acc = 0;
+      for (index_t k = 0; k < W; ++k) {
+        const index_t t = s + (W - 1) - k;
+        if (t < L && same_record(seq_idx, b, t, s)) acc += w(c, k) * dpre(b * L + t, c);
+      }
+      dx(row, dx_col + c) = static_cast<T>(acc);
+    });
   });
-  // dw(c, k) = sum_t dpre(t, c) x(t - (W-1) + k, c); laid out as a (n) x (C * W) column reduction.
-  View1<P> dw_flat(dw.data(), C * W);
-  column_reduce<P>(
-      "conv1d::backward_dw", n, C * W,
-      KOKKOS_LAMBDA(index_t row, index_t ck) {
-        const index_t c = ck / W, k = ck % W;
-        const index_t b = row / L, t = row % L, s = t - (W - 1) + k;
-        return dpre(row, c) * conv_tap<T, P>(x, col, prefix, L, W, seq_idx, b, t, s, c);
-      },
-      dw_flat, true);
-  column_reduce<P>("conv1d::backward_dbias", n, C, KOKKOS_LAMBDA(index_t row, index_t c) { return dpre(row, c); },
-                   dbias, true);
+  // dw(c, k) = sum_t dpre(t, c) x(t - (W-1) + k, c) and dbias(c) = sum_t dpre(t, c): one pass over blocks of
+  // kReduceRowBlock rows (a work item per (block, channel) keeps the W + 1 sums in registers, rows in order),
+  // then the block partials in order, as column_reduce does.
+  const index_t nb = (n + kReduceRowBlock - 1) / kReduceRowBlock;
+  View2<P> pw(Kokkos::view_alloc(Kokkos::WithoutInitializing, "conv1d::backward_dw::partial"), nb, C * W);
+  View2<P> pb(Kokkos::view_alloc(Kokkos::WithoutInitializing, "conv1d::backward_dbias::partial"), nb, C);
+  par_for("conv1d::backward_dw", nb, C, KOKKOS_LAMBDA(index_t blk, index_t c) {
+    P acc[kMaxConvWidth + 1] = {};
+    const index_t i0 = blk * kReduceRowBlock, i1 = i0 + kReduceRowBlock < n ? i0 + kReduceRowBlock : n;
+    index_t b = i0 / L, t = i0 - b * L;
+    for (index_t row = i0; row < i1; ++row) {
+      const P g = dpre(row, c);
+      for (index_t k = 0; k < kMaxConvWidth; ++k)  // a fixed trip count keeps acc in registers
+        if (k < W) acc[k] += g * conv_tap<T, P>(x, col, prefix, L, W, seq_idx, b, t, t - (W - 1) + k, c);
+      acc[kMaxConvWidth] += g;
+      if (++t == L) {
+        t = 0;
+        ++b;
+      }
+    }
+    for (index_t k = 0; k < kMaxConvWidth; ++k)
+      if (k < W) pw(blk, c * W + k) = acc[k];
+    pb(blk, c) = acc[kMaxConvWidth];
+  });
+  reduce_partials<P>("conv1d::backward_dw", pw, nb, C * W, View1<P>(dw.data(), C * W), true);
+  reduce_partials<P>("conv1d::backward_dbias", pb, nb, C, dbias, true);
 }
 
 template <class T>

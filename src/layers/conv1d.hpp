@@ -16,6 +16,10 @@ namespace mm {
 
 using SeqIdxView = Kokkos::View<const std::int32_t**, Layout, Mem>;  // (batch, seqlen); empty: one record
 
+// Widest conv the kernels take (the backward keeps a row's W weight-gradient terms in registers); mamba_ssm's
+// causal-conv1d takes 2 to 4.
+inline constexpr index_t kMaxConvWidth = 8;
+
 template <class T>
 struct Conv1dIn {
   View2<const T> x;  // (batch * seqlen, >= col + channels)

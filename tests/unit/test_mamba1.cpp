@@ -493,7 +493,7 @@ TEST_CASE("Mamba-1 bad configurations are errors naming the values", "[mamba1]")
   CHECK_THROWS_WITH(Mamba1Mixer<double>(c, ps, "m.", 1), ContainsSubstring("(got -2)"));
   c = tiny_m1();
   c.d_conv = 0;
-  CHECK_THROWS_WITH(Mamba1Mixer<double>(c, ps, "m.", 1), ContainsSubstring("d_conv must be at least 1 (got 0)"));
+  CHECK_THROWS_WITH(Mamba1Mixer<double>(c, ps, "m.", 1), ContainsSubstring("d_conv must be in [1, 8] (got 0)"));
   c = tiny_m1();
   c.chunk = 0;
   CHECK_THROWS_WITH(Mamba1Mixer<double>(c, ps, "m.", 1), ContainsSubstring("chunk_size must be positive (got 0)"));

@@ -14,7 +14,7 @@ void Mamba1Config::validate(const std::string& context) const {
   require(d_model > 0, context, "d_model must be positive (got ", d_model, ")");
   require(d_state > 0, context, "d_state must be positive (got ", d_state, ")");
   require(expand > 0, context, "expand must be positive (got ", expand, ")");
-  require(d_conv >= 1, context, "d_conv must be at least 1 (got ", d_conv, ")");
+  require(d_conv >= 1 && d_conv <= kMaxConvWidth, context, "d_conv must be in [1, ", kMaxConvWidth, "] (got ", d_conv, ")");
   require(dt_rank >= 0, context, "dt_rank must be positive, or 0 for ceil(d_model / 16) (got ", dt_rank, ")");
   require(chunk > 0, context, "chunk_size must be positive (got ", chunk, ")");
   require(dt_min > 0 && dt_max >= dt_min, context, "need 0 < dt_min <= dt_max (got ", dt_min, ", ", dt_max, ")");

@@ -127,7 +127,7 @@ View4<acc_t<T>> m2_cp_state_grad(const View2<acc_t<T>>& lexp, const std::vector<
 void Mamba2Config::validate(const std::string& context) const {
   require(d_model > 0 && d_state > 0 && expand > 0 && headdim > 0 && ngroups > 0 && chunk > 0, context,
           "d_model, d_state, expand, headdim, ngroups and chunk_size must be positive");
-  require(d_conv >= 1, context, "d_conv must be at least 1 (got ", d_conv, ")");
+  require(d_conv >= 1 && d_conv <= kMaxConvWidth, context, "d_conv must be in [1, ", kMaxConvWidth, "] (got ", d_conv, ")");
   require(d_inner() % headdim == 0, context, "d_inner = expand * d_model = ", d_inner(),
           " is not divisible by headdim = ", headdim);
   require(nheads() % ngroups == 0, context, "nheads = d_inner / headdim = ", nheads(),
