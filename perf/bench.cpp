@@ -334,7 +334,7 @@ void bench_ssd(int reps, const std::vector<SSDVariant>& variants) {
 // sequence's tokens/s, and the bytes each rank sent per step beyond the gradient all-reduce (state passing, conv
 // halos, loss sums).
 void bench_lm(index_t batch, index_t seqlen, int reps, int cp_size, parallel::Backend backend,
-              const SSDVariant& ssd, index_t window) {
+              const SSDVariant& ssd, index_t window, Recompute policy) {
   LMConfig cfg;
   cfg.mixer.window = window;
   cfg.mixer.ssd_algo = ssd.algo;
@@ -377,12 +377,13 @@ void bench_lm(index_t batch, index_t seqlen, int reps, int cp_size, parallel::Ba
   const std::string name = "lm train step fp32 act, " + ssd.name + " " + std::to_string(batch) + "x" + std::to_string(seqlen) +
                            (cp_size > 1 ? " cp" + std::to_string(cp_size) : "") +
                            (cp_size > 1 && backend == parallel::Backend::nccl ? " nccl" : "") +
-                           (window > 0 ? " window " + std::to_string(window) : "");
+                           (window > 0 ? " window " + std::to_string(window) : "") +
+                           (policy == Recompute::none ? " keep all" : "");
   record(name, "parameters", double(lm.params().count()) / 1e6, "M");
   std::int64_t step = 0;
   auto one = [&] {
     lm.params().zero_grads();
-    lm.forward_backward(b, 1.0 / double(batch * seqlen), Recompute::mixer);
+    lm.forward_backward(b, 1.0 / double(batch * seqlen), policy);
     if (cp.size() > 1) cp.allreduce_sum(lm.params().grads());
     opt.step(lm.params(), 1e-4, ++step);
   };
@@ -432,7 +433,7 @@ int run(int argc, char** argv, int cp_size, int rank) {
   int reps = 10;
   index_t lm_batch = 4, lm_seqlen = 8192, lm_window = 0;
   parallel::Backend backend = parallel::Backend::mpi;
-  std::string ssd_list = "gemm-fp32,gemm-tf32,gemm-bf16,portable", lm_ssd = "gemm-tf32";
+  std::string ssd_list = "gemm-fp32,gemm-tf32,gemm-bf16,portable", lm_ssd = "gemm-tf32", lm_recompute = "mixer";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -452,6 +453,7 @@ int run(int argc, char** argv, int cp_size, int rank) {
     else if (a == "--ssd") ssd_list = next();
     else if (a == "--profile") g_profile = true;
     else if (a == "--lm-ssd") lm_ssd = next();
+    else if (a == "--lm-recompute") lm_recompute = next();
     else if (a == "--backend") {
       const std::string b = next();
       if (b != "mpi" && b != "nccl") {
@@ -462,7 +464,7 @@ int run(int argc, char** argv, int cp_size, int rank) {
     }
     else {
       std::cerr << "mambamoe_bench: unknown option " << a
-                << " (known: --out DIR, --only copy,gemm,ssd,lm, --reps N, --lm-batch B, --lm-seqlen L, --lm-window W, --cp N, --backend mpi|nccl, --ssd V1,V2,.., --lm-ssd V1,..; V: portable, gemm-fp32, gemm-tf32, gemm-bf16)\n";
+                << " (known: --out DIR, --only copy,gemm,ssd,lm, --reps N, --lm-batch B, --lm-seqlen L, --lm-window W, --cp N, --backend mpi|nccl, --ssd V1,V2,.., --lm-ssd V1,.., --lm-recompute mixer,none; V: portable, gemm-fp32, gemm-tf32, gemm-bf16)\n";
       return 2;
     }
   }
@@ -483,8 +485,17 @@ int run(int argc, char** argv, int cp_size, int rank) {
       return v;
     };
     if (want.count("ssd")) bench_ssd(reps, variants(ssd_list));
-    if (want.count("lm"))
-      for (const auto& v : variants(lm_ssd)) bench_lm(lm_batch, lm_seqlen, std::max(3, reps / 3), cp_size, backend, v, lm_window);
+    if (want.count("lm")) {
+      std::vector<Recompute> policies;
+      std::stringstream ss(lm_recompute);
+      for (std::string w; std::getline(ss, w, ',');) {
+        if (w != "mixer" && w != "none") throw std::runtime_error("--lm-recompute " + w + " is not one of: mixer none");
+        policies.push_back(w == "none" ? Recompute::none : Recompute::mixer);
+      }
+      for (Recompute pol : policies)
+        for (const auto& v : variants(lm_ssd))
+          bench_lm(lm_batch, lm_seqlen, std::max(3, reps / 3), cp_size, backend, v, lm_window, pol);
+    }
   } catch (const std::exception& e) {
     std::cerr << "mambamoe_bench: " << e.what() << "\n";
     return 1;
