@@ -139,6 +139,11 @@ void batched2d_cublas(Trans ta, Trans tb, index_t m, index_t n, index_t k, T alp
   const auto a0 = reinterpret_cast<std::uintptr_t>(A), b0 = reinterpret_cast<std::uintptr_t>(B),
              c0 = reinterpret_cast<std::uintptr_t>(C);
   const index_t sz = sizeof(T);
+  // cuBLAS cannot see the alignment of pointers in a device array: tensor-core modes only when every entry and
+  // row is 16-byte aligned, plain fp32 otherwise
+  const index_t steps = (sAj | sAi | sBj | sBi | sCj | sCi | lda | ldb | ldc) * sz;
+  if ((a0 | b0 | c0) % 16 != 0 || steps % 16 != 0)
+    compute = dtype == CUDA_R_32F ? CUBLAS_COMPUTE_32F : compute;
   par_for("gemm::batched_2d_pointers", count, KOKKOS_LAMBDA(index_t e) {
     const index_t j = e / ni, i = e % ni;
     ptr[e] = a0 + std::uintptr_t((j * sAj + i * sAi) * sz);
