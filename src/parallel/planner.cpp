@@ -149,13 +149,14 @@ LayerMem mem_mamba2(const Mamba2Config& c, const Dims& d, Recompute pol) {
   shape.algo = c.ssd_algo;
   if (ssd_resolved_algo(shape) == SSDAlgo::gemm) {
     // ssd.cpp's GEMM formulation: xw (n, H P), Q x Q workspaces for hb heads at a time (ssd_gemm_blocks), and in
-    // the backward e_in dY (n, H P), one summed dCB workspace per run of a block, dstates, the partial sums, six
+    // the backward e_in dY (n, H P), one summed dCB workspace per run of a block, the GEMMs' pointer arrays, dstates, the partial sums, six
     // per-token sums and B dH^T and C S_in^T of the block's heads. No team scratch.
     const double per_head = d.a * d.b * nc * Q * Q;
     const SSDGemmBlocks bl = ssd_gemm_blocks(index_t(H), index_t(G), per_head);
     const double hb = double(bl.heads), runs = double(bl.runs);
-    m.fwd_extra = ctx + d.a * d.n * E + hb * per_head;
-    const double scan_bwd = ctx + 2 * d.a * d.n * E + (hb + runs) * per_head + states + d.a * d.b * nc * H * 3 +
+    const double pointers = 3.0 * 8.0 * hb * d.b * nc;  // operand pointers of the (chunk, head) GEMMs
+    m.fwd_extra = ctx + d.a * d.n * E + hb * per_head + pointers;
+    const double scan_bwd = ctx + 2 * d.a * d.n * E + (hb + runs) * per_head + pointers + states + d.a * d.b * nc * H * 3 +
                             6 * d.a * hb * d.n + 2 * d.a * d.n * hb * P;
     m.bwd_extra = grads + std::max(scan_bwd, conv_bwd);
     return m;

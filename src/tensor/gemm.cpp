@@ -100,27 +100,11 @@ void batched_cublas(Trans ta, Trans tb, index_t m, index_t n, index_t k, T alpha
         "cublasGemmStridedBatchedEx");
 }
 
-// Device arrays of operand pointers for cublasGemmBatchedEx, grown as needed and kept until Kokkos::finalize.
-// Reuse is stream-ordered (the fill kernel and cuBLAS run on the same stream), and growing frees the old buffer
-// with cudaFree, which waits for the device.
-std::uintptr_t* pointer_buffer(index_t n) {
-  static View1<std::uintptr_t>* buf = nullptr;
-  if (buf == nullptr) {
-    buf = new View1<std::uintptr_t>();
-    Kokkos::push_finalize_hook([] {
-      delete buf;
-      buf = nullptr;
-    });
-  }
-  if (index_t(buf->extent(0)) < n) *buf = View1<std::uintptr_t>("gemm::pointers", n);
-  return buf->data();
-}
-
 template <class T>
 void batched2d_cublas(Trans ta, Trans tb, index_t m, index_t n, index_t k, T alpha, const T* A, index_t lda,
                       index_t sAj, index_t sAi, const T* B, index_t ldb, index_t sBj, index_t sBi, T beta, T* C,
                       index_t ldc, index_t sCj, index_t sCi, index_t nj, index_t ni, cudaDataType_t dtype,
-                      cublasComputeType_t compute) {
+                      cublasComputeType_t compute, std::uintptr_t* pointers) {
   if (m == 0 || n == 0 || nj == 0 || ni == 0) return;
   // one stride when the levels flatten (entry j ni + i at (j ni + i) s)
   const bool flat = ni == 1 || (sAj == ni * sAi && sBj == ni * sBi && sCj == ni * sCi);
@@ -135,7 +119,9 @@ void batched2d_cublas(Trans ta, Trans tb, index_t m, index_t n, index_t k, T alp
               ldc < (1ll << 31) && count < (1ll << 31),
           "gemm_batched_2d", "dimension exceeds int32");
   Kokkos::Profiling::ScopedRegion region("gemm::cublas_batched_2d");
-  std::uintptr_t* ptr = pointer_buffer(3 * count);
+  View1<std::uintptr_t> own;
+  if (pointers == nullptr) own = View1<std::uintptr_t>("gemm::pointers", 3 * count);
+  std::uintptr_t* ptr = pointers != nullptr ? pointers : own.data();
   const auto a0 = reinterpret_cast<std::uintptr_t>(A), b0 = reinterpret_cast<std::uintptr_t>(B),
              c0 = reinterpret_cast<std::uintptr_t>(C);
   const index_t sz = sizeof(T);
@@ -236,16 +222,17 @@ void gemm_strided_batched(Trans ta, Trans tb, index_t m, index_t n, index_t k, d
 }
 void gemm_batched_2d(Trans ta, Trans tb, index_t m, index_t n, index_t k, float alpha, const float* A, index_t lda,
                      index_t sAj, index_t sAi, const float* B, index_t ldb, index_t sBj, index_t sBi, float beta,
-                     float* C, index_t ldc, index_t sCj, index_t sCi, index_t nj, index_t ni, GemmCompute compute) {
+                     float* C, index_t ldc, index_t sCj, index_t sCi, index_t nj, index_t ni, GemmCompute compute,
+                     std::uintptr_t* pointers) {
   batched2d_cublas<float>(ta, tb, m, n, k, alpha, A, lda, sAj, sAi, B, ldb, sBj, sBi, beta, C, ldc, sCj, sCi, nj, ni,
-                          CUDA_R_32F, float_compute_type(compute));
+                          CUDA_R_32F, float_compute_type(compute), pointers);
 }
 void gemm_batched_2d(Trans ta, Trans tb, index_t m, index_t n, index_t k, double alpha, const double* A,
                      index_t lda, index_t sAj, index_t sAi, const double* B, index_t ldb, index_t sBj, index_t sBi,
                      double beta, double* C, index_t ldc, index_t sCj, index_t sCi, index_t nj, index_t ni,
-                     GemmCompute) {
+                     GemmCompute, std::uintptr_t* pointers) {
   batched2d_cublas<double>(ta, tb, m, n, k, alpha, A, lda, sAj, sAi, B, ldb, sBj, sBi, beta, C, ldc, sCj, sCi, nj,
-                           ni, CUDA_R_64F, CUBLAS_COMPUTE_64F);
+                           ni, CUDA_R_64F, CUBLAS_COMPUTE_64F, pointers);
 }
 const char* gemm_backend_name() { return "cuBLAS (bf16: cublasGemmEx, CUBLAS_COMPUTE_32F)"; }
 #else
@@ -268,13 +255,14 @@ void gemm_strided_batched(Trans ta, Trans tb, index_t m, index_t n, index_t k, d
 }
 void gemm_batched_2d(Trans ta, Trans tb, index_t m, index_t n, index_t k, float alpha, const float* A, index_t lda,
                      index_t sAj, index_t sAi, const float* B, index_t ldb, index_t sBj, index_t sBi, float beta,
-                     float* C, index_t ldc, index_t sCj, index_t sCi, index_t nj, index_t ni, GemmCompute) {
+                     float* C, index_t ldc, index_t sCj, index_t sCi, index_t nj, index_t ni, GemmCompute,
+                     std::uintptr_t*) {
   batched2d_host<float>(ta, tb, m, n, k, alpha, A, lda, sAj, sAi, B, ldb, sBj, sBi, beta, C, ldc, sCj, sCi, nj, ni);
 }
 void gemm_batched_2d(Trans ta, Trans tb, index_t m, index_t n, index_t k, double alpha, const double* A,
                      index_t lda, index_t sAj, index_t sAi, const double* B, index_t ldb, index_t sBj, index_t sBi,
                      double beta, double* C, index_t ldc, index_t sCj, index_t sCi, index_t nj, index_t ni,
-                     GemmCompute) {
+                     GemmCompute, std::uintptr_t*) {
   batched2d_host<double>(ta, tb, m, n, k, alpha, A, lda, sAj, sAi, B, ldb, sBj, sBi, beta, C, ldc, sCj, sCi, nj,
                          ni);
 }

@@ -8,6 +8,7 @@
 // implicitly.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "core/kokkos_types.hpp"
@@ -57,15 +58,16 @@ void gemm_strided_batched(Trans ta, Trans tb, index_t m, index_t n, index_t k, d
 //   C_ji = alpha op(A_ji) op(B_ji) + beta C_ji,   X_ji = X + j * sXj + i * sXi,
 // for operands whose batch entries are not one stride apart (per-head blocks of per-chunk matrices: one call
 // instead of one per head). CUDA: one cublasGemmStridedBatchedEx when the two levels flatten into one stride,
-// otherwise cublasGemmBatchedEx on pointer arrays built on the device; host: a Kokkos loop.
+// otherwise cublasGemmBatchedEx on pointer arrays built on the device in `pointers` (3 nj ni entries of device
+// memory; null: a temporary allocation per call); host: a Kokkos loop.
 void gemm_batched_2d(Trans ta, Trans tb, index_t m, index_t n, index_t k, float alpha, const float* A, index_t lda,
                      index_t sAj, index_t sAi, const float* B, index_t ldb, index_t sBj, index_t sBi, float beta,
                      float* C, index_t ldc, index_t sCj, index_t sCi, index_t nj, index_t ni,
-                     GemmCompute compute = GemmCompute::fp32);
+                     GemmCompute compute = GemmCompute::fp32, std::uintptr_t* pointers = nullptr);
 void gemm_batched_2d(Trans ta, Trans tb, index_t m, index_t n, index_t k, double alpha, const double* A,
                      index_t lda, index_t sAj, index_t sAi, const double* B, index_t ldb, index_t sBj, index_t sBi,
                      double beta, double* C, index_t ldc, index_t sCj, index_t sCi, index_t nj, index_t ni,
-                     GemmCompute compute = GemmCompute::fp32);
+                     GemmCompute compute = GemmCompute::fp32, std::uintptr_t* pointers = nullptr);
 
 // Name of the backend that serves gemm<T> in this build (for logs and benchmark tables).
 const char* gemm_backend_name();

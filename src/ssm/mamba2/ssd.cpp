@@ -357,7 +357,8 @@ ChunkOp<Ptr> blk(Ptr p, index_t ld, index_t bs, index_t hs = 0) {
 // gets its own call per row).
 template <class T>
 void chunk_gemm(const Ctx<T>& c, GemmCompute cmp, Trans ta, Trans tb, index_t m, index_t n, index_t k, T alpha,
-                ChunkOp<const T*> A, ChunkOp<const T*> B, T beta, ChunkOp<T*> C, index_t ni = 1) {
+                ChunkOp<const T*> A, ChunkOp<const T*> B, T beta, ChunkOp<T*> C, index_t ni = 1,
+                std::uintptr_t* pointers = nullptr) {
   auto dim = [](index_t d, index_t q) { return d == kQ ? q : d; };
   auto stride = [&](const auto& o) { return o.token ? c.Q * o.ld : o.bs; };
   auto at = [&](const auto& o, index_t b, index_t ch) {
@@ -365,7 +366,8 @@ void chunk_gemm(const Ctx<T>& c, GemmCompute cmp, Trans ta, Trans tb, index_t m,
   };
   auto call = [&](index_t b, index_t ch, index_t count, index_t q) {
     gemm_batched_2d(ta, tb, dim(m, q), dim(n, q), dim(k, q), alpha, at(A, b, ch), A.ld, stride(A), A.hs,
-                    at(B, b, ch), B.ld, stride(B), B.hs, beta, at(C, b, ch), C.ld, stride(C), C.hs, count, ni, cmp);
+                    at(B, b, ch), B.ld, stride(B), B.hs, beta, at(C, b, ch), C.ld, stride(C), C.hs, count, ni, cmp,
+                    pointers);
   };
   const index_t tail = c.L - (c.nc - 1) * c.Q;
   if (tail == c.Q) {
@@ -385,6 +387,7 @@ struct GemmCtx {
   View2<T> xw;                                // (B L, H P): es(s) Delta_s x_s, the chunk-state operand
   View4<T> w1;                                // (hb, B nc, Q, Q): M or DX per head of a block
   View4<T> w2;                                // (runs, B nc, Q, Q): dCB summed over the heads of each run
+  View1<std::uintptr_t> ptrs;                 // (3 hb B nc): operand pointers of the (chunk, head) GEMMs
 };
 
 template <class T>
@@ -401,6 +404,7 @@ GemmCtx<T> make_gemm_ctx(const Ctx<T>& c, double budget, bool backward) {
   g.xw = make_uninit<View2<T>>("ssd::xw", c.Bsz * c.L, g.HP);
   g.w1 = make_uninit<View4<T>>("ssd::qq1", g.hb, c.Bsz * c.nc, c.Q, c.Q);
   if (backward) g.w2 = make_uninit<View4<T>>("ssd::qq2", g.runs, c.Bsz * c.nc, c.Q, c.Q);
+  g.ptrs = make_uninit<View1<std::uintptr_t>>("ssd::gemm_pointers", 3 * g.hb * c.Bsz * c.nc);
   return g;
 }
 
@@ -490,7 +494,8 @@ void ssd_forward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, co
       });
     });
     chunk_gemm<T>(c, cmp, Trans::N, Trans::N, kQ, c.Pd, kQ, T(1), blk<const T*>(w1.data(), c.Q, QQ, nbc * QQ),
-                  tok(X + c.x_col + blk0 * c.Pd, g.ldx, c.Pd), T(1), tok(y.data() + blk0 * c.Pd, ldy, c.Pd), nh);
+                  tok(X + c.x_col + blk0 * c.Pd, g.ldx, c.Pd), T(1), tok(y.data() + blk0 * c.Pd, ldy, c.Pd), nh,
+                  g.ptrs.data());
   }
 }
 
@@ -547,7 +552,8 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
     const index_t nh = std::min(g.hb, c.H - blk0), nruns = (nh + rl - 1) / rl;
     // DX = dY X^T of every head of the block
     chunk_gemm<T>(c, cmp, Trans::N, Trans::T, kQ, kQ, c.Pd, T(1), tok(dy.data() + blk0 * c.Pd, ldy, c.Pd),
-                  tok(X + c.x_col + blk0 * c.Pd, g.ldx, c.Pd), T(0), blk(w1.data(), c.Q, QQ, nbc * QQ), nh);
+                  tok(X + c.x_col + blk0 * c.Pd, g.ldx, c.Pd), T(0), blk(w1.data(), c.Q, QQ, nbc * QQ), nh,
+                  g.ptrs.data());
     // column sums over l >= s (one thread per source token; rows of the workspace are read coalesced)
     par_for_team_vec("ssd::bwd_colsums", nh * nbc, kTeam, kVector, KOKKOS_LAMBDA(const Team& tm) {
       const index_t hj = tm.league_rank(), j = hj % nbc, hi = hj / nbc, h = blk0 + hi;
@@ -617,7 +623,8 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
         });
     // dX = M^T dY of every head of the block (the rest added below)
     chunk_gemm<T>(c, cmp, Trans::T, Trans::N, kQ, c.Pd, kQ, T(1), blk<const T*>(w1.data(), c.Q, QQ, nbc * QQ),
-                  tok(dy.data() + blk0 * c.Pd, ldy, c.Pd), T(0), tok(dX + c.x_col + blk0 * c.Pd, ldd, c.Pd), nh);
+                  tok(dy.data() + blk0 * c.Pd, ldy, c.Pd), T(0), tok(dX + c.x_col + blk0 * c.Pd, ldd, c.Pd), nh,
+                  g.ptrs.data());
     for (index_t u = 0; u < nruns; ++u) {
       const index_t hi0 = u * rl, hn = std::min(rl, nh - hi0), h0 = blk0 + hi0, grp = h0 / c.hpg;
       const ChunkOp<const T*> Bg = tok(X + c.b_col + grp * c.N, g.ldx), Cg = tok(X + c.c_col + grp * c.N, g.ldx);
