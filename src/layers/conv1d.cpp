@@ -42,9 +42,9 @@ void check_prefix(const Conv1dIn<T>& in, index_t W, const char* where) {
 }
 }  // namespace
 
-// The elementwise kernels walk rows (par_for_rows: one index division per row, channels on a warp's lanes); a
-// flat (row, channel) index cost three 64-bit divisions per element, which bounded them at a third of the
-// memory bandwidth on an H200.
+// The elementwise kernels take a flat (row, channel) range (lanes on channels): on the H200 row kernels
+// (par_for_rows, channels on a warp's lanes) ran them 1.4-1.6x slower (forward 41 ms against 28 ms over the 48
+// calls of an LM step, perf/results/h200_2026-11-30_session4).
 template <class T>
 void conv1d_silu_forward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, const View1<const acc_t<T>>& bias,
                          const SeqIdxView& seq_idx, const View2<T>& y) {
@@ -52,11 +52,9 @@ void conv1d_silu_forward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, 
   const auto x = in.x;
   const auto prefix = in.prefix;
   const index_t col = in.col, L = in.seqlen, C = in.channels;
-  par_for_rows("conv1d::forward", in.batch * L, KOKKOS_LAMBDA(const Team& tm, index_t row) {
-    const index_t b = row / L, t = row - b * L;
-    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, C), [&](index_t c) {
-      y(row, c) = static_cast<T>(silu(conv_pre(x, col, prefix, L, w, bias, seq_idx, b, t, c)));
-    });
+  par_for("conv1d::forward", in.batch * L, C, KOKKOS_LAMBDA(index_t row, index_t c) {
+    const index_t b = row / L;
+    y(row, c) = static_cast<T>(silu(conv_pre(x, col, prefix, L, w, bias, seq_idx, b, row - b * L, c)));
   });
 }
 
@@ -71,23 +69,19 @@ void conv1d_silu_backward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w,
   const index_t col = in.col, L = in.seqlen, W = w.extent(1), C = in.channels, n = in.batch * L;
   // dpre(t, c) = dy(t, c) * silu'(pre(t, c)), recomputing pre.
   View2<P> dpre(Kokkos::view_alloc(Kokkos::WithoutInitializing, "conv1d::dpre"), n, C);
-  par_for_rows("conv1d::backward_dpre", n, KOKKOS_LAMBDA(const Team& tm, index_t row) {
-    const index_t b = row / L, t = row - b * L;
-    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, C), [&](index_t c) {
-      dpre(row, c) = P(dy(row, c)) * dsilu(conv_pre(x, col, prefix, L, w, bias, seq_idx, b, t, c));
-    });
+  par_for("conv1d::backward_dpre", n, C, KOKKOS_LAMBDA(index_t row, index_t c) {
+    const index_t b = row / L;
+    dpre(row, c) = P(dy(row, c)) * dsilu(conv_pre(x, col, prefix, L, w, bias, seq_idx, b, row - b * L, c));
   });
   // dx(s, c) = sum_k w(c, k) dpre(s + (W-1) - k, c) over outputs t of the same record.
-  par_for_rows("conv1d::backward_dx", n, KOKKOS_LAMBDA(const Team& tm, index_t row) {
+  par_for("conv1d::backward_dx", n, C, KOKKOS_LAMBDA(index_t row, index_t c) {
     const index_t b = row / L, s = row - b * L;
-    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, C), [&](index_t c) {
-      P acc = 0;
-      for (index_t k = 0; k < W; ++k) {
-        const index_t t = s + (W - 1) - k;
-        if (t < L && same_record(seq_idx, b, t, s)) acc += w(c, k) * dpre(b * L + t, c);
-      }
-      dx(row, dx_col + c) = static_cast<T>(acc);
-    });
+    P acc = 0;
+    for (index_t k = 0; k < W; ++k) {
+      const index_t t = s + (W - 1) - k;
+      if (t < L && same_record(seq_idx, b, t, s)) acc += w(c, k) * dpre(b * L + t, c);
+    }
+    dx(row, dx_col + c) = static_cast<T>(acc);
   });
   // dw(c, k) = sum_t dpre(t, c) x(t - (W-1) + k, c) and dbias(c) = sum_t dpre(t, c): one pass over blocks of
   // kReduceRowBlock rows (a work item per (block, channel) keeps the W + 1 sums in registers, rows in order),
