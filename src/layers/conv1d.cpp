@@ -20,17 +20,6 @@ KOKKOS_INLINE_FUNCTION P conv_tap(const View2<const T>& x, index_t col, const Vi
   return P(prefix(b, c, W - 1 + s));
 }
 
-// The pre-activation of output (b, t, c): bias + the causal taps of the same record (forward and backward).
-template <class T, class P>
-KOKKOS_INLINE_FUNCTION P conv_pre(const View2<const T>& x, index_t col, const View3<const T>& prefix, index_t L,
-                                  const View2<const P>& w, const View1<const P>& bias, const SeqIdxView& seq,
-                                  index_t b, index_t t, index_t c) {
-  const index_t W = w.extent(1);
-  P acc = bias(c);
-  for (index_t k = 0; k < W; ++k) acc += w(c, k) * conv_tap<T, P>(x, col, prefix, L, W, seq, b, t, t - (W - 1) + k, c);
-  return acc;
-}
-
 template <class T>
 void check_prefix(const Conv1dIn<T>& in, index_t W, const char* where) {
   require(W >= 1 && W <= kMaxConvWidth, where, "conv width d_conv = ", W, " is outside [1, ", kMaxConvWidth, "]");
@@ -42,20 +31,129 @@ void check_prefix(const Conv1dIn<T>& in, index_t W, const char* where) {
 }
 }  // namespace
 
-// The elementwise kernels take a flat (row, channel) range (lanes on channels): on the H200 row kernels
-// (par_for_rows, channels on a warp's lanes) ran them 1.4-1.6x slower (forward 41 ms against 28 ms over the 48
-// calls of an LM step, perf/results/h200_2026-11-30_session4).
+// Runs of kConvRun tokens of one batch row per work item (b, run, channel), consecutive work items on
+// consecutive channels (coalesced rows): the item keeps the last K inputs of its channel and their record ids in
+// registers (K = 4 for d_conv <= 4, else kMaxConvWidth; fixed trip counts), so every input is read once and the
+// row index is divided once per run. A flat (row, channel) range re-reading W taps per output ran the forward at
+// about a quarter of the H200's bandwidth (0.58 ms per call in the LM step), row kernels slower still.
+constexpr index_t kConvRun = 64;
+
+namespace {
+// f(row, c, pre) for every output of rows [t0, t1) of batch row b: pre = bias + the causal taps of t's record.
+template <int K, class T, class P, class F>
+KOKKOS_INLINE_FUNCTION void conv_run(const View2<const T>& x, index_t col, const View3<const T>& prefix, index_t L,
+                                     const View2<const P>& w, const View1<const P>& bias, const SeqIdxView& seq,
+                                     index_t b, index_t t0, index_t t1, index_t c, const F& f) {
+  const index_t W = w.extent(1);
+  const bool recs = seq.extent(0) > 0, pre_given = prefix.extent(0) > 0;
+  P wr[K], xs[K];
+  int rs[K];
+  const int r0 = recs ? seq(b, 0) : 0;
+  // slot j holds position t - (K - 1) + j, tap k of W sits in slot K - W + k; before the first token the window
+  // stands at t0 - 1 (slot 0 is shifted out at once)
+  for (int j = 0; j < K; ++j) {
+    wr[j] = j >= K - W ? w(c, j - (K - W)) : P(0);
+    const index_t s = t0 - K + j;
+    if (j == 0) continue;
+    if (s >= 0) {
+      xs[j] = P(x(b * L + s, col + c));
+      rs[j] = recs ? seq(b, s) : 0;
+    } else {
+      xs[j] = (pre_given && s >= -(W - 1)) ? P(prefix(b, c, W - 1 + s)) : P(0);
+      rs[j] = r0;  // the prefix belongs to the record of token 0
+    }
+  }
+  const P bc = bias(c);
+  for (index_t t = t0; t < t1; ++t) {
+    for (int j = 0; j < K - 1; ++j) {
+      xs[j] = xs[j + 1];
+      rs[j] = rs[j + 1];
+    }
+    xs[K - 1] = P(x(b * L + t, col + c));
+    rs[K - 1] = recs ? seq(b, t) : 0;
+    P acc = bc;
+    for (int j = 0; j < K; ++j)
+      if (j >= K - W && rs[j] == rs[K - 1]) acc += wr[j] * xs[j];
+    f(b * L + t, acc);
+  }
+}
+
+// The same in reverse for the input gradient: g(s) = sum_k w(c, k) d(s + (W-1) - k) over outputs of s's record
+// that exist (< L); slot j holds position s + j.
+template <int K, class T, class P, class D>
+KOKKOS_INLINE_FUNCTION void conv_run_bwd(const View2<P>& d, const View2<const P>& w, const SeqIdxView& seq, index_t L,
+                                         index_t b, index_t s0, index_t s1, index_t c, const D& out) {
+  const index_t W = w.extent(1);
+  const bool recs = seq.extent(0) > 0;
+  P wr[K], ds[K];
+  int rs[K];
+  for (int j = 0; j < K; ++j) {  // before the first (last) position the window stands at s1
+    wr[j] = j < W ? w(c, W - 1 - j) : P(0);
+    const index_t t = s1 + j;
+    if (j == K - 1) continue;
+    ds[j] = t < L ? d(b * L + t, c) : P(0);
+    rs[j] = t < L && recs ? seq(b, t) : 0;
+  }
+  for (index_t s = s1 - 1; s >= s0; --s) {
+    for (int j = K - 1; j > 0; --j) {
+      ds[j] = ds[j - 1];
+      rs[j] = rs[j - 1];
+    }
+    ds[0] = d(b * L + s, c);
+    rs[0] = recs ? seq(b, s) : 0;
+    P acc = 0;
+    for (int j = 0; j < K; ++j)
+      if (j < W && s + j < L && rs[j] == rs[0]) acc += wr[j] * ds[j];
+    out(b * L + s, acc);
+  }
+}
+}  // namespace
+
+namespace {
+// The kernels for one window size K (nvcc takes no extended lambda inside a generic lambda).
+template <int K, class T>
+void conv_forward_k(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, const View1<const acc_t<T>>& bias,
+                    const SeqIdxView& seq_idx, const View2<T>& y) {
+  using P = acc_t<T>;
+  const auto x = in.x;
+  const auto prefix = in.prefix;
+  const index_t col = in.col, L = in.seqlen, C = in.channels, nr = (L + kConvRun - 1) / kConvRun;
+  par_for("conv1d::forward", in.batch * nr, C, KOKKOS_LAMBDA(index_t br, index_t c) {
+    const index_t b = br / nr, t0 = (br - b * nr) * kConvRun, t1 = t0 + kConvRun < L ? t0 + kConvRun : L;
+    conv_run<K, T, P>(x, col, prefix, L, w, bias, seq_idx, b, t0, t1, c,
+                      [&](index_t row, P pre) { y(row, c) = static_cast<T>(silu(pre)); });
+  });
+}
+
+// dpre(t, c) = dy(t, c) * silu'(pre(t, c)), recomputing pre; then dx(s, c) = sum_k w(c, k) dpre(s + (W-1) - k, c)
+// over outputs t of the same record.
+template <int K, class T>
+void conv_backward_k(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, const View1<const acc_t<T>>& bias,
+                     const SeqIdxView& seq_idx, const View2<const T>& dy, const UView2<T>& dx, index_t dx_col,
+                     const View2<acc_t<T>>& dpre) {
+  using P = acc_t<T>;
+  const auto x = in.x;
+  const auto prefix = in.prefix;
+  const index_t col = in.col, L = in.seqlen, C = in.channels, nr = (L + kConvRun - 1) / kConvRun;
+  par_for("conv1d::backward_dpre", in.batch * nr, C, KOKKOS_LAMBDA(index_t br, index_t c) {
+    const index_t b = br / nr, t0 = (br - b * nr) * kConvRun, t1 = t0 + kConvRun < L ? t0 + kConvRun : L;
+    conv_run<K, T, P>(x, col, prefix, L, w, bias, seq_idx, b, t0, t1, c,
+                      [&](index_t row, P pre) { dpre(row, c) = P(dy(row, c)) * dsilu(pre); });
+  });
+  par_for("conv1d::backward_dx", in.batch * nr, C, KOKKOS_LAMBDA(index_t br, index_t c) {
+    const index_t b = br / nr, s0 = (br - b * nr) * kConvRun, s1 = s0 + kConvRun < L ? s0 + kConvRun : L;
+    conv_run_bwd<K, T, P>(dpre, w, seq_idx, L, b, s0, s1, c,
+                          [&](index_t row, P g) { dx(row, dx_col + c) = static_cast<T>(g); });
+  });
+}
+}  // namespace
+
 template <class T>
 void conv1d_silu_forward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, const View1<const acc_t<T>>& bias,
                          const SeqIdxView& seq_idx, const View2<T>& y) {
   check_prefix(in, w.extent(1), "conv1d_silu_forward");
-  const auto x = in.x;
-  const auto prefix = in.prefix;
-  const index_t col = in.col, L = in.seqlen, C = in.channels;
-  par_for("conv1d::forward", in.batch * L, C, KOKKOS_LAMBDA(index_t row, index_t c) {
-    const index_t b = row / L;
-    y(row, c) = static_cast<T>(silu(conv_pre(x, col, prefix, L, w, bias, seq_idx, b, row - b * L, c)));
-  });
+  if (w.extent(1) <= 4) conv_forward_k<4, T>(in, w, bias, seq_idx, y);
+  else conv_forward_k<int(kMaxConvWidth), T>(in, w, bias, seq_idx, y);
 }
 
 template <class T>
@@ -67,22 +165,9 @@ void conv1d_silu_backward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w,
   const auto x = in.x;
   const auto prefix = in.prefix;
   const index_t col = in.col, L = in.seqlen, W = w.extent(1), C = in.channels, n = in.batch * L;
-  // dpre(t, c) = dy(t, c) * silu'(pre(t, c)), recomputing pre.
   View2<P> dpre(Kokkos::view_alloc(Kokkos::WithoutInitializing, "conv1d::dpre"), n, C);
-  par_for("conv1d::backward_dpre", n, C, KOKKOS_LAMBDA(index_t row, index_t c) {
-    const index_t b = row / L;
-    dpre(row, c) = P(dy(row, c)) * dsilu(conv_pre(x, col, prefix, L, w, bias, seq_idx, b, row - b * L, c));
-  });
-  // dx(s, c) = sum_k w(c, k) dpre(s + (W-1) - k, c) over outputs t of the same record.
-  par_for("conv1d::backward_dx", n, C, KOKKOS_LAMBDA(index_t row, index_t c) {
-    const index_t b = row / L, s = row - b * L;
-    P acc = 0;
-    for (index_t k = 0; k < W; ++k) {
-      const index_t t = s + (W - 1) - k;
-      if (t < L && same_record(seq_idx, b, t, s)) acc += w(c, k) * dpre(b * L + t, c);
-    }
-    dx(row, dx_col + c) = static_cast<T>(acc);
-  });
+  if (W <= 4) conv_backward_k<4, T>(in, w, bias, seq_idx, dy, dx, dx_col, dpre);
+  else conv_backward_k<int(kMaxConvWidth), T>(in, w, bias, seq_idx, dy, dx, dx_col, dpre);
   // dw(c, k) = sum_t dpre(t, c) x(t - (W-1) + k, c) and dbias(c) = sum_t dpre(t, c): one pass over blocks of
   // kReduceRowBlock rows (a work item per (block, channel) keeps the W + 1 sums in registers, rows in order),
   // then the block partials in order, as column_reduce does.

@@ -181,48 +181,62 @@ TEST_CASE("linear (with and without bias) matches the reference and finite diffe
 
 TEST_CASE("causal depthwise conv1d + SiLU matches the reference (with records) and finite differences",
           "[layers]") {
-  const index_t B = 2, L = 11, C = 3, W = 4, ld = 8, col = 2;
-  View2<double> src("src", B * L, ld), y("y", B * L, C), dy("dy", B * L, C), dsrc("dsrc", B * L, ld);
-  View2<double> w("w", C, W), dw("dw", C, W);
-  View1<double> bias("bias", C), dbias("dbias", C);
-  fill_uniform(src, 1);
-  fill_uniform(w, 2);
-  fill_uniform(bias, 3);
-  fill_uniform(dy, 4);
-  Kokkos::View<std::int32_t**, Layout, Mem> seq("seq", B, L);
-  std::vector<int> sq(B * L);
-  {
-    auto h = Kokkos::create_mirror_view(seq);
-    for (index_t b = 0; b < B; ++b)
-      for (index_t t = 0; t < L; ++t) sq[b * L + t] = h(b, t) = b == 0 ? int(t >= 5) : 3;
-    Kokkos::deep_copy(seq, h);
-  }
-  Conv1dIn<double> in{src, col, B, L, C};
-  conv1d_silu_forward<double>(in, w, bias, seq, y);
-  const auto sv = to_vec(src), wv = to_vec(w), bv = to_vec(bias);
-  std::vector<double> ref(B * L * C);
-  for (index_t b = 0; b < B; ++b)
-    for (index_t t = 0; t < L; ++t)
-      for (index_t c = 0; c < C; ++c) {
-        double acc = bv[c];
-        for (index_t k = 0; k < W; ++k) {
-          const index_t s = t - (W - 1) + k;
-          if (s >= 0 && sq[b * L + s] == sq[b * L + t]) acc += wv[c * W + k] * sv[(b * L + s) * ld + col + c];
-        }
-        ref[(b * L + t) * C + c] = silu_d(acc);
-      }
-  CHECK(rel_err(to_vec(y), ref) < 1e-14);
-  conv1d_silu_backward<double>(in, w, bias, seq, dy, dsrc, col, dw, dbias);
-  const auto dyv = to_vec(dy);
-  auto loss = [&]() {
-    View2<double> yy("yy", B * L, C);
-    conv1d_silu_forward<double>(in, w, bias, seq, yy);
-    return dot(to_vec(yy), dyv);
+  // Lengths beyond one run of the kernels (64 tokens; a shorter last run), widths 2, 4 and 6 (the wider window),
+  // with and without a prefix (the inputs before token 0, of token 0's record).
+  struct Shape {
+    index_t L, W;
+    bool prefix;
   };
-  auto dsv = to_vec(dsrc);
-  CHECK(fd_check(src, dsv, loss, 200).rel() < kFdTol);
-  CHECK(fd_check(w, to_vec(dw), loss).rel() < kFdTol);
-  CHECK(fd_check(bias, to_vec(dbias), loss).rel() < kFdTol);
+  for (Shape sh : {Shape{11, 4, false}, Shape{150, 4, true}, Shape{150, 6, false}, Shape{70, 2, true},
+                   Shape{130, 5, true}}) {
+    const index_t B = 2, L = sh.L, C = 3, W = sh.W, ld = 8, col = 2;
+    INFO("L=" << L << " W=" << W << " prefix=" << sh.prefix);
+    View2<double> src("src", B * L, ld), y("y", B * L, C), dy("dy", B * L, C), dsrc("dsrc", B * L, ld);
+    View2<double> w("w", C, W), dw("dw", C, W);
+    View1<double> bias("bias", C), dbias("dbias", C);
+    View3<double> pre("prefix", sh.prefix ? B : 0, C, W - 1);
+    fill_uniform(src, 1);
+    fill_uniform(w, 2);
+    fill_uniform(bias, 3);
+    fill_uniform(dy, 4);
+    fill_uniform(pre, 5);
+    Kokkos::View<std::int32_t**, Layout, Mem> seq("seq", B, L);
+    std::vector<int> sq(B * L);
+    {
+      auto h = Kokkos::create_mirror_view(seq);
+      for (index_t b = 0; b < B; ++b)
+        for (index_t t = 0; t < L; ++t) sq[b * L + t] = h(b, t) = b == 0 ? int(t >= 5) + int(t >= 66) : 3;
+      Kokkos::deep_copy(seq, h);
+    }
+    Conv1dIn<double> in{src, col, B, L, C, pre};
+    conv1d_silu_forward<double>(in, w, bias, seq, y);
+    const auto sv = to_vec(src), wv = to_vec(w), bv = to_vec(bias), pv = to_vec(pre);
+    std::vector<double> ref(B * L * C);
+    for (index_t b = 0; b < B; ++b)
+      for (index_t t = 0; t < L; ++t)
+        for (index_t c = 0; c < C; ++c) {
+          double acc = bv[c];
+          for (index_t k = 0; k < W; ++k) {
+            const index_t s = t - (W - 1) + k;
+            if (s >= 0 && sq[b * L + s] == sq[b * L + t]) acc += wv[c * W + k] * sv[(b * L + s) * ld + col + c];
+            if (s < 0 && sh.prefix && sq[b * L] == sq[b * L + t])
+              acc += wv[c * W + k] * pv[(b * C + c) * (W - 1) + (W - 1 + s)];
+          }
+          ref[(b * L + t) * C + c] = silu_d(acc);
+        }
+    CHECK(rel_err(to_vec(y), ref) < 1e-14);
+    conv1d_silu_backward<double>(in, w, bias, seq, dy, dsrc, col, dw, dbias);
+    const auto dyv = to_vec(dy);
+    auto loss = [&]() {
+      View2<double> yy("yy", B * L, C);
+      conv1d_silu_forward<double>(in, w, bias, seq, yy);
+      return dot(to_vec(yy), dyv);
+    };
+    auto dsv = to_vec(dsrc);
+    CHECK(fd_check(src, dsv, loss, 200).rel() < kFdTol);
+    CHECK(fd_check(w, to_vec(dw), loss).rel() < kFdTol);
+    CHECK(fd_check(bias, to_vec(dbias), loss).rel() < kFdTol);
+  }
 }
 
 TEST_CASE("cross-entropy matches the reference, ignores masked targets, and its gradient is exact", "[layers]") {
