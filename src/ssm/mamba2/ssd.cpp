@@ -380,6 +380,27 @@ void chunk_gemm(const Ctx<T>& c, GemmCompute cmp, Trans ta, Trans tb, index_t m,
   }
 }
 
+// For every token row r and column hp = (head h, p) of the H P-wide token matrices: body(r, hp, h, s) with
+// s = factor(b, h, t) computed once per (token, head) into team scratch, not once per element (an exp and two
+// gathered loads of the (B, H, L) decay arrays per element). One team per row, lanes over the columns.
+template <class T, class S, class Body>
+void per_token_heads(const char* label, const Ctx<T>& c, const S& factor, const Body& body) {
+  par_for_team_vec(
+      label, c.Bsz * c.L, kTeam, kVector,
+      KOKKOS_LAMBDA(const Team& tm) {
+        const index_t r = tm.league_rank(), b = r / c.L, t = r - b * c.L;
+        Scratch1<T> f(tm.team_scratch(0), c.H);
+        Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, int(c.H)), [&](int h) { f(h) = factor(b, index_t(h), t); });
+        tm.team_barrier();
+        const int Pd = int(c.Pd);
+        Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, int(c.H * c.Pd)), [&](int hp) {
+          const int h = hp / Pd;
+          body(r, hp, h, f(h));
+        });
+      },
+      Scratch1<T>::shmem_size(c.H));
+}
+
 // Views and sizes shared by the forward and backward of the GEMM formulation.
 template <class T>
 struct GemmCtx {
@@ -414,19 +435,14 @@ template <class T>
 void gemm_states_and_cb(const Ctx<T>& c, const GemmCtx<T>& g, GemmCompute cmp, const View4<const T>& init,
                         const View4<T>& final_state) {
   const auto xw = g.xw;
-  // one team per token row, lanes over (head, p): coalesced, no 64-bit index division per element
-  par_for_team_vec("ssd::state_weights", c.Bsz * c.L, kTeam, kVector, KOKKOS_LAMBDA(const Team& tm) {
-    const index_t r = tm.league_rank(), b = r / c.L, t = r % c.L;
-    const index_t last = c.chunk_end(t / c.Q) - 1;
-    const bool same = c.rec(b, t) == c.rec(b, last);
-    const int Pd = int(c.Pd);
-    Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, int(g.HP)), [&](int hp) {
-      const int h = hp / Pd;
-      const T e = exp_nonpos(c.acs(b, h, last) - c.acs(b, h, t));
-      const T w = (!same || e < T(kNegligibleDecay)) ? T(0) : e * c.delta(b, h, t);
-      xw(r, hp) = w * c.xbc(r, c.x_col + hp);
-    });
-  });
+  per_token_heads(
+      "ssd::state_weights", c,
+      KOKKOS_LAMBDA(index_t b, index_t h, index_t t) {
+        const index_t last = c.chunk_end(t / c.Q) - 1;
+        const T e = exp_nonpos(c.acs(b, h, last) - c.acs(b, h, t));
+        return (c.rec(b, t) != c.rec(b, last) || e < T(kNegligibleDecay)) ? T(0) : e * c.delta(b, h, t);
+      },
+      KOKKOS_LAMBDA(index_t r, int hp, int, T w) { xw(r, hp) = w * c.xbc(r, c.x_col + hp); });
   const T* X = c.xbc.data();
   const index_t PN = c.Pd * c.N, gP = c.hpg * c.Pd;
   // S_loc of a group's heads (rows (h, p) of the states): (xw of the group)^T B
@@ -460,14 +476,9 @@ void ssd_forward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, co
     chunk_gemm<T>(c, cmp, Trans::N, Trans::T, kQ, gP, c.N, T(1), tok(X + c.c_col + grp * c.N, g.ldx),
                   blk<const T*>(c.states.data() + grp * c.hpg * PN, c.N, c.H * PN), T(0),
                   tok(y.data() + grp * gP, ldy));
-  par_for_team_vec("ssd::out_scale", c.Bsz * c.L, kTeam, kVector, KOKKOS_LAMBDA(const Team& tm) {
-    const index_t r = tm.league_rank(), b = r / c.L, t = r % c.L;
-    const int Pd = int(c.Pd);
-    Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, int(c.H * c.Pd)), [&](int hp) {
-      const int h = hp / Pd;
-      y(r, hp) = e_in_of(c, b, index_t(h), t) * y(r, hp) + c.D(h) * c.xbc(r, c.x_col + hp);
-    });
-  });
+  per_token_heads(
+      "ssd::out_scale", c, KOKKOS_LAMBDA(index_t b, index_t h, index_t t) { return e_in_of(c, b, h, t); },
+      KOKKOS_LAMBDA(index_t r, int hp, int h, T e) { y(r, hp) = e * y(r, hp) + c.D(h) * c.xbc(r, c.x_col + hp); });
   // intra-chunk outputs M X, a block of heads at a time
   const auto w1 = g.w1;
   const index_t nbc = c.Bsz * c.nc, QQ = c.Q * c.Q;
@@ -512,13 +523,9 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
 
   // dL/dS_in from each chunk's own outputs: (diag(e_in) dY)^T C; xw (es Delta x) stays for dB's state term
   View2<T> dye = make_uninit<View2<T>>("ssd::dye", nr, g.HP);
-  par_for_team_vec("ssd::dy_scaled", nr, kTeam, kVector, KOKKOS_LAMBDA(const Team& tm) {
-    const index_t r = tm.league_rank(), b = r / c.L, t = r % c.L;
-    const int Pd = int(c.Pd);
-    Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, int(c.H * c.Pd)), [&](int hp) {
-      dye(r, hp) = e_in_of(c, b, index_t(hp / Pd), t) * dy(r, hp);
-    });
-  });
+  per_token_heads(
+      "ssd::dy_scaled", c, KOKKOS_LAMBDA(index_t b, index_t h, index_t t) { return e_in_of(c, b, h, t); },
+      KOKKOS_LAMBDA(index_t r, int hp, int, T e) { dye(r, hp) = e * dy(r, hp); });
   View5<T> dstates = make_uninit<View5<T>>("ssd::dstates", c.Bsz, c.nc, c.H, c.Pd, c.N);
   for (index_t grp = 0; grp < c.G; ++grp)
     chunk_gemm<T>(c, cmp, Trans::T, Trans::N, gP, c.N, kQ, T(1), tok<const T*>(dye.data() + grp * gP, g.HP),
