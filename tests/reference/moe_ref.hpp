@@ -33,8 +33,8 @@ struct MoERefResult {
 
 namespace moe_detail {
 inline double sig(double v) { return 1.0 / (1.0 + std::exp(-v)); }
-inline double silu(double v) { return v * sig(v); }
-inline double dsilu(double v) { return sig(v) * (1 + v * (1 - sig(v))); }
+inline double moe_silu(double v) { return v * sig(v); }
+inline double moe_dsilu(double v) { return sig(v) * (1 + v * (1 - sig(v))); }
 
 // SwiGLU of one token with one expert's weights (w1, w3: (F, d) at o13; w2: (d, F) at o2). Accumulates
 // g * y into out; with dout non-null, backward of g * y: weight grads, dx, and returns dout . y.
@@ -46,7 +46,7 @@ inline double swiglu(long d, long F, const double* x, const double* w1, const do
       h1[f] += w1[f * d + c] * x[c];
       h3[f] += w3[f * d + c] * x[c];
     }
-    a[f] = silu(h1[f]) * h3[f];
+    a[f] = moe_silu(h1[f]) * h3[f];
   }
   for (long c = 0; c < d; ++c)
     for (long f = 0; f < F; ++f) y[c] += w2[c * F + f] * a[f];
@@ -62,7 +62,7 @@ inline double swiglu(long d, long F, const double* x, const double* w1, const do
       da[f] += g * dout[c] * w2[c * F + f];
     }
   for (long f = 0; f < F; ++f) {
-    const double dh1 = da[f] * h3[f] * dsilu(h1[f]), dh3 = da[f] * silu(h1[f]);
+    const double dh1 = da[f] * h3[f] * moe_dsilu(h1[f]), dh3 = da[f] * moe_silu(h1[f]);
     for (long c = 0; c < d; ++c) {
       dw1[f * d + c] += dh1 * x[c];
       dw3[f * d + c] += dh3 * x[c];
