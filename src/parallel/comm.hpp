@@ -84,6 +84,10 @@ class Comm {
   // Views (any memory space): `recv` has extent size() * send.extent(0).
   template <class T>
   void allgather(const View1<T>& send, const View1<T>& recv) const;
+  // Views (any memory space), `count` elements to and from every rank: rank q's part of `send` is
+  // [q count, (q + 1) count), and what rank q sent here lands at the same place in `recv`.
+  template <class T>
+  void alltoall(const View1<T>& send, const View1<T>& recv, std::size_t count) const;
   template <class T>
   void allreduce_sum(const View1<T>& buf) const;
   template <class T>
@@ -177,6 +181,22 @@ void Comm::allgather(const View1<T>& send, const View1<T>& recv) const {
   auto hs = Kokkos::create_mirror_view_and_copy(HostMem(), send);
   auto hr = Kokkos::create_mirror_view(HostMem(), recv);
   allgather(hs.data(), hr.data(), n, dtype_of<T>());
+  Kokkos::deep_copy(recv, hr);
+}
+
+template <class T>
+void Comm::alltoall(const View1<T>& send, const View1<T>& recv, std::size_t count) const {
+  const std::size_t total = count * std::size_t(size());
+  require(send.extent(0) >= total && recv.extent(0) >= total, "Comm::alltoall", "buffers of ", send.extent(0),
+          " and ", recv.extent(0), " elements for ", size(), " ranks x ", count);
+  const std::vector<std::size_t> counts(std::size_t(size()), count);
+  if (device_buffers()) {
+    alltoallv(send.data(), counts, recv.data(), counts, dtype_of<T>());
+    return;
+  }
+  auto hs = Kokkos::create_mirror_view_and_copy(HostMem(), send);
+  auto hr = Kokkos::create_mirror_view(HostMem(), recv);
+  alltoallv(hs.data(), counts, hr.data(), counts, dtype_of<T>());
   Kokkos::deep_copy(recv, hr);
 }
 

@@ -250,6 +250,38 @@ void Trainer<Model>::load(const std::string& path) {
   if (cfg_.verbose) std::printf("resumed from %s at step %lld\n", path.c_str(), (long long)step_);
 }
 
+namespace {
+// One bucket [off, off + len) of the round's gradients g summed over the data ranks as a reduce-scatter and an
+// all-gather: rank q receives every rank's part q (ceil(len / ranks) elements), adds them to its running sums in
+// rank order (the same additions, in the same order, as the all-gather path: bit-identical), and the summed parts
+// are all-gathered. Each rank receives about 2 len elements instead of (ranks - 1) len. Needs every rank to hold
+// the same running sums (ep = 1: no expert slice summed over a subset of the ranks); the buffers are carved from
+// `buf`, and it returns false (nothing done) when they do not fit there.
+template <class P>
+bool reduce_scatter_bucket(const parallel::Comm& data, const View1<P>& g, const View1<P>& sum, const View1<P>& buf,
+                           index_t off, index_t len) {
+  const index_t parts = data.size(), s = (len + parts - 1) / parts, me = data.rank();
+  if (3 * parts * s + s > index_t(buf.extent(0))) return false;
+  using Kokkos::make_pair;
+  using Kokkos::subview;
+  const View1<P> send = subview(buf, make_pair(index_t(0), parts * s));
+  const View1<P> recv = subview(buf, make_pair(parts * s, 2 * parts * s));
+  const View1<P> part = subview(buf, make_pair(2 * parts * s, 2 * parts * s + s));
+  const View1<P> all = subview(buf, make_pair(2 * parts * s + s, 3 * parts * s + s));
+  par_for("trainer::rs_pack", parts * s, KOKKOS_LAMBDA(index_t k) { send(k) = k < len ? g(off + k) : P(0); });
+  data.alltoall(send, recv, std::size_t(s));
+  par_for("trainer::rs_sum", s, KOKKOS_LAMBDA(index_t k) {
+    const bool in = me * s + k < len;
+    P acc = in ? sum(off + me * s + k) : P(0);
+    for (index_t q = 0; q < parts; ++q) acc = acc + recv(q * s + k);
+    part(k) = acc;
+  });
+  data.allgather(part, all);
+  par_for("trainer::rs_unpack", len, KOKKOS_LAMBDA(index_t k) { sum(off + k) = all(k); });
+  return true;
+}
+}  // namespace
+
 template <class Model>
 void Trainer<Model>::reduce_round_gradients(const View1<P>& sum) {
   auto& ps = model_.params();
@@ -269,6 +301,7 @@ void Trainer<Model>::reduce_round_gradients(const View1<P>& sum) {
   const int parts = dp_size_, ep = ep_size_, me = ep_rank_;
   for (index_t off = 0; off < n; off += gather_bucket_) {
     const index_t len = std::min(gather_bucket_, n - off);
+    if (ep == 1 && parts >= 4 && reduce_scatter_bucket<P>(*data_, g, sum, gathered, off, len)) continue;
     const View1<P> send = Kokkos::subview(g, Kokkos::make_pair(off, off + len));
     const View1<P> recv = Kokkos::subview(gathered, Kokkos::make_pair(index_t(0), len * index_t(parts)));
     data_->allgather(send, recv);

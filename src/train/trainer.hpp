@@ -51,8 +51,10 @@ struct TrainConfig {
   // data parallelism forms (gathered per micro-batch and summed in order), so the parameters are bit-identical to
   // plain dp; the saving is the optimizer state (8 of the 16 bytes per parameter) divided by dp.
   bool zero1 = false;
-  // With ep * dp > 1 the per-micro-batch gradients are all-gathered in buckets, so the receive buffer holds at
-  // most this many bytes (data ranks x bucket); the sums do not depend on it.
+  // With ep * dp > 1 the per-micro-batch gradients are exchanged in buckets, so the receive buffer holds at
+  // most this many bytes (data ranks x bucket); the sums do not depend on it. With ep = 1 and 4 or more data ranks
+  // a bucket is a reduce-scatter (each rank sums one part of every rank's bucket, in rank order) and an all-gather
+  // of the sums: about 2 buckets received per rank instead of (ranks - 1), with bit-identical sums.
   std::size_t gather_buffer_bytes = std::size_t(64) << 20;
 };
 
