@@ -323,11 +323,14 @@ double Trainer<Model>::grad_norm() const {
   // replicated elements count once; tp and ep slices are summed over their group
   const auto g = ps.grads();
   const auto split = split_;
-  std::vector<double> ss(3);
-  for (int k = 0; k < 3; ++k)
-    ss[std::size_t(k)] = ordered_sum<double>("trainer::grad_norm", g.extent(0), KOKKOS_LAMBDA(index_t i) {
-      return split(i) == k ? double(g(i)) * double(g(i)) : 0.0;
-    });
+  // one pass for the three kinds (replicated, tp slice, ep slice): the same block sums as three ordered_sums
+  View1<double> sums("trainer::grad_norm_sums", 3);
+  column_reduce<double>(
+      "trainer::grad_norm", g.extent(0), 3,
+      KOKKOS_LAMBDA(index_t i, index_t k) { return index_t(split(i)) == k ? double(g(i)) * double(g(i)) : 0.0; },
+      sums, false);
+  const auto hs = Kokkos::create_mirror_view_and_copy(HostMem(), sums);
+  std::vector<double> ss(hs.data(), hs.data() + 3);
   tp_->allreduce_sum(&ss[1], 1);
   ep_->allreduce_sum(&ss[2], 1);
   return std::sqrt(ss[0] + ss[1] + ss[2]);
