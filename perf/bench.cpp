@@ -400,6 +400,9 @@ void bench_lm(index_t batch, index_t seqlen, int reps, int cp_size, parallel::Ba
   record(name, "throughput", double(batch * seqlen) / t / 1e3, "k tokens/s");
   const double flops = 6.0 * double(lm.params().count()) * double(batch * seqlen);
   record(name, "model FLOP rate (6 N T)", flops / t / 1e12, "TFLOP/s");
+  // MFU against the H200's dense bf16 tensor-core peak (989 TFLOP/s, NVIDIA's data sheet), the convention of
+  // training reports; compare with the measured cuBLAS rate of `--only gemm` for what is reachable.
+  record(name, "MFU (6 N T over 989 TFLOP/s)", 100.0 * flops / t / 989e12, "%");
   if (cp.size() > 1) {
     cp.reset_bytes_sent();
     one();

@@ -144,6 +144,7 @@ def main():
                 record(shape, "time", t * 1e3, "ms")
                 record(shape, "throughput", bsz * L / t / 1e3, "k tokens/s")
                 record(shape, "model FLOP rate (6 N T)", 6 * nparam * bsz * L / t / 1e12, "TFLOP/s")
+                record(shape, "MFU (6 N T over 989 TFLOP/s)", 100 * 6 * nparam * bsz * L / t / 989e12, "%")
                 record(shape, "peak memory allocated", torch.cuda.max_memory_allocated() / 2 ** 30, "GiB")
                 record(shape, "peak memory reserved", torch.cuda.max_memory_reserved() / 2 ** 30, "GiB")
                 print(f"  {shape}: loss after warm-up {loss.item():.4f}", flush=True)
