@@ -56,10 +56,6 @@ double moe_max_imbalance(const std::vector<MoELayerStats>& moe) {
   return x;
 }
 
-std::vector<std::int64_t> shape_of(const ParamEntry& e) {
-  return std::vector<std::int64_t>(e.shape.begin(), e.shape.end());
-}
-
 }  // namespace
 
 std::string format_duration(double s) {
