@@ -110,50 +110,60 @@ KOKKOS_INLINE_FUNCTION void conv_run_bwd(const View2<P>& d, const View2<const P>
 }  // namespace
 
 namespace {
-// The kernels for one window size K (nvcc takes no extended lambda inside a generic lambda).
-template <int K, class T>
-void conv_forward_k(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, const View1<const acc_t<T>>& bias,
-                    const SeqIdxView& seq_idx, const View2<T>& y) {
+// Work item br of the runs of kConvRun tokens: batch row b and tokens [t0, t1).
+KOKKOS_INLINE_FUNCTION void run_of(index_t br, index_t nr, index_t L, index_t& b, index_t& t0, index_t& t1) {
+  b = br / nr;
+  t0 = (br - b * nr) * kConvRun;
+  t1 = t0 + kConvRun < L ? t0 + kConvRun : L;
+}
+
+// out(row, c, pre) for every output (the forward and the backward's dpre), over runs with a K-slot window.
+template <int K, class T, class Out>
+void conv_pre_runs(const char* label, const Conv1dIn<T>& in, const View2<const acc_t<T>>& w,
+                   const View1<const acc_t<T>>& bias, const SeqIdxView& seq_idx, const Out& out) {
   using P = acc_t<T>;
   const auto x = in.x;
   const auto prefix = in.prefix;
-  const index_t col = in.col, L = in.seqlen, C = in.channels, nr = (L + kConvRun - 1) / kConvRun;
-  par_for("conv1d::forward", in.batch * nr, C, KOKKOS_LAMBDA(index_t br, index_t c) {
-    const index_t b = br / nr, t0 = (br - b * nr) * kConvRun, t1 = t0 + kConvRun < L ? t0 + kConvRun : L;
+  const index_t col = in.col, L = in.seqlen, nr = (L + kConvRun - 1) / kConvRun;
+  par_for(label, in.batch * nr, in.channels, KOKKOS_LAMBDA(index_t br, index_t c) {
+    index_t b, t0, t1;
+    run_of(br, nr, L, b, t0, t1);
     conv_run<K, T, P>(x, col, prefix, L, w, bias, seq_idx, b, t0, t1, c,
-                      [&](index_t row, P pre) { y(row, c) = static_cast<T>(silu(pre)); });
+                      [&](index_t row, P pre) { out(row, c, pre); });
   });
 }
 
-// dpre(t, c) = dy(t, c) * silu'(pre(t, c)), recomputing pre; then dx(s, c) = sum_k w(c, k) dpre(s + (W-1) - k, c)
-// over outputs t of the same record.
+// dx(s, c) = sum_k w(c, k) dpre(s + (W-1) - k, c) over outputs t of the same record, over runs.
 template <int K, class T>
-void conv_backward_k(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, const View1<const acc_t<T>>& bias,
-                     const SeqIdxView& seq_idx, const View2<const T>& dy, const UView2<T>& dx, index_t dx_col,
-                     const View2<acc_t<T>>& dpre) {
+void conv_dx_runs(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, const SeqIdxView& seq_idx,
+                  const View2<acc_t<T>>& dpre, const UView2<T>& dx, index_t dx_col) {
   using P = acc_t<T>;
-  const auto x = in.x;
-  const auto prefix = in.prefix;
-  const index_t col = in.col, L = in.seqlen, C = in.channels, nr = (L + kConvRun - 1) / kConvRun;
-  par_for("conv1d::backward_dpre", in.batch * nr, C, KOKKOS_LAMBDA(index_t br, index_t c) {
-    const index_t b = br / nr, t0 = (br - b * nr) * kConvRun, t1 = t0 + kConvRun < L ? t0 + kConvRun : L;
-    conv_run<K, T, P>(x, col, prefix, L, w, bias, seq_idx, b, t0, t1, c,
-                      [&](index_t row, P pre) { dpre(row, c) = P(dy(row, c)) * dsilu(pre); });
-  });
-  par_for("conv1d::backward_dx", in.batch * nr, C, KOKKOS_LAMBDA(index_t br, index_t c) {
-    const index_t b = br / nr, s0 = (br - b * nr) * kConvRun, s1 = s0 + kConvRun < L ? s0 + kConvRun : L;
+  const index_t L = in.seqlen, nr = (L + kConvRun - 1) / kConvRun;
+  par_for("conv1d::backward_dx", in.batch * nr, in.channels, KOKKOS_LAMBDA(index_t br, index_t c) {
+    index_t b, s0, s1;
+    run_of(br, nr, L, b, s0, s1);
     conv_run_bwd<K, T, P>(dpre, w, seq_idx, L, b, s0, s1, c,
                           [&](index_t row, P g) { dx(row, dx_col + c) = static_cast<T>(g); });
   });
+}
+
+// f(std::integral_constant<int, K>) with the window K for conv width W: 4 up to d_conv 4, else kMaxConvWidth.
+template <class F>
+void with_window(index_t W, const F& f) {
+  if (W <= 4) f(std::integral_constant<int, 4>());
+  else f(std::integral_constant<int, int(kMaxConvWidth)>());
 }
 }  // namespace
 
 template <class T>
 void conv1d_silu_forward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, const View1<const acc_t<T>>& bias,
                          const SeqIdxView& seq_idx, const View2<T>& y) {
+  using P = acc_t<T>;
   check_prefix(in, w.extent(1), "conv1d_silu_forward");
-  if (w.extent(1) <= 4) conv_forward_k<4, T>(in, w, bias, seq_idx, y);
-  else conv_forward_k<int(kMaxConvWidth), T>(in, w, bias, seq_idx, y);
+  const auto out = KOKKOS_LAMBDA(index_t row, index_t c, P pre) { y(row, c) = static_cast<T>(silu(pre)); };
+  with_window(w.extent(1), [&](auto k) {
+    conv_pre_runs<decltype(k)::value, T>("conv1d::forward", in, w, bias, seq_idx, out);
+  });
 }
 
 template <class T>
@@ -165,9 +175,13 @@ void conv1d_silu_backward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w,
   const auto x = in.x;
   const auto prefix = in.prefix;
   const index_t col = in.col, L = in.seqlen, W = w.extent(1), C = in.channels, n = in.batch * L;
+  // dpre(t, c) = dy(t, c) * silu'(pre(t, c)), recomputing pre; then dx from dpre
   View2<P> dpre(Kokkos::view_alloc(Kokkos::WithoutInitializing, "conv1d::dpre"), n, C);
-  if (W <= 4) conv_backward_k<4, T>(in, w, bias, seq_idx, dy, dx, dx_col, dpre);
-  else conv_backward_k<int(kMaxConvWidth), T>(in, w, bias, seq_idx, dy, dx, dx_col, dpre);
+  const auto dpre_out = KOKKOS_LAMBDA(index_t row, index_t c, P pre) { dpre(row, c) = P(dy(row, c)) * dsilu(pre); };
+  with_window(W, [&](auto k) {
+    conv_pre_runs<decltype(k)::value, T>("conv1d::backward_dpre", in, w, bias, seq_idx, dpre_out);
+    conv_dx_runs<decltype(k)::value, T>(in, w, seq_idx, dpre, dx, dx_col);
+  });
   // dw(c, k) = sum_t dpre(t, c) x(t - (W-1) + k, c) and dbias(c) = sum_t dpre(t, c): one pass over blocks of
   // kReduceRowBlock rows (a work item per (block, channel) keeps the W + 1 sums in registers, rows in order),
   // then the block partials in order, as column_reduce does.
