@@ -1,5 +1,7 @@
 #include "tensor/gemm.hpp"
 
+#include <algorithm>
+
 #include "core/error.hpp"
 
 #include <Kokkos_Profiling_ScopedRegion.hpp>
@@ -85,14 +87,18 @@ cublasComputeType_t float_compute_type(GemmCompute c) {
                                   : CUBLAS_COMPUTE_32F;
 }
 
+// cuBLAS takes int sizes, leading dimensions and batch counts.
+void require_int32_dims(const char* what, index_t m, index_t n, index_t k, index_t lda, index_t ldb, index_t ldc,
+                        index_t count) {
+  require(std::max({m, n, k, lda, ldb, ldc, count}) < (1ll << 31), what, "dimension exceeds int32");
+}
+
 template <class T>
 void batched_cublas(Trans ta, Trans tb, index_t m, index_t n, index_t k, T alpha, const T* A, index_t lda,
                     index_t sA, const T* B, index_t ldb, index_t sB, T beta, T* C, index_t ldc, index_t sC,
                     index_t count, cudaDataType_t dtype, cublasComputeType_t compute) {
   if (m == 0 || n == 0 || count == 0) return;
-  require(m < (1ll << 31) && n < (1ll << 31) && k < (1ll << 31) && lda < (1ll << 31) && ldb < (1ll << 31) &&
-              ldc < (1ll << 31) && count < (1ll << 31),
-          "gemm_strided_batched", "dimension exceeds int32");
+  require_int32_dims("gemm_strided_batched", m, n, k, lda, ldb, ldc, count);
   Kokkos::Profiling::ScopedRegion region("gemm::cublas_strided_batched");
   check(cublasGemmStridedBatchedEx(handle(), op(tb), op(ta), int(n), int(m), int(k), &alpha, B, dtype, int(ldb),
                                    (long long)sB, A, dtype, int(lda), (long long)sA, &beta, C, dtype, int(ldc),
@@ -115,9 +121,7 @@ void batched2d_cublas(Trans ta, Trans tb, index_t m, index_t n, index_t k, T alp
     return;
   }
   const index_t count = nj * ni;
-  require(m < (1ll << 31) && n < (1ll << 31) && k < (1ll << 31) && lda < (1ll << 31) && ldb < (1ll << 31) &&
-              ldc < (1ll << 31) && count < (1ll << 31),
-          "gemm_batched_2d", "dimension exceeds int32");
+  require_int32_dims("gemm_batched_2d", m, n, k, lda, ldb, ldc, count);
   Kokkos::Profiling::ScopedRegion region("gemm::cublas_batched_2d");
   View1<std::uintptr_t> own;
   if (pointers == nullptr) own = View1<std::uintptr_t>("gemm::pointers", 3 * count);

@@ -404,7 +404,7 @@ void per_token_heads(const char* label, const Ctx<T>& c, const S& factor, const 
 // Views and sizes shared by the forward and backward of the GEMM formulation.
 template <class T>
 struct GemmCtx {
-  index_t ldx, HP, hb, runs, run_len, nblk;  // xbc row stride, H P, heads per workspace block, runs per block
+  index_t ldx, HP, hb, runs, run_len;  // xbc row stride, H P, heads per workspace block, runs per block and heads per run
   View2<T> xw;                                // (B L, H P): es(s) Delta_s x_s, the chunk-state operand
   View4<T> w1;                                // (hb, B nc, Q, Q): M or DX per head of a block
   View4<T> w2;                                // (runs, B nc, Q, Q): dCB summed over the heads of each run
@@ -421,7 +421,6 @@ GemmCtx<T> make_gemm_ctx(const Ctx<T>& c, double budget, bool backward) {
   g.hb = bl.heads;
   g.runs = bl.runs;
   g.run_len = g.hb / g.runs;
-  g.nblk = (c.H + g.hb - 1) / g.hb;
   g.xw = make_uninit<View2<T>>("ssd::xw", c.Bsz * c.L, g.HP);
   g.w1 = make_uninit<View4<T>>("ssd::qq1", g.hb, c.Bsz * c.nc, c.Q, c.Q);
   if (backward) g.w2 = make_uninit<View4<T>>("ssd::qq2", g.runs, c.Bsz * c.nc, c.Q, c.Q);
