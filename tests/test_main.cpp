@@ -1,14 +1,17 @@
 // One Catch2 main for the unit-test binaries: Kokkos first (it removes its own --kokkos-* flags from argv), then
 // the Catch2 session in an inner scope so that every View dies before Kokkos finalizes. The unit tests need no MPI;
 // the MPI tests have their own binaries run under mpiexec.
-// With MM_TEST_BACKTRACE set, a segmentation fault also prints where it happened (Catch2 reports the test case,
-// then hands the signal back to this handler): for crashes seen only on a machine without a debugger.
+// With MM_TEST_BACKTRACE set, a segmentation fault prints where it happened (the faulting instruction, its mapping
+// and a backtrace), for crashes seen only on a machine without a debugger. Catch2 installs its own handler around
+// every test case and, on a fault, re-raises the signal from that handler, whose context then says nothing about
+// the fault; so this handler is put back in front of Catch2's at every Kokkos allocation and kernel launch.
 #define CATCH_CONFIG_RUNNER
 #include <execinfo.h>
 #include <signal.h>
 #include <ucontext.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -31,7 +34,13 @@ void print_fault(int sig, siginfo_t* info, void* ctx) {
     char line[512];
     while (std::fgets(line, sizeof line, maps) != nullptr) {
       unsigned long lo = 0, hi = 0;
-      if (std::sscanf(line, "%lx-%lx", &lo, &hi) == 2 && pc >= lo && pc < hi) (void)!write(2, line, std::strlen(line));
+      unsigned long off = 0;
+      char path[256] = "";
+      if (std::sscanf(line, "%lx-%lx %*s %lx %*s %*s %255s", &lo, &hi, &off, path) >= 3 && pc >= lo && pc < hi) {
+        (void)!write(2, line, std::strlen(line));
+        n = std::snprintf(buf, sizeof buf, "fault pc: %s(+0x%lx)\n", path, pc - lo + off);  // for addr2line -e
+        (void)!write(2, buf, std::size_t(n));
+      }
     }
     std::fclose(maps);
   }
@@ -40,18 +49,32 @@ void print_fault(int sig, siginfo_t* info, void* ctx) {
   signal(sig, SIG_DFL);
   raise(sig);
 }
+
+void install_fault_handler() {
+  struct sigaction cur = {};
+  sigaction(SIGSEGV, nullptr, &cur);
+  if ((cur.sa_flags & SA_SIGINFO) != 0 && cur.sa_sigaction == print_fault) return;
+  struct sigaction sa = {};
+  sa.sa_sigaction = print_fault;
+  sa.sa_flags = SA_SIGINFO | SA_ONSTACK;  // on Catch2's alternate stack while it has one (stack overflows)
+  sigaction(SIGSEGV, &sa, nullptr);
+}
+void on_kernel(const char*, std::uint32_t, std::uint64_t*) { install_fault_handler(); }
+void on_alloc(Kokkos::Profiling::SpaceHandle, const char*, const void*, std::uint64_t) { install_fault_handler(); }
 }  // namespace
 
 int main(int argc, char* argv[]) {
-  if (std::getenv("MM_TEST_BACKTRACE") != nullptr) {
-    struct sigaction sa = {};
-    sa.sa_sigaction = print_fault;
-    sa.sa_flags = SA_SIGINFO;
-    sigaction(SIGSEGV, &sa, nullptr);
-  }
+  const bool trace = std::getenv("MM_TEST_BACKTRACE") != nullptr;
+  if (trace) install_fault_handler();
   int result = 0;
   {
     Kokkos::ScopeGuard kokkos(argc, argv);
+    if (trace) {
+      namespace KT = Kokkos::Tools::Experimental;
+      KT::set_begin_parallel_for_callback(on_kernel);
+      KT::set_begin_parallel_reduce_callback(on_kernel);
+      KT::set_allocate_data_callback(on_alloc);
+    }
     result = Catch::Session().run(argc, argv);
   }
   return result;
