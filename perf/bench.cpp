@@ -4,7 +4,7 @@
 //
 //   mambamoe_bench [--out DIR] [--only copy,gemm,ssd,lm] [--reps N] [--lm-batch B --lm-seqlen L] [--profile]
 //                  [--lm-window W]   (the LM's Mamba-2 layers in windows of W tokens: model.mixer_window)
-//                  [--ssd V,..] [--lm-ssd V,..]   V: portable | gemm-fp32 | gemm-tf32 | gemm-bf16 (SSD variants
+//                  [--ssd V,..] [--lm-ssd V,..]   V: portable | gemm-C | fused-C, C = fp32 | tf32 | bf16 (SSD variants
 //                  timed; the first is the reference the others' outputs are compared with)
 //   mpiexec -n N mambamoe_bench --only lm --cp N ...   (the LM step with every sequence split over N ranks)
 //   mpiexec -n N mambamoe_bench --only lm --cp N --backend nccl   (the same over NCCL: device buffers, one GPU per rank)
@@ -279,7 +279,10 @@ struct SSDVariant {
 SSDVariant parse_ssd_variant(const std::string& v) {
   if (v == "portable") return {SSDAlgo::portable, GemmCompute::fp32, v};
   if (v.rfind("gemm-", 0) == 0) return {SSDAlgo::gemm, parse_gemm_compute(v.substr(5), "--ssd " + v), v};
-  throw Error("mambamoe_bench", "--ssd: unknown variant '" + v + "' (valid: portable, gemm-fp32, gemm-tf32, gemm-bf16)");
+  if (v.rfind("fused-", 0) == 0) return {SSDAlgo::fused, parse_gemm_compute(v.substr(6), "--ssd " + v), v};
+  throw Error("mambamoe_bench", "--ssd: unknown variant '" + v +
+                                    "' (valid: portable, gemm-fp32, gemm-tf32, gemm-bf16, fused-fp32, fused-tf32, "
+                                    "fused-bf16)");
 }
 
 // The SSD of issue 3: batch 1, length 65,536, 24 heads, headdim 64, d_state 128, one group, chunk 256, fp32
@@ -510,7 +513,7 @@ int run(int argc, char** argv, int cp_size, int rank) {
     }
     else {
       std::cerr << "mambamoe_bench: unknown option " << a
-                << " (known: --out DIR, --only copy,gemm,ssd,lm, --reps N, --lm-batch B, --lm-seqlen L, --lm-window W, --cp N, --backend mpi|nccl, --ssd V1,V2,.., --lm-ssd V1,.., --lm-recompute mixer,none; V: portable, gemm-fp32, gemm-tf32, gemm-bf16)\n";
+                << " (known: --out DIR, --only copy,gemm,ssd,lm, --reps N, --lm-batch B, --lm-seqlen L, --lm-window W, --cp N, --backend mpi|nccl, --ssd V1,V2,.., --lm-ssd V1,.., --lm-recompute mixer,none; V: portable, gemm-C, fused-C with C = fp32, tf32, bf16)\n";
       return 2;
     }
   }

@@ -122,7 +122,8 @@ void declare_backbone_options(io::Deck& d) {
               "working memory follows the window, not the sequence; same results as one pass. 0: one pass")
       .add<std::string>("model.ssd_algorithm", "auto",
                         "M2 layers: how the SSD is computed: auto (gemm on CUDA, portable on CPU), portable (Kokkos "
-                        "team kernels), gemm (batched chunk GEMMs)")
+                        "team kernels), gemm (batched chunk GEMMs), fused (CUDA: the forward's chunk states and scan "
+                        "in tensor-core kernels, bf16 operands; otherwise gemm)")
       .add<std::string>("model.ssd_precision", "fp32",
                         "M2 layers, CUDA: arithmetic of the SSD's chunk GEMMs: fp32, tf32 or bf16 (tensor cores, "
                         "fp32 accumulation); CPU builds always compute in fp32")
@@ -287,9 +288,12 @@ Mamba2Config make_mixer_config(const io::Deck& d) {
   const std::string where = d.path().empty() ? "[model]" : d.path() + " [model]";
   {
     const std::string a = d.get<std::string>("model.ssd_algorithm");
-    require(a == "auto" || a == "portable" || a == "gemm", where,
-            "model.ssd_algorithm: unknown value '", a, "' (valid: auto, portable, gemm)");
-    m.ssd_algo = a == "gemm" ? SSDAlgo::gemm : a == "portable" ? SSDAlgo::portable : SSDAlgo::automatic;
+    require(a == "auto" || a == "portable" || a == "gemm" || a == "fused", where,
+            "model.ssd_algorithm: unknown value '", a, "' (valid: auto, portable, gemm, fused)");
+    m.ssd_algo = a == "gemm"       ? SSDAlgo::gemm
+                 : a == "fused"    ? SSDAlgo::fused
+                 : a == "portable" ? SSDAlgo::portable
+                                   : SSDAlgo::automatic;
     m.ssd_compute = parse_gemm_compute(d.get<std::string>("model.ssd_precision"), where + " model.ssd_precision");
   }
   m.validate(d.path().empty() ? "[model]" : d.path() + " [model]");

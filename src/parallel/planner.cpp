@@ -147,7 +147,7 @@ LayerMem mem_mamba2(const Mamba2Config& c, const Dims& d, Recompute pol) {
   const double conv_bwd = d.a * d.n * C;
   SSDShape shape;
   shape.algo = c.ssd_algo;
-  if (ssd_resolved_algo(shape) == SSDAlgo::gemm) {
+  if (ssd_resolved_algo(shape) != SSDAlgo::portable) {  // gemm, or fused (whose backward is gemm's)
     // ssd.cpp's GEMM formulation: xw (n, H P), Q x Q workspaces for hb heads at a time (ssd_gemm_blocks), and in
     // the backward e_in dY (n, H P), one summed dCB workspace per run of a block, the GEMMs' pointer arrays, dstates, the partial sums, six
     // per-token sums and B dH^T and C S_in^T of the block's heads. No team scratch.

@@ -5,6 +5,7 @@
 #include <type_traits>
 
 #include "core/error.hpp"
+#include "ssm/mamba2/ssd_fused.hpp"
 
 namespace mm {
 
@@ -428,6 +429,16 @@ GemmCtx<T> make_gemm_ctx(const Ctx<T>& c, double budget, bool backward) {
   return g;
 }
 
+// C B^T of every chunk and group (into c.cb).
+template <class T>
+void chunk_cb(const Ctx<T>& c, GemmCompute cmp) {
+  const T* X = c.xbc.data();
+  const index_t ldx = index_t(c.xbc.stride(0));
+  for (index_t grp = 0; grp < c.G; ++grp)
+    chunk_gemm<T>(c, cmp, Trans::N, Trans::T, kQ, kQ, c.N, T(1), tok(X + c.c_col + grp * c.N, ldx),
+                  tok(X + c.b_col + grp * c.N, ldx), T(0), blk(c.cb.data() + grp * c.Q * c.Q, c.Q, c.G * c.Q * c.Q));
+}
+
 // Chunk-local states (into c.states), then the state passing (c.states becomes the state entering each chunk),
 // then C B^T (into c.cb).
 template <class T>
@@ -449,16 +460,59 @@ void gemm_states_and_cb(const Ctx<T>& c, const GemmCtx<T>& g, GemmCompute cmp, c
     chunk_gemm<T>(c, cmp, Trans::T, Trans::N, gP, c.N, kQ, T(1), tok<const T*>(xw.data() + grp * gP, g.HP),
                   tok(X + c.b_col + grp * c.N, g.ldx), T(0), blk(c.states.data() + grp * c.hpg * PN, c.N, c.H * PN));
   state_passing(c, init, final_state);
-  for (index_t grp = 0; grp < c.G; ++grp)
-    chunk_gemm<T>(c, cmp, Trans::N, Trans::T, kQ, kQ, c.N, T(1), tok(X + c.c_col + grp * c.N, g.ldx),
-                  tok(X + c.b_col + grp * c.N, g.ldx), T(0),
-                  blk(c.cb.data() + grp * c.Q * c.Q, c.Q, c.G * c.Q * c.Q));
+  chunk_cb(c, cmp);
 }
 
 template <class T>
 KOKKOS_INLINE_FUNCTION T e_in_of(const Ctx<T>& c, index_t b, index_t h, index_t t) {
   const T e = c.rec(b, t) == c.rec_in(b, t / c.Q) ? exp_nonpos(c.acs(b, h, t)) : T(0);
   return e < T(kNegligibleDecay) ? T(0) : e;
+}
+
+// The fused forward applies (ssd_fused.hpp): CUDA, float activations, a shape its kernels take.
+template <class T>
+bool fused_applies(const Ctx<T>& c) {
+  return std::is_same_v<T, float> && ssd_fused::fits(int(c.Pd), int(c.N), int(c.Q)) &&
+         c.Bsz * c.nc * c.H < (index_t(1) << 31) && c.L < (index_t(1) << 31);
+}
+
+// SSDAlgo::fused, forward: the chunk-local states and the chunk scan in the tensor-core kernels of ssd_fused.cpp;
+// the cumsum, the state passing and C B^T (a cuBLAS batched GEMM under s.compute) as in the GEMM formulation.
+template <class T>
+void ssd_forward_fused(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, const View2<T>& y,
+                       const View4<T>& final_state) {
+  if constexpr (std::is_same_v<T, float>) {
+    dt_cumsum(c);
+    ssd_fused::Args a;
+    a.xbc = c.xbc.data();
+    a.ldx = index_t(c.xbc.stride(0));
+    a.x_col = c.x_col;
+    a.b_col = c.b_col;
+    a.c_col = c.c_col;
+    a.acs = c.acs.data();
+    a.delta = c.delta.data();
+    a.seq = c.seq.extent(0) > 0 ? c.seq.data() : nullptr;
+    a.D = c.D.data();
+    a.states = c.states.data();
+    a.cb = c.cb.data();
+    a.y = y.data();
+    a.ldy = index_t(y.stride(0));
+    a.batch = int(c.Bsz);
+    a.L = int(c.L);
+    a.H = int(c.H);
+    a.P = int(c.Pd);
+    a.G = int(c.G);
+    a.N = int(c.N);
+    a.Q = int(c.Q);
+    a.nc = int(c.nc);
+    a.cutoff = float(kNegligibleDecay);
+    ssd_fused::chunk_state(a);
+    state_passing(c, in.init_state, final_state);
+    chunk_cb(c, s.compute);
+    ssd_fused::chunk_scan(a);
+  } else {
+    (void)c, (void)s, (void)in, (void)y, (void)final_state;
+  }
 }
 
 template <class T>
@@ -751,9 +805,13 @@ void ssd_forward(const SSDShape& s, const SSDIn<T>& in, const View2<T>& y, const
   const Ctx<T> c = make_ctx(s, in);
   require(index_t(y.extent(0)) == c.Bsz * c.L && index_t(y.extent(1)) == c.H * c.Pd, "ssd_forward",
           "y must be (batch * seqlen, nheads * headdim)");
-  if (ssd_resolved_algo(s) == SSDAlgo::gemm) {
+  const SSDAlgo algo = ssd_resolved_algo(s);
+  if (algo == SSDAlgo::gemm || algo == SSDAlgo::fused) {
     static_assert(std::is_same_v<T, P>, "the GEMM formulation keeps activations in the accumulation type");
-    ssd_forward_gemm<T>(c, s, in, y, final_state);
+    if (algo == SSDAlgo::fused && fused_applies(c))
+      ssd_forward_fused<T>(c, s, in, y, final_state);
+    else
+      ssd_forward_gemm<T>(c, s, in, y, final_state);
     return;
   }
   dt_cumsum(c);
@@ -826,7 +884,7 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
   const Ctx<T> c = make_ctx(s, in);
   require(index_t(dy.extent(0)) == c.Bsz * c.L && index_t(dy.extent(1)) == c.H * c.Pd, "ssd_backward",
           "dy must be (batch * seqlen, nheads * headdim)");
-  if (ssd_resolved_algo(s) == SSDAlgo::gemm) {
+  if (ssd_resolved_algo(s) != SSDAlgo::portable) {  // fused: the backward is the GEMM formulation's
     ssd_backward_gemm<T>(c, s, in, dy, dfinal_state, gr);
     return;
   }

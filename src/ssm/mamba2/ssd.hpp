@@ -27,8 +27,12 @@ namespace mm {
 //   gemm:     the chunk-local matrix products (C B^T, the masked Q x Q product with x, chunk states, the inter-chunk
 //             outputs and every product of the backward) as strided batched GEMMs (cuBLAS on CUDA: tensor cores
 //             under `compute` tf32/bf16), with the masks, decays and reductions in Kokkos elementwise kernels;
+//   fused:    on CUDA with float activations (headdim a multiple of 16 up to 128, d_state a multiple of 16, chunk a
+//             multiple of 64), the forward's chunk states and chunk scan as native tensor-core kernels
+//             (ssd_fused.hpp: bf16 operands, fp32 accumulation, no Q x Q workspace); everything else, and every
+//             other build or shape, as gemm;
 //   automatic: gemm on CUDA, portable on host backends.
-enum class SSDAlgo { automatic, portable, gemm };
+enum class SSDAlgo { automatic, portable, gemm, fused };
 
 struct SSDShape {
   index_t batch = 1, seqlen = 0, nheads = 1, headdim = 1, ngroups = 1, dstate = 1, chunk = 256;

@@ -1,0 +1,295 @@
+#include "ssm/mamba2/ssd_fused.hpp"
+
+#include <Kokkos_Core.hpp>
+#include <Kokkos_Profiling_ScopedRegion.hpp>
+
+#include "core/error.hpp"
+
+#if defined(KOKKOS_ENABLE_CUDA)
+#include <cuda_bf16.h>
+#include <mma.h>
+#endif
+
+namespace mm::ssd_fused {
+
+#if defined(KOKKOS_ENABLE_CUDA)
+namespace {
+
+namespace wmma = nvcuda::wmma;
+using bf = __nv_bfloat16;
+
+// Tiles: 64 tokens by 64 columns per shared-memory stage; four warps, each owning 16 rows (chunk scan) or 16
+// columns (chunk state) of the block's output and every 16-wide fragment of the other dimension. Rows of the bf16
+// stages are padded by 8 elements (16 bytes): the ld of a WMMA load must be a multiple of 8, and the padding
+// spreads the rows of a fragment over the banks.
+constexpr int kTile = 64, kThreads = 128, kPad = 8, kLdTile = kTile + kPad;
+
+__device__ __forceinline__ float decay(float d) { return __expf(fminf(d, 0.f)); }
+
+void check_launch(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  require(e == cudaSuccess, "ssd fused", what, " failed to launch: ", cudaGetErrorString(e));
+}
+
+// One block per (64 columns n of the state, head, (row, chunk)); PT = P / 16 fragments per warp.
+template <int PT>
+__global__ void __launch_bounds__(kThreads) chunk_state_kernel(const Args a) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int P = PT * 16, ldx = P + kPad;
+  bf* xs = reinterpret_cast<bf*>(smem);  // (kTile tokens, P): es Delta x, read as X^T (column-major A)
+  bf* bs = xs + kTile * ldx;             // (kTile tokens, 64 columns of B)
+  float* w = reinterpret_cast<float*>(bs + kTile * kLdTile);  // per-token weight of the tile
+
+  const int n0 = blockIdx.x * kTile, h = blockIdx.y, bc = blockIdx.z;
+  const int b = bc / a.nc, ch = bc % a.nc, t0 = ch * a.Q, q = min(a.Q, a.L - t0), g = h / (a.H / a.G);
+  const int warp = threadIdx.x / 32, nw = min(kTile, a.N - n0);
+  const std::int64_t row0 = std::int64_t(b) * a.L;
+  const float* acs = a.acs + (std::int64_t(b) * a.H + h) * a.L;
+  const float* dlt = a.delta + (std::int64_t(b) * a.H + h) * a.L;
+  const float acs_last = acs[t0 + q - 1];
+  const int rec_last = a.seq ? a.seq[row0 + t0 + q - 1] : 0;
+
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[PT];
+#pragma unroll
+  for (int i = 0; i < PT; ++i) wmma::fill_fragment(acc[i], 0.f);
+
+  for (int s0 = 0; s0 < q; s0 += kTile) {
+    if (threadIdx.x < kTile) {
+      const int t = t0 + s0 + threadIdx.x;
+      float v = 0.f;
+      if (s0 + int(threadIdx.x) < q && (!a.seq || a.seq[row0 + t] == rec_last)) {
+        const float e = decay(acs_last - acs[t]);
+        v = e < a.cutoff ? 0.f : e * dlt[t];
+      }
+      w[threadIdx.x] = v;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < kTile * P; i += kThreads) {
+      const int s = i / P, p = i % P;
+      const float v = s0 + s < q ? w[s] * a.xbc[(row0 + t0 + s0 + s) * a.ldx + a.x_col + h * P + p] : 0.f;
+      xs[s * ldx + p] = __float2bfloat16(v);
+    }
+    for (int i = threadIdx.x; i < kTile * kTile; i += kThreads) {
+      const int s = i / kTile, n = i % kTile;
+      const float v = s0 + s < q && n < nw ? a.xbc[(row0 + t0 + s0 + s) * a.ldx + a.b_col + g * a.N + n0 + n] : 0.f;
+      bs[s * kLdTile + n] = __float2bfloat16(v);
+    }
+    __syncthreads();
+    if (warp * 16 < nw) {
+#pragma unroll
+      for (int k = 0; k < kTile; k += 16) {
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::row_major> fb;
+        wmma::load_matrix_sync(fb, bs + k * kLdTile + warp * 16, kLdTile);
+#pragma unroll
+        for (int i = 0; i < PT; ++i) {
+          wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::col_major> fa;
+          wmma::load_matrix_sync(fa, xs + k * ldx + i * 16, ldx);
+          wmma::mma_sync(acc[i], fa, fb, acc[i]);
+        }
+      }
+    }
+    __syncthreads();
+  }
+  if (warp * 16 < nw) {
+    float* S = a.states + ((std::int64_t(bc) * a.H + h) * P) * a.N + n0 + warp * 16;
+#pragma unroll
+    for (int i = 0; i < PT; ++i) wmma::store_matrix_sync(S + std::int64_t(i) * 16 * a.N, acc[i], a.N, wmma::mem_row_major);
+  }
+}
+
+// Bytes of the chunk scan's shared stage buffer (the largest of its three uses).
+__host__ __device__ constexpr std::size_t scan_stage_bytes(int P) {
+  const std::size_t a = std::size_t(kTile + P) * kLdTile * 2, b = std::size_t(kTile) * (kLdTile + P + kPad) * 2,
+                    c = std::size_t(kTile) * (P + 4) * 4;
+  return a > b ? (a > c ? a : c) : (b > c ? b : c);
+}
+
+// One block per (64 output tokens l, head, (row, chunk)); warp w owns rows 16 w .. 16 w + 15 of the tile.
+template <int PT>
+__global__ void __launch_bounds__(kThreads) chunk_scan_kernel(const Args a) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int P = PT * 16, ldx = P + kPad, ldy = P + 4;
+  // stage A: cs (64 l, 64 n) e_in C, ss (P, 64 n) S_in; stage B: ms (64 l, 64 s) the masked decays, xs (64 s, P);
+  // stage C: ys (64 l, P) fp32. The three share the buffer; the per-token arrays follow it.
+  bf* cs = reinterpret_cast<bf*>(smem);
+  bf* ss = cs + kTile * kLdTile;
+  bf* ms = cs;
+  bf* xs = cs + kTile * kLdTile;
+  float* ys = reinterpret_cast<float*>(smem);
+  const std::size_t stage = scan_stage_bytes(P);
+  float* acs_l = reinterpret_cast<float*>(smem + stage);
+  float* ein = acs_l + kTile;
+  float* acs_s = ein + kTile;
+  float* dt_s = acs_s + kTile;
+  int* rec_l = reinterpret_cast<int*>(dt_s + kTile);
+  int* rec_s = rec_l + kTile;
+
+  const int l0 = blockIdx.x * kTile, h = blockIdx.y, bc = blockIdx.z;
+  const int b = bc / a.nc, ch = bc % a.nc, t0 = ch * a.Q, q = min(a.Q, a.L - t0), g = h / (a.H / a.G);
+  if (l0 >= q) return;  // the short last chunk
+  const int warp = threadIdx.x / 32, nl = min(kTile, q - l0);
+  const std::int64_t row0 = std::int64_t(b) * a.L;
+  const float* acs = a.acs + (std::int64_t(b) * a.H + h) * a.L;
+  const float* dlt = a.delta + (std::int64_t(b) * a.H + h) * a.L;
+
+  if (threadIdx.x < kTile) {
+    const int l = threadIdx.x, t = t0 + l0 + l;
+    const int r_in = a.seq ? a.seq[row0 + (ch == 0 ? 0 : t0 - 1)] : 0;
+    float al = 0.f, e = 0.f;
+    int r = 0;
+    if (l < nl) {
+      al = acs[t];
+      r = a.seq ? a.seq[row0 + t] : 0;
+      e = r == r_in ? decay(al) : 0.f;
+      e = e < a.cutoff ? 0.f : e;
+    }
+    acs_l[l] = al;
+    ein[l] = e;
+    rec_l[l] = r;
+  }
+  __syncthreads();
+
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[PT];
+#pragma unroll
+  for (int i = 0; i < PT; ++i) wmma::fill_fragment(acc[i], 0.f);
+
+  // inter-chunk term: (e_in C) S_in^T, 64 columns n at a time
+  const float* S = a.states + (std::int64_t(bc) * a.H + h) * P * a.N;
+  for (int n0 = 0; n0 < a.N; n0 += kTile) {
+    const int nw = min(kTile, a.N - n0);
+    for (int i = threadIdx.x; i < kTile * kTile; i += kThreads) {
+      const int l = i / kTile, n = i % kTile;
+      const float v =
+          l < nl && n < nw ? ein[l] * a.xbc[(row0 + t0 + l0 + l) * a.ldx + a.c_col + g * a.N + n0 + n] : 0.f;
+      cs[l * kLdTile + n] = __float2bfloat16(v);
+    }
+    for (int i = threadIdx.x; i < P * kTile; i += kThreads) {
+      const int p = i / kTile, n = i % kTile;
+      ss[p * kLdTile + n] = __float2bfloat16(n < nw ? S[std::int64_t(p) * a.N + n0 + n] : 0.f);
+    }
+    __syncthreads();
+    for (int k = 0; k < nw; k += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::row_major> fa;
+      wmma::load_matrix_sync(fa, cs + warp * 16 * kLdTile + k, kLdTile);
+#pragma unroll
+      for (int i = 0; i < PT; ++i) {
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::col_major> fb;
+        wmma::load_matrix_sync(fb, ss + i * 16 * kLdTile + k, kLdTile);
+        wmma::mma_sync(acc[i], fa, fb, acc[i]);
+      }
+    }
+    __syncthreads();
+  }
+
+  // intra-chunk term: source tiles up to and including the diagonal one
+  const float* CB = a.cb + ((std::int64_t(bc) * a.G + g) * a.Q + l0) * a.Q;
+  for (int s0 = 0; s0 <= l0; s0 += kTile) {
+    const int ns = min(kTile, q - s0);
+    if (threadIdx.x < kTile) {
+      const int s = threadIdx.x, t = t0 + s0 + s;
+      acs_s[s] = s < ns ? acs[t] : 0.f;
+      dt_s[s] = s < ns ? dlt[t] : 0.f;
+      rec_s[s] = s < ns ? (a.seq ? a.seq[row0 + t] : 0) : -1;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < kTile * kTile; i += kThreads) {
+      const int l = i / kTile, s = i % kTile;
+      float v = 0.f;
+      if (l < nl && s < ns && s0 + s <= l0 + l && rec_s[s] == rec_l[l]) {
+        const float e = decay(acs_l[l] - acs_s[s]);
+        if (e >= a.cutoff) v = CB[std::int64_t(l) * a.Q + s0 + s] * e * dt_s[s];
+      }
+      ms[l * kLdTile + s] = __float2bfloat16(v);
+    }
+    for (int i = threadIdx.x; i < kTile * P; i += kThreads) {
+      const int s = i / P, p = i % P;
+      const float v = s < ns ? a.xbc[(row0 + t0 + s0 + s) * a.ldx + a.x_col + h * P + p] : 0.f;
+      xs[s * ldx + p] = __float2bfloat16(v);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < kTile; k += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::row_major> fa;
+      wmma::load_matrix_sync(fa, ms + warp * 16 * kLdTile + k, kLdTile);
+#pragma unroll
+      for (int i = 0; i < PT; ++i) {
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::row_major> fb;
+        wmma::load_matrix_sync(fb, xs + k * ldx + i * 16, ldx);
+        wmma::mma_sync(acc[i], fa, fb, acc[i]);
+      }
+    }
+    __syncthreads();
+  }
+
+  // y = acc + D x
+#pragma unroll
+  for (int i = 0; i < PT; ++i) wmma::store_matrix_sync(ys + warp * 16 * ldy + i * 16, acc[i], ldy, wmma::mem_row_major);
+  __syncthreads();
+  const float Dh = a.D[h];
+  for (int i = threadIdx.x; i < nl * P; i += kThreads) {
+    const int l = i / P, p = i % P;
+    const std::int64_t r = row0 + t0 + l0 + l;
+    a.y[r * a.ldy + h * P + p] = ys[l * ldy + p] + Dh * a.xbc[r * a.ldx + a.x_col + h * P + p];
+  }
+}
+
+std::size_t state_smem(int P) {
+  return std::size_t(kTile) * (P + kPad) * 2 + std::size_t(kTile) * kLdTile * 2 + kTile * 4;
+}
+
+std::size_t scan_smem(int P) { return scan_stage_bytes(P) + 6 * kTile * 4; }
+
+template <int PT>
+void launch(const Args& a, bool scan) {
+  const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
+  if (scan) {
+    const dim3 grid((a.Q + kTile - 1) / kTile, a.H, a.batch * a.nc);
+    chunk_scan_kernel<PT><<<grid, kThreads, scan_smem(PT * 16), st>>>(a);
+    check_launch("chunk scan");
+  } else {
+    const dim3 grid((a.N + kTile - 1) / kTile, a.H, a.batch * a.nc);
+    chunk_state_kernel<PT><<<grid, kThreads, state_smem(PT * 16), st>>>(a);
+    check_launch("chunk state");
+  }
+}
+
+void dispatch(const Args& a, bool scan) {
+  require(fits(a.P, a.N, a.Q), "ssd fused", "shape P = ", a.P, ", N = ", a.N, ", Q = ", a.Q, " is not supported");
+  switch (a.P / 16) {
+    case 1: return launch<1>(a, scan);
+    case 2: return launch<2>(a, scan);
+    case 3: return launch<3>(a, scan);
+    case 4: return launch<4>(a, scan);
+    case 5: return launch<5>(a, scan);
+    case 6: return launch<6>(a, scan);
+    case 7: return launch<7>(a, scan);
+    default: return launch<8>(a, scan);
+  }
+}
+
+}  // namespace
+
+bool fits(int headdim, int dstate, int chunk) {
+  return headdim % 16 == 0 && headdim >= 16 && headdim <= 128 && dstate % 16 == 0 && dstate >= 16 &&
+         chunk % kTile == 0;
+}
+
+void chunk_state(const Args& a) {
+  Kokkos::Profiling::ScopedRegion region("ssd::fused_chunk_state");
+  dispatch(a, false);
+}
+
+void chunk_scan(const Args& a) {
+  Kokkos::Profiling::ScopedRegion region("ssd::fused_chunk_scan");
+  dispatch(a, true);
+}
+
+#else  // host backends: never called (ssd.cpp asks `fits` first)
+
+bool fits(int, int, int) { return false; }
+void chunk_state(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
+void chunk_scan(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
+
+#endif
+
+}  // namespace mm::ssd_fused

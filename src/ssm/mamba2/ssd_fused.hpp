@@ -1,0 +1,40 @@
+// Native CUDA tensor-core kernels of the SSD forward (SSDAlgo::fused): the chunk-local states and the chunk scan
+// (intra-chunk masked product, inter-chunk term and D x in one pass, no Q x Q workspace in global memory), with
+// bf16 operands and fp32 accumulation (WMMA 16 x 16 x 16). The portable Kokkos kernels and the GEMM formulation in
+// ssd.cpp stay the reference and the fallback: ssd.cpp calls these only on CUDA, for float activations and shapes
+// that `fits` accepts.
+#pragma once
+
+#include <cstdint>
+
+namespace mm::ssd_fused {
+
+// Raw row-major views of one call (the same arrays as ssd.cpp's Ctx).
+struct Args {
+  const float* xbc = nullptr;  // x at column x_col + h P + p, B at b_col + g N + n, C at c_col + g N + n
+  std::int64_t ldx = 0, x_col = 0, b_col = 0, c_col = 0;
+  const float* acs = nullptr;    // (batch, H, L): in-chunk inclusive cumsum of Delta A
+  const float* delta = nullptr;  // (batch, H, L)
+  const std::int32_t* seq = nullptr;  // (batch, L) record ids, or null (one record)
+  const float* D = nullptr;           // (H)
+  float* states = nullptr;            // (batch, nchunks, H, P, N)
+  const float* cb = nullptr;          // (batch, nchunks, G, Q, Q): C_l . B_s
+  float* y = nullptr;                 // (batch L, ldy), head h at columns h P
+  std::int64_t ldy = 0;
+  int batch = 0, L = 0, H = 0, P = 0, G = 0, N = 0, Q = 0, nc = 0;
+  float cutoff = 0;  // decay factors below this are dropped (ssd.cpp's kNegligibleDecay)
+};
+
+// True when this build has the kernels (CUDA) and the shape suits them: headdim a multiple of 16 up to 128,
+// d_state a multiple of 16, chunk a multiple of 64.
+bool fits(int headdim, int dstate, int chunk);
+
+// states <- the chunk-local states sum_s [same record as the chunk's last token] exp(acs_last - acs_s) Delta_s
+// x_s B_s^T (before the state passing).
+void chunk_state(const Args& a);
+
+// y <- e_in(l) C_l S_in^T + sum_{s <= l, same record} (C_l . B_s) exp(acs_l - acs_s) Delta_s x_s + D x_l, with
+// states holding the state entering each chunk.
+void chunk_scan(const Args& a);
+
+}  // namespace mm::ssd_fused
