@@ -89,11 +89,13 @@ void pop() {
   regions.pop_back();
 }
 // Allocations while profiling, per memory space: count and bytes (device allocations are the synchronising
-// cudaMalloc / cudaFree calls an activation arena would remove).
+// cudaMalloc / cudaFree calls an activation arena would remove); buffers taken from the workspace cache
+// (core/pool.hpp, labels "pool:...") are counted apart: they allocate nothing.
 std::map<std::string, std::pair<long, double>> allocs;
-void allocate(const Kokkos_Profiling_SpaceHandle h, const char*, const void*, const uint64_t size) {
+void allocate(const Kokkos_Profiling_SpaceHandle h, const char* label, const void*, const uint64_t size) {
   if (!on) return;
-  auto& a = allocs[h.name];
+  const bool taken = std::string(label).rfind("pool:", 0) == 0;
+  auto& a = allocs[std::string(h.name) + (taken ? " (taken from the cache)" : "")];
   ++a.first;
   a.second += double(size);
 }

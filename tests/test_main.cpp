@@ -21,29 +21,42 @@
 #include "catch.hpp"
 
 namespace {
-// The faulting instruction and the address it touched (from the signal's context, which backtrace() cannot unwind
-// past on Catch2's alternate signal stack), the mapping that holds the instruction (for addr2line: offset =
-// pc - start + file offset), then whatever backtrace() finds.
-void print_fault(int sig, siginfo_t* info, void* ctx) {
-  char buf[256];
-  const auto pc = static_cast<unsigned long>(static_cast<ucontext_t*>(ctx)->uc_mcontext.gregs[REG_RIP]);
-  int n = std::snprintf(buf, sizeof buf, "\nfault: signal %d at pc 0x%lx touching 0x%lx\n", sig, pc,
-                        reinterpret_cast<unsigned long>(info->si_addr));
-  (void)!write(2, buf, std::size_t(n));
+// Prints the mapping (and file offset, for addr2line -e) of one code address.
+void print_address(const char* what, unsigned long addr) {
+  char buf[512];
+  int n = 0;
   if (FILE* maps = std::fopen("/proc/self/maps", "r")) {
     char line[512];
     while (std::fgets(line, sizeof line, maps) != nullptr) {
-      unsigned long lo = 0, hi = 0;
-      unsigned long off = 0;
+      unsigned long lo = 0, hi = 0, off = 0;
       char path[256] = "";
-      if (std::sscanf(line, "%lx-%lx %*s %lx %*s %*s %255s", &lo, &hi, &off, path) >= 3 && pc >= lo && pc < hi) {
-        (void)!write(2, line, std::strlen(line));
-        n = std::snprintf(buf, sizeof buf, "fault pc: %s(+0x%lx)\n", path, pc - lo + off);  // for addr2line -e
+      if (std::sscanf(line, "%lx-%lx %*s %lx %*s %*s %255s", &lo, &hi, &off, path) >= 3 && addr >= lo && addr < hi) {
+        n = std::snprintf(buf, sizeof buf, "%s 0x%lx: %s(+0x%lx)\n", what, addr, path, addr - lo + off);
         (void)!write(2, buf, std::size_t(n));
       }
     }
     std::fclose(maps);
   }
+  if (n == 0) {
+    n = std::snprintf(buf, sizeof buf, "%s 0x%lx: not in a mapping\n", what, addr);
+    (void)!write(2, buf, std::size_t(n));
+  }
+}
+
+// The faulting instruction and the address it touched (from the signal's context), where they are mapped, the
+// words at the top of the stack (after a call through a null or stale function pointer, pc is 0 and backtrace()
+// stops at once, but the first word is the caller's return address), then whatever backtrace() finds.
+void print_fault(int sig, siginfo_t* info, void* ctx) {
+  std::fflush(stdout);  // Catch2's buffered report so far (not async-signal-safe; this is a diagnostic)
+  char buf[256];
+  const auto& regs = static_cast<ucontext_t*>(ctx)->uc_mcontext.gregs;
+  const auto pc = static_cast<unsigned long>(regs[REG_RIP]);
+  const auto* sp = reinterpret_cast<const unsigned long*>(regs[REG_RSP]);
+  int n = std::snprintf(buf, sizeof buf, "\nfault: signal %d at pc 0x%lx touching 0x%lx\n", sig, pc,
+                        reinterpret_cast<unsigned long>(info->si_addr));
+  (void)!write(2, buf, std::size_t(n));
+  print_address("fault pc", pc);
+  for (int i = 0; i < 4; ++i) print_address(i == 0 ? "stack[0] (return address after a call)" : "stack word", sp[i]);
   void* frames[64];
   backtrace_symbols_fd(frames, backtrace(frames, 64), 2);
   signal(sig, SIG_DFL);

@@ -1,6 +1,7 @@
 #include "layers/conv1d.hpp"
 
 #include "core/error.hpp"
+#include "core/pool.hpp"
 #include "tensor/ops.hpp"
 
 namespace mm {
@@ -176,7 +177,8 @@ void conv1d_silu_backward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w,
   const auto prefix = in.prefix;
   const index_t col = in.col, L = in.seqlen, W = w.extent(1), C = in.channels, n = in.batch * L;
   // dpre(t, c) = dy(t, c) * silu'(pre(t, c)), recomputing pre; then dx from dpre
-  View2<P> dpre(Kokkos::view_alloc(Kokkos::WithoutInitializing, "conv1d::dpre"), n, C);
+  PoolScope ws;  // dpre and the partial sums: cached device blocks, returned at the end
+  View2<P> dpre = ws.take<View2<P>>("conv1d::dpre", n, C);
   const auto dpre_out = KOKKOS_LAMBDA(index_t row, index_t c, P pre) { dpre(row, c) = P(dy(row, c)) * dsilu(pre); };
   with_window(W, [&](auto k) {
     conv_pre_runs<decltype(k)::value, T>("conv1d::backward_dpre", in, w, bias, seq_idx, dpre_out);
@@ -186,8 +188,8 @@ void conv1d_silu_backward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w,
   // kReduceRowBlock rows (a work item per (block, channel) keeps the W + 1 sums in registers, rows in order),
   // then the block partials in order, as column_reduce does.
   const index_t nb = (n + kReduceRowBlock - 1) / kReduceRowBlock;
-  View2<P> pw(Kokkos::view_alloc(Kokkos::WithoutInitializing, "conv1d::backward_dw::partial"), nb, C * W);
-  View2<P> pb(Kokkos::view_alloc(Kokkos::WithoutInitializing, "conv1d::backward_dbias::partial"), nb, C);
+  View2<P> pw = ws.take<View2<P>>("conv1d::backward_dw::partial", nb, C * W);
+  View2<P> pb = ws.take<View2<P>>("conv1d::backward_dbias::partial", nb, C);
   par_for("conv1d::backward_dw", nb, C, KOKKOS_LAMBDA(index_t blk, index_t c) {
     P acc[kMaxConvWidth + 1] = {};
     const index_t i0 = blk * kReduceRowBlock, i1 = i0 + kReduceRowBlock < n ? i0 + kReduceRowBlock : n;

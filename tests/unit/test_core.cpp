@@ -7,6 +7,7 @@
 #include <type_traits>
 #include "catch.hpp"
 #include "core/error.hpp"
+#include "core/pool.hpp"
 #include "core/rng.hpp"
 #include "tensor/gemm.hpp"
 #include "tensor/ops.hpp"
@@ -89,6 +90,57 @@ TEST_CASE("mm::Error carries its context", "[core]") {
     CHECK(e.context() == "inputs/x.in:12");
     CHECK(std::string(e.what()) == "inputs/x.in:12: unknown key 'foo'");
   }
+}
+
+TEST_CASE("Workspace cache: blocks come back at scope end, are reused, reported to tools, and trimmed", "[core]") {
+  using namespace mm;
+  pool_trim();
+  const std::size_t base = pool_cached_bytes();
+  static long takes = 0, returns = 0;
+  takes = returns = 0;
+  const auto saved = Kokkos::Tools::Experimental::get_callbacks();
+  Kokkos::Tools::Experimental::set_allocate_data_callback(
+      [](Kokkos_Profiling_SpaceHandle, const char* label, const void*, std::uint64_t size) {
+        if (std::string(label) == "pool:test::a") {
+          ++takes;
+          CHECK(size == 300 * 70 * sizeof(float));
+        }
+      });
+  Kokkos::Tools::Experimental::set_deallocate_data_callback(
+      [](Kokkos_Profiling_SpaceHandle, const char* label, const void*, std::uint64_t) {
+        if (std::string(label) == "pool:test::a") ++returns;
+      });
+  const float* first = nullptr;
+  {
+    PoolScope ws;
+    View2<float> a = ws.take<View2<float>>("test::a", 300, 70);
+    View1<double> b = ws.take<View1<double>>("test::b", 1000);
+    CHECK(a.extent(0) == 300);
+    CHECK(a.extent(1) == 70);
+    CHECK(static_cast<const void*>(a.data()) != static_cast<const void*>(b.data()));
+    Kokkos::deep_copy(a, 2.5f);
+    Kokkos::deep_copy(b, 1.0);
+    float sum = 0;
+    Kokkos::parallel_reduce(
+        "test::pool_sum", Range(0, 300 * 70), KOKKOS_LAMBDA(index_t i, float& acc) { acc += a(i / 70, i % 70); }, sum);
+    CHECK(sum == Catch::Approx(2.5 * 300 * 70));
+    first = a.data();
+    CHECK(takes == 1);
+    CHECK(returns == 0);
+  }
+  CHECK(returns == 1);
+  CHECK(pool_cached_bytes() >= base + 300 * 70 * sizeof(float) + 1000 * sizeof(double));
+  {
+    PoolScope ws;
+    View2<float> a = ws.take<View2<float>>("test::a", 300, 70);  // the same request gets the same block back
+    CHECK(a.data() == first);
+    PoolScope inner;  // a nested scope takes its own blocks while the outer one holds its
+    View2<float> c = inner.take<View2<float>>("test::c", 300, 70);
+    CHECK(c.data() != a.data());
+  }
+  Kokkos::Tools::Experimental::set_callbacks(saved);
+  pool_trim();
+  CHECK(pool_cached_bytes() == base);
 }
 
 TEST_CASE("column_reduce is exact and ordered", "[core]") {

@@ -59,10 +59,12 @@ std::string error_of(const PlanInput& in) {
 struct Tracker {
   static inline std::int64_t live = 0, peak = 0;
   // Kokkos' own buffers (team scratch pools, reduction scratch: labels "Kokkos::...") are the planner's workspace;
-  // their deallocation may come unlabelled, so what was counted is remembered by address.
+  // their deallocation may come unlabelled, so what was counted is remembered by address. The blocks of the
+  // workspace cache ("mm::pool", core/pool.hpp) are not counted; what is taken from them ("pool:<label>") is.
   static inline std::unordered_map<const void*, std::int64_t> counted;
   static void alloc(Kokkos_Profiling_SpaceHandle, const char* label, const void* ptr, std::uint64_t size) {
-    if (std::string(label).rfind("Kokkos", 0) == 0) return;
+    const std::string l(label);
+    if (l.rfind("Kokkos", 0) == 0 || l == "mm::pool") return;
     counted[ptr] = std::int64_t(size);
     live += std::int64_t(size);
     peak = std::max(peak, live);

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/error.hpp"
+#include "core/pool.hpp"
 #include "layers/linear.hpp"
 #include "layers/rmsnorm.hpp"
 #include "parallel/tensor_parallel.hpp"
@@ -313,16 +314,17 @@ void Mamba2Mixer<T>::backward(Mamba2Acts<T>& a, index_t batch, index_t seqlen, c
   if (dinit_state) check_state(*dinit_state, batch, "Mamba2Mixer::backward (initial state gradient)");
   if (a.zxbcdt.extent(0) == 0) run_internals(a.u, batch, seqlen, seq, a, View4<P>());  // recompute policy
   const index_t n = batch * seqlen, E = E_, G = G_;
+  PoolScope ws;  // the gradients of the internals: cached device blocks, returned at the end
   // out_proj
-  View2<T> dyn = make_uninit<View2<T>>("mamba2::dyn", n, E);
+  View2<T> dyn = ws.take<View2<T>>("mamba2::dyn", n, E);
   linear_backward<T>(a.yn, store_->v2(out_proj_), dout, dyn, false, store_->g2(out_proj_), View1<P>());
   // gated norm: dy, and dz straight into the z columns of d(zxbcdt)
-  View2<T> dzxbcdt = make_uninit<View2<T>>("mamba2::dzxbcdt", n, Din_);
-  View2<T> dy = make_uninit<View2<T>>("mamba2::dy", n, E);
+  View2<T> dzxbcdt = ws.take<View2<T>>("mamba2::dzxbcdt", n, Din_);
+  View2<T> dy = ws.take<View2<T>>("mamba2::dy", n, E);
   gated_rmsnorm_backward<T>(GatedNormIn<T>{a.y, 0, a.zxbcdt, 0}, E, E / G, GateOrder::gate_first,
                             store_->v1(norm_w_), a.rstd, dyn, dy, 0, dzxbcdt, 0, store_->g1(norm_w_));
   // scan: d(xBC) and d(dt) (written into the dt columns of d(zxbcdt))
-  View2<T> dxbc = make_uninit<View2<T>>("mamba2::dxbc", n, C_);
+  View2<T> dxbc = ws.take<View2<T>>("mamba2::dxbc", n, C_);
   SSDGrad<T> g;
   g.dxbc = dxbc;
   g.ddt = dzxbcdt;

@@ -5,6 +5,7 @@
 #include <type_traits>
 
 #include "core/error.hpp"
+#include "core/pool.hpp"
 #include "ssm/mamba2/ssd_fused.hpp"
 
 namespace mm {
@@ -91,7 +92,7 @@ struct Ctx {
 };
 
 template <class T>
-Ctx<T> make_ctx(const SSDShape& s, const SSDIn<T>& in) {
+Ctx<T> make_ctx(const SSDShape& s, const SSDIn<T>& in, PoolScope& ws) {
   using P = acc_t<T>;
   s.validate("ssd");
   require(index_t(in.xbc.extent(0)) == s.batch * s.seqlen && index_t(in.dt.extent(0)) == s.batch * s.seqlen,
@@ -121,12 +122,10 @@ Ctx<T> make_ctx(const SSDShape& s, const SSDIn<T>& in) {
   c.hpg = s.nheads / s.ngroups;
   c.dt_lo = P(s.dt_lo);
   c.dt_hi = std::isinf(s.dt_hi) ? Kokkos::Experimental::finite_max_v<P> : P(s.dt_hi);
-  c.delta = View3<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "ssd::delta"), s.batch, s.nheads, s.seqlen);
-  c.acs = View3<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "ssd::acs"), s.batch, s.nheads, s.seqlen);
-  c.states = View5<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "ssd::states"), s.batch, c.nc, s.nheads,
-                      s.headdim, s.dstate);
-  c.cb = View5<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "ssd::cb"), s.batch, c.nc, s.ngroups, s.chunk,
-                  s.chunk);
+  c.delta = ws.take<View3<P>>("ssd::delta", s.batch, s.nheads, s.seqlen);
+  c.acs = ws.take<View3<P>>("ssd::acs", s.batch, s.nheads, s.seqlen);
+  c.states = ws.take<View5<P>>("ssd::states", s.batch, c.nc, s.nheads, s.headdim, s.dstate);
+  c.cb = ws.take<View5<P>>("ssd::cb", s.batch, c.nc, s.ngroups, s.chunk, s.chunk);
   return c;
 }
 
@@ -413,7 +412,7 @@ struct GemmCtx {
 };
 
 template <class T>
-GemmCtx<T> make_gemm_ctx(const Ctx<T>& c, double budget, bool backward) {
+GemmCtx<T> make_gemm_ctx(const Ctx<T>& c, double budget, bool backward, PoolScope& ws) {
   GemmCtx<T> g;
   g.ldx = index_t(c.xbc.stride(0));
   g.HP = c.H * c.Pd;
@@ -422,10 +421,10 @@ GemmCtx<T> make_gemm_ctx(const Ctx<T>& c, double budget, bool backward) {
   g.hb = bl.heads;
   g.runs = bl.runs;
   g.run_len = g.hb / g.runs;
-  g.xw = make_uninit<View2<T>>("ssd::xw", c.Bsz * c.L, g.HP);
-  g.w1 = make_uninit<View4<T>>("ssd::qq1", g.hb, c.Bsz * c.nc, c.Q, c.Q);
-  if (backward) g.w2 = make_uninit<View4<T>>("ssd::qq2", g.runs, c.Bsz * c.nc, c.Q, c.Q);
-  g.ptrs = make_uninit<View1<std::uintptr_t>>("ssd::gemm_pointers", 3 * g.hb * c.Bsz * c.nc);
+  g.xw = ws.take<View2<T>>("ssd::xw", c.Bsz * c.L, g.HP);
+  g.w1 = ws.take<View4<T>>("ssd::qq1", g.hb, c.Bsz * c.nc, c.Q, c.Q);
+  if (backward) g.w2 = ws.take<View4<T>>("ssd::qq2", g.runs, c.Bsz * c.nc, c.Q, c.Q);
+  g.ptrs = ws.take<View1<std::uintptr_t>>("ssd::gemm_pointers", 3 * g.hb * c.Bsz * c.nc);
   return g;
 }
 
@@ -517,10 +516,10 @@ void ssd_forward_fused(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
 
 template <class T>
 void ssd_forward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, const View2<T>& y,
-                      const View4<T>& final_state) {
+                      const View4<T>& final_state, PoolScope& ws) {
   const GemmCompute cmp = s.compute;
   dt_cumsum(c);
-  const GemmCtx<T> g = make_gemm_ctx(c, s.gemm_workspace_bytes, false);
+  const GemmCtx<T> g = make_gemm_ctx(c, s.gemm_workspace_bytes, false, ws);
   gemm_states_and_cb(c, g, cmp, in.init_state, final_state);
   const T* X = c.xbc.data();
   const index_t PN = c.Pd * c.N, ldy = index_t(y.stride(0)), gP = c.hpg * c.Pd;
@@ -565,21 +564,21 @@ void ssd_forward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, co
 
 template <class T>
 void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, const View2<const T>& dy,
-                       const View4<const T>& dfinal_state, const SSDGrad<T>& gr) {
+                       const View4<const T>& dfinal_state, const SSDGrad<T>& gr, PoolScope& ws) {
   const GemmCompute cmp = s.compute;
   dt_cumsum(c);
-  const GemmCtx<T> g = make_gemm_ctx(c, s.gemm_workspace_bytes, true);
+  const GemmCtx<T> g = make_gemm_ctx(c, s.gemm_workspace_bytes, true, ws);
   gemm_states_and_cb(c, g, cmp, in.init_state, View4<T>());
   const T* X = c.xbc.data();
   const index_t PN = c.Pd * c.N, ldy = index_t(dy.stride(0)), nbc = c.Bsz * c.nc, QQ = c.Q * c.Q, nr = c.Bsz * c.L;
   const index_t gP = c.hpg * c.Pd;
 
   // dL/dS_in from each chunk's own outputs: (diag(e_in) dY)^T C; xw (es Delta x) stays for dB's state term
-  View2<T> dye = make_uninit<View2<T>>("ssd::dye", nr, g.HP);
+  View2<T> dye = ws.take<View2<T>>("ssd::dye", nr, g.HP);
   per_token_heads(
       "ssd::dy_scaled", c, KOKKOS_LAMBDA(index_t b, index_t h, index_t t) { return e_in_of(c, b, h, t); },
       KOKKOS_LAMBDA(index_t r, int hp, int, T e) { dye(r, hp) = e * dy(r, hp); });
-  View5<T> dstates = make_uninit<View5<T>>("ssd::dstates", c.Bsz, c.nc, c.H, c.Pd, c.N);
+  View5<T> dstates = ws.take<View5<T>>("ssd::dstates", c.Bsz, c.nc, c.H, c.Pd, c.N);
   for (index_t grp = 0; grp < c.G; ++grp)
     chunk_gemm<T>(c, cmp, Trans::T, Trans::N, gP, c.N, kQ, T(1), tok<const T*>(dye.data() + grp * gP, g.HP),
                   tok(X + c.c_col + grp * c.N, g.ldx), T(0), blk(dstates.data() + grp * c.hpg * PN, c.N, c.H * PN));
@@ -600,12 +599,12 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
                   T(0), tok(dX + c.c_col + grp * c.N, ldd));
   }
 
-  View4<T> partial = make_uninit<View4<T>>("ssd::partial", c.Bsz, c.nc, c.H, 3);
+  View4<T> partial = ws.take<View4<T>>("ssd::partial", c.Bsz, c.nc, c.H, 3);
   // Per-token sums of a block of heads: 0 dd = sum_{l>=s} K DX, 1 out = Delta_s sum_{l>s} K DX,
   // 2 in = sum_{s<l} Delta_s K DX, 3 ddot = dy_l . x_l, 4 w_inter, 5 dd_state (K = E (C.B)).
-  View3<T> v = make_uninit<View3<T>>("ssd::token_sums", g.hb, nr, 6);
-  View2<T> t1 = make_uninit<View2<T>>("ssd::bdh", nr, g.hb * c.Pd);  // B_s dH^T of each head of the block
-  View2<T> t2 = make_uninit<View2<T>>("ssd::csin", nr, g.hb * c.Pd);  // C_l S_in^T of each head of the block
+  View3<T> v = ws.take<View3<T>>("ssd::token_sums", g.hb, nr, 6);
+  View2<T> t1 = ws.take<View2<T>>("ssd::bdh", nr, g.hb * c.Pd);  // B_s dH^T of each head of the block
+  View2<T> t2 = ws.take<View2<T>>("ssd::csin", nr, g.hb * c.Pd);  // C_l S_in^T of each head of the block
   const auto w1 = g.w1, w2 = g.w2;
   const index_t ldt1 = g.hb * c.Pd, rl = g.run_len;
   for (index_t blk0 = 0; blk0 < c.H; blk0 += g.hb) {
@@ -802,7 +801,8 @@ SSDAlgo ssd_resolved_algo(const SSDShape& s) {
 template <class T>
 void ssd_forward(const SSDShape& s, const SSDIn<T>& in, const View2<T>& y, const View4<acc_t<T>>& final_state) {
   using P = acc_t<T>;
-  const Ctx<T> c = make_ctx(s, in);
+  PoolScope ws;  // the call's scratch (ctx, GEMM workspaces): cached device blocks, returned at the end
+  const Ctx<T> c = make_ctx(s, in, ws);
   require(index_t(y.extent(0)) == c.Bsz * c.L && index_t(y.extent(1)) == c.H * c.Pd, "ssd_forward",
           "y must be (batch * seqlen, nheads * headdim)");
   const SSDAlgo algo = ssd_resolved_algo(s);
@@ -811,7 +811,7 @@ void ssd_forward(const SSDShape& s, const SSDIn<T>& in, const View2<T>& y, const
     if (algo == SSDAlgo::fused && fused_applies(c))
       ssd_forward_fused<T>(c, s, in, y, final_state);
     else
-      ssd_forward_gemm<T>(c, s, in, y, final_state);
+      ssd_forward_gemm<T>(c, s, in, y, final_state, ws);
     return;
   }
   dt_cumsum(c);
@@ -881,11 +881,12 @@ template <class T>
 void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& dy,
                   const View4<const acc_t<T>>& dfinal_state, const SSDGrad<T>& gr) {
   using P = acc_t<T>;
-  const Ctx<T> c = make_ctx(s, in);
+  PoolScope ws;  // the call's scratch (ctx, GEMM workspaces): cached device blocks, returned at the end
+  const Ctx<T> c = make_ctx(s, in, ws);
   require(index_t(dy.extent(0)) == c.Bsz * c.L && index_t(dy.extent(1)) == c.H * c.Pd, "ssd_backward",
           "dy must be (batch * seqlen, nheads * headdim)");
   if (ssd_resolved_algo(s) != SSDAlgo::portable) {  // fused: the backward is the GEMM formulation's
-    ssd_backward_gemm<T>(c, s, in, dy, dfinal_state, gr);
+    ssd_backward_gemm<T>(c, s, in, dy, dfinal_state, gr, ws);
     return;
   }
   // Recompute the forward intermediates.
@@ -895,7 +896,7 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
 
   // dstates(b, c) = gradient w.r.t. the state entering chunk c from chunk c's own outputs:
   //   sum_{l in c, rec(l) == rec_in} exp(Acs_l) dy_l C_l^T
-  View5<P> dstates(Kokkos::view_alloc(Kokkos::WithoutInitializing, "ssd::dstates"), c.Bsz, c.nc, c.H, c.Pd, c.N);
+  View5<P> dstates = ws.take<View5<P>>("ssd::dstates", c.Bsz, c.nc, c.H, c.Pd, c.N);
   par_for_team_vec(
       "ssd::dstates_local", c.Bsz * c.nc * c.H, kTeam, kVector,
       KOKKOS_LAMBDA(const Team& tm) {
@@ -928,9 +929,9 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
 
   // Per chunk and head: dx, dB_h, dC_h, dDelta -> d(raw dt), and per-(b, c, h) partial sums of dA, ddt_bias, dD.
   chunk_bmm(c);
-  View3<P> dBh(Kokkos::view_alloc(Kokkos::WithoutInitializing, "ssd::dBh"), c.Bsz * c.L, c.H, c.N);
-  View3<P> dCh(Kokkos::view_alloc(Kokkos::WithoutInitializing, "ssd::dCh"), c.Bsz * c.L, c.H, c.N);
-  View4<P> partial(Kokkos::view_alloc(Kokkos::WithoutInitializing, "ssd::partial"), c.Bsz, c.nc, c.H, 3);
+  View3<P> dBh = ws.take<View3<P>>("ssd::dBh", c.Bsz * c.L, c.H, c.N);
+  View3<P> dCh = ws.take<View3<P>>("ssd::dCh", c.Bsz * c.L, c.H, c.N);
+  View4<P> partial = ws.take<View4<P>>("ssd::partial", c.Bsz, c.nc, c.H, 3);
   const auto dxbc = gr.dxbc;
   const auto ddt = gr.ddt;
   const index_t Q = c.Q;
@@ -1121,7 +1122,8 @@ void ssd_step(const SSDShape& s, const SSDIn<T>& in, const View4<acc_t<T>>& stat
   SSDIn<T> in1 = in;
   in1.seq_idx = SeqIdxView();
   in1.init_state = View4<const P>();
-  const Ctx<T> c = make_ctx(s, in1);
+  PoolScope ws;
+  const Ctx<T> c = make_ctx(s, in1, ws);
   require(index_t(state.extent(0)) == c.Bsz && index_t(state.extent(1)) == c.H && index_t(state.extent(2)) == c.Pd &&
               index_t(state.extent(3)) == c.N,
           "ssd_step", "state must be (batch, nheads, headdim, dstate) = (", c.Bsz, ", ", c.H, ", ", c.Pd, ", ", c.N,

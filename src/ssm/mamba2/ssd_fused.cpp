@@ -5,6 +5,8 @@
 
 #include "core/error.hpp"
 
+#include <cstdint>
+
 #if defined(KOKKOS_ENABLE_CUDA)
 #include <cuda_bf16.h>
 #include <mma.h>
@@ -31,11 +33,47 @@ void check_launch(const char* what) {
   require(e == cudaSuccess, "ssd fused", what, " failed to launch: ", cudaGetErrorString(e));
 }
 
+// Four consecutive floats at p (16-byte aligned when V4, else four scalar loads).
+template <bool V4>
+__device__ __forceinline__ float4 load4(const float* p) {
+  if constexpr (V4) return *reinterpret_cast<const float4*>(p);
+  return make_float4(p[0], p[1], p[2], p[3]);
+}
+
+__device__ __forceinline__ void store4_bf16(bf* d, float4 v) {
+  reinterpret_cast<__nv_bfloat162*>(d)[0] = __floats2bfloat162_rn(v.x, v.y);
+  reinterpret_cast<__nv_bfloat162*>(d)[1] = __floats2bfloat162_rn(v.z, v.w);
+}
+
+// dst (ROWS x COLS bf16, row stride ldd) <- scale(r) src(r, c) for r < nr, c < nc, zero elsewhere; src rows lds
+// apart; COLS and nc multiples of 4. Four elements per thread and step, all of a thread's loads issued together.
+template <int ROWS, int COLS, bool V4, class Scale>
+__device__ __forceinline__ void stage(bf* dst, int ldd, const float* src, std::int64_t lds, int nr, int nc,
+                                      Scale scale) {
+  constexpr int C4 = COLS / 4;
+  static_assert(ROWS * C4 % kThreads == 0, "whole steps of the block");
+#pragma unroll
+  for (int it = 0; it < ROWS * C4 / kThreads; ++it) {
+    const int i = threadIdx.x + it * kThreads, r = i / C4, c = (i % C4) * 4;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (r < nr && c < nc) {
+      v = load4<V4>(src + r * lds + c);
+      const float f = scale(r);
+      v.x *= f, v.y *= f, v.z *= f, v.w *= f;
+    }
+    store4_bf16(dst + r * ldd + c, v);
+  }
+}
+
+struct One {
+  __device__ float operator()(int) const { return 1.f; }
+};
+
 // One block per (64 columns n of the state, head, (row, chunk)); PT = P / 16 fragments per warp.
-template <int PT>
-__global__ void __launch_bounds__(kThreads) chunk_state_kernel(const Args a) {
+template <int PT, bool V4>
+__global__ void __launch_bounds__(kThreads, 4) chunk_state_kernel(const Args a) {
   extern __shared__ __align__(128) unsigned char smem[];
-  const int P = PT * 16, ldx = P + kPad;
+  constexpr int P = PT * 16, ldx = P + kPad;
   bf* xs = reinterpret_cast<bf*>(smem);  // (kTile tokens, P): es Delta x, read as X^T (column-major A)
   bf* bs = xs + kTile * ldx;             // (kTile tokens, 64 columns of B)
   float* w = reinterpret_cast<float*>(bs + kTile * kLdTile);  // per-token weight of the tile
@@ -54,26 +92,20 @@ __global__ void __launch_bounds__(kThreads) chunk_state_kernel(const Args a) {
   for (int i = 0; i < PT; ++i) wmma::fill_fragment(acc[i], 0.f);
 
   for (int s0 = 0; s0 < q; s0 += kTile) {
+    const int ns = min(kTile, q - s0);
     if (threadIdx.x < kTile) {
       const int t = t0 + s0 + threadIdx.x;
       float v = 0.f;
-      if (s0 + int(threadIdx.x) < q && (!a.seq || a.seq[row0 + t] == rec_last)) {
+      if (int(threadIdx.x) < ns && (!a.seq || a.seq[row0 + t] == rec_last)) {
         const float e = decay(acs_last - acs[t]);
         v = e < a.cutoff ? 0.f : e * dlt[t];
       }
       w[threadIdx.x] = v;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < kTile * P; i += kThreads) {
-      const int s = i / P, p = i % P;
-      const float v = s0 + s < q ? w[s] * a.xbc[(row0 + t0 + s0 + s) * a.ldx + a.x_col + h * P + p] : 0.f;
-      xs[s * ldx + p] = __float2bfloat16(v);
-    }
-    for (int i = threadIdx.x; i < kTile * kTile; i += kThreads) {
-      const int s = i / kTile, n = i % kTile;
-      const float v = s0 + s < q && n < nw ? a.xbc[(row0 + t0 + s0 + s) * a.ldx + a.b_col + g * a.N + n0 + n] : 0.f;
-      bs[s * kLdTile + n] = __float2bfloat16(v);
-    }
+    const float* xrow = a.xbc + (row0 + t0 + s0) * a.ldx;
+    stage<kTile, P, V4>(xs, ldx, xrow + a.x_col + h * P, a.ldx, ns, P, [w](int r) { return w[r]; });
+    stage<kTile, kTile, V4>(bs, kLdTile, xrow + a.b_col + g * a.N + n0, a.ldx, ns, nw, One{});
     __syncthreads();
     if (warp * 16 < nw) {
 #pragma unroll
@@ -105,10 +137,10 @@ __host__ __device__ constexpr std::size_t scan_stage_bytes(int P) {
 }
 
 // One block per (64 output tokens l, head, (row, chunk)); warp w owns rows 16 w .. 16 w + 15 of the tile.
-template <int PT>
-__global__ void __launch_bounds__(kThreads) chunk_scan_kernel(const Args a) {
+template <int PT, bool V4>
+__global__ void __launch_bounds__(kThreads, 4) chunk_scan_kernel(const Args a) {
   extern __shared__ __align__(128) unsigned char smem[];
-  const int P = PT * 16, ldx = P + kPad, ldy = P + 4;
+  constexpr int P = PT * 16, ldx = P + kPad, ldy = P + 4;
   // stage A: cs (64 l, 64 n) e_in C, ss (P, 64 n) S_in; stage B: ms (64 l, 64 s) the masked decays, xs (64 s, P);
   // stage C: ys (64 l, P) fp32. The three share the buffer; the per-token arrays follow it.
   bf* cs = reinterpret_cast<bf*>(smem);
@@ -116,8 +148,7 @@ __global__ void __launch_bounds__(kThreads) chunk_scan_kernel(const Args a) {
   bf* ms = cs;
   bf* xs = cs + kTile * kLdTile;
   float* ys = reinterpret_cast<float*>(smem);
-  const std::size_t stage = scan_stage_bytes(P);
-  float* acs_l = reinterpret_cast<float*>(smem + stage);
+  float* acs_l = reinterpret_cast<float*>(smem + scan_stage_bytes(P));
   float* ein = acs_l + kTile;
   float* acs_s = ein + kTile;
   float* dt_s = acs_s + kTile;
@@ -155,18 +186,11 @@ __global__ void __launch_bounds__(kThreads) chunk_scan_kernel(const Args a) {
 
   // inter-chunk term: (e_in C) S_in^T, 64 columns n at a time
   const float* S = a.states + (std::int64_t(bc) * a.H + h) * P * a.N;
+  const float* lrow = a.xbc + (row0 + t0 + l0) * a.ldx;
   for (int n0 = 0; n0 < a.N; n0 += kTile) {
     const int nw = min(kTile, a.N - n0);
-    for (int i = threadIdx.x; i < kTile * kTile; i += kThreads) {
-      const int l = i / kTile, n = i % kTile;
-      const float v =
-          l < nl && n < nw ? ein[l] * a.xbc[(row0 + t0 + l0 + l) * a.ldx + a.c_col + g * a.N + n0 + n] : 0.f;
-      cs[l * kLdTile + n] = __float2bfloat16(v);
-    }
-    for (int i = threadIdx.x; i < P * kTile; i += kThreads) {
-      const int p = i / kTile, n = i % kTile;
-      ss[p * kLdTile + n] = __float2bfloat16(n < nw ? S[std::int64_t(p) * a.N + n0 + n] : 0.f);
-    }
+    stage<kTile, kTile, V4>(cs, kLdTile, lrow + a.c_col + g * a.N + n0, a.ldx, nl, nw, [ein](int r) { return ein[r]; });
+    stage<P, kTile, V4>(ss, kLdTile, S + n0, a.N, P, nw, One{});
     __syncthreads();
     for (int k = 0; k < nw; k += 16) {
       wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::row_major> fa;
@@ -192,20 +216,28 @@ __global__ void __launch_bounds__(kThreads) chunk_scan_kernel(const Args a) {
       rec_s[s] = s < ns ? (a.seq ? a.seq[row0 + t] : 0) : -1;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < kTile * kTile; i += kThreads) {
-      const int l = i / kTile, s = i % kTile;
-      float v = 0.f;
-      if (l < nl && s < ns && s0 + s <= l0 + l && rec_s[s] == rec_l[l]) {
-        const float e = decay(acs_l[l] - acs_s[s]);
-        if (e >= a.cutoff) v = CB[std::int64_t(l) * a.Q + s0 + s] * e * dt_s[s];
+    constexpr int C4 = kTile / 4;
+#pragma unroll
+    for (int it = 0; it < kTile * C4 / kThreads; ++it) {
+      const int i = threadIdx.x + it * kThreads, l = i / C4, s = (i % C4) * 4;
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (l < nl && s0 + s <= l0 + l) {
+        const float4 cb = load4<true>(CB + std::int64_t(l) * a.Q + s0 + s);  // Q % 64 == 0: always aligned
+        const float al = acs_l[l];
+        const int rl = rec_l[l];
+        float m[4] = {cb.x, cb.y, cb.z, cb.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int sj = s + j;
+          float e = decay(al - acs_s[sj]);
+          const bool keep = sj < ns && s0 + sj <= l0 + l && rec_s[sj] == rl && e >= a.cutoff;
+          m[j] = keep ? m[j] * e * dt_s[sj] : 0.f;
+        }
+        v = make_float4(m[0], m[1], m[2], m[3]);
       }
-      ms[l * kLdTile + s] = __float2bfloat16(v);
+      store4_bf16(ms + l * kLdTile + s, v);
     }
-    for (int i = threadIdx.x; i < kTile * P; i += kThreads) {
-      const int s = i / P, p = i % P;
-      const float v = s < ns ? a.xbc[(row0 + t0 + s0 + s) * a.ldx + a.x_col + h * P + p] : 0.f;
-      xs[s * ldx + p] = __float2bfloat16(v);
-    }
+    stage<kTile, P, V4>(xs, ldx, a.xbc + (row0 + t0 + s0) * a.ldx + a.x_col + h * P, a.ldx, ns, P, One{});
     __syncthreads();
 #pragma unroll
     for (int k = 0; k < kTile; k += 16) {
@@ -226,10 +258,21 @@ __global__ void __launch_bounds__(kThreads) chunk_scan_kernel(const Args a) {
   for (int i = 0; i < PT; ++i) wmma::store_matrix_sync(ys + warp * 16 * ldy + i * 16, acc[i], ldy, wmma::mem_row_major);
   __syncthreads();
   const float Dh = a.D[h];
-  for (int i = threadIdx.x; i < nl * P; i += kThreads) {
-    const int l = i / P, p = i % P;
-    const std::int64_t r = row0 + t0 + l0 + l;
-    a.y[r * a.ldy + h * P + p] = ys[l * ldy + p] + Dh * a.xbc[r * a.ldx + a.x_col + h * P + p];
+  constexpr int P4 = P / 4;
+#pragma unroll
+  for (int it = 0; it < kTile * P4 / kThreads; ++it) {
+    const int i = threadIdx.x + it * kThreads, l = i / P4, p = (i % P4) * 4;
+    if (l < nl) {
+      const std::int64_t r = row0 + t0 + l0 + l;
+      const float4 x = load4<V4>(a.xbc + r * a.ldx + a.x_col + h * P + p);
+      const float* yv = ys + l * ldy + p;
+      const float4 o = make_float4(yv[0] + Dh * x.x, yv[1] + Dh * x.y, yv[2] + Dh * x.z, yv[3] + Dh * x.w);
+      float* dst = a.y + r * a.ldy + h * P + p;
+      if constexpr (V4)
+        *reinterpret_cast<float4*>(dst) = o;
+      else
+        dst[0] = o.x, dst[1] = o.y, dst[2] = o.z, dst[3] = o.w;
+    }
   }
 }
 
@@ -239,18 +282,33 @@ std::size_t state_smem(int P) {
 
 std::size_t scan_smem(int P) { return scan_stage_bytes(P) + 6 * kTile * 4; }
 
-template <int PT>
+// 16-byte loads and stores when every row start is 16-byte aligned.
+bool aligned4(const Args& a) {
+  auto al = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
+  return al(a.xbc) && al(a.y) && a.ldx % 4 == 0 && a.ldy % 4 == 0 && a.x_col % 4 == 0 && a.b_col % 4 == 0 &&
+         a.c_col % 4 == 0;
+}
+
+template <int PT, bool V4>
 void launch(const Args& a, bool scan) {
   const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
   if (scan) {
     const dim3 grid((a.Q + kTile - 1) / kTile, a.H, a.batch * a.nc);
-    chunk_scan_kernel<PT><<<grid, kThreads, scan_smem(PT * 16), st>>>(a);
+    chunk_scan_kernel<PT, V4><<<grid, kThreads, scan_smem(PT * 16), st>>>(a);
     check_launch("chunk scan");
   } else {
     const dim3 grid((a.N + kTile - 1) / kTile, a.H, a.batch * a.nc);
-    chunk_state_kernel<PT><<<grid, kThreads, state_smem(PT * 16), st>>>(a);
+    chunk_state_kernel<PT, V4><<<grid, kThreads, state_smem(PT * 16), st>>>(a);
     check_launch("chunk state");
   }
+}
+
+template <int PT>
+void launch(const Args& a, bool scan) {
+  if (aligned4(a))
+    launch<PT, true>(a, scan);
+  else
+    launch<PT, false>(a, scan);
 }
 
 void dispatch(const Args& a, bool scan) {
