@@ -17,6 +17,12 @@ namespace mmtest {
 
 using mm::index_t;
 
+// Internal linkage (the unnamed namespace): the KOKKOS_LAMBDAs in these header templates would otherwise give
+// every translation unit that instantiates one the same lambda wrapper type, whose copy goes through function
+// pointers nvcc keeps per translation unit; the linker keeps one unit's copy of the out-of-line code and the
+// others' pointers stay null (a host call through address 0 on CUDA builds, at the first copy of such a lambda).
+namespace {
+
 // Fill any contiguous view with uniform values in [lo, hi) drawn from (seed, stream).
 template <class V>
 void fill_uniform(const V& v, std::uint64_t stream, double lo = -1.0, double hi = 1.0, std::uint64_t seed = 1234) {
@@ -106,4 +112,5 @@ inline void jitter_params(mm::ParamStore<double>& ps, std::uint64_t seed, double
   Kokkos::fence();
 }
 
+}  // namespace
 }  // namespace mmtest

@@ -23,6 +23,11 @@
 #include "parallel/context_parallel.hpp"
 
 namespace mm::windows {
+// Internal linkage (the unnamed namespace): the KOKKOS_LAMBDAs in these header templates would otherwise give
+// every translation unit that instantiates one the same lambda wrapper type, whose copy goes through function
+// pointers nvcc keeps per translation unit; the linker keeps one unit's copy of the out-of-line code and the
+// others' pointers stay null (a host call through address 0 on CUDA builds, at the first copy of such a lambda).
+namespace {
 
 // Rows [t0, t0 + Lw) of every batch row of a (batch * L, D) matrix, packed as (batch * Lw, D), and back.
 template <class T>
@@ -162,4 +167,5 @@ void backward(const Mixer& m, index_t W, Acts& a, index_t batch, index_t seqlen,
   }
 }
 
+}  // namespace
 }  // namespace mm::windows

@@ -7,8 +7,14 @@
 #pragma once
 
 #include "core/kokkos_types.hpp"
+#include "core/pool.hpp"
 
 namespace mm {
+// Internal linkage (the unnamed namespace): the KOKKOS_LAMBDAs in these header templates would otherwise give
+// every translation unit that instantiates one the same lambda wrapper type, whose copy goes through function
+// pointers nvcc keeps per translation unit; the linker keeps one unit's copy of the out-of-line code and the
+// others' pointers stay null (a host call through address 0 on CUDA builds, at the first copy of such a lambda).
+namespace {
 
 inline constexpr index_t kReduceRowBlock = 256;  // rows per partial sum
 // Columns per work item: on host backends 32 (a work item streams 32 contiguous values of each row); on CUDA 1, so
@@ -27,9 +33,10 @@ inline constexpr index_t kReduceColBlock = 32;
 template <class R>
 void reduce_partials(const char* label, View2<R> partial, index_t nb, index_t m, const View1<R>& out,
                      bool accumulate) {
+  PoolScope ws;  // each round's partial sums: cached device blocks, all held until the last kernel is queued
   while (nb > kReduceRowBlock) {
     const index_t nb2 = (nb + kReduceRowBlock - 1) / kReduceRowBlock;
-    View2<R> next(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label) + "::partial"), nb2, m);
+    View2<R> next = ws.take<View2<R>>(std::string(label) + "::partial", nb2, m);
     const auto p = partial;
     const index_t n = nb;
     par_for(label, nb2, m, KOKKOS_LAMBDA(index_t b, index_t j) {
@@ -54,8 +61,8 @@ template <class R, class F>
 void column_reduce(const char* label, index_t n, index_t m, const F& f, const View1<R>& out, bool accumulate) {
   const index_t nb = (n + kReduceRowBlock - 1) / kReduceRowBlock;
   const index_t ncb = (m + kReduceColBlock - 1) / kReduceColBlock;
-  View2<R> partial(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label) + "::partial"),
-                   nb > 0 ? nb : 1, m);
+  PoolScope ws;  // the partial sums: a cached device block
+  View2<R> partial = ws.take<View2<R>>(std::string(label) + "::partial", nb > 0 ? nb : 1, m);
   par_for(label, nb, ncb, KOKKOS_LAMBDA(index_t b, index_t cb) {
     const index_t j0 = cb * kReduceColBlock;
     const index_t j1 = j0 + kReduceColBlock < m ? j0 + kReduceColBlock : m;
@@ -86,4 +93,5 @@ void copy_convert(const char* label, const Dst& dst, const Src& src) {
   par_for(label, n, KOKKOS_LAMBDA(index_t i) { d[i] = static_cast<std::remove_pointer_t<decltype(d)>>(s[i]); });
 }
 
+}  // namespace
 }  // namespace mm
