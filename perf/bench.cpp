@@ -92,12 +92,14 @@ void pop() {
 // cudaMalloc / cudaFree calls an activation arena would remove); buffers taken from the workspace cache
 // (core/pool.hpp, labels "pool:...") are counted apart: they allocate nothing.
 std::map<std::string, std::pair<long, double>> allocs;
+std::map<std::string, long> alloc_labels;  // device allocations (not cache takes) by label
 void allocate(const Kokkos_Profiling_SpaceHandle h, const char* label, const void*, const uint64_t size) {
   if (!on) return;
   const bool taken = std::string(label).rfind("pool:", 0) == 0;
   auto& a = allocs[std::string(h.name) + (taken ? " (taken from the cache)" : "")];
   ++a.first;
   a.second += double(size);
+  if (!taken && std::string(h.name) == mm::Mem::name()) ++alloc_labels[label];
 }
 clk::time_point copy_start;
 void begin_copy(Kokkos_Profiling_SpaceHandle, const char*, const void*, Kokkos_Profiling_SpaceHandle, const char*,
@@ -133,6 +135,7 @@ void report(const std::string& title, const F& f) {
   Kokkos::fence();
   acc.clear();
   allocs.clear();
+  alloc_labels.clear();
   on = true;
   const auto t0 = clk::now();
   f();
@@ -160,6 +163,17 @@ void report(const std::string& title, const F& f) {
   std::printf("    %-48s %9.3f ms\n", "(outside kernels, regions and copies)", (total - all) * 1e3);
   for (const auto& [space, a] : allocs)
     std::printf("    allocations in %-32s %9ld (%.3f GiB)\n", space.c_str(), a.first, a.second / double(1 << 30));
+  std::vector<std::pair<long, std::string>> top;
+  for (const auto& [label, n] : alloc_labels) top.emplace_back(n, label);
+  std::sort(top.rbegin(), top.rend());
+  std::string line;
+  for (std::size_t i = 0; i < top.size() && i < 8; ++i) {
+    if (i > 0) line += ", ";
+    line += top[i].second;
+    line += ' ';
+    line += std::to_string(top[i].first);
+  }
+  if (!line.empty()) std::printf("    most frequent device allocations: %s\n", line.c_str());
 }
 }  // namespace kprof
 

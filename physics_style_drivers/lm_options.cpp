@@ -122,8 +122,8 @@ void declare_backbone_options(io::Deck& d) {
               "working memory follows the window, not the sequence; same results as one pass. 0: one pass")
       .add<std::string>("model.ssd_algorithm", "auto",
                         "M2 layers: how the SSD is computed: auto (gemm on CUDA, portable on CPU), portable (Kokkos "
-                        "team kernels), gemm (batched chunk GEMMs), fused (CUDA: the forward's chunk states and scan "
-                        "in tensor-core kernels, bf16 operands; otherwise gemm)")
+                        "team kernels), gemm (batched chunk GEMMs), fused (CUDA: the chunk scan's forward and the "
+                        "backward's intra-chunk products in tensor-core kernels, bf16 operands; otherwise gemm)")
       .add<std::string>("model.ssd_precision", "fp32",
                         "M2 layers, CUDA: arithmetic of the SSD's chunk GEMMs: fp32, tf32 or bf16 (tensor cores, "
                         "fp32 accumulation); CPU builds always compute in fp32")

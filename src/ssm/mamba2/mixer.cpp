@@ -234,11 +234,13 @@ void Mamba2Mixer<T>::run_internals(const View2<T>& u, index_t batch, index_t seq
                                    Mamba2Acts<T>& a, const View4<P>& final_ssm) const {
   const index_t n = batch * seqlen, E = E_, G = G_;
   a.u = u;
-  a.zxbcdt = make_uninit<View2<T>>("mamba2::zxbcdt", n, Din_);
-  a.xbc = make_uninit<View2<T>>("mamba2::xbc", n, C_);
-  a.y = make_uninit<View2<T>>("mamba2::y", n, E);
-  a.yn = make_uninit<View2<T>>("mamba2::yn", n, E);
-  a.rstd = make_uninit<View2<P>>("mamba2::rstd", n, G);
+  a.internals = std::make_shared<PoolScope>();
+  PoolScope& ws = *a.internals;
+  a.zxbcdt = ws.take<View2<T>>("mamba2::zxbcdt", n, Din_);
+  a.xbc = ws.take<View2<T>>("mamba2::xbc", n, C_);
+  a.y = ws.take<View2<T>>("mamba2::y", n, E);
+  a.yn = ws.take<View2<T>>("mamba2::yn", n, E);
+  a.rstd = ws.take<View2<P>>("mamba2::rstd", n, G);
   linear_forward<T>(u, store_->v2(in_proj_), View1<const P>(), a.zxbcdt);
   conv1d_silu_forward<T>(Conv1dIn<T>{a.zxbcdt, E, batch, seqlen, C_, a.conv_init},
                          store_->v2(conv_w_), store_->v1(conv_b_), seq, a.xbc);

@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "core/kokkos_types.hpp"
+#include "core/pool.hpp"
 #include "layers/conv1d.hpp"
 #include "model/params.hpp"
 #include "parallel/context_parallel.hpp"
@@ -85,6 +86,9 @@ struct Mamba2Acts {
   View2<T> y;       // scan output (pre-norm)
   View2<T> yn;      // gated-norm output (out_proj input)
   View2<acc_t<T>> rstd;
+  // the blocks of zxbcdt, xbc, y, yn and rstd (core/pool.hpp): back to the cache when the last copy of these
+  // acts goes (the forward's `save = false`, the backbone's reset after the layer's backward)
+  std::shared_ptr<PoolScope> internals;
   View3<T> conv_init;           // copies of the initial state the forward started from (empty: zero)
   View4<acc_t<T>> ssm_init;     // (context parallel: the halo and the incoming state S_in)
   View2<T> cp_mask;             // context parallel: which halo entries are used (batch, d_conv - 1)

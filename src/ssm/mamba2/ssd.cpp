@@ -412,7 +412,7 @@ struct GemmCtx {
 };
 
 template <class T>
-GemmCtx<T> make_gemm_ctx(const Ctx<T>& c, double budget, bool backward, PoolScope& ws) {
+GemmCtx<T> make_gemm_ctx(const Ctx<T>& c, double budget, bool backward, PoolScope& ws, bool per_head_qq = true) {
   GemmCtx<T> g;
   g.ldx = index_t(c.xbc.stride(0));
   g.HP = c.H * c.Pd;
@@ -422,9 +422,11 @@ GemmCtx<T> make_gemm_ctx(const Ctx<T>& c, double budget, bool backward, PoolScop
   g.runs = bl.runs;
   g.run_len = g.hb / g.runs;
   g.xw = ws.take<View2<T>>("ssd::xw", c.Bsz * c.L, g.HP);
-  g.w1 = ws.take<View4<T>>("ssd::qq1", g.hb, c.Bsz * c.nc, c.Q, c.Q);
+  if (per_head_qq) {  // the fused backward needs neither the per-head Q x Q workspace nor the pointer arrays
+    g.w1 = ws.take<View4<T>>("ssd::qq1", g.hb, c.Bsz * c.nc, c.Q, c.Q);
+    g.ptrs = ws.take<View1<std::uintptr_t>>("ssd::gemm_pointers", 3 * g.hb * c.Bsz * c.nc);
+  }
   if (backward) g.w2 = ws.take<View4<T>>("ssd::qq2", g.runs, c.Bsz * c.nc, c.Q, c.Q);
-  g.ptrs = ws.take<View1<std::uintptr_t>>("ssd::gemm_pointers", 3 * g.hb * c.Bsz * c.nc);
   return g;
 }
 
@@ -468,11 +470,37 @@ KOKKOS_INLINE_FUNCTION T e_in_of(const Ctx<T>& c, index_t b, index_t h, index_t 
   return e < T(kNegligibleDecay) ? T(0) : e;
 }
 
-// The fused forward applies (ssd_fused.hpp): CUDA, float activations, a shape its kernels take.
+// The fused kernels apply (ssd_fused.hpp): CUDA, float activations, a shape they take.
 template <class T>
 bool fused_applies(const Ctx<T>& c) {
   return std::is_same_v<T, float> && ssd_fused::fits(int(c.Pd), int(c.N), int(c.Q)) &&
-         c.Bsz * c.nc * c.H < (index_t(1) << 31) && c.L < (index_t(1) << 31);
+         c.Bsz * c.nc <= 65535 && c.Bsz * c.L < (index_t(1) << 31);  // a grid's z extent; int token rows
+}
+
+// The arrays of a fused call (float activations).
+inline ssd_fused::Args fused_args(const Ctx<float>& c) {
+  ssd_fused::Args a;
+  a.xbc = c.xbc.data();
+  a.ldx = index_t(c.xbc.stride(0));
+  a.x_col = c.x_col;
+  a.b_col = c.b_col;
+  a.c_col = c.c_col;
+  a.acs = c.acs.data();
+  a.delta = c.delta.data();
+  a.seq = c.seq.extent(0) > 0 ? c.seq.data() : nullptr;
+  a.D = c.D.data();
+  a.states = c.states.data();
+  a.cb = c.cb.data();
+  a.batch = int(c.Bsz);
+  a.L = int(c.L);
+  a.H = int(c.H);
+  a.P = int(c.Pd);
+  a.G = int(c.G);
+  a.N = int(c.N);
+  a.Q = int(c.Q);
+  a.nc = int(c.nc);
+  a.cutoff = float(kNegligibleDecay);
+  return a;
 }
 
 // SSDAlgo::fused, forward: the chunk-local states and the chunk scan in the tensor-core kernels of ssd_fused.cpp;
@@ -482,29 +510,9 @@ void ssd_forward_fused(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
                        const View4<T>& final_state) {
   if constexpr (std::is_same_v<T, float>) {
     dt_cumsum(c);
-    ssd_fused::Args a;
-    a.xbc = c.xbc.data();
-    a.ldx = index_t(c.xbc.stride(0));
-    a.x_col = c.x_col;
-    a.b_col = c.b_col;
-    a.c_col = c.c_col;
-    a.acs = c.acs.data();
-    a.delta = c.delta.data();
-    a.seq = c.seq.extent(0) > 0 ? c.seq.data() : nullptr;
-    a.D = c.D.data();
-    a.states = c.states.data();
-    a.cb = c.cb.data();
+    ssd_fused::Args a = fused_args(c);
     a.y = y.data();
     a.ldy = index_t(y.stride(0));
-    a.batch = int(c.Bsz);
-    a.L = int(c.L);
-    a.H = int(c.H);
-    a.P = int(c.Pd);
-    a.G = int(c.G);
-    a.N = int(c.N);
-    a.Q = int(c.Q);
-    a.nc = int(c.nc);
-    a.cutoff = float(kNegligibleDecay);
     ssd_fused::chunk_state(a);
     state_passing(c, in.init_state, final_state);
     chunk_cb(c, s.compute);
@@ -564,10 +572,10 @@ void ssd_forward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, co
 
 template <class T>
 void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, const View2<const T>& dy,
-                       const View4<const T>& dfinal_state, const SSDGrad<T>& gr, PoolScope& ws) {
+                       const View4<const T>& dfinal_state, const SSDGrad<T>& gr, PoolScope& ws, bool fused) {
   const GemmCompute cmp = s.compute;
   dt_cumsum(c);
-  const GemmCtx<T> g = make_gemm_ctx(c, s.gemm_workspace_bytes, true, ws);
+  const GemmCtx<T> g = make_gemm_ctx(c, s.gemm_workspace_bytes, true, ws, !fused);
   gemm_states_and_cb(c, g, cmp, in.init_state, View4<T>());
   const T* X = c.xbc.data();
   const index_t PN = c.Pd * c.N, ldy = index_t(dy.stride(0)), nbc = c.Bsz * c.nc, QQ = c.Q * c.Q, nr = c.Bsz * c.L;
@@ -609,81 +617,100 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
   const index_t ldt1 = g.hb * c.Pd, rl = g.run_len;
   for (index_t blk0 = 0; blk0 < c.H; blk0 += g.hb) {
     const index_t nh = std::min(g.hb, c.H - blk0), nruns = (nh + rl - 1) / rl;
-    // DX = dY X^T of every head of the block
-    chunk_gemm<T>(c, cmp, Trans::N, Trans::T, kQ, kQ, c.Pd, T(1), tok(dy.data() + blk0 * c.Pd, ldy, c.Pd),
-                  tok(X + c.x_col + blk0 * c.Pd, g.ldx, c.Pd), T(0), blk(w1.data(), c.Q, QQ, nbc * QQ), nh,
-                  g.ptrs.data());
-    // column sums over l >= s (one thread per source token; rows of the workspace are read coalesced)
-    par_for_team_vec("ssd::bwd_colsums", nh * nbc, kTeam, kVector, KOKKOS_LAMBDA(const Team& tm) {
-      const index_t hj = tm.league_rank(), j = hj % nbc, hi = hj / nbc, h = blk0 + hi;
-      const index_t b = j / c.nc, ch = j % c.nc, t0 = ch * c.Q, grp = h / c.hpg;
-      const int q = int(c.chunk_end(ch) - t0), Q = int(c.Q);
-      const T* W = &w1(hi, j, 0, 0);
-      const T* CB = &c.cb(b, ch, grp, 0, 0);
-      Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, q), [&](int is) {
-        const index_t ts = t0 + is;
-        const int r_s = c.rec(b, ts);
-        const T acs_s = c.acs(b, h, ts);
-        T dd = 0, out = 0;
-        for (int il = is; il < q; ++il) {
-          if (c.rec(b, t0 + il) != r_s) break;  // records are contiguous runs
-          const T e = exp_nonpos(c.acs(b, h, t0 + il) - acs_s);
-          if (e < T(kNegligibleDecay)) break;  // decays only shrink with distance
-          const T kd = e * CB[il * Q + is] * W[il * Q + is];
-          dd += kd;
-          if (il > is) out += kd;
-        }
-        const index_t r = b * c.L + ts;
-        v(hi, r, 0) = dd;
-        v(hi, r, 1) = c.delta(b, h, ts) * out;
-        v(hi, r, 3) = W[is * Q + is];
-      });
-    });
-    // rows, one team per (run, chunk, kRowSlab output rows) looping over the run's heads: w1 <- M (masked,
-    // Delta_s) of each head, w2 <- dCB summed over the run's heads (each element by the same lane for every head,
-    // in head order); the incoming sum of each output token
-    const index_t nslab = (c.Q + kRowSlab - 1) / kRowSlab;
-    par_for_team_vec(
-        "ssd::bwd_rows", nruns * nbc * nslab, kTeam, kVector, KOKKOS_LAMBDA(const Team& tm) {
-          const index_t ujs = tm.league_rank(), sl = ujs % nslab, uj = ujs / nslab;
-          const index_t j = uj % nbc, u = uj / nbc, b = j / c.nc, ch = j % c.nc, t0 = ch * c.Q;
-          const index_t q = c.chunk_end(ch) - t0, hi0 = u * rl, hi1 = hi0 + rl < nh ? hi0 + rl : nh;
-          const index_t il0 = sl * kRowSlab, il1 = il0 + kRowSlab < q ? il0 + kRowSlab : q;
-          const index_t grp = (blk0 + hi0) / c.hpg;
-          for (index_t hi = hi0; hi < hi1; ++hi) {
-            const index_t h = blk0 + hi;
-            const bool first = hi == hi0;
-            Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, il0, il1 > il0 ? il1 : il0), [&](index_t il) {
-              const index_t tl = t0 + il;
-              const int r_l = c.rec(b, tl);
-              const T acs_l = c.acs(b, h, tl);
-              T insum = 0;
-              Kokkos::parallel_reduce(
-                  Kokkos::ThreadVectorRange(tm, q),
-                  [&](index_t is, T& acc) {
-                    T m = 0, dcb = 0;
-                    if (is <= il && c.rec(b, t0 + is) == r_l) {
-                      const T e = exp_nonpos(acs_l - c.acs(b, h, t0 + is));
-                      if (e >= T(kNegligibleDecay)) {
-                        const T dlt = c.delta(b, h, t0 + is), dx = w1(hi, j, il, is),
-                                kk = e * c.cb(b, ch, grp, il, is);
-                        m = kk * dlt;
-                        dcb = dx * e * dlt;
-                        if (is < il) acc += m * dx;
-                      }
-                    }
-                    w1(hi, j, il, is) = m;
-                    w2(u, j, il, is) = first ? dcb : w2(u, j, il, is) + dcb;
-                  },
-                  insum);
-              Kokkos::single(Kokkos::PerThread(tm), [&]() { v(hi, b * c.L + tl, 2) = insum; });
-            });
+    if (fused) {
+      // the Q x Q products on tensor cores without the workspaces (ssd_fused.hpp): dX = M^T dY, the column and
+      // row sums of K o DX, and w2
+      if constexpr (std::is_same_v<T, float>) {
+        par_for("ssd::zero_insum", nh, nr, KOKKOS_LAMBDA(index_t hi, index_t r) { v(hi, r, 2) = T(0); });
+        ssd_fused::Args a = fused_args(c);
+        a.dy = dy.data();
+        a.ldy = ldy;
+        a.dx = dX;
+        a.ldd = ldd;
+        a.v = v.data();
+        a.w2 = w2.data();
+        a.h0 = int(blk0);
+        a.nh = int(nh);
+        a.run_len = int(rl);
+        ssd_fused::intra_backward(a);
+      }
+    } else {
+      // DX = dY X^T of every head of the block
+      chunk_gemm<T>(c, cmp, Trans::N, Trans::T, kQ, kQ, c.Pd, T(1), tok(dy.data() + blk0 * c.Pd, ldy, c.Pd),
+                    tok(X + c.x_col + blk0 * c.Pd, g.ldx, c.Pd), T(0), blk(w1.data(), c.Q, QQ, nbc * QQ), nh,
+                    g.ptrs.data());
+      // column sums over l >= s (one thread per source token; rows of the workspace are read coalesced)
+      par_for_team_vec("ssd::bwd_colsums", nh * nbc, kTeam, kVector, KOKKOS_LAMBDA(const Team& tm) {
+        const index_t hj = tm.league_rank(), j = hj % nbc, hi = hj / nbc, h = blk0 + hi;
+        const index_t b = j / c.nc, ch = j % c.nc, t0 = ch * c.Q, grp = h / c.hpg;
+        const int q = int(c.chunk_end(ch) - t0), Q = int(c.Q);
+        const T* W = &w1(hi, j, 0, 0);
+        const T* CB = &c.cb(b, ch, grp, 0, 0);
+        Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, q), [&](int is) {
+          const index_t ts = t0 + is;
+          const int r_s = c.rec(b, ts);
+          const T acs_s = c.acs(b, h, ts);
+          T dd = 0, out = 0;
+          for (int il = is; il < q; ++il) {
+            if (c.rec(b, t0 + il) != r_s) break;  // records are contiguous runs
+            const T e = exp_nonpos(c.acs(b, h, t0 + il) - acs_s);
+            if (e < T(kNegligibleDecay)) break;  // decays only shrink with distance
+            const T kd = e * CB[il * Q + is] * W[il * Q + is];
+            dd += kd;
+            if (il > is) out += kd;
           }
+          const index_t r = b * c.L + ts;
+          v(hi, r, 0) = dd;
+          v(hi, r, 1) = c.delta(b, h, ts) * out;
+          v(hi, r, 3) = W[is * Q + is];
         });
-    // dX = M^T dY of every head of the block (the rest added below)
-    chunk_gemm<T>(c, cmp, Trans::T, Trans::N, kQ, c.Pd, kQ, T(1), blk<const T*>(w1.data(), c.Q, QQ, nbc * QQ),
-                  tok(dy.data() + blk0 * c.Pd, ldy, c.Pd), T(0), tok(dX + c.x_col + blk0 * c.Pd, ldd, c.Pd), nh,
-                  g.ptrs.data());
+      });
+      // rows, one team per (run, chunk, kRowSlab output rows) looping over the run's heads: w1 <- M (masked,
+      // Delta_s) of each head, w2 <- dCB summed over the run's heads (each element by the same lane for every head,
+      // in head order); the incoming sum of each output token
+      const index_t nslab = (c.Q + kRowSlab - 1) / kRowSlab;
+      par_for_team_vec(
+          "ssd::bwd_rows", nruns * nbc * nslab, kTeam, kVector, KOKKOS_LAMBDA(const Team& tm) {
+            const index_t ujs = tm.league_rank(), sl = ujs % nslab, uj = ujs / nslab;
+            const index_t j = uj % nbc, u = uj / nbc, b = j / c.nc, ch = j % c.nc, t0 = ch * c.Q;
+            const index_t q = c.chunk_end(ch) - t0, hi0 = u * rl, hi1 = hi0 + rl < nh ? hi0 + rl : nh;
+            const index_t il0 = sl * kRowSlab, il1 = il0 + kRowSlab < q ? il0 + kRowSlab : q;
+            const index_t grp = (blk0 + hi0) / c.hpg;
+            for (index_t hi = hi0; hi < hi1; ++hi) {
+              const index_t h = blk0 + hi;
+              const bool first = hi == hi0;
+              Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, il0, il1 > il0 ? il1 : il0), [&](index_t il) {
+                const index_t tl = t0 + il;
+                const int r_l = c.rec(b, tl);
+                const T acs_l = c.acs(b, h, tl);
+                T insum = 0;
+                Kokkos::parallel_reduce(
+                    Kokkos::ThreadVectorRange(tm, q),
+                    [&](index_t is, T& acc) {
+                      T m = 0, dcb = 0;
+                      if (is <= il && c.rec(b, t0 + is) == r_l) {
+                        const T e = exp_nonpos(acs_l - c.acs(b, h, t0 + is));
+                        if (e >= T(kNegligibleDecay)) {
+                          const T dlt = c.delta(b, h, t0 + is), dx = w1(hi, j, il, is),
+                                  kk = e * c.cb(b, ch, grp, il, is);
+                          m = kk * dlt;
+                          dcb = dx * e * dlt;
+                          if (is < il) acc += m * dx;
+                        }
+                      }
+                      w1(hi, j, il, is) = m;
+                      w2(u, j, il, is) = first ? dcb : w2(u, j, il, is) + dcb;
+                    },
+                    insum);
+                Kokkos::single(Kokkos::PerThread(tm), [&]() { v(hi, b * c.L + tl, 2) = insum; });
+              });
+            }
+          });
+      // dX = M^T dY of every head of the block (the rest added below)
+      chunk_gemm<T>(c, cmp, Trans::T, Trans::N, kQ, c.Pd, kQ, T(1), blk<const T*>(w1.data(), c.Q, QQ, nbc * QQ),
+                    tok(dy.data() + blk0 * c.Pd, ldy, c.Pd), T(0), tok(dX + c.x_col + blk0 * c.Pd, ldd, c.Pd), nh,
+                    g.ptrs.data());
+    }
     for (index_t u = 0; u < nruns; ++u) {
       const index_t hi0 = u * rl, hn = std::min(rl, nh - hi0), h0 = blk0 + hi0, grp = h0 / c.hpg;
       const ChunkOp<const T*> Bg = tok(X + c.b_col + grp * c.N, g.ldx), Cg = tok(X + c.c_col + grp * c.N, g.ldx);
@@ -886,7 +913,8 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
   require(index_t(dy.extent(0)) == c.Bsz * c.L && index_t(dy.extent(1)) == c.H * c.Pd, "ssd_backward",
           "dy must be (batch * seqlen, nheads * headdim)");
   if (ssd_resolved_algo(s) != SSDAlgo::portable) {  // fused: the backward is the GEMM formulation's
-    ssd_backward_gemm<T>(c, s, in, dy, dfinal_state, gr, ws);
+    ssd_backward_gemm<T>(c, s, in, dy, dfinal_state, gr, ws,
+                         ssd_resolved_algo(s) == SSDAlgo::fused && fused_applies(c));
     return;
   }
   // Recompute the forward intermediates.

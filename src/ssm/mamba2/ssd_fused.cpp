@@ -52,7 +52,7 @@ __device__ __forceinline__ void stage(bf* dst, int ldd, const float* src, std::i
                                       Scale scale) {
   constexpr int C4 = COLS / 4;
   static_assert(ROWS * C4 % kThreads == 0, "whole steps of the block");
-#pragma unroll
+#pragma unroll 4
   for (int it = 0; it < ROWS * C4 / kThreads; ++it) {
     const int i = threadIdx.x + it * kThreads, r = i / C4, c = (i % C4) * 4;
     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -276,6 +276,230 @@ __global__ void __launch_bounds__(kThreads, 4) chunk_scan_kernel(const Args a) {
   }
 }
 
+// ------------------------------------------------------------------ backward, intra-chunk part
+
+// Shared layout of the backward kernels: xs (64 source tokens, P) and dys (64 output tokens, P) bf16, f (64, ldf)
+// fp32 (DX, then K o DX; at the end dX), ms (64 l, 64 s) bf16, then the per-token arrays.
+constexpr int kLdF = kTile + 4;
+__host__ __device__ constexpr std::size_t bwd_f_floats(int P) {
+  return std::size_t(kTile) * ((P + 4) > kLdF ? (P + 4) : kLdF);
+}
+__host__ __device__ constexpr std::size_t bwd_smem(int P) {
+  return 2 * std::size_t(kTile) * (P + kPad) * 2 + bwd_f_floats(P) * 4 + std::size_t(kTile) * kLdTile * 2 +
+         8 * kTile * 4;
+}
+
+// DX tile (64 l x 64 s) = dY_l X_s^T into f (warp w: rows 16 w ..); K = P.
+template <int PT>
+__device__ __forceinline__ void dx_tile(const bf* dys, const bf* xs, float* f) {
+  constexpr int ldx = PT * 16 + kPad;
+  const int warp = threadIdx.x / 32;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kTile / 16];
+#pragma unroll
+  for (int j = 0; j < kTile / 16; ++j) wmma::fill_fragment(acc[j], 0.f);
+#pragma unroll
+  for (int k = 0; k < PT * 16; k += 16) {
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::row_major> fa;
+    wmma::load_matrix_sync(fa, dys + warp * 16 * ldx + k, ldx);
+#pragma unroll
+    for (int j = 0; j < kTile / 16; ++j) {
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::col_major> fb;  // X^T: element (p, s) at s ldx + p
+      wmma::load_matrix_sync(fb, xs + j * 16 * ldx + k, ldx);
+      wmma::mma_sync(acc[j], fa, fb, acc[j]);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kTile / 16; ++j) wmma::store_matrix_sync(f + warp * 16 * kLdF + j * 16, acc[j], kLdF, wmma::mem_row_major);
+}
+
+// One block per (64 source tokens s, head of the block, (row, chunk)), over the output tiles l >= s.
+template <int PT, bool V4>
+__global__ void __launch_bounds__(kThreads, 3) intra_dx_kernel(const Args a) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  constexpr int P = PT * 16, ldx = P + kPad;
+  bf* xs = reinterpret_cast<bf*>(smem);
+  bf* dys = xs + kTile * ldx;
+  float* f = reinterpret_cast<float*>(dys + kTile * ldx);
+  bf* ms = reinterpret_cast<bf*>(f + bwd_f_floats(P));
+  float* acs_s = reinterpret_cast<float*>(ms + kTile * kLdTile);
+  float* dt_s = acs_s + kTile;
+  float* acs_l = dt_s + kTile;
+  float* diag = acs_l + kTile;
+  int* rec_s = reinterpret_cast<int*>(diag + kTile);
+  int* rec_l = rec_s + kTile;
+
+  const int s0 = blockIdx.x * kTile, hi = blockIdx.y, h = a.h0 + hi, bc = blockIdx.z;
+  const int b = bc / a.nc, ch = bc % a.nc, t0 = ch * a.Q, q = min(a.Q, a.L - t0), g = h / (a.H / a.G);
+  if (s0 >= q) return;
+  const int warp = threadIdx.x / 32, tid = threadIdx.x, ns = min(kTile, q - s0);
+  const std::int64_t row0 = std::int64_t(b) * a.L, nr = std::int64_t(a.batch) * a.L;
+  const float* acs = a.acs + (std::int64_t(b) * a.H + h) * a.L;
+  const float* dlt = a.delta + (std::int64_t(b) * a.H + h) * a.L;
+  const float* CB = a.cb + (std::int64_t(bc) * a.G + g) * a.Q * a.Q;
+
+  if (tid < kTile) {
+    const int t = t0 + s0 + tid;
+    acs_s[tid] = tid < ns ? acs[t] : 0.f;
+    dt_s[tid] = tid < ns ? dlt[t] : 0.f;
+    rec_s[tid] = tid < ns ? (a.seq ? a.seq[row0 + t] : 0) : -1;
+    diag[tid] = 0.f;
+  }
+  stage<kTile, P, V4>(xs, ldx, a.xbc + (row0 + t0 + s0) * a.ldx + a.x_col + h * P, a.ldx, ns, P, One{});
+  float dd = 0.f, off = 0.f;  // threads < 64: column sums of K o DX over l (all, and l != s)
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[PT];  // dX rows s 16 w .., all of P
+#pragma unroll
+  for (int i = 0; i < PT; ++i) wmma::fill_fragment(acc[i], 0.f);
+
+  for (int l0 = s0; l0 < q; l0 += kTile) {
+    const int nl = min(kTile, q - l0);
+    if (tid < kTile) {
+      const int t = t0 + l0 + tid;
+      acs_l[tid] = tid < nl ? acs[t] : 0.f;
+      rec_l[tid] = tid < nl ? (a.seq ? a.seq[row0 + t] : 0) : -2;
+    }
+    stage<kTile, P, V4>(dys, ldx, a.dy + (row0 + t0 + l0) * a.ldy + h * P, a.ldy, nl, P, One{});
+    __syncthreads();
+    dx_tile<PT>(dys, xs, f);
+    __syncthreads();
+    // K, K o DX (in place), M = K Delta_s (bf16), the diagonal DX(s, s)
+    for (int it = 0; it < kTile * kTile / kThreads; ++it) {
+      const int idx = tid + it * kThreads, l = idx / kTile, s = idx % kTile;
+      const float dxv = f[l * kLdF + s];
+      float K = 0.f;
+      if (l < nl && s < ns && s0 + s <= l0 + l && rec_s[s] == rec_l[l]) {
+        const float e = decay(acs_l[l] - acs_s[s]);
+        if (e >= a.cutoff) K = e * CB[std::int64_t(l0 + l) * a.Q + s0 + s];
+      }
+      if (l0 == s0 && l == s) diag[s] = dxv;
+      f[l * kLdF + s] = K * dxv;
+      ms[l * kLdTile + s] = __float2bfloat16(K * dt_s[s]);
+    }
+    __syncthreads();
+    if (tid < kTile) {  // column s = tid
+      float cs = 0.f;
+      for (int l = 0; l < kTile; ++l) cs += f[l * kLdF + tid];
+      dd += cs;
+      off += cs - (l0 == s0 ? f[tid * kLdF + tid] : 0.f);
+    } else {  // row l = tid - 64: sum over s < l of Delta_s K DX (rotated start: rows hit different banks)
+      const int l = tid - kTile;
+      float rs = 0.f;
+      for (int k = 0; k < kTile; ++k) {
+        const int s = (k + l) % kTile;
+        if (s0 + s != l0 + l) rs += dt_s[s] * f[l * kLdF + s];
+      }
+      if (l < nl && rs != 0.f) atomicAdd(a.v + (std::int64_t(hi) * nr + row0 + t0 + l0 + l) * 6 + 2, rs);
+    }
+    // dX (rows s) += M^T dY: A = M^T (element (s, l) at l kLdTile + s), B = dY (l, p)
+#pragma unroll
+    for (int k = 0; k < kTile; k += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::col_major> fa;
+      wmma::load_matrix_sync(fa, ms + k * kLdTile + warp * 16, kLdTile);
+#pragma unroll
+      for (int i = 0; i < PT; ++i) {
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::row_major> fb;
+        wmma::load_matrix_sync(fb, dys + k * ldx + i * 16, ldx);
+        wmma::mma_sync(acc[i], fa, fb, acc[i]);
+      }
+    }
+    __syncthreads();
+  }
+  if (tid < ns) {
+    float* vr = a.v + (std::int64_t(hi) * nr + row0 + t0 + s0 + tid) * 6;
+    vr[0] = dd;
+    vr[1] = dt_s[tid] * off;
+    vr[3] = diag[tid];
+  }
+  constexpr int ldo = P + 4;
+#pragma unroll
+  for (int i = 0; i < PT; ++i) wmma::store_matrix_sync(f + warp * 16 * ldo + i * 16, acc[i], ldo, wmma::mem_row_major);
+  __syncthreads();
+  for (int idx = tid; idx < ns * P; idx += kThreads) {
+    const int s = idx / P, p = idx % P;
+    a.dx[(row0 + t0 + s0 + s) * a.ldd + a.x_col + h * P + p] = f[s * ldo + p];
+  }
+}
+
+// One block per (tile pair (l, s), run of heads, (row, chunk)): w2 tile = sum over the run's heads of
+// DX o E diag(Delta); zero above the diagonal and outside the chunk.
+template <int PT, bool V4>
+__global__ void __launch_bounds__(kThreads, 3) intra_dcb_kernel(const Args a) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  constexpr int P = PT * 16, ldx = P + kPad, kPer = kTile * kTile / kThreads;
+  bf* xs = reinterpret_cast<bf*>(smem);
+  bf* dys = xs + kTile * ldx;
+  float* f = reinterpret_cast<float*>(dys + kTile * ldx);
+  float* acs_s = reinterpret_cast<float*>(reinterpret_cast<bf*>(f + bwd_f_floats(P)) + kTile * kLdTile);
+  float* dt_s = acs_s + kTile;
+  float* acs_l = dt_s + kTile;
+  int* rec_s = reinterpret_cast<int*>(acs_l + 2 * kTile);
+  int* rec_l = rec_s + kTile;
+
+  const int nt = (a.Q + kTile - 1) / kTile;
+  const int il = blockIdx.x / nt, is = blockIdx.x % nt, u = blockIdx.y, bc = blockIdx.z;
+  const int l0 = il * kTile, s0 = is * kTile;
+  const int b = bc / a.nc, ch = bc % a.nc, t0 = ch * a.Q, q = min(a.Q, a.L - t0);
+  const int tid = threadIdx.x;
+  const std::int64_t nbc = std::int64_t(a.batch) * a.nc;
+  float* W = a.w2 + ((std::int64_t(u) * nbc + bc) * a.Q + l0) * a.Q + s0;
+  float* acc = reinterpret_cast<float*>(smem + bwd_smem(P));  // the w2 tile; each thread owns its kPer elements
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) acc[tid + k * kThreads] = 0.f;
+  if (s0 <= l0 && l0 < q) {
+    const int nl = min(kTile, q - l0), ns = min(kTile, q - s0);
+    const std::int64_t row0 = std::int64_t(b) * a.L;
+    if (tid < kTile) {
+      rec_s[tid] = tid < ns ? (a.seq ? a.seq[row0 + t0 + s0 + tid] : 0) : -1;
+      rec_l[tid] = tid < nl ? (a.seq ? a.seq[row0 + t0 + l0 + tid] : 0) : -2;
+    }
+    const int hi0 = u * a.run_len, hi1 = min(hi0 + a.run_len, a.nh);
+    for (int hi = hi0; hi < hi1; ++hi) {
+      const int h = a.h0 + hi;
+      const float* acs = a.acs + (std::int64_t(b) * a.H + h) * a.L;
+      if (tid < kTile) {
+        acs_s[tid] = tid < ns ? acs[t0 + s0 + tid] : 0.f;
+        dt_s[tid] = tid < ns ? a.delta[(std::int64_t(b) * a.H + h) * a.L + t0 + s0 + tid] : 0.f;
+        acs_l[tid] = tid < nl ? acs[t0 + l0 + tid] : 0.f;
+      }
+      stage<kTile, P, V4>(xs, ldx, a.xbc + (row0 + t0 + s0) * a.ldx + a.x_col + h * P, a.ldx, ns, P, One{});
+      stage<kTile, P, V4>(dys, ldx, a.dy + (row0 + t0 + l0) * a.ldy + h * P, a.ldy, nl, P, One{});
+      __syncthreads();
+      dx_tile<PT>(dys, xs, f);
+      __syncthreads();
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) {
+        const int idx = tid + k * kThreads, l = idx / kTile, s = idx % kTile;
+        if (s0 + s <= l0 + l && rec_s[s] == rec_l[l]) {
+          const float e = decay(acs_l[l] - acs_s[s]);
+          if (e >= a.cutoff) acc[idx] += f[l * kLdF + s] * e * dt_s[s];
+        }
+      }
+      __syncthreads();
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    const int idx = tid + k * kThreads, l = idx / kTile, s = idx % kTile;
+    if (l0 + l < a.Q && s0 + s < a.Q) W[std::int64_t(l) * a.Q + s] = acc[idx];
+  }
+}
+
+template <int PT, bool V4>
+void launch_bwd(const Args& a) {
+  const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
+  const std::size_t bytes = bwd_smem(PT * 16), dcb_bytes = bytes + kTile * kTile * 4;
+  const int nt = (a.Q + kTile - 1) / kTile, runs = (a.nh + a.run_len - 1) / a.run_len;
+  static const bool attr = [&] {  // more than the default 48 KB of shared memory per block for large headdim
+    cudaFuncSetAttribute(intra_dx_kernel<PT, V4>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+    cudaFuncSetAttribute(intra_dcb_kernel<PT, V4>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dcb_bytes));
+    return true;
+  }();
+  (void)attr;
+  intra_dx_kernel<PT, V4><<<dim3(nt, a.nh, a.batch * a.nc), kThreads, bytes, st>>>(a);
+  check_launch("intra-chunk backward (dX)");
+  intra_dcb_kernel<PT, V4><<<dim3(nt * nt, runs, a.batch * a.nc), kThreads, dcb_bytes, st>>>(a);
+  check_launch("intra-chunk backward (dC B^T)");
+}
+
 std::size_t state_smem(int P) {
   return std::size_t(kTile) * (P + kPad) * 2 + std::size_t(kTile) * kLdTile * 2 + kTile * 4;
 }
@@ -311,6 +535,16 @@ void launch(const Args& a, bool scan) {
     launch<PT, false>(a, scan);
 }
 
+template <int PT>
+void launch_bwd(const Args& a) {
+  const bool v4 = aligned4(a) && reinterpret_cast<std::uintptr_t>(a.dy) % 16 == 0 &&
+                  reinterpret_cast<std::uintptr_t>(a.dx) % 16 == 0 && a.ldd % 4 == 0;
+  if (v4)
+    launch_bwd<PT, true>(a);
+  else
+    launch_bwd<PT, false>(a);
+}
+
 void dispatch(const Args& a, bool scan) {
   require(fits(a.P, a.N, a.Q), "ssd fused", "shape P = ", a.P, ", N = ", a.N, ", Q = ", a.Q, " is not supported");
   switch (a.P / 16) {
@@ -342,11 +576,27 @@ void chunk_scan(const Args& a) {
   dispatch(a, true);
 }
 
+void intra_backward(const Args& a) {
+  Kokkos::Profiling::ScopedRegion region("ssd::fused_intra_backward");
+  require(fits(a.P, a.N, a.Q), "ssd fused", "shape P = ", a.P, ", N = ", a.N, ", Q = ", a.Q, " is not supported");
+  switch (a.P / 16) {
+    case 1: return launch_bwd<1>(a);
+    case 2: return launch_bwd<2>(a);
+    case 3: return launch_bwd<3>(a);
+    case 4: return launch_bwd<4>(a);
+    case 5: return launch_bwd<5>(a);
+    case 6: return launch_bwd<6>(a);
+    case 7: return launch_bwd<7>(a);
+    default: return launch_bwd<8>(a);
+  }
+}
+
 #else  // host backends: never called (ssd.cpp asks `fits` first)
 
 bool fits(int, int, int) { return false; }
 void chunk_state(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
 void chunk_scan(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
+void intra_backward(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
 
 #endif
 

@@ -23,6 +23,14 @@ struct Args {
   std::int64_t ldy = 0;
   int batch = 0, L = 0, H = 0, P = 0, G = 0, N = 0, Q = 0, nc = 0;
   float cutoff = 0;  // decay factors below this are dropped (ssd.cpp's kNegligibleDecay)
+  // backward (intra_backward): a block of heads h0 .. h0 + nh - 1, in runs of run_len heads (never straddling a
+  // group); dy (batch L, ldy) is read with head h at columns h P
+  const float* dy = nullptr;
+  float* dx = nullptr;  // dX written (not added) at column x_col + h P of rows ldd apart
+  std::int64_t ldd = 0;
+  float* v = nullptr;   // (nh, batch L, 6) per-token sums of ssd.cpp's GEMM backward (entries 0 to 3 here)
+  float* w2 = nullptr;  // (runs, batch nchunks, Q, Q): dC B^T summed over each run's heads
+  int h0 = 0, nh = 0, run_len = 1;
 };
 
 // True when this build has the kernels (CUDA) and the shape suits them: headdim a multiple of 16 up to 128,
@@ -36,5 +44,13 @@ void chunk_state(const Args& a);
 // y <- e_in(l) C_l S_in^T + sum_{s <= l, same record} (C_l . B_s) exp(acs_l - acs_s) Delta_s x_s + D x_l, with
 // states holding the state entering each chunk.
 void chunk_scan(const Args& a);
+
+// The intra-chunk part of the backward for the block of heads in `a` (ssd.cpp's GEMM formulation computes the
+// same with Q x Q workspaces): with K = E o (C B^T), M = K diag(Delta), DX = dY X^T per head,
+//   dX    = M^T dY                                   (written; the state and D terms are added later)
+//   v0(s) = sum_l K DX,  v1(s) = Delta_s sum_{l > s} K DX,  v2(l) = sum_{s < l} Delta_s K DX,  v3(s) = DX(s, s)
+//   w2    = sum over a run's heads of DX o E diag(Delta)
+// on tensor cores (bf16 operands, fp32 accumulation). v2 must be zero on entry (it is summed over source tiles).
+void intra_backward(const Args& a);
 
 }  // namespace mm::ssd_fused
