@@ -621,8 +621,10 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
       // the Q x Q products on tensor cores without the workspaces (ssd_fused.hpp): dX = M^T dY, the column and
       // row sums of K o DX, and w2
       if constexpr (std::is_same_v<T, float>) {
-        par_for("ssd::zero_insum", nh, nr, KOKKOS_LAMBDA(index_t hi, index_t r) { v(hi, r, 2) = T(0); });
+        const index_t ntile = (c.Q + 63) / 64;  // the fused kernels' 64-token tiles
+        const View3<T> insum = ws.take<View3<T>>("ssd::insum_parts", ntile, nh, nr);
         ssd_fused::Args a = fused_args(c);
+        a.insum = insum.data();
         a.dy = dy.data();
         a.ldy = ldy;
         a.dx = dX;
@@ -633,6 +635,13 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
         a.nh = int(nh);
         a.run_len = int(rl);
         ssd_fused::intra_backward(a);
+        // v2 = the source tiles' parts, in tile order
+        par_for("ssd::insum", nh, nr, KOKKOS_LAMBDA(index_t hi, index_t r) {
+          const index_t i = ((r % c.L) % c.Q) / 64;
+          T acc = 0;
+          for (index_t j = 0; j <= i; ++j) acc += insum(j, hi, r);
+          v(hi, r, 2) = acc;
+        });
       }
     } else {
       // DX = dY X^T of every head of the block

@@ -380,14 +380,15 @@ __global__ void __launch_bounds__(kThreads, 3) intra_dx_kernel(const Args a) {
       for (int l = 0; l < kTile; ++l) cs += f[l * kLdF + tid];
       dd += cs;
       off += cs - (l0 == s0 ? f[tid * kLdF + tid] : 0.f);
-    } else {  // row l = tid - 64: sum over s < l of Delta_s K DX (rotated start: rows hit different banks)
+    } else {  // row l = tid - 64: sum over s < l of Delta_s K DX (rotated start: rows hit different banks), this
+              // source tile's part (ssd.cpp adds the parts in tile order: no atomics, runs repeat bit for bit)
       const int l = tid - kTile;
       float rs = 0.f;
       for (int k = 0; k < kTile; ++k) {
         const int s = (k + l) % kTile;
         if (s0 + s != l0 + l) rs += dt_s[s] * f[l * kLdF + s];
       }
-      if (l < nl && rs != 0.f) atomicAdd(a.v + (std::int64_t(hi) * nr + row0 + t0 + l0 + l) * 6 + 2, rs);
+      if (l < nl) a.insum[(std::int64_t(blockIdx.x) * a.nh + hi) * nr + row0 + t0 + l0 + l] = rs;
     }
     // dX (rows s) += M^T dY: A = M^T (element (s, l) at l kLdTile + s), B = dY (l, p)
 #pragma unroll

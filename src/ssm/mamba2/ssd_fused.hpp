@@ -28,7 +28,8 @@ struct Args {
   const float* dy = nullptr;
   float* dx = nullptr;  // dX written (not added) at column x_col + h P of rows ldd apart
   std::int64_t ldd = 0;
-  float* v = nullptr;   // (nh, batch L, 6) per-token sums of ssd.cpp's GEMM backward (entries 0 to 3 here)
+  float* v = nullptr;   // (nh, batch L, 6) per-token sums of ssd.cpp's GEMM backward (entries 0, 1, 3 here)
+  float* insum = nullptr;  // (Q / 64, nh, batch L): entry 2's part from each source tile j (for tokens in tiles >= j)
   float* w2 = nullptr;  // (runs, batch nchunks, Q, Q): dC B^T summed over each run's heads
   int h0 = 0, nh = 0, run_len = 1;
 };
@@ -48,9 +49,10 @@ void chunk_scan(const Args& a);
 // The intra-chunk part of the backward for the block of heads in `a` (ssd.cpp's GEMM formulation computes the
 // same with Q x Q workspaces): with K = E o (C B^T), M = K diag(Delta), DX = dY X^T per head,
 //   dX    = M^T dY                                   (written; the state and D terms are added later)
-//   v0(s) = sum_l K DX,  v1(s) = Delta_s sum_{l > s} K DX,  v2(l) = sum_{s < l} Delta_s K DX,  v3(s) = DX(s, s)
+//   v0(s) = sum_l K DX,  v1(s) = Delta_s sum_{l > s} K DX,  v3(s) = DX(s, s)
+//   insum(j, l) = sum_{s < l, s in source tile j} Delta_s K DX   (v2(l) is their sum over the tiles j up to l's)
 //   w2    = sum over a run's heads of DX o E diag(Delta)
-// on tensor cores (bf16 operands, fp32 accumulation). v2 must be zero on entry (it is summed over source tiles).
+// on tensor cores (bf16 operands, fp32 accumulation), without atomics.
 void intra_backward(const Args& a);
 
 }  // namespace mm::ssd_fused
