@@ -498,7 +498,8 @@ int run(int argc, char** argv, int cp_size, int rank) {
   int reps = 10;
   index_t lm_batch = 4, lm_seqlen = 8192, lm_window = 0;
   parallel::Backend backend = parallel::Backend::mpi;
-  std::string ssd_list = "gemm-fp32,gemm-tf32,gemm-bf16,portable", lm_ssd = "gemm-tf32", lm_recompute = "mixer";
+  std::string ssd_list = "gemm-fp32,gemm-tf32,fused-tf32,gemm-bf16,portable", lm_ssd = "gemm-tf32,fused-tf32",
+              lm_recompute = "mixer";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
