@@ -270,15 +270,21 @@ void MambaBackbone<T>::forward(const View2<R>& h, index_t batch, index_t seqlen,
   h_.assign(train ? NL + 1 : 1, View2<R>());
   rstd_.assign(NL, View1<P>());
   xn_.assign(NL, View2<T>());
+  rstd_f_ = View1<P>();
   acts_.clear();
+  xn_ws_.clear();
+  xn_ws_.resize(std::size_t(NL));
+  step_ws_ = std::make_unique<PoolScope>();  // the previous step's blocks go back (their views are gone above)
   for (index_t l = 0; l < NL; ++l) acts_.push_back(std::make_unique<Acts>());
   h_[0] = h;
   last_aux_ = 0;
-  View2<T> m = make_uninit<View2<T>>("backbone::mixer_out", n, D);
+  PoolScope local;
+  View2<T> m = local.take<View2<T>>("backbone::mixer_out", n, D);
   for (index_t l = 0; l < NL; ++l) {
     const View2<R> hin = train ? h_[l] : h;
-    xn_[l] = make_uninit<View2<T>>("backbone::xn", n, D);
-    rstd_[l] = make_uninit<View1<P>>("backbone::rstd", n);
+    xn_ws_[l] = std::make_unique<PoolScope>();
+    xn_[l] = xn_ws_[l]->take<View2<T>>("backbone::xn", n, D);
+    rstd_[l] = step_ws_->take<View1<P>>("backbone::rstd", n);
     rmsnorm_forward<R, T>(hin, store_->v1(norm_[l]), eps_, xn_[l], rstd_[l]);
     last_aux_ += layer_forward(l, xn_[l], batch, seqlen, seq, m, *acts_[l], save, train, nullptr);
     // under the mixer policy every layer keeps only xn_l of what reads it (as its input), and backward()
@@ -286,16 +292,18 @@ void MambaBackbone<T>::forward(const View2<R>& h, index_t batch, index_t seqlen,
     if (train && !save) {
       xn_[l] = View2<T>();
       set_layer_input(*acts_[l], kinds_[l], View2<T>());
+      xn_ws_[l].reset();
     }
-    const View2<R> hout = train ? (h_[l + 1] = make_uninit<View2<R>>("backbone::h", n, D)) : h;
+    const View2<R> hout = train ? (h_[l + 1] = step_ws_->take<View2<R>>("backbone::h", n, D)) : h;
     par_for("backbone::residual_add", n, D,
             KOKKOS_LAMBDA(index_t i, index_t j) { hout(i, j) = hin(i, j) + R(m(i, j)); });
     if (!train) {
       xn_[l] = View2<T>();
       acts_[l] = std::make_unique<Acts>();
+      xn_ws_[l].reset();
     }
   }
-  rstd_f_ = make_uninit<View1<P>>("backbone::rstd_f", n);
+  rstd_f_ = step_ws_->take<View1<P>>("backbone::rstd_f", n);
   rmsnorm_forward<R, T>(train ? h_[NL] : h, store_->v1(norm_f_), eps_, out, rstd_f_);
 }
 
@@ -304,7 +312,8 @@ void MambaBackbone<T>::backward(const View2<const T>& dout, const View2<R>& dh, 
   const index_t NL = n_layer_, n = batch_ * seqlen_, D = cfg_.d_model;
   require(index_t(h_.size()) == NL + 1, "backbone", "backward() needs a training forward() first");
   rmsnorm_backward<R, T>(h_[NL], store_->v1(norm_f_), rstd_f_, dout, dh, false, store_->g1(norm_f_));
-  View2<T> dxn = make_uninit<View2<T>>("backbone::dxn", n, D);
+  PoolScope local;
+  View2<T> dxn = local.take<View2<T>>("backbone::dxn", n, D);
   for (index_t l = NL - 1; l >= 0; --l) {
     // the residual passes dh through unchanged: it is also d(layer output); then through the pre-norm into dh
     Layer& L = *layers_[l];
@@ -312,7 +321,8 @@ void MambaBackbone<T>::backward(const View2<const T>& dout, const View2<R>& dh, 
     if (xn_[l].extent(0) == 0) {
       // mixer policy: the same kernel on the same h_l and weight gives xn_l bit for bit (rstd_l is rewritten with
       // the values it holds)
-      xn_[l] = make_uninit<View2<T>>("backbone::xn", n, D);
+      xn_ws_[l] = std::make_unique<PoolScope>();
+      xn_[l] = xn_ws_[l]->take<View2<T>>("backbone::xn", n, D);
       rmsnorm_forward<R, T>(h_[l], store_->v1(norm_[l]), eps_, xn_[l], rstd_[l]);
       set_layer_input(a, L.kind, xn_[l]);
     }
@@ -325,12 +335,16 @@ void MambaBackbone<T>::backward(const View2<const T>& dout, const View2<R>& dh, 
     }
     acts_[l].reset();
     xn_[l] = View2<T>();
+    xn_ws_[l].reset();
     rmsnorm_backward<R, T>(h_[l], store_->v1(norm_[l]), rstd_[l], dxn, dh, true, store_->g1(norm_[l]));
   }
   h_.clear();
   xn_.clear();
   rstd_.clear();
+  rstd_f_ = View1<P>();
   acts_.clear();
+  xn_ws_.clear();
+  step_ws_.reset();
 }
 
 template <class T>

@@ -164,6 +164,10 @@ class MambaBackbone {
   std::vector<View2<T>> xn_;
   std::vector<std::unique_ptr<Acts>> acts_;
   View1<P> rstd_f_;
+  // the blocks (core/pool.hpp) of h_, rstd_ and rstd_f_ (from forward() to the end of backward() or the next
+  // forward()), and of each xn_[l] (dropped and taken again with it)
+  std::unique_ptr<PoolScope> step_ws_;
+  std::vector<std::unique_ptr<PoolScope>> xn_ws_;
 };
 
 }  // namespace mm

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "core/error.hpp"
+#include "core/pool.hpp"
 #include "layers/embedding.hpp"
 #include "layers/linear.hpp"
 
@@ -90,13 +91,16 @@ LossSum MambaLM<T>::forward_backward(const Batch& full, double grad_scale, Recom
   require(index_t(b.tokens.extent(0)) == n && index_t(b.targets.extent(0)) == n, "model",
           "batch tokens/targets must have batch * seqlen = ", n, " entries");
   const bool train = grad_scale > 0;
+  // h stays a View (the backbone keeps it as its input after an inference forward), and so do the logits
+  // (logits()); the step's other buffers are cached blocks (core/pool.hpp)
+  PoolScope ws;
   View2<R> h = make_uninit<View2<R>>("lm::h", n, D);
   embedding_forward<R>(params_.v2(embedding_), b.tokens, h);
-  View2<T> hf = make_uninit<View2<T>>("lm::hf", n, D);
+  View2<T> hf = ws.take<View2<T>>("lm::hf", n, D);
   backbone_->forward(h, b.batch, b.seqlen, b.seq_idx, train, policy, hf);
   logits_ = make_uninit<View2<T>>("lm::logits", n, V);
   linear_forward<T>(hf, params_.v2(lm_head_), View1<const P>(), logits_);
-  View2<T> dlogits = train ? make_uninit<View2<T>>("lm::dlogits", n, V) : View2<T>();
+  View2<T> dlogits = train ? ws.take<View2<T>>("lm::dlogits", n, V) : View2<T>();
   LossSum loss = cross_entropy<T>(logits_, b.targets, grad_scale, dlogits, row_nats);
   if (cp.size() > 1) {  // the micro-batch's loss: every cp rank's slice
     double buf[2] = {loss.nats, double(loss.count)};
@@ -105,9 +109,9 @@ LossSum MambaLM<T>::forward_backward(const Batch& full, double grad_scale, Recom
   }
   if (!train) return loss;
 
-  View2<T> dhf = make_uninit<View2<T>>("lm::dhf", n, D);
+  View2<T> dhf = ws.take<View2<T>>("lm::dhf", n, D);
   linear_backward<T>(hf, params_.v2(lm_head_), dlogits, dhf, false, params_.g2(lm_head_), View1<P>());
-  View2<R> dh = make_uninit<View2<R>>("lm::dh", n, D);
+  View2<R> dh = ws.take<View2<R>>("lm::dh", n, D);
   backbone_->backward(dhf, dh, grad_scale * double(loss.count));
   embedding_backward<R>(dh, b.tokens, params_.g2(embedding_));
   return loss;
