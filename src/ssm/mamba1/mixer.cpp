@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/error.hpp"
+#include "core/pool.hpp"
 #include "layers/linear.hpp"
 #include "parallel/tensor_parallel.hpp"
 #include "ssm/windows.hpp"
@@ -232,12 +233,14 @@ void Mamba1Mixer<T>::run_internals(const View2<T>& u, index_t batch, index_t seq
           "u must be (batch * seqlen, d_model) = (", n, ", ", cfg_.d_model, "), it is (", u.extent(0), ", ",
           u.extent(1), ")");
   a.u = u;
-  a.xz = make_uninit<View2<T>>("mamba1::xz", n, 2 * E);
-  a.xc = make_uninit<View2<T>>("mamba1::xc", n, E);
-  a.dt_low = make_uninit<View2<T>>("mamba1::dt_low", n, R);
-  a.bc = make_uninit<View2<T>>("mamba1::bc", n, 2 * N);
-  a.delta = make_uninit<View2<T>>("mamba1::delta", n, E);
-  a.y = make_uninit<View2<T>>("mamba1::y", n, E);
+  a.internals = std::make_shared<PoolScope>();
+  PoolScope& ws = *a.internals;
+  a.xz = ws.take<View2<T>>("mamba1::xz", n, 2 * E);
+  a.xc = ws.take<View2<T>>("mamba1::xc", n, E);
+  a.dt_low = ws.take<View2<T>>("mamba1::dt_low", n, R);
+  a.bc = ws.take<View2<T>>("mamba1::bc", n, 2 * N);
+  a.delta = ws.take<View2<T>>("mamba1::delta", n, E);
+  a.y = ws.take<View2<T>>("mamba1::y", n, E);
   const SelScanShape ss = scan_shape(batch, seqlen);
   a.checkpoints = keep_checkpoints ? selective_scan_alloc_checkpoints<T>(ss) : View3<P>();
   linear_forward<T>(u, store_->v2(in_proj_), View1<const P>(), a.xz);
@@ -320,13 +323,14 @@ void Mamba1Mixer<T>::backward(Mamba1Acts<T>& a, index_t batch, index_t seqlen, c
   const index_t n = batch * seqlen, E = E_, R = cfg_.rank(), N = cfg_.d_state;
   const View2<P> A = A_matrix();
   // out_proj
-  View2<T> dy = make_uninit<View2<T>>("mamba1::dy", n, E);
+  PoolScope ws;  // the gradients of the internals: cached device blocks, returned at the end
+  View2<T> dy = ws.take<View2<T>>("mamba1::dy", n, E);
   linear_backward<T>(a.y, store_->v2(out_proj_), dout, dy, false, store_->g2(out_proj_), View1<P>());
   // selective scan: du into dxc, dz into the z columns of d(xz), dB/dC, d(delta), dA, dD, d(dt_proj.bias)
-  View2<T> dxz = make_uninit<View2<T>>("mamba1::dxz", n, 2 * E);
-  View2<T> dxc = make_uninit<View2<T>>("mamba1::dxc", n, E);
-  View2<T> ddelta = make_uninit<View2<T>>("mamba1::ddelta", n, E);
-  View2<T> dbc = make_uninit<View2<T>>("mamba1::dbc", n, 2 * N);
+  View2<T> dxz = ws.take<View2<T>>("mamba1::dxz", n, 2 * E);
+  View2<T> dxc = ws.take<View2<T>>("mamba1::dxc", n, E);
+  View2<T> ddelta = ws.take<View2<T>>("mamba1::ddelta", n, E);
+  View2<T> dbc = ws.take<View2<T>>("mamba1::dbc", n, 2 * N);
   View2<P> dA("mamba1::dA", E, N);
   SelScanGrad<T> g;
   g.du = dxc;
@@ -352,7 +356,7 @@ void Mamba1Mixer<T>::backward(Mamba1Acts<T>& a, index_t batch, index_t seqlen, c
   const View1<P> gA_log = store_->g1(A_log_);
   par_for("mamba1::dA_log", E, N, KOKKOS_LAMBDA(index_t d, index_t k) { gA_log(d * N + k) += dA(d, k) * A(d, k); });
   // dt_proj (its bias gradient came from the scan)
-  View2<T> ddt_low = make_uninit<View2<T>>("mamba1::ddt_low", n, R);
+  View2<T> ddt_low = ws.take<View2<T>>("mamba1::ddt_low", n, R);
   linear_backward<T>(a.dt_low, store_->v2(dt_w_), ddelta, ddt_low, false, store_->g2(dt_w_), View1<P>());
   // under tp each rank's channels gave a part of d(dt_low) (column-parallel dt_proj) and of dB, dC (the scan)
   parallel::tp_allreduce_sum(*tp_, ddt_low, "Mamba1Mixer::backward (dt_proj)");

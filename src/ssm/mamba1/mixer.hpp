@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "core/kokkos_types.hpp"
+#include "core/pool.hpp"
 #include "layers/conv1d.hpp"
 #include "model/params.hpp"
 #include "parallel/context_parallel.hpp"
@@ -77,6 +78,8 @@ struct Mamba1Acts {
   View2<T> bc;      // [B | C] (B*L, 2N)
   View2<T> delta;   // dt_proj output, without bias (B*L, E)
   View2<T> y;       // scan output (B*L, E)
+  // the blocks of xz .. y (core/pool.hpp): back to the cache when the last copy of these acts goes
+  std::shared_ptr<PoolScope> internals;
   View3<acc_t<T>> checkpoints;  // scan states at chunk starts
   View3<T> conv_init;           // copies of the initial state the forward started from (empty: zero)
   View3<acc_t<T>> ssm_init;     // (context parallel: the halo and the incoming state S_in)
