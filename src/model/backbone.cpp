@@ -11,8 +11,6 @@ namespace mm {
 // ------------------------------------------------------------------ pattern
 
 namespace {
-constexpr LayerKind kAllKinds[] = {LayerKind::mamba1, LayerKind::mamba2, LayerKind::mamba3, LayerKind::moe,
-                                   LayerKind::dense};
 constexpr const char* kValidCodes = "M1 (Mamba-1), M2 (Mamba-2), M3 (Mamba-3), E (MoE feed-forward), D (dense feed-forward)";
 }  // namespace
 
