@@ -255,6 +255,19 @@ class MemSampler {
   std::thread th_;
 };
 
+// The device floors measured in this run (0 when --only leaves them out): the fastest copy's bandwidth and the
+// fastest GEMM rate (bf16 on CUDA, fp32 on host builds); kernels report their achieved fraction of them.
+double g_copy_tbs = 0, g_gemm_tflops = 0;
+
+// bandwidth and rate of a kernel moving `bytes` and doing `flops` in `t` seconds, and their fractions of the floors
+void record_rates(const std::string& name, double bytes, double flops, double t) {
+  const double bw = bytes / t / 1e12, rate = flops / t / 1e12;
+  record(name, "bandwidth", bw, "TB/s");
+  record(name, "rate", rate, "TFLOP/s");
+  if (g_copy_tbs > 0) record(name, "of measured copy bandwidth", 100.0 * bw / g_copy_tbs, "%");
+  if (g_gemm_tflops > 0) record(name, "of measured GEMM rate", 100.0 * rate / g_gemm_tflops, "%");
+}
+
 void bench_copy(int reps) {
   const index_t n = index_t(1) << 29;  // 2 GiB of float
   View1<float> a("a", n), b("b", n);
@@ -267,6 +280,7 @@ void bench_copy(int reps) {
   record("copy (Kokkos 1-D par_for, fp32)", "bandwidth", 2.0 * n * 4 / t / 1e12, "TB/s");
   const double t2 = time_median(3, reps, [&] { Kokkos::deep_copy(b, a); });
   record("copy (Kokkos deep_copy)", "bandwidth", 2.0 * n * 4 / t2 / 1e12, "TB/s");
+  g_copy_tbs = 2.0 * n * 4 / std::min(t, t2) / 1e12;
 }
 
 template <class T>
@@ -276,6 +290,7 @@ void bench_gemm_one(const char* label, index_t m, index_t n, index_t k, int reps
   fill(B, 3);
   const double t = time_median(3, reps, [&] { gemm(Trans::N, Trans::N, 1.0f, A, B, 0.0f, C); });
   record(label, "rate", 2.0 * m * n * k / t / 1e12, "TFLOP/s");
+  g_gemm_tflops = std::max(g_gemm_tflops, 2.0 * m * n * k / t / 1e12);
 }
 
 void bench_gemm(int reps) {
@@ -344,18 +359,20 @@ void bench_ssd(int reps, const std::vector<SSDVariant>& variants) {
     g.ddt_bias = ddtb;
     g.dD = dD;
     // Bytes a fused kernel must move at least: read x, B, C, dt; write y (forward); backward also reads dy and
-    // writes dx, dB, dC, ddt. FLOPs: the chunked algorithm's matrix work (CB, intra-chunk, chunk state, output).
+    // writes dx, dB, dC, ddt. FLOPs: the chunked algorithm's matrix work (CB, intra-chunk, chunk state, output);
+    // forward + backward counted as 3x the forward's (the backward's products are twice the forward's, as for a
+    // GEMM; the recomputed forward quantities are not counted).
     const double Q = s.chunk, L = s.seqlen, H = s.nheads, P = s.headdim, N = s.dstate;
     const double fwd_flops = 2 * L * Q * N /*CB, per group*/ + H * (2 * L * Q * P /*intra*/ + 2 * L * P * N * 2);
     const double fwd_bytes = 4.0 * (L * (E + 2 * GN + H) + L * E);
+    const double fb_bytes = fwd_bytes + 4.0 * (2 * L * (E + 2 * GN + H) + L * E), fb_flops = 3 * fwd_flops;
     const std::string nf = "ssd fwd " + var.name + " L=65536 H24 P64 N128",
                       nfb = "ssd fwd+bwd " + var.name + " L=65536 H24 P64 N128";
     // the slow portable kernels get fewer repetitions (one call takes ~0.4 s on an H200)
     const int r = var.algo == SSDAlgo::portable ? std::min(reps, 3) : reps;
     const double t_f = time_median(1, r, [&] { ssd_forward<T>(s, in, y, View4<float>()); });
     record(nf, "time", t_f * 1e3, "ms");
-    record(nf, "bandwidth", fwd_bytes / t_f / 1e12, "TB/s");
-    record(nf, "rate", fwd_flops / t_f / 1e12, "TFLOP/s");
+    record_rates(nf, fwd_bytes, fwd_flops, t_f);
     // agreement with the first variant: max |y - y_0| / max |y_0| and the same for dx, dB, dC
     static std::vector<float> y0, dx0;
     auto host = [](const View2<T>& v) {
@@ -375,6 +392,7 @@ void bench_ssd(int reps, const std::vector<SSDVariant>& variants) {
       ssd_backward<T>(s, in, dy, View4<const float>(), g);
     });
     record(nfb, "time", t_fb * 1e3, "ms");
+    record_rates(nfb, fb_bytes, fb_flops, t_fb);
     if (g_profile) {
       kprof::report(nf, [&] { ssd_forward<T>(s, in, y, View4<float>()); });
       kprof::report("ssd bwd " + var.name, [&] { ssd_backward<T>(s, in, dy, View4<const float>(), g); });
@@ -465,6 +483,7 @@ void bench_lm(index_t batch, index_t seqlen, int reps, int cp_size, parallel::Ba
   // MFU against the H200's dense bf16 tensor-core peak (989 TFLOP/s, NVIDIA's data sheet), the convention of
   // training reports; compare with the measured cuBLAS rate of `--only gemm` for what is reachable.
   record(name, "MFU (6 N T over 989 TFLOP/s)", 100.0 * flops / t / 989e12, "%");
+  if (g_gemm_tflops > 0) record(name, "6 N T rate of measured GEMM rate", 100.0 * flops / t / 1e12 / g_gemm_tflops, "%");
   if (cp.size() > 1) {
     cp.reset_bytes_sent();
     one();
