@@ -6,6 +6,7 @@
 #include "core/error.hpp"
 
 #include <cstdint>
+#include <type_traits>
 
 #if defined(KOKKOS_ENABLE_CUDA)
 #include <cuda_bf16.h>
@@ -546,17 +547,20 @@ void launch_bwd(const Args& a) {
     launch_bwd<PT, false>(a);
 }
 
-void dispatch(const Args& a, bool scan) {
+// f(std::integral_constant<int, P / 16>) for a shape the kernels take: the fragments per warp are a template
+// argument of every kernel.
+template <class F>
+void with_tiles(const Args& a, F&& f) {
   require(fits(a.P, a.N, a.Q), "ssd fused", "shape P = ", a.P, ", N = ", a.N, ", Q = ", a.Q, " is not supported");
   switch (a.P / 16) {
-    case 1: return launch<1>(a, scan);
-    case 2: return launch<2>(a, scan);
-    case 3: return launch<3>(a, scan);
-    case 4: return launch<4>(a, scan);
-    case 5: return launch<5>(a, scan);
-    case 6: return launch<6>(a, scan);
-    case 7: return launch<7>(a, scan);
-    default: return launch<8>(a, scan);
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
   }
 }
 
@@ -569,27 +573,17 @@ bool fits(int headdim, int dstate, int chunk) {
 
 void chunk_state(const Args& a) {
   Kokkos::Profiling::ScopedRegion region("ssd::fused_chunk_state");
-  dispatch(a, false);
+  with_tiles(a, [&](auto pt) { launch<decltype(pt)::value>(a, false); });
 }
 
 void chunk_scan(const Args& a) {
   Kokkos::Profiling::ScopedRegion region("ssd::fused_chunk_scan");
-  dispatch(a, true);
+  with_tiles(a, [&](auto pt) { launch<decltype(pt)::value>(a, true); });
 }
 
 void intra_backward(const Args& a) {
   Kokkos::Profiling::ScopedRegion region("ssd::fused_intra_backward");
-  require(fits(a.P, a.N, a.Q), "ssd fused", "shape P = ", a.P, ", N = ", a.N, ", Q = ", a.Q, " is not supported");
-  switch (a.P / 16) {
-    case 1: return launch_bwd<1>(a);
-    case 2: return launch_bwd<2>(a);
-    case 3: return launch_bwd<3>(a);
-    case 4: return launch_bwd<4>(a);
-    case 5: return launch_bwd<5>(a);
-    case 6: return launch_bwd<6>(a);
-    case 7: return launch_bwd<7>(a);
-    default: return launch_bwd<8>(a);
-  }
+  with_tiles(a, [&](auto pt) { launch_bwd<decltype(pt)::value>(a); });
 }
 
 #else  // host backends: never called (ssd.cpp asks `fits` first)
