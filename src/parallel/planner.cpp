@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include "core/error.hpp"
+#include "ssm/mamba2/ssd_fused.hpp"
 
 namespace mm::parallel {
 
@@ -156,8 +157,16 @@ LayerMem mem_mamba2(const Mamba2Config& c, const Dims& d, Recompute pol) {
     const double hb = double(bl.heads), runs = double(bl.runs);
     const double pointers = 3.0 * 8.0 * hb * d.b * nc;  // operand pointers of the (chunk, head) GEMMs
     m.fwd_extra = ctx + d.a * d.n * E + hb * per_head + pointers;
-    const double scan_bwd = ctx + 2 * d.a * d.n * E + (hb + runs) * per_head + pointers + states + d.a * d.b * nc * H * 3 +
-                            6 * d.a * hb * d.n + 2 * d.a * d.n * hb * P;
+    double scan_bwd = ctx + 2 * d.a * d.n * E + (hb + runs) * per_head + pointers + states + d.a * d.b * nc * H * 3 +
+                      6 * d.a * hb * d.n + 2 * d.a * d.n * hb * P;
+    if (shape.algo == SSDAlgo::fused && d.a == 4.0 && ssd_fused::fits(int(P), int(N), int(Q))) {
+      // the fused backward: no per-head Q x Q workspace or pointers; blocks of heads sized by B dH^T and C S_in^T,
+      // and each source tile's part of the incoming sums
+      const SSDGemmBlocks fb = ssd_gemm_blocks(index_t(H), index_t(G), 2 * d.a * d.n * P);
+      const double fh = double(fb.heads), fr = double(fb.runs);
+      scan_bwd = ctx + 2 * d.a * d.n * E + fr * per_head + states + d.a * d.b * nc * H * 3 + 6 * d.a * fh * d.n +
+                 2 * d.a * d.n * fh * P + d.a * std::ceil(Q / 64) * fh * d.n;
+    }
     m.bwd_extra = grads + std::max(scan_bwd, conv_bwd);
     return m;
   }

@@ -416,8 +416,11 @@ GemmCtx<T> make_gemm_ctx(const Ctx<T>& c, double budget, bool backward, PoolScop
   GemmCtx<T> g;
   g.ldx = index_t(c.xbc.stride(0));
   g.HP = c.H * c.Pd;
-  const SSDGemmBlocks bl = ssd_gemm_blocks(c.H, c.G, double(c.Bsz * c.nc) * double(c.Q * c.Q) * sizeof(T),
-                                           budget);
+  // heads per block: as many per-head Q x Q workspaces as the budget holds; the fused backward has none, and its
+  // per-head arrays are B dH^T and C S_in^T (n x P each)
+  const double per_head = per_head_qq ? double(c.Bsz * c.nc) * double(c.Q * c.Q) * sizeof(T)
+                                      : 2.0 * double(c.Bsz * c.L) * double(c.Pd) * sizeof(T);
+  const SSDGemmBlocks bl = ssd_gemm_blocks(c.H, c.G, per_head, budget);
   g.hb = bl.heads;
   g.runs = bl.runs;
   g.run_len = g.hb / g.runs;

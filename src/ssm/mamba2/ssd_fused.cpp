@@ -279,14 +279,24 @@ __global__ void __launch_bounds__(kThreads, 4) chunk_scan_kernel(const Args a) {
 
 // ------------------------------------------------------------------ backward, intra-chunk part
 
-// Shared layout of the backward kernels: xs (64 source tokens, P) and dys (64 output tokens, P) bf16, f (64, ldf)
-// fp32 (DX, then K o DX; at the end dX), ms (64 l, 64 s) bf16, then the per-token arrays.
-constexpr int kLdF = kTile + 4;
+// One block per (64 source tokens s, run of heads, (row, chunk)). For each head of the run it walks the output
+// tiles l >= s: DX = dY_l X_s^T on tensor cores, then per element K = E o (C B^T) (masked) and
+//   A_s += K'^T dY_l            (tensor cores; K' = K without its diagonal),
+//   insum part of row l = sum_{s < l} Delta_s K DX   (a thread owns half a row: the row sum stays local),
+//   W(l, s) += DX E Delta_s     (the run's dC B^T, kept on chip for every tile l of the block),
+// and after its last tile, with DX = dY X^T:
+//   dX_s = Delta_s (A_s + K(s, s) dY_s),  off(s) = X_s . A_s = sum_{l > s} K DX,  dd(s) = off(s) + K(s, s) DX(s, s).
+// So DX is formed once per tile pair and head, no column sum walks the tile, and nothing is added atomically.
+constexpr int kLdF = kTile + 4;  // fp32 tile rows: 16-byte aligned, 4 banks apart
+constexpr int kMaxChunk = 512;   // the W tiles of a block (Q / 64 of them) must fit in shared memory
+
 __host__ __device__ constexpr std::size_t bwd_f_floats(int P) {
   return std::size_t(kTile) * ((P + 4) > kLdF ? (P + 4) : kLdF);
 }
-__host__ __device__ constexpr std::size_t bwd_smem(int P) {
-  return 2 * std::size_t(kTile) * (P + kPad) * 2 + bwd_f_floats(P) * 4 + std::size_t(kTile) * kLdTile * 2 +
+// xs and dys (bf16), f (fp32 DX; bf16 K over its start once DX is read; A at a head's end), the W tiles (fp32),
+// then seven per-token arrays.
+__host__ __device__ constexpr std::size_t bwd_smem(int P, int Q) {
+  return 2 * std::size_t(kTile) * (P + kPad) * 2 + bwd_f_floats(P) * 4 + std::size_t(Q / kTile) * kTile * kLdF * 4 +
          8 * kTile * 4;
 }
 
@@ -313,193 +323,188 @@ __device__ __forceinline__ void dx_tile(const bf* dys, const bf* xs, float* f) {
   for (int j = 0; j < kTile / 16; ++j) wmma::store_matrix_sync(f + warp * 16 * kLdF + j * 16, acc[j], kLdF, wmma::mem_row_major);
 }
 
-// One block per (64 source tokens s, head of the block, (row, chunk)), over the output tiles l >= s.
 template <int PT, bool V4>
-__global__ void __launch_bounds__(kThreads, 3) intra_dx_kernel(const Args a) {
+__global__ void __launch_bounds__(kThreads, 2) intra_bwd_kernel(const Args a) {
   extern __shared__ __align__(128) unsigned char smem[];
-  constexpr int P = PT * 16, ldx = P + kPad;
+  constexpr int P = PT * 16, ldx = P + kPad, ldo = P + 4;
+  const int nt = a.Q / kTile;
   bf* xs = reinterpret_cast<bf*>(smem);
   bf* dys = xs + kTile * ldx;
   float* f = reinterpret_cast<float*>(dys + kTile * ldx);
-  bf* ms = reinterpret_cast<bf*>(f + bwd_f_floats(P));
-  float* acs_s = reinterpret_cast<float*>(ms + kTile * kLdTile);
+  bf* ms = reinterpret_cast<bf*>(f);  // K (64 l, 64 s, rows kLdTile apart) over f once every thread has read DX
+  float* wt = f + bwd_f_floats(P);    // (tiles l >= s of the block, 64, kLdF): the run's dC B^T
+  float* acs_s = wt + std::size_t(nt) * kTile * kLdF;
   float* dt_s = acs_s + kTile;
   float* acs_l = dt_s + kTile;
   float* diag = acs_l + kTile;
-  int* rec_s = reinterpret_cast<int*>(diag + kTile);
+  float* kss = diag + kTile;  // K(s, s) = (C B^T)(s, s)
+  int* rec_s = reinterpret_cast<int*>(kss + kTile);
   int* rec_l = rec_s + kTile;
 
-  const int s0 = blockIdx.x * kTile, hi = blockIdx.y, h = a.h0 + hi, bc = blockIdx.z;
-  const int b = bc / a.nc, ch = bc % a.nc, t0 = ch * a.Q, q = min(a.Q, a.L - t0), g = h / (a.H / a.G);
-  if (s0 >= q) return;
-  const int warp = threadIdx.x / 32, tid = threadIdx.x, ns = min(kTile, q - s0);
-  const std::int64_t row0 = std::int64_t(b) * a.L, nr = std::int64_t(a.batch) * a.L;
-  const float* acs = a.acs + (std::int64_t(b) * a.H + h) * a.L;
-  const float* dlt = a.delta + (std::int64_t(b) * a.H + h) * a.L;
-  const float* CB = a.cb + (std::int64_t(bc) * a.G + g) * a.Q * a.Q;
-
-  if (tid < kTile) {
-    const int t = t0 + s0 + tid;
-    acs_s[tid] = tid < ns ? acs[t] : 0.f;
-    dt_s[tid] = tid < ns ? dlt[t] : 0.f;
-    rec_s[tid] = tid < ns ? (a.seq ? a.seq[row0 + t] : 0) : -1;
-    diag[tid] = 0.f;
-  }
-  stage<kTile, P, V4>(xs, ldx, a.xbc + (row0 + t0 + s0) * a.ldx + a.x_col + h * P, a.ldx, ns, P, One{});
-  float dd = 0.f, off = 0.f;  // threads < 64: column sums of K o DX over l (all, and l != s)
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[PT];  // dX rows s 16 w .., all of P
-#pragma unroll
-  for (int i = 0; i < PT; ++i) wmma::fill_fragment(acc[i], 0.f);
-
-  for (int l0 = s0; l0 < q; l0 += kTile) {
-    const int nl = min(kTile, q - l0);
-    if (tid < kTile) {
-      const int t = t0 + l0 + tid;
-      acs_l[tid] = tid < nl ? acs[t] : 0.f;
-      rec_l[tid] = tid < nl ? (a.seq ? a.seq[row0 + t] : 0) : -2;
-    }
-    stage<kTile, P, V4>(dys, ldx, a.dy + (row0 + t0 + l0) * a.ldy + h * P, a.ldy, nl, P, One{});
-    __syncthreads();
-    dx_tile<PT>(dys, xs, f);
-    __syncthreads();
-    // K, K o DX (in place), M = K Delta_s (bf16), the diagonal DX(s, s)
-    for (int it = 0; it < kTile * kTile / kThreads; ++it) {
-      const int idx = tid + it * kThreads, l = idx / kTile, s = idx % kTile;
-      const float dxv = f[l * kLdF + s];
-      float K = 0.f;
-      if (l < nl && s < ns && s0 + s <= l0 + l && rec_s[s] == rec_l[l]) {
-        const float e = decay(acs_l[l] - acs_s[s]);
-        if (e >= a.cutoff) K = e * CB[std::int64_t(l0 + l) * a.Q + s0 + s];
-      }
-      if (l0 == s0 && l == s) diag[s] = dxv;
-      f[l * kLdF + s] = K * dxv;
-      ms[l * kLdTile + s] = __float2bfloat16(K * dt_s[s]);
-    }
-    __syncthreads();
-    if (tid < kTile) {  // column s = tid
-      float cs = 0.f;
-      for (int l = 0; l < kTile; ++l) cs += f[l * kLdF + tid];
-      dd += cs;
-      off += cs - (l0 == s0 ? f[tid * kLdF + tid] : 0.f);
-    } else {  // row l = tid - 64: sum over s < l of Delta_s K DX (rotated start: rows hit different banks), this
-              // source tile's part (ssd.cpp adds the parts in tile order: no atomics, runs repeat bit for bit)
-      const int l = tid - kTile;
-      float rs = 0.f;
-      for (int k = 0; k < kTile; ++k) {
-        const int s = (k + l) % kTile;
-        if (s0 + s != l0 + l) rs += dt_s[s] * f[l * kLdF + s];
-      }
-      if (l < nl) a.insum[(std::int64_t(blockIdx.x) * a.nh + hi) * nr + row0 + t0 + l0 + l] = rs;
-    }
-    // dX (rows s) += M^T dY: A = M^T (element (s, l) at l kLdTile + s), B = dY (l, p)
-#pragma unroll
-    for (int k = 0; k < kTile; k += 16) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::col_major> fa;
-      wmma::load_matrix_sync(fa, ms + k * kLdTile + warp * 16, kLdTile);
-#pragma unroll
-      for (int i = 0; i < PT; ++i) {
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::row_major> fb;
-        wmma::load_matrix_sync(fb, dys + k * ldx + i * 16, ldx);
-        wmma::mma_sync(acc[i], fa, fb, acc[i]);
-      }
-    }
-    __syncthreads();
-  }
-  if (tid < ns) {
-    float* vr = a.v + (std::int64_t(hi) * nr + row0 + t0 + s0 + tid) * 6;
-    vr[0] = dd;
-    vr[1] = dt_s[tid] * off;
-    vr[3] = diag[tid];
-  }
-  constexpr int ldo = P + 4;
-#pragma unroll
-  for (int i = 0; i < PT; ++i) wmma::store_matrix_sync(f + warp * 16 * ldo + i * 16, acc[i], ldo, wmma::mem_row_major);
-  __syncthreads();
-  for (int idx = tid; idx < ns * P; idx += kThreads) {
-    const int s = idx / P, p = idx % P;
-    a.dx[(row0 + t0 + s0 + s) * a.ldd + a.x_col + h * P + p] = f[s * ldo + p];
-  }
-}
-
-// One block per (tile pair (l, s), run of heads, (row, chunk)): w2 tile = sum over the run's heads of
-// DX o E diag(Delta); zero above the diagonal and outside the chunk.
-template <int PT, bool V4>
-__global__ void __launch_bounds__(kThreads, 3) intra_dcb_kernel(const Args a) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  constexpr int P = PT * 16, ldx = P + kPad, kPer = kTile * kTile / kThreads;
-  bf* xs = reinterpret_cast<bf*>(smem);
-  bf* dys = xs + kTile * ldx;
-  float* f = reinterpret_cast<float*>(dys + kTile * ldx);
-  float* acs_s = reinterpret_cast<float*>(reinterpret_cast<bf*>(f + bwd_f_floats(P)) + kTile * kLdTile);
-  float* dt_s = acs_s + kTile;
-  float* acs_l = dt_s + kTile;
-  int* rec_s = reinterpret_cast<int*>(acs_l + 2 * kTile);
-  int* rec_l = rec_s + kTile;
-
-  const int nt = (a.Q + kTile - 1) / kTile;
-  const int il = blockIdx.x / nt, is = blockIdx.x % nt, u = blockIdx.y, bc = blockIdx.z;
-  const int l0 = il * kTile, s0 = is * kTile;
+  const int is = blockIdx.x, s0 = is * kTile, u = blockIdx.y, bc = blockIdx.z;
   const int b = bc / a.nc, ch = bc % a.nc, t0 = ch * a.Q, q = min(a.Q, a.L - t0);
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, warp = tid / 32;
+  const int ns = s0 < q ? min(kTile, q - s0) : 0;
   const std::int64_t nbc = std::int64_t(a.batch) * a.nc;
-  float* W = a.w2 + ((std::int64_t(u) * nbc + bc) * a.Q + l0) * a.Q + s0;
-  float* acc = reinterpret_cast<float*>(smem + bwd_smem(P));  // the w2 tile; each thread owns its kPer elements
-#pragma unroll
-  for (int k = 0; k < kPer; ++k) acc[tid + k * kThreads] = 0.f;
-  if (s0 <= l0 && l0 < q) {
-    const int nl = min(kTile, q - l0), ns = min(kTile, q - s0);
-    const std::int64_t row0 = std::int64_t(b) * a.L;
+  const int hi0 = u * a.run_len, hi1 = min(hi0 + a.run_len, a.nh);
+
+  if (ns > 0 && hi0 < hi1) {
+    const std::int64_t row0 = std::int64_t(b) * a.L, nr = std::int64_t(a.batch) * a.L;
+    const int g = (a.h0 + hi0) / (a.H / a.G);  // a run never straddles a group
+    const float* CB = a.cb + (std::int64_t(bc) * a.G + g) * a.Q * a.Q;
     if (tid < kTile) {
       rec_s[tid] = tid < ns ? (a.seq ? a.seq[row0 + t0 + s0 + tid] : 0) : -1;
-      rec_l[tid] = tid < nl ? (a.seq ? a.seq[row0 + t0 + l0 + tid] : 0) : -2;
+      kss[tid] = tid < ns ? CB[std::int64_t(s0 + tid) * a.Q + s0 + tid] : 0.f;
     }
-    const int hi0 = u * a.run_len, hi1 = min(hi0 + a.run_len, a.nh);
+    for (int i = tid; i < (nt - is) * kTile * kLdF; i += kThreads) wt[i] = 0.f;
+    // the elementwise step: row lr, columns 32 hh .. 32 hh + 31 in groups of 4 rotated by 4 hh (the 8 threads of a
+    // quarter warp then touch 8 distinct 16-byte bank groups of the fp32 tiles)
+    const int lr = tid >> 1, hh = tid & 1;
     for (int hi = hi0; hi < hi1; ++hi) {
       const int h = a.h0 + hi;
       const float* acs = a.acs + (std::int64_t(b) * a.H + h) * a.L;
+      const float* dlt = a.delta + (std::int64_t(b) * a.H + h) * a.L;
       if (tid < kTile) {
         acs_s[tid] = tid < ns ? acs[t0 + s0 + tid] : 0.f;
-        dt_s[tid] = tid < ns ? a.delta[(std::int64_t(b) * a.H + h) * a.L + t0 + s0 + tid] : 0.f;
-        acs_l[tid] = tid < nl ? acs[t0 + l0 + tid] : 0.f;
+        dt_s[tid] = tid < ns ? dlt[t0 + s0 + tid] : 0.f;
+        diag[tid] = 0.f;
       }
       stage<kTile, P, V4>(xs, ldx, a.xbc + (row0 + t0 + s0) * a.ldx + a.x_col + h * P, a.ldx, ns, P, One{});
-      stage<kTile, P, V4>(dys, ldx, a.dy + (row0 + t0 + l0) * a.ldy + h * P, a.ldy, nl, P, One{});
-      __syncthreads();
-      dx_tile<PT>(dys, xs, f);
-      __syncthreads();
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[PT];  // A: rows s 16 w .., all of P
 #pragma unroll
-      for (int k = 0; k < kPer; ++k) {
-        const int idx = tid + k * kThreads, l = idx / kTile, s = idx % kTile;
-        if (s0 + s <= l0 + l && rec_s[s] == rec_l[l]) {
-          const float e = decay(acs_l[l] - acs_s[s]);
-          if (e >= a.cutoff) acc[idx] += f[l * kLdF + s] * e * dt_s[s];
+      for (int i = 0; i < PT; ++i) wmma::fill_fragment(acc[i], 0.f);
+
+      for (int l0 = s0, jt = 0; l0 < q; l0 += kTile, ++jt) {
+        const int nl = min(kTile, q - l0);
+        if (tid < kTile) {
+          acs_l[tid] = tid < nl ? acs[t0 + l0 + tid] : 0.f;
+          rec_l[tid] = tid < nl ? (a.seq ? a.seq[row0 + t0 + l0 + tid] : 0) : -2;
+        }
+        stage<kTile, P, V4>(dys, ldx, a.dy + (row0 + t0 + l0) * a.ldy + h * P, a.ldy, nl, P, One{});
+        __syncthreads();
+        dx_tile<PT>(dys, xs, f);
+        __syncthreads();
+        __nv_bfloat162 kp[16];
+        float rs = 0.f;
+        {
+          const float al = acs_l[lr];
+          const int rl = rec_l[lr], dl = l0 + lr - s0;  // dl: the row's column on the diagonal
+          const float* cbrow = CB + std::int64_t(l0 + lr) * a.Q + s0;  // Q % 64 == 0: 16-byte aligned
+          float* wrow = wt + (jt * kTile + lr) * kLdF;
+#pragma unroll
+          for (int k = 0; k < 8; ++k) {
+            const int s = 32 * hh + 4 * ((k + 4 * hh) & 7);
+            const float4 dx4 = *reinterpret_cast<const float4*>(f + lr * kLdF + s);
+            const float4 cb4 = *reinterpret_cast<const float4*>(cbrow + s);
+            const float4 w4 = *reinterpret_cast<const float4*>(wrow + s);
+            const float dxv[4] = {dx4.x, dx4.y, dx4.z, dx4.w}, cbv[4] = {cb4.x, cb4.y, cb4.z, cb4.w};
+            float wv[4] = {w4.x, w4.y, w4.z, w4.w}, kv[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const int sj = s + j;
+              float kk = 0.f;
+              if (sj <= dl && rec_s[sj] == rl) {  // rec_s of columns past the chunk never equals rec_l of any row
+                const float e = decay(al - acs_s[sj]);
+                if (e >= a.cutoff) {
+                  const float ed = e * dt_s[sj];
+                  wv[j] += dxv[j] * ed;
+                  kk = e * cbv[j];
+                  if (sj < dl) rs += cbv[j] * ed * dxv[j];
+                }
+              }
+              if (sj == dl) {
+                diag[sj] = dxv[j];
+                kk = 0.f;  // the diagonal goes in at fp32 in the epilogue
+              }
+              kv[j] = kk;
+            }
+            *reinterpret_cast<float4*>(wrow + s) = make_float4(wv[0], wv[1], wv[2], wv[3]);
+            kp[2 * k] = __floats2bfloat162_rn(kv[0], kv[1]);
+            kp[2 * k + 1] = __floats2bfloat162_rn(kv[2], kv[3]);
+          }
+        }
+        rs += __shfl_xor_sync(0xffffffffu, rs, 1);
+        if (hh == 0 && lr < nl) a.insum[(std::int64_t(is) * a.nh + hi) * nr + row0 + t0 + l0 + lr] = rs;
+        __syncthreads();  // every thread has read its DX: K may overwrite f
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const int s = 32 * hh + 4 * ((k + 4 * hh) & 7);
+          __nv_bfloat162* d = reinterpret_cast<__nv_bfloat162*>(ms + lr * kLdTile + s);
+          d[0] = kp[2 * k];
+          d[1] = kp[2 * k + 1];
+        }
+        __syncthreads();
+        // A (rows s) += K^T dY: element (s, l) of K^T at l kLdTile + s
+#pragma unroll
+        for (int k = 0; k < kTile; k += 16) {
+          wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::col_major> fa;
+          wmma::load_matrix_sync(fa, ms + k * kLdTile + warp * 16, kLdTile);
+#pragma unroll
+          for (int i = 0; i < PT; ++i) {
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::row_major> fb;
+            wmma::load_matrix_sync(fb, dys + k * ldx + i * 16, ldx);
+            wmma::mma_sync(acc[i], fa, fb, acc[i]);
+          }
+        }
+        __syncthreads();
+      }
+
+      // the head's epilogue: A into f, then the per-token sums (row lr, half hh of P) and dX
+#pragma unroll
+      for (int i = 0; i < PT; ++i) wmma::store_matrix_sync(f + warp * 16 * ldo + i * 16, acc[i], ldo, wmma::mem_row_major);
+      __syncthreads();
+      {
+        float off = 0.f;
+#pragma unroll 8
+        for (int k = 0; k < P / 2; ++k) {
+          const int p = hh * (P / 2) + (k + 4 * lr) % (P / 2);  // rotated: rows 4 banks apart start apart
+          off += __bfloat162float(xs[lr * ldx + p]) * f[lr * ldo + p];
+        }
+        off += __shfl_xor_sync(0xffffffffu, off, 1);
+        if (hh == 0 && lr < ns) {
+          float* vr = a.v + (std::int64_t(hi) * nr + row0 + t0 + s0 + lr) * 6;
+          vr[0] = off + kss[lr] * diag[lr];
+          vr[1] = dt_s[lr] * off;
+          vr[3] = diag[lr];
         }
       }
-      __syncthreads();
+      for (int idx = tid; idx < ns * P; idx += kThreads) {
+        const int s = idx / P, p = idx % P;
+        const std::int64_t r = row0 + t0 + s0 + s;
+        a.dx[r * a.ldd + a.x_col + h * P + p] = dt_s[s] * (f[s * ldo + p] + kss[s] * a.dy[r * a.ldy + h * P + p]);
+      }
+      __syncthreads();  // before the next head restages xs and the per-token arrays and reuses f
     }
   }
+  // the block's column of W tiles: tiles l >= s inside the chunk from wt, the rest zero
+  float* W = a.w2 + (std::int64_t(u) * nbc + bc) * a.Q * a.Q + s0;
+  for (int il = 0; il < nt; ++il) {
+    const bool kept = ns > 0 && hi0 < hi1 && il >= is && il * kTile < q;
+    const float* src = wt + (kept ? il - is : 0) * kTile * kLdF;
 #pragma unroll
-  for (int k = 0; k < kPer; ++k) {
-    const int idx = tid + k * kThreads, l = idx / kTile, s = idx % kTile;
-    if (l0 + l < a.Q && s0 + s < a.Q) W[std::int64_t(l) * a.Q + s] = acc[idx];
+    for (int k = 0; k < kTile * kTile / 4 / kThreads; ++k) {
+      const int idx = tid + k * kThreads, l = idx / (kTile / 4), s = (idx % (kTile / 4)) * 4;
+      const float4 val = kept ? *reinterpret_cast<const float4*>(src + l * kLdF + s) : make_float4(0.f, 0.f, 0.f, 0.f);
+      *reinterpret_cast<float4*>(W + std::int64_t(il * kTile + l) * a.Q + s) = val;
+    }
   }
 }
 
 template <int PT, bool V4>
 void launch_bwd(const Args& a) {
   const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
-  const std::size_t bytes = bwd_smem(PT * 16), dcb_bytes = bytes + kTile * kTile * 4;
-  const int nt = (a.Q + kTile - 1) / kTile, runs = (a.nh + a.run_len - 1) / a.run_len;
-  static const bool attr = [&] {  // more than the default 48 KB of shared memory per block for large headdim
-    cudaFuncSetAttribute(intra_dx_kernel<PT, V4>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-    cudaFuncSetAttribute(intra_dcb_kernel<PT, V4>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dcb_bytes));
-    return true;
-  }();
-  (void)attr;
-  intra_dx_kernel<PT, V4><<<dim3(nt, a.nh, a.batch * a.nc), kThreads, bytes, st>>>(a);
-  check_launch("intra-chunk backward (dX)");
-  intra_dcb_kernel<PT, V4><<<dim3(nt * nt, runs, a.batch * a.nc), kThreads, dcb_bytes, st>>>(a);
-  check_launch("intra-chunk backward (dC B^T)");
+  const std::size_t bytes = bwd_smem(PT * 16, a.Q);
+  static std::size_t allowed = 48 * 1024;  // per instantiation: the opt-in above the default 48 KB
+  if (bytes > allowed) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(intra_bwd_kernel<PT, V4>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+    require(e == cudaSuccess, "ssd fused", "intra-chunk backward: ", bytes, " bytes of shared memory: ",
+            cudaGetErrorString(e));
+    allowed = bytes;
+  }
+  const int runs = (a.nh + a.run_len - 1) / a.run_len;
+  intra_bwd_kernel<PT, V4><<<dim3(a.Q / kTile, runs, a.batch * a.nc), kThreads, bytes, st>>>(a);
+  check_launch("intra-chunk backward");
 }
 
 std::size_t state_smem(int P) {
@@ -568,7 +573,7 @@ void with_tiles(const Args& a, F&& f) {
 
 bool fits(int headdim, int dstate, int chunk) {
   return headdim % 16 == 0 && headdim >= 16 && headdim <= 128 && dstate % 16 == 0 && dstate >= 16 &&
-         chunk % kTile == 0;
+         chunk % kTile == 0 && chunk <= kMaxChunk;
 }
 
 void chunk_state(const Args& a) {

@@ -35,7 +35,8 @@ struct Args {
 };
 
 // True when this build has the kernels (CUDA) and the shape suits them: headdim a multiple of 16 up to 128,
-// d_state a multiple of 16, chunk a multiple of 64.
+// d_state a multiple of 16, chunk a multiple of 64 up to 512 (the backward keeps a block's column of dC B^T tiles
+// in shared memory).
 bool fits(int headdim, int dstate, int chunk);
 
 // states <- the chunk-local states sum_s [same record as the chunk's last token] exp(acs_last - acs_s) Delta_s
@@ -52,7 +53,8 @@ void chunk_scan(const Args& a);
 //   v0(s) = sum_l K DX,  v1(s) = Delta_s sum_{l > s} K DX,  v3(s) = DX(s, s)
 //   insum(j, l) = sum_{s < l, s in source tile j} Delta_s K DX   (v2(l) is their sum over the tiles j up to l's)
 //   w2    = sum over a run's heads of DX o E diag(Delta)
-// on tensor cores (bf16 operands, fp32 accumulation), without atomics.
+// on tensor cores (bf16 operands, fp32 accumulation), without atomics, in one kernel that forms each DX tile once
+// (dX and the sums over l come from A = K^T dY: dX = Delta A + the diagonal, sum_{l > s} K DX = X_s . A_s).
 void intra_backward(const Args& a);
 
 }  // namespace mm::ssd_fused
