@@ -32,6 +32,7 @@
 
 #include "core/error.hpp"
 #include "core/kokkos_types.hpp"
+#include "core/pool.hpp"
 #include "core/rng.hpp"
 #include "model/lm.hpp"
 #include "parallel/grid.hpp"
@@ -223,7 +224,6 @@ class MemSampler {
  public:
   MemSampler() {
 #if defined(KOKKOS_ENABLE_CUDA)
-    base_ = used();
     th_ = std::thread([this] {
       cudaSetDevice(0);
       while (!stop_) {
@@ -239,7 +239,6 @@ class MemSampler {
     if (th_.joinable()) th_.join();
   }
   double peak_gib() const { return peak_ / double(1 << 30); }
-  double base_gib() const { return base_ / double(1 << 30); }
 
  private:
 #if defined(KOKKOS_ENABLE_CUDA)
@@ -251,7 +250,6 @@ class MemSampler {
 #endif
   std::atomic<bool> stop_{false};
   std::atomic<double> peak_{0};
-  double base_ = 0;
   std::thread th_;
 };
 
@@ -415,6 +413,9 @@ void bench_ssd(int reps, const std::vector<SSDVariant>& variants) {
 // halos, loss sums).
 void bench_lm(index_t batch, index_t seqlen, int reps, int cp_size, parallel::Backend backend,
               const SSDVariant& ssd, index_t window, Recompute policy) {
+  // the previous runs' cached workspace blocks go back to the device, so that the peak below is this run's
+  Kokkos::fence();
+  pool_trim();
   LMConfig cfg;
   cfg.mixer.window = window;
   cfg.mixer.ssd_algo = ssd.algo;
@@ -458,7 +459,7 @@ void bench_lm(index_t batch, index_t seqlen, int reps, int cp_size, parallel::Ba
                            (cp_size > 1 ? " cp" + std::to_string(cp_size) : "") +
                            (cp_size > 1 && backend == parallel::Backend::nccl ? " nccl" : "") +
                            (window > 0 ? " window " + std::to_string(window) : "") +
-                           (policy == Recompute::none ? " keep all" : "");
+                           (policy == Recompute::none ? " keep all" : " recompute mixer");
   record(name, "parameters", double(lm.params().count()) / 1e6, "M");
   std::int64_t step = 0;
   auto one = [&] {

@@ -63,10 +63,18 @@ using Scratch2 = Kokkos::View<T**, Layout, ScratchMem, Kokkos::MemoryTraits<Kokk
 // ------------------------------------------------------------------ labelled dispatch
 using Range = Kokkos::RangePolicy<Exec, Kokkos::IndexType<index_t>>;
 
+// Every kernel of the wrappers below is launched with its functor as a kernel argument (HintLightWeight). Without
+// the hint Kokkos' CUDA backend sends a functor of 512 bytes or more (the SSD's context is one) through constant
+// memory, and each such launch first waits on the host for the previous one to finish: a GPU idle gap per launch.
+template <class Policy>
+inline auto light(const Policy& p) {
+  return Kokkos::Experimental::require(p, Kokkos::Experimental::WorkItemProperty::HintLightWeight);
+}
+
 // 1-D loop over [0, n).
 template <class F>
 inline void par_for(const char* label, index_t n, const F& f) {
-  Kokkos::parallel_for(label, Range(0, n), f);
+  Kokkos::parallel_for(label, light(Range(0, n)), f);
 }
 
 // 2-D loop over [0, n0) x [0, n1), f(i, j), with j the fast (contiguous) index. On CUDA a flattened 1-D range
@@ -82,20 +90,20 @@ inline void par_for(const char* label, index_t n0, index_t n1, const F& f) {
     const index_t n = n0 * n1;
     if (n < (index_t(1) << 31)) {
       const std::uint32_t m1 = static_cast<std::uint32_t>(n1);
-      Kokkos::parallel_for(label, Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::int32_t>>(0, std::int32_t(n)),
+      Kokkos::parallel_for(label, light(Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::int32_t>>(0, std::int32_t(n))),
                            KOKKOS_LAMBDA(const std::int32_t k) {
                              const std::uint32_t u = static_cast<std::uint32_t>(k);
                              f(index_t(u / m1), index_t(u % m1));
                            });
     } else {
-      Kokkos::parallel_for(label, Range(0, n), KOKKOS_LAMBDA(const index_t k) { f(k / n1, k % n1); });
+      Kokkos::parallel_for(label, light(Range(0, n)), KOKKOS_LAMBDA(const index_t k) { f(k / n1, k % n1); });
     }
     return;
   }
 #endif
   using MD = Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Right, Kokkos::Iterate::Right>,
                                    Kokkos::IndexType<index_t>>;
-  Kokkos::parallel_for(label, MD({0, 0}, {n0, n1}), f);
+  Kokkos::parallel_for(label, light(MD({0, 0}, {n0, n1})), f);
 }
 
 // 1-D reduction (sum by default) over [0, n).
@@ -112,7 +120,7 @@ inline void par_for_team(const char* label, index_t league, const F& f, std::siz
   auto policy = Kokkos::TeamPolicy<Exec>(static_cast<int>(league), Kokkos::AUTO);
   if (team_bytes > 0 || thread_bytes > 0)
     policy = policy.set_scratch_size(scratch_level, Kokkos::PerTeam(team_bytes), Kokkos::PerThread(thread_bytes));
-  Kokkos::parallel_for(label, policy, f);
+  Kokkos::parallel_for(label, light(policy), f);
 }
 
 // Hierarchical loop with vector lanes: on a GPU, teams of `gpu_team` threads of `gpu_vector` lanes each (a warp's
@@ -130,7 +138,7 @@ inline void par_for_team_vec(const char* label, index_t league, int gpu_team, in
                     : Kokkos::TeamPolicy<Exec>(static_cast<int>(league), Kokkos::AUTO);
   if (team_bytes > 0 || thread_bytes > 0)
     policy = policy.set_scratch_size(scratch_level, Kokkos::PerTeam(team_bytes), Kokkos::PerThread(thread_bytes));
-  Kokkos::parallel_for(label, policy, f);
+  Kokkos::parallel_for(label, light(policy), f);
 }
 
 // The same with per-team scratch at both levels: `fast_bytes` on chip (level 0), `large_bytes` in global memory.
@@ -145,7 +153,7 @@ inline void par_for_team_vec2(const char* label, index_t league, int gpu_team, i
   auto policy = gpu ? Kokkos::TeamPolicy<Exec>(static_cast<int>(league), gpu_team, gpu_vector)
                     : Kokkos::TeamPolicy<Exec>(static_cast<int>(league), Kokkos::AUTO);
   policy = policy.set_scratch_size(0, Kokkos::PerTeam(fast_bytes)).set_scratch_size(1, Kokkos::PerTeam(large_bytes));
-  Kokkos::parallel_for(label, policy, f);
+  Kokkos::parallel_for(label, light(policy), f);
 }
 
 // Rows per team of par_for_rows (one per team thread on GPUs).

@@ -5,6 +5,40 @@
 
 namespace mm {
 
+namespace {
+// A row segment [j0, j0 + n) over the vector lanes in kStrands interleaved strands: lane i takes j0 + i + k m for
+// k < kStrands, m = ceil(n / kStrands). Each strand reads coalesced, and a lane has kStrands independent loads in
+// flight instead of one per dependent step (one element per lane and step ran the norms at ~1.3 TB/s on an H200).
+constexpr index_t kStrands = 4;
+
+template <class F>
+KOKKOS_INLINE_FUNCTION void strands_for(const Team& tm, index_t j0, index_t n, const F& f) {
+  const index_t m = (n + kStrands - 1) / kStrands;
+  Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, m), [&](index_t i) {
+#pragma unroll
+    for (index_t k = 0; k < kStrands; ++k)
+      if (i + k * m < n) f(j0 + i + k * m);
+  });
+}
+
+template <class P, class F>
+KOKKOS_INLINE_FUNCTION P strands_sum(const Team& tm, index_t j0, index_t n, const F& f) {
+  const index_t m = (n + kStrands - 1) / kStrands;
+  P total = 0;
+  Kokkos::parallel_reduce(
+      Kokkos::ThreadVectorRange(tm, m),
+      [&](index_t i, P& a) {
+        P v[kStrands];
+#pragma unroll
+        for (index_t k = 0; k < kStrands; ++k) v[k] = i + k * m < n ? f(j0 + i + k * m) : P(0);
+#pragma unroll
+        for (index_t k = 0; k < kStrands; ++k) a += v[k];
+      },
+      total);
+  return total;
+}
+}  // namespace
+
 template <class X, class T>
 void rmsnorm_forward(const View2<const X>& x, const View1<const acc_t<T>>& w, double eps, const View2<T>& y,
                      const View1<acc_t<T>>& rstd) {
@@ -12,13 +46,10 @@ void rmsnorm_forward(const View2<const X>& x, const View1<const acc_t<T>>& w, do
   const index_t n = x.extent(0), d = x.extent(1);
   const P e = P(eps);
   par_for_rows("rmsnorm::forward", n, KOKKOS_LAMBDA(const Team& tm, index_t i) {
-    P ss = 0;
-    Kokkos::parallel_reduce(
-        Kokkos::ThreadVectorRange(tm, d), [&](index_t j, P& a) { a += P(x(i, j)) * P(x(i, j)); }, ss);
+    const P ss = strands_sum<P>(tm, 0, d, [&](index_t j) { return P(x(i, j)) * P(x(i, j)); });
     const P r = P(1) / Kokkos::sqrt(ss / P(d) + e);
     Kokkos::single(Kokkos::PerThread(tm), [&]() { rstd(i) = r; });
-    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, d),
-                         [&](index_t j) { y(i, j) = static_cast<T>(P(x(i, j)) * r * w(j)); });
+    strands_for(tm, 0, d, [&](index_t j) { y(i, j) = static_cast<T>(P(x(i, j)) * r * w(j)); });
   });
 }
 
@@ -30,11 +61,9 @@ void rmsnorm_backward(const View2<const X>& x, const View1<const acc_t<T>>& w, c
   const index_t n = x.extent(0), d = x.extent(1);
   par_for_rows("rmsnorm::backward_dx", n, KOKKOS_LAMBDA(const Team& tm, index_t i) {
     const P r = rstd(i);
-    P dot = 0;
-    Kokkos::parallel_reduce(
-        Kokkos::ThreadVectorRange(tm, d), [&](index_t j, P& a) { a += P(dy(i, j)) * w(j) * P(x(i, j)); }, dot);
+    const P dot = strands_sum<P>(tm, 0, d, [&](index_t j) { return P(dy(i, j)) * w(j) * P(x(i, j)); });
     const P c = r * r * dot / P(d);
-    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, d), [&](index_t j) {
+    strands_for(tm, 0, d, [&](index_t j) {
       const P g = r * (P(dy(i, j)) * w(j) - P(x(i, j)) * c);
       dx(i, j) = accumulate_dx ? static_cast<X>(P(dx(i, j)) + g) : static_cast<X>(g);
     });
@@ -58,17 +87,13 @@ void gated_rmsnorm_forward(const GatedNormIn<T>& in, index_t width, index_t grou
   const P e = P(eps);
   par_for_rows("gated_rmsnorm::forward", n * ng, KOKKOS_LAMBDA(const Team& tm, index_t ig) {
     const index_t i = ig / ng, g = ig % ng, j0 = g * group_size;
-    P ss = 0;
-    Kokkos::parallel_reduce(
-        Kokkos::ThreadVectorRange(tm, j0, j0 + group_size),
-        [&](index_t j, P& a) {
-          const P u = gate_first ? P(x(i, xc + j)) * silu(P(z(i, zc + j))) : P(x(i, xc + j));
-          a += u * u;
-        },
-        ss);
+    const P ss = strands_sum<P>(tm, j0, group_size, [&](index_t j) {
+      const P u = gate_first ? P(x(i, xc + j)) * silu(P(z(i, zc + j))) : P(x(i, xc + j));
+      return u * u;
+    });
     const P r = P(1) / Kokkos::sqrt(ss / P(group_size) + e);
     Kokkos::single(Kokkos::PerThread(tm), [&]() { rstd(i, g) = r; });
-    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, j0, j0 + group_size), [&](index_t j) {
+    strands_for(tm, j0, group_size, [&](index_t j) {
       const P s = silu(P(z(i, zc + j)));
       y(i, j) = static_cast<T>(P(x(i, xc + j)) * s * r * w(j));
     });
@@ -90,18 +115,14 @@ void gated_rmsnorm_backward(const GatedNormIn<T>& in, index_t width, index_t gro
     const index_t i = ig / ng, g = ig % ng, j0 = g * group_size;
     const P r = rstd(i, g);
     // v = the normalised quantity (u = x silu(z) if gate_first, x otherwise); dv = dL/d(normalised v)
-    P dot = 0;
-    Kokkos::parallel_reduce(
-        Kokkos::ThreadVectorRange(tm, j0, j0 + group_size),
-        [&](index_t j, P& a) {
-          const P s = silu(P(z(i, zc + j)));
-          const P v = gate_first ? P(x(i, xc + j)) * s : P(x(i, xc + j));
-          const P dv = gate_first ? P(dy(i, j)) * w(j) : P(dy(i, j)) * w(j) * s;
-          a += dv * v;
-        },
-        dot);
+    const P dot = strands_sum<P>(tm, j0, group_size, [&](index_t j) {
+      const P s = silu(P(z(i, zc + j)));
+      const P v = gate_first ? P(x(i, xc + j)) * s : P(x(i, xc + j));
+      const P dv = gate_first ? P(dy(i, j)) * w(j) : P(dy(i, j)) * w(j) * s;
+      return dv * v;
+    });
     const P c = r * r * dot / P(group_size);
-    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, j0, j0 + group_size), [&](index_t j) {
+    strands_for(tm, j0, group_size, [&](index_t j) {
       const P zz = P(z(i, zc + j));
       const P s = silu(zz);
       const P xx = P(x(i, xc + j));

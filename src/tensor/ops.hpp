@@ -68,9 +68,14 @@ void column_reduce(const char* label, index_t n, index_t m, const F& f, const Vi
     const index_t j1 = j0 + kReduceColBlock < m ? j0 + kReduceColBlock : m;
     const index_t i0 = b * kReduceRowBlock;
     const index_t i1 = i0 + kReduceRowBlock < n ? i0 + kReduceRowBlock : n;
-    for (index_t j = j0; j < j1; ++j) partial(b, j) = R(0);
+    // the sums in registers (stored once): partial(b, j) itself in the loop is a global read-modify-write per row,
+    // which the compiler cannot keep in a register (it may alias what f reads); same order of additions
+    R acc[kReduceColBlock];
+    for (index_t j = 0; j < kReduceColBlock; ++j) acc[j] = R(0);
+#pragma unroll 4
     for (index_t i = i0; i < i1; ++i)
-      for (index_t j = j0; j < j1; ++j) partial(b, j) += f(i, j);
+      for (index_t j = j0; j < j1; ++j) acc[j - j0] += f(i, j);
+    for (index_t j = j0; j < j1; ++j) partial(b, j) = acc[j - j0];
   });
   reduce_partials<R>(label, partial, nb, m, out, accumulate);
 }
