@@ -281,7 +281,8 @@ __global__ void __launch_bounds__(kThreads, 4) chunk_scan_kernel(const Args a) {
 
 // One block per (64 source tokens s, run of heads, (row, chunk)). For each head of the run it walks the output
 // tiles l >= s: DX = dY_l X_s^T on tensor cores, then per element K = E o (C B^T) (masked) and
-//   A_s += K'^T dY_l            (tensor cores; K' = K without its diagonal),
+//   A_s += K'^T dY_l            (tensor cores; K' = K without its diagonal, as a bf16 pair hi + lo so that A
+//                                carries K to ~16 bits: dA's sums over all tokens cancel, bf16 K alone lost 8 %),
 //   insum part of row l = sum_{s < l} Delta_s K DX   (a thread owns half a row: the row sum stays local),
 //   W(l, s) += DX E Delta_s     (the run's dC B^T, kept on chip for every tile l of the block),
 // and after its last tile, with DX = dY X^T:
@@ -291,7 +292,9 @@ constexpr int kLdF = kTile + 4;  // fp32 tile rows: 16-byte aligned, 4 banks apa
 constexpr int kMaxChunk = 512;   // the W tiles of a block (Q / 64 of them) must fit in shared memory
 
 __host__ __device__ constexpr std::size_t bwd_f_floats(int P) {
-  return std::size_t(kTile) * ((P + 4) > kLdF ? (P + 4) : kLdF);
+  // DX (64 x kLdF), A (64 x (P + 4)), or K in two bf16 parts (2 x 64 x kLdTile bf16 = 64 x kLdTile floats)
+  const std::size_t w = (P + 4) > kLdF ? (P + 4) : kLdF;
+  return std::size_t(kTile) * (w > std::size_t(kLdTile) ? w : std::size_t(kLdTile));
 }
 // xs and dys (bf16), f (fp32 DX; bf16 K over its start once DX is read; A at a head's end), the W tiles (fp32),
 // then seven per-token arrays.
@@ -331,7 +334,8 @@ __global__ void __launch_bounds__(kThreads, 2) intra_bwd_kernel(const Args a) {
   bf* xs = reinterpret_cast<bf*>(smem);
   bf* dys = xs + kTile * ldx;
   float* f = reinterpret_cast<float*>(dys + kTile * ldx);
-  bf* ms = reinterpret_cast<bf*>(f);  // K (64 l, 64 s, rows kLdTile apart) over f once every thread has read DX
+  bf* ms = reinterpret_cast<bf*>(f);  // K hi (64 l, 64 s, rows kLdTile apart) over f once every thread has read DX
+  bf* ml = ms + kTile * kLdTile;      // K lo = bf16(K - hi)
   float* wt = f + bwd_f_floats(P);    // (tiles l >= s of the block, 64, kLdF): the run's dC B^T
   float* acs_s = wt + std::size_t(nt) * kTile * kLdF;
   float* dt_s = acs_s + kTile;
@@ -384,7 +388,7 @@ __global__ void __launch_bounds__(kThreads, 2) intra_bwd_kernel(const Args a) {
         __syncthreads();
         dx_tile<PT>(dys, xs, f);
         __syncthreads();
-        __nv_bfloat162 kp[16];
+        __nv_bfloat162 kp[16], kl[16];
         float rs = 0.f;
         {
           const float al = acs_l[lr];
@@ -421,6 +425,9 @@ __global__ void __launch_bounds__(kThreads, 2) intra_bwd_kernel(const Args a) {
             *reinterpret_cast<float4*>(wrow + s) = make_float4(wv[0], wv[1], wv[2], wv[3]);
             kp[2 * k] = __floats2bfloat162_rn(kv[0], kv[1]);
             kp[2 * k + 1] = __floats2bfloat162_rn(kv[2], kv[3]);
+            const float2 h0 = __bfloat1622float2(kp[2 * k]), h1 = __bfloat1622float2(kp[2 * k + 1]);
+            kl[2 * k] = __floats2bfloat162_rn(kv[0] - h0.x, kv[1] - h0.y);
+            kl[2 * k + 1] = __floats2bfloat162_rn(kv[2] - h1.x, kv[3] - h1.y);
           }
         }
         rs += __shfl_xor_sync(0xffffffffu, rs, 1);
@@ -432,17 +439,22 @@ __global__ void __launch_bounds__(kThreads, 2) intra_bwd_kernel(const Args a) {
           __nv_bfloat162* d = reinterpret_cast<__nv_bfloat162*>(ms + lr * kLdTile + s);
           d[0] = kp[2 * k];
           d[1] = kp[2 * k + 1];
+          __nv_bfloat162* e = reinterpret_cast<__nv_bfloat162*>(ml + lr * kLdTile + s);
+          e[0] = kl[2 * k];
+          e[1] = kl[2 * k + 1];
         }
         __syncthreads();
         // A (rows s) += K^T dY: element (s, l) of K^T at l kLdTile + s
 #pragma unroll
         for (int k = 0; k < kTile; k += 16) {
-          wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::col_major> fa;
+          wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::col_major> fa, fl;
           wmma::load_matrix_sync(fa, ms + k * kLdTile + warp * 16, kLdTile);
+          wmma::load_matrix_sync(fl, ml + k * kLdTile + warp * 16, kLdTile);
 #pragma unroll
           for (int i = 0; i < PT; ++i) {
             wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::row_major> fb;
             wmma::load_matrix_sync(fb, dys + k * ldx + i * 16, ldx);
+            wmma::mma_sync(acc[i], fl, fb, acc[i]);
             wmma::mma_sync(acc[i], fa, fb, acc[i]);
           }
         }
