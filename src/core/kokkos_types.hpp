@@ -60,6 +60,15 @@ using Scratch1 = Kokkos::View<T*, ScratchMem, Kokkos::MemoryTraits<Kokkos::Unman
 template <class T>
 using Scratch2 = Kokkos::View<T**, Layout, ScratchMem, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
 
+// Loop unrolling hints that every compiler of the project understands (nvcc's `unroll`, GCC's `GCC unroll`).
+#if defined(__CUDACC__)
+#define MM_UNROLL _Pragma("unroll")
+#define MM_UNROLL4 _Pragma("unroll 4")
+#else
+#define MM_UNROLL _Pragma("GCC unroll 16")
+#define MM_UNROLL4 _Pragma("GCC unroll 4")
+#endif
+
 // ------------------------------------------------------------------ labelled dispatch
 using Range = Kokkos::RangePolicy<Exec, Kokkos::IndexType<index_t>>;
 

@@ -38,6 +38,9 @@ void check_prefix(const Conv1dIn<T>& in, index_t W, const char* where) {
 // row index is divided once per run. A flat (row, channel) range re-reading W taps per output ran the forward at
 // about a quarter of the H200's bandwidth (0.58 ms per call in the LM step), row kernels slower still.
 constexpr index_t kConvRun = 64;
+// Inputs a work item loads ahead of their use (one load per dependent step left too few bytes in flight to fill the
+// H200's memory pipe: the forward ran at ~1.7 TB/s).
+constexpr int kConvAhead = 4;
 
 namespace {
 // f(row, c, pre) for every output of rows [t0, t1) of batch row b: pre = bias + the causal taps of t's record.
@@ -65,17 +68,30 @@ KOKKOS_INLINE_FUNCTION void conv_run(const View2<const T>& x, index_t col, const
     }
   }
   const P bc = bias(c);
-  for (index_t t = t0; t < t1; ++t) {
-    for (int j = 0; j < K - 1; ++j) {
-      xs[j] = xs[j + 1];
-      rs[j] = rs[j + 1];
+  for (index_t tg = t0; tg < t1; tg += kConvAhead) {
+    // the next kConvAhead inputs loaded together (independent loads in flight), then used in order
+    P xn[kConvAhead];
+    int rn[kConvAhead];
+MM_UNROLL
+    for (int u = 0; u < kConvAhead; ++u) {
+      const bool in = tg + u < t1;
+      xn[u] = in ? P(x(b * L + tg + u, col + c)) : P(0);
+      rn[u] = in && recs ? seq(b, tg + u) : 0;
     }
-    xs[K - 1] = P(x(b * L + t, col + c));
-    rs[K - 1] = recs ? seq(b, t) : 0;
-    P acc = bc;
-    for (int j = 0; j < K; ++j)
-      if (j >= K - W && rs[j] == rs[K - 1]) acc += wr[j] * xs[j];
-    f(b * L + t, acc);
+MM_UNROLL
+    for (int u = 0; u < kConvAhead; ++u) {
+      if (tg + u >= t1) break;
+      for (int j = 0; j < K - 1; ++j) {
+        xs[j] = xs[j + 1];
+        rs[j] = rs[j + 1];
+      }
+      xs[K - 1] = xn[u];
+      rs[K - 1] = rn[u];
+      P acc = bc;
+      for (int j = 0; j < K; ++j)
+        if (j >= K - W && rs[j] == rs[K - 1]) acc += wr[j] * xs[j];
+      f(b * L + tg + u, acc);
+    }
   }
 }
 
@@ -95,17 +111,30 @@ KOKKOS_INLINE_FUNCTION void conv_run_bwd(const View2<P>& d, const View2<const P>
     ds[j] = t < L ? d(b * L + t, c) : P(0);
     rs[j] = t < L && recs ? seq(b, t) : 0;
   }
-  for (index_t s = s1 - 1; s >= s0; --s) {
-    for (int j = K - 1; j > 0; --j) {
-      ds[j] = ds[j - 1];
-      rs[j] = rs[j - 1];
+  for (index_t sg = s1 - 1; sg >= s0; sg -= kConvAhead) {
+    P dn[kConvAhead];
+    int rn[kConvAhead];
+MM_UNROLL
+    for (int u = 0; u < kConvAhead; ++u) {
+      const bool in = sg - u >= s0;
+      dn[u] = in ? d(b * L + sg - u, c) : P(0);
+      rn[u] = in && recs ? seq(b, sg - u) : 0;
     }
-    ds[0] = d(b * L + s, c);
-    rs[0] = recs ? seq(b, s) : 0;
-    P acc = 0;
-    for (int j = 0; j < K; ++j)
-      if (j < W && s + j < L && rs[j] == rs[0]) acc += wr[j] * ds[j];
-    out(b * L + s, acc);
+MM_UNROLL
+    for (int u = 0; u < kConvAhead; ++u) {
+      const index_t s = sg - u;
+      if (s < s0) break;
+      for (int j = K - 1; j > 0; --j) {
+        ds[j] = ds[j - 1];
+        rs[j] = rs[j - 1];
+      }
+      ds[0] = dn[u];
+      rs[0] = rn[u];
+      P acc = 0;
+      for (int j = 0; j < K; ++j)
+        if (j < W && s + j < L && rs[j] == rs[0]) acc += wr[j] * ds[j];
+      out(b * L + s, acc);
+    }
   }
 }
 }  // namespace
@@ -194,6 +223,7 @@ void conv1d_silu_backward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w,
     P acc[kMaxConvWidth + 1] = {};
     const index_t i0 = blk * kReduceRowBlock, i1 = i0 + kReduceRowBlock < n ? i0 + kReduceRowBlock : n;
     index_t b = i0 / L, t = i0 - b * L;
+MM_UNROLL4
     for (index_t row = i0; row < i1; ++row) {
       const P g = dpre(row, c);
       for (index_t k = 0; k < kMaxConvWidth; ++k)  // a fixed trip count keeps acc in registers

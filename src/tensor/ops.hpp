@@ -72,7 +72,7 @@ void column_reduce(const char* label, index_t n, index_t m, const F& f, const Vi
     // which the compiler cannot keep in a register (it may alias what f reads); same order of additions
     R acc[kReduceColBlock];
     for (index_t j = 0; j < kReduceColBlock; ++j) acc[j] = R(0);
-#pragma unroll 4
+MM_UNROLL4
     for (index_t i = i0; i < i1; ++i)
       for (index_t j = j0; j < j1; ++j) acc[j - j0] += f(i, j);
     for (index_t j = j0; j < j1; ++j) partial(b, j) = acc[j - j0];
