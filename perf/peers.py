@@ -11,7 +11,7 @@ training steps (lm, tfm): median of per-step CUDA-event times after warm-up step
 
   lm:  mamba_ssm MambaLMHeadModel, the issue-3 LM (24 Mamba-2 layers, d_model 768, d_state 128, headdim 64,
        expand 2, vocab 16, chunk 256), fp32 parameters under bf16 autocast, fused AdamW, one training step =
-       forward, cross-entropy, backward, optimizer step; batch 4 x 8192, 1 x 131072, 1 x 262144.
+       forward, cross-entropy, backward, optimizer step; batch 4 x 8192, 1 x 131072, 1 x 262144 (--lm-shapes).
   tfm: a PyTorch Transformer of about the same size (12 layers, d_model 768, 12 heads, MLP 4x GELU, RMSNorm,
        RoPE, causal F.scaled_dot_product_attention), same precision and optimizer, batch 4 x 8192.
 """
@@ -29,7 +29,10 @@ def main():
     ap.add_argument("--only", default="copy,gemm,ssd")
     ap.add_argument("--ssd-dtypes", default="bf16,fp32",
                     help="dtypes of the mamba_chunk_scan_combined timings (fp32 autotunes for minutes)")
+    ap.add_argument("--lm-shapes", default="4x8192,1x131072,1x262144",
+                    help="batch x length of the LM training steps timed (comma separated)")
     args = ap.parse_args()
+    lm_shapes = [tuple(int(v) for v in w.split("x")) for w in args.lm_shapes.split(",") if w]
     want = set(args.only.split(","))
     sys.path.insert(0, args.mamba_ssm)
     if args.causal_conv1d:
@@ -197,7 +200,7 @@ def main():
             record(label, "conv1d CUDA calls per step", sum(calls.values()), "(fwd+bwd)")
             # 24 layers: 24 forward calls, 24 more where the backward recomputes the conv, 24 backward calls.
             assert calls["causal_conv1d_fwd"] >= 24 and calls["causal_conv1d_bwd"] >= 24, calls
-        train_steps(label, model, [(4, 8192), (1, 131072), (1, 262144)], 16)
+        train_steps(label, model, lm_shapes, 16)
         del model, mixers
         torch.cuda.empty_cache()
 

@@ -44,6 +44,9 @@ constexpr double kNegligibleDecay = 1e-30;
 
 // GPU launch shape of the hierarchical kernels: 8 threads of 32 vector lanes (one warp each) per team.
 constexpr int kTeam = 8, kVector = 32;
+// The backward's token epilogue: 32 rows per team, 8 lanes per row (a headdim of 64 is 8 loads per lane in flight
+// and a 3-step reduction tree, where 32 lanes gave 2 loads and 5 steps).
+constexpr int kEpiRows = 32, kEpiLanes = 8;
 // On-chip team scratch is asked for only up to this size (the default per-block limit of CUDA, less a margin);
 // larger staging buffers (big headdim x d_state) go to global-memory scratch instead.
 constexpr std::size_t kFastScratchLimit = 46 * 1024;
@@ -737,13 +740,13 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
       chunk_gemm<T>(c, cmp, Trans::N, Trans::N, kQ, c.N, kQ, T(1), W2, Bg, T(1), tok(dX + c.c_col + grp * c.N, ldd));
     }
     // per token: finish dx, and the decay sums w_inter = e_in dy . (C S_in^T) and dd_state = es x . (B dH^T)
-    // (kTeam itself in the lambda: a local constant read through std::min's reference would be odr-used and
+    // (kEpiRows itself in the lambda: a local constant read through std::min's reference would be odr-used and
     // not captured, which reads host stack memory on the device)
-    const index_t nrt = (nr + kTeam - 1) / kTeam;
+    const index_t nrt = (nr + kEpiRows - 1) / kEpiRows;
     par_for_team_vec(
-        "ssd::bwd_token_epilogue", nh * nrt, kTeam, kVector, KOKKOS_LAMBDA(const Team& tm) {
-          const index_t hr = tm.league_rank(), hi = hr / nrt, h = blk0 + hi, r0 = (hr % nrt) * kTeam;
-          const index_t nrows = nr - r0 < index_t(kTeam) ? nr - r0 : index_t(kTeam);
+        "ssd::bwd_token_epilogue", nh * nrt, kEpiRows, kEpiLanes, KOKKOS_LAMBDA(const Team& tm) {
+          const index_t hr = tm.league_rank(), hi = hr / nrt, h = blk0 + hi, r0 = (hr % nrt) * kEpiRows;
+          const index_t nrows = nr - r0 < index_t(kEpiRows) ? nr - r0 : index_t(kEpiRows);
           Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, nrows), [&](index_t ri) {
             const index_t r = r0 + ri;
             const index_t b = r / c.L, t = r % c.L, last = c.chunk_end(t / c.Q) - 1;

@@ -72,7 +72,7 @@ struct One {
 
 // One block per (64 columns n of the state, head, (row, chunk)); PT = P / 16 fragments per warp.
 template <int PT, bool V4>
-__global__ void __launch_bounds__(kThreads, 4) chunk_state_kernel(const Args a) {
+__global__ void __launch_bounds__(kThreads, PT <= 4 ? 6 : 4) chunk_state_kernel(const Args a) {
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int P = PT * 16, ldx = P + kPad;
   bf* xs = reinterpret_cast<bf*>(smem);  // (kTile tokens, P): es Delta x, read as X^T (column-major A)
@@ -139,7 +139,7 @@ __host__ __device__ constexpr std::size_t scan_stage_bytes(int P) {
 
 // One block per (64 output tokens l, head, (row, chunk)); warp w owns rows 16 w .. 16 w + 15 of the tile.
 template <int PT, bool V4>
-__global__ void __launch_bounds__(kThreads, 4) chunk_scan_kernel(const Args a) {
+__global__ void __launch_bounds__(kThreads, PT <= 4 ? 6 : 4) chunk_scan_kernel(const Args a) {
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int P = PT * 16, ldx = P + kPad, ldy = P + 4;
   // stage A: cs (64 l, 64 n) e_in C, ss (P, 64 n) S_in; stage B: ms (64 l, 64 s) the masked decays, xs (64 s, P);
