@@ -160,12 +160,13 @@ LayerMem mem_mamba2(const Mamba2Config& c, const Dims& d, Recompute pol) {
     double scan_bwd = ctx + 2 * d.a * d.n * E + (hb + runs) * per_head + pointers + states + d.a * d.b * nc * H * 3 +
                       6 * d.a * hb * d.n + 2 * d.a * d.n * hb * P;
     if (shape.algo == SSDAlgo::fused && d.a == 4.0 && ssd_fused::fits(int(P), int(N), int(Q))) {
-      // the fused backward: no per-head Q x Q workspace or pointers; blocks of heads sized by B dH^T and C S_in^T,
-      // and each source tile's part of the incoming sums
-      const SSDGemmBlocks fb = ssd_gemm_blocks(index_t(H), index_t(G), 2 * d.a * d.n * P);
+      // the fused backward: no per-head Q x Q workspace, pointers, B dH^T or C S_in^T; blocks of heads sized by
+      // the six per-token sums and each source tile's part of the incoming sums
+      const double tiles = std::ceil(Q / 64);
+      const SSDGemmBlocks fb = ssd_gemm_blocks(index_t(H), index_t(G), (6 + tiles) * d.a * d.n);
       const double fh = double(fb.heads), fr = double(fb.runs);
       scan_bwd = ctx + 2 * d.a * d.n * E + fr * per_head + states + d.a * d.b * nc * H * 3 + 6 * d.a * fh * d.n +
-                 2 * d.a * d.n * fh * P + d.a * std::ceil(Q / 64) * fh * d.n;
+                 d.a * tiles * fh * d.n;
     }
     m.bwd_extra = grads + std::max(scan_bwd, conv_bwd);
     return m;

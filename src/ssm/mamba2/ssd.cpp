@@ -420,9 +420,9 @@ GemmCtx<T> make_gemm_ctx(const Ctx<T>& c, double budget, bool backward, PoolScop
   g.ldx = index_t(c.xbc.stride(0));
   g.HP = c.H * c.Pd;
   // heads per block: as many per-head Q x Q workspaces as the budget holds; the fused backward has none, and its
-  // per-head arrays are B dH^T and C S_in^T (n x P each)
+  // per-head arrays are the six per-token sums and the incoming sums' parts (n each)
   const double per_head = per_head_qq ? double(c.Bsz * c.nc) * double(c.Q * c.Q) * sizeof(T)
-                                      : 2.0 * double(c.Bsz * c.L) * double(c.Pd) * sizeof(T);
+                                      : double(6 + (c.Q + 63) / 64) * double(c.Bsz * c.L) * sizeof(T);
   const SSDGemmBlocks bl = ssd_gemm_blocks(c.H, c.G, per_head, budget);
   g.hb = bl.heads;
   g.runs = bl.runs;
@@ -617,8 +617,9 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
   // Per-token sums of a block of heads: 0 dd = sum_{l>=s} K DX, 1 out = Delta_s sum_{l>s} K DX,
   // 2 in = sum_{s<l} Delta_s K DX, 3 ddot = dy_l . x_l, 4 w_inter, 5 dd_state (K = E (C.B)).
   View3<T> v = ws.take<View3<T>>("ssd::token_sums", g.hb, nr, 6);
-  View2<T> t1 = ws.take<View2<T>>("ssd::bdh", nr, g.hb * c.Pd);  // B_s dH^T of each head of the block
-  View2<T> t2 = ws.take<View2<T>>("ssd::csin", nr, g.hb * c.Pd);  // C_l S_in^T of each head of the block
+  // B_s dH^T and C_l S_in^T of each head of the block (the fused backward keeps them on chip)
+  View2<T> t1 = fused ? View2<T>() : ws.take<View2<T>>("ssd::bdh", nr, g.hb * c.Pd);
+  View2<T> t2 = fused ? View2<T>() : ws.take<View2<T>>("ssd::csin", nr, g.hb * c.Pd);
   const auto w1 = g.w1, w2 = g.w2;
   const index_t ldt1 = g.hb * c.Pd, rl = g.run_len;
   for (index_t blk0 = 0; blk0 < c.H; blk0 += g.hb) {
@@ -729,11 +730,13 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
     for (index_t u = 0; u < nruns; ++u) {
       const index_t hi0 = u * rl, hn = std::min(rl, nh - hi0), h0 = blk0 + hi0, grp = h0 / c.hpg;
       const ChunkOp<const T*> Bg = tok(X + c.b_col + grp * c.N, g.ldx), Cg = tok(X + c.c_col + grp * c.N, g.ldx);
-      // B dH^T and C S_in^T of the run's heads (for the per-token decay sums)
-      chunk_gemm<T>(c, cmp, Trans::N, Trans::T, kQ, hn * c.Pd, c.N, T(1), Bg,
-                    blk<const T*>(dstates.data() + h0 * PN, c.N, c.H * PN), T(0), tok(t1.data() + hi0 * c.Pd, ldt1));
-      chunk_gemm<T>(c, cmp, Trans::N, Trans::T, kQ, hn * c.Pd, c.N, T(1), Cg,
-                    blk<const T*>(c.states.data() + h0 * PN, c.N, c.H * PN), T(0), tok(t2.data() + hi0 * c.Pd, ldt1));
+      if (!fused) {
+        // B dH^T and C S_in^T of the run's heads (for the per-token decay sums)
+        chunk_gemm<T>(c, cmp, Trans::N, Trans::T, kQ, hn * c.Pd, c.N, T(1), Bg,
+                      blk<const T*>(dstates.data() + h0 * PN, c.N, c.H * PN), T(0), tok(t1.data() + hi0 * c.Pd, ldt1));
+        chunk_gemm<T>(c, cmp, Trans::N, Trans::T, kQ, hn * c.Pd, c.N, T(1), Cg,
+                      blk<const T*>(c.states.data() + h0 * PN, c.N, c.H * PN), T(0), tok(t2.data() + hi0 * c.Pd, ldt1));
+      }
       // dB += (sum_h dCB)^T C, dC += (sum_h dCB) B
       const ChunkOp<const T*> W2 = blk<const T*>(w2.data() + u * nbc * QQ, c.Q, QQ);
       chunk_gemm<T>(c, cmp, Trans::T, Trans::N, kQ, c.N, kQ, T(1), W2, Cg, T(1), tok(dX + c.b_col + grp * c.N, ldd));
@@ -742,35 +745,50 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
     // per token: finish dx, and the decay sums w_inter = e_in dy . (C S_in^T) and dd_state = es x . (B dH^T)
     // (kEpiRows itself in the lambda: a local constant read through std::min's reference would be odr-used and
     // not captured, which reads host stack memory on the device)
-    const index_t nrt = (nr + kEpiRows - 1) / kEpiRows;
-    par_for_team_vec(
-        "ssd::bwd_token_epilogue", nh * nrt, kEpiRows, kEpiLanes, KOKKOS_LAMBDA(const Team& tm) {
-          const index_t hr = tm.league_rank(), hi = hr / nrt, h = blk0 + hi, r0 = (hr % nrt) * kEpiRows;
-          const index_t nrows = nr - r0 < index_t(kEpiRows) ? nr - r0 : index_t(kEpiRows);
-          Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, nrows), [&](index_t ri) {
-            const index_t r = r0 + ri;
-            const index_t b = r / c.L, t = r % c.L, last = c.chunk_end(t / c.Q) - 1;
-            T es = c.rec(b, t) == c.rec(b, last) ? exp_nonpos(c.acs(b, h, last) - c.acs(b, h, t)) : T(0);
-            es = es < T(kNegligibleDecay) ? T(0) : es;
-            const T dlt = c.delta(b, h, t), Dh = c.D(h);
-            T dds = 0, winter = 0;
-            Kokkos::parallel_reduce(
-                Kokkos::ThreadVectorRange(tm, c.Pd),
-                [&](index_t p, T& acc) {
-                  const T bdh = t1(r, hi * c.Pd + p);
-                  acc += c.xbc(r, c.x_col + h * c.Pd + p) * bdh;
-                  dxbc(r, c.x_col + h * c.Pd + p) += Dh * dy(r, h * c.Pd + p) + dlt * es * bdh;
-                },
-                dds);
-            Kokkos::parallel_reduce(
-                Kokkos::ThreadVectorRange(tm, c.Pd),
-                [&](index_t p, T& acc) { acc += dye(r, h * c.Pd + p) * t2(r, hi * c.Pd + p); }, winter);
-            Kokkos::single(Kokkos::PerThread(tm), [&]() {
-              v(hi, r, 4) = winter;
-              v(hi, r, 5) = es * dds;
+    if (fused) {
+      if constexpr (std::is_same_v<T, float>) {
+        ssd_fused::Args a = fused_args(c);
+        a.dy = dy.data();
+        a.ldy = ldy;
+        a.dx = dX;
+        a.ldd = ldd;
+        a.v = v.data();
+        a.dstates = dstates.data();
+        a.h0 = int(blk0);
+        a.nh = int(nh);
+        ssd_fused::state_epilogue(a);
+      }
+    } else {
+      const index_t nrt = (nr + kEpiRows - 1) / kEpiRows;
+      par_for_team_vec(
+          "ssd::bwd_token_epilogue", nh * nrt, kEpiRows, kEpiLanes, KOKKOS_LAMBDA(const Team& tm) {
+            const index_t hr = tm.league_rank(), hi = hr / nrt, h = blk0 + hi, r0 = (hr % nrt) * kEpiRows;
+            const index_t nrows = nr - r0 < index_t(kEpiRows) ? nr - r0 : index_t(kEpiRows);
+            Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, nrows), [&](index_t ri) {
+              const index_t r = r0 + ri;
+              const index_t b = r / c.L, t = r % c.L, last = c.chunk_end(t / c.Q) - 1;
+              T es = c.rec(b, t) == c.rec(b, last) ? exp_nonpos(c.acs(b, h, last) - c.acs(b, h, t)) : T(0);
+              es = es < T(kNegligibleDecay) ? T(0) : es;
+              const T dlt = c.delta(b, h, t), Dh = c.D(h);
+              T dds = 0, winter = 0;
+              Kokkos::parallel_reduce(
+                  Kokkos::ThreadVectorRange(tm, c.Pd),
+                  [&](index_t p, T& acc) {
+                    const T bdh = t1(r, hi * c.Pd + p);
+                    acc += c.xbc(r, c.x_col + h * c.Pd + p) * bdh;
+                    dxbc(r, c.x_col + h * c.Pd + p) += Dh * dy(r, h * c.Pd + p) + dlt * es * bdh;
+                  },
+                  dds);
+              Kokkos::parallel_reduce(
+                  Kokkos::ThreadVectorRange(tm, c.Pd),
+                  [&](index_t p, T& acc) { acc += dye(r, h * c.Pd + p) * t2(r, hi * c.Pd + p); }, winter);
+              Kokkos::single(Kokkos::PerThread(tm), [&]() {
+                v(hi, r, 4) = winter;
+                v(hi, r, 5) = es * dds;
+              });
             });
           });
-        });
+    }
     // dAcs per token, its reverse cumsum da, dDelta, d(raw dt) and the per-(b, c, h) partial sums: the per-token
     // terms in parallel into team scratch, then one serial pass for the reverse cumsum.
     par_for_team_vec(

@@ -345,7 +345,7 @@ __global__ void __launch_bounds__(kThreads, 2) intra_bwd_kernel(const Args a) {
   int* rec_s = reinterpret_cast<int*>(kss + kTile);
   int* rec_l = rec_s + kTile;
 
-  const int is = blockIdx.x, s0 = is * kTile, u = blockIdx.y, bc = blockIdx.z;
+  const int is = blockIdx.z, s0 = is * kTile, u = blockIdx.y, bc = blockIdx.x;  // tiles s outermost (see launch)
   const int b = bc / a.nc, ch = bc % a.nc, t0 = ch * a.Q, q = min(a.Q, a.L - t0);
   const int tid = threadIdx.x, warp = tid / 32;
   const int ns = s0 < q ? min(kTile, q - s0) : 0;
@@ -515,8 +515,172 @@ void launch_bwd(const Args& a) {
     allowed = bytes;
   }
   const int runs = (a.nh + a.run_len - 1) / a.run_len;
-  intra_bwd_kernel<PT, V4><<<dim3(a.Q / kTile, runs, a.batch * a.nc), kThreads, bytes, st>>>(a);
+  // the source tile outermost in the launch order: the blocks of tile 0, which walk every output tile, start
+  // first and the short ones fill in behind them
+  intra_bwd_kernel<PT, V4><<<dim3(a.batch * a.nc, runs, a.Q / kTile), kThreads, bytes, st>>>(a);
   check_launch("intra-chunk backward");
+}
+
+// ------------------------------------------------------------------ backward, the state terms per token
+
+// One block per (64 tokens l, head of the block, (row, chunk)): T1 = B_l dH^T and T2 = C_l S_in^T on tensor cores
+// in tf32 (fp32 staging: the arithmetic cuBLAS gave these products before, when they went through device memory as
+// two n x H P arrays), then per token
+//   dX_l += D dY_l + Delta_l es_l T1_l,   v4(l) = e_in(l) dY_l . T2_l,   v5(l) = es_l X_l . T1_l.
+constexpr int kLdS = kTile + 4;  // fp32 staging rows: 16-byte aligned, 4 banks apart
+
+__host__ __device__ constexpr std::size_t epi_stage_bytes(int P) {
+  const std::size_t stage = std::size_t(2 * kTile + 2 * P) * kLdS * 4, out = 2 * std::size_t(kTile) * (P + 4) * 4;
+  return stage > out ? stage : out;
+}
+__host__ __device__ constexpr std::size_t epi_smem(int P) { return epi_stage_bytes(P) + 3 * kTile * 4; }
+
+// dst (ROWS x COLS fp32, row stride ldd) <- src(r, c) for r < nr, c < nc, zero elsewhere (COLS, nc multiples of 4).
+template <int ROWS, int COLS, bool V4>
+__device__ __forceinline__ void stage_f32(float* dst, int ldd, const float* src, std::int64_t lds, int nr, int nc) {
+  constexpr int C4 = COLS / 4;
+  static_assert(ROWS * C4 % kThreads == 0, "whole steps of the block");
+#pragma unroll 4
+  for (int it = 0; it < ROWS * C4 / kThreads; ++it) {
+    const int i = threadIdx.x + it * kThreads, r = i / C4, c = (i % C4) * 4;
+    const float4 v = r < nr && c < nc ? load4<V4>(src + r * lds + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+    *reinterpret_cast<float4*>(dst + r * ldd + c) = v;
+  }
+}
+
+template <int PT, bool V4>
+__global__ void __launch_bounds__(kThreads, 2) state_epilogue_kernel(const Args a) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  constexpr int P = PT * 16, ldo = P + 4;
+  float* bs = reinterpret_cast<float*>(smem);  // (64 l, 64 n) of B
+  float* cs = bs + kTile * kLdS;               // (64 l, 64 n) of C
+  float* hs = cs + kTile * kLdS;               // (P, 64 n) of dH
+  float* ss = hs + P * kLdS;                   // (P, 64 n) of S_in
+  float* f1 = bs;                              // T1 (64 l, P), after the products
+  float* f2 = bs + kTile * ldo;                // T2
+  float* es_l = reinterpret_cast<float*>(smem + epi_stage_bytes(P));
+  float* ein_l = es_l + kTile;
+  float* dt_l = ein_l + kTile;
+
+  const int l0 = blockIdx.x * kTile, hi = blockIdx.y, h = a.h0 + hi, bc = blockIdx.z;
+  const int b = bc / a.nc, ch = bc % a.nc, t0 = ch * a.Q, q = min(a.Q, a.L - t0), g = h / (a.H / a.G);
+  if (l0 >= q) return;
+  const int tid = threadIdx.x, warp = tid / 32, nl = min(kTile, q - l0);
+  const std::int64_t row0 = std::int64_t(b) * a.L, nr = std::int64_t(a.batch) * a.L;
+  const float* acs = a.acs + (std::int64_t(b) * a.H + h) * a.L;
+  if (tid < kTile) {
+    float es = 0.f, ein = 0.f, d = 0.f;
+    if (tid < nl) {
+      const int t = t0 + l0 + tid, last = t0 + q - 1;
+      const int r = a.seq ? a.seq[row0 + t] : 0, r_last = a.seq ? a.seq[row0 + last] : 0;
+      const int r_in = a.seq ? a.seq[row0 + (ch == 0 ? 0 : t0 - 1)] : 0;
+      es = r == r_last ? decay(acs[last] - acs[t]) : 0.f;
+      ein = r == r_in ? decay(acs[t]) : 0.f;
+      es = es < a.cutoff ? 0.f : es;
+      ein = ein < a.cutoff ? 0.f : ein;
+      d = a.delta[(std::int64_t(b) * a.H + h) * a.L + t];
+    }
+    es_l[tid] = es;
+    ein_l[tid] = ein;
+    dt_l[tid] = d;
+  }
+
+  wmma::fragment<wmma::accumulator, 16, 16, 8, float> acc1[PT], acc2[PT];
+#pragma unroll
+  for (int i = 0; i < PT; ++i) {
+    wmma::fill_fragment(acc1[i], 0.f);
+    wmma::fill_fragment(acc2[i], 0.f);
+  }
+  const float* lrow = a.xbc + (row0 + t0 + l0) * a.ldx;
+  const std::int64_t PN = std::int64_t(P) * a.N;
+  const float* dH = a.dstates + (std::int64_t(bc) * a.H + h) * PN;
+  const float* S = a.states + (std::int64_t(bc) * a.H + h) * PN;
+  for (int n0 = 0; n0 < a.N; n0 += kTile) {
+    const int nw = min(kTile, a.N - n0);
+    stage_f32<kTile, kTile, V4>(bs, kLdS, lrow + a.b_col + g * a.N + n0, a.ldx, nl, nw);
+    stage_f32<kTile, kTile, V4>(cs, kLdS, lrow + a.c_col + g * a.N + n0, a.ldx, nl, nw);
+    stage_f32<P, kTile, true>(hs, kLdS, dH + n0, a.N, P, nw);  // N % 16 == 0: rows 16-byte aligned
+    stage_f32<P, kTile, true>(ss, kLdS, S + n0, a.N, P, nw);
+    __syncthreads();
+    for (int k = 0; k < nw; k += 8) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::row_major> fb, fc;
+      wmma::load_matrix_sync(fb, bs + warp * 16 * kLdS + k, kLdS);
+      wmma::load_matrix_sync(fc, cs + warp * 16 * kLdS + k, kLdS);
+#pragma unroll
+      for (int e = 0; e < fb.num_elements; ++e) {
+        fb.x[e] = wmma::__float_to_tf32(fb.x[e]);
+        fc.x[e] = wmma::__float_to_tf32(fc.x[e]);
+      }
+#pragma unroll
+      for (int i = 0; i < PT; ++i) {
+        // dH^T and S_in^T: element (n, p) at p kLdS + n
+        wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::col_major> fh, fs;
+        wmma::load_matrix_sync(fh, hs + i * 16 * kLdS + k, kLdS);
+        wmma::load_matrix_sync(fs, ss + i * 16 * kLdS + k, kLdS);
+#pragma unroll
+        for (int e = 0; e < fh.num_elements; ++e) {
+          fh.x[e] = wmma::__float_to_tf32(fh.x[e]);
+          fs.x[e] = wmma::__float_to_tf32(fs.x[e]);
+        }
+        wmma::mma_sync(acc1[i], fb, fh, acc1[i]);
+        wmma::mma_sync(acc2[i], fc, fs, acc2[i]);
+      }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < PT; ++i) {
+    wmma::store_matrix_sync(f1 + warp * 16 * ldo + i * 16, acc1[i], ldo, wmma::mem_row_major);
+    wmma::store_matrix_sync(f2 + warp * 16 * ldo + i * 16, acc2[i], ldo, wmma::mem_row_major);
+  }
+  __syncthreads();
+  // row lr, half hh of P
+  const int lr = tid >> 1, hh = tid & 1;
+  float dds = 0.f, win = 0.f;
+  if (lr < nl) {
+    const std::int64_t r = row0 + t0 + l0 + lr;
+    const float* xr = a.xbc + r * a.ldx + a.x_col + h * P;
+    const float* dyr = a.dy + r * a.ldy + h * P;
+    float* dxr = a.dx + r * a.ldd + a.x_col + h * P;
+    const float Dh = a.D[h], des = dt_l[lr] * es_l[lr];
+#pragma unroll 4
+    for (int k = 0; k < P / 2; k += 4) {
+      const int p = hh * (P / 2) + k;
+      const float4 x4 = load4<V4>(xr + p), dy4 = load4<V4>(dyr + p), dx4 = load4<V4>(dxr + p);
+      const float* t1 = f1 + lr * ldo + p;
+      const float* t2 = f2 + lr * ldo + p;
+      dds += x4.x * t1[0] + x4.y * t1[1] + x4.z * t1[2] + x4.w * t1[3];
+      win += dy4.x * t2[0] + dy4.y * t2[1] + dy4.z * t2[2] + dy4.w * t2[3];
+      const float4 o = make_float4(dx4.x + Dh * dy4.x + des * t1[0], dx4.y + Dh * dy4.y + des * t1[1],
+                                   dx4.z + Dh * dy4.z + des * t1[2], dx4.w + Dh * dy4.w + des * t1[3]);
+      if constexpr (V4)
+        *reinterpret_cast<float4*>(dxr + p) = o;
+      else
+        dxr[p] = o.x, dxr[p + 1] = o.y, dxr[p + 2] = o.z, dxr[p + 3] = o.w;
+    }
+  }
+  dds += __shfl_xor_sync(0xffffffffu, dds, 1);
+  win += __shfl_xor_sync(0xffffffffu, win, 1);
+  if (hh == 0 && lr < nl) {
+    float* vr = a.v + (std::int64_t(hi) * nr + row0 + t0 + l0 + lr) * 6;
+    vr[4] = ein_l[lr] * win;
+    vr[5] = es_l[lr] * dds;
+  }
+}
+
+template <int PT, bool V4>
+void launch_epilogue(const Args& a) {
+  const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
+  const std::size_t bytes = epi_smem(PT * 16);
+  static const bool attr = [&] {  // more than the default 48 KB of shared memory per block
+    const cudaError_t e =
+        cudaFuncSetAttribute(state_epilogue_kernel<PT, V4>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+    require(e == cudaSuccess, "ssd fused", "state epilogue: ", bytes, " bytes of shared memory: ", cudaGetErrorString(e));
+    return true;
+  }();
+  (void)attr;
+  state_epilogue_kernel<PT, V4><<<dim3(a.Q / kTile, a.nh, a.batch * a.nc), kThreads, bytes, st>>>(a);
+  check_launch("state epilogue");
 }
 
 std::size_t state_smem(int P) {
@@ -554,14 +718,26 @@ void launch(const Args& a, bool scan) {
     launch<PT, false>(a, scan);
 }
 
+// 16-byte accesses to dy and dx as well.
+bool aligned4_bwd(const Args& a) {
+  return aligned4(a) && reinterpret_cast<std::uintptr_t>(a.dy) % 16 == 0 &&
+         reinterpret_cast<std::uintptr_t>(a.dx) % 16 == 0 && a.ldd % 4 == 0;
+}
+
 template <int PT>
 void launch_bwd(const Args& a) {
-  const bool v4 = aligned4(a) && reinterpret_cast<std::uintptr_t>(a.dy) % 16 == 0 &&
-                  reinterpret_cast<std::uintptr_t>(a.dx) % 16 == 0 && a.ldd % 4 == 0;
-  if (v4)
+  if (aligned4_bwd(a))
     launch_bwd<PT, true>(a);
   else
     launch_bwd<PT, false>(a);
+}
+
+template <int PT>
+void launch_epilogue(const Args& a) {
+  if (aligned4_bwd(a))
+    launch_epilogue<PT, true>(a);
+  else
+    launch_epilogue<PT, false>(a);
 }
 
 // f(std::integral_constant<int, P / 16>) for a shape the kernels take: the fragments per warp are a template
@@ -603,12 +779,18 @@ void intra_backward(const Args& a) {
   with_tiles(a, [&](auto pt) { launch_bwd<decltype(pt)::value>(a); });
 }
 
+void state_epilogue(const Args& a) {
+  Kokkos::Profiling::ScopedRegion region("ssd::fused_state_epilogue");
+  with_tiles(a, [&](auto pt) { launch_epilogue<decltype(pt)::value>(a); });
+}
+
 #else  // host backends: never called (ssd.cpp asks `fits` first)
 
 bool fits(int, int, int) { return false; }
 void chunk_state(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
 void chunk_scan(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
 void intra_backward(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
+void state_epilogue(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
 
 #endif
 

@@ -31,6 +31,7 @@ struct Args {
   float* v = nullptr;   // (nh, batch L, 6) per-token sums of ssd.cpp's GEMM backward (entries 0, 1, 3 here)
   float* insum = nullptr;  // (Q / 64, nh, batch L): entry 2's part from each source tile j (for tokens in tiles >= j)
   float* w2 = nullptr;  // (runs, batch nchunks, Q, Q): dC B^T summed over each run's heads
+  const float* dstates = nullptr;  // (batch, nchunks, H, P, N): dL/d(state at each chunk's end) (state_epilogue)
   int h0 = 0, nh = 0, run_len = 1;
 };
 
@@ -56,5 +57,12 @@ void chunk_scan(const Args& a);
 // on tensor cores (bf16 operands, fp32 accumulation), without atomics, in one kernel that forms each DX tile once
 // (dX and the sums over l come from A = K^T dY: dX = Delta A + the diagonal, sum_{l > s} K DX = X_s . A_s).
 void intra_backward(const Args& a);
+
+// The per-token state terms of the backward for the block of heads in `a`, with states holding S_in (the state
+// entering each chunk) and dstates dH: T1 = B dH^T, T2 = C S_in^T per (chunk, head) on tensor cores (tf32), then
+//   dX += D dY + Delta es T1   (added at column x_col + h P of dx),
+//   v4(l) = e_in(l) dY_l . T2_l,   v5(l) = es(l) X_l . T1_l
+// (ssd.cpp's GEMM formulation writes T1 and T2 to device memory and reads them back in a Kokkos kernel).
+void state_epilogue(const Args& a);
 
 }  // namespace mm::ssd_fused
