@@ -92,13 +92,21 @@ LossSum MambaLM<T>::forward_backward(const Batch& full, double grad_scale, Recom
           "batch tokens/targets must have batch * seqlen = ", n, " entries");
   const bool train = grad_scale > 0;
   // h stays a View (the backbone keeps it as its input after an inference forward), and so do the logits
-  // (logits()); the step's other buffers are cached blocks (core/pool.hpp)
+  // (logits()): both are members reused while the shape holds (a fresh allocation per step frees the last one,
+  // and cudaFree waits for the whole device); the step's other buffers are cached blocks (core/pool.hpp)
   PoolScope ws;
-  View2<R> h = make_uninit<View2<R>>("lm::h", n, D);
+  if (index_t(h_.extent(0)) != n || index_t(h_.extent(1)) != D) {
+    h_ = View2<R>();
+    h_ = make_uninit<View2<R>>("lm::h", n, D);
+  }
+  View2<R> h = h_;
   embedding_forward<R>(params_.v2(embedding_), b.tokens, h);
   View2<T> hf = ws.take<View2<T>>("lm::hf", n, D);
   backbone_->forward(h, b.batch, b.seqlen, b.seq_idx, train, policy, hf);
-  logits_ = make_uninit<View2<T>>("lm::logits", n, V);
+  if (index_t(logits_.extent(0)) != n || index_t(logits_.extent(1)) != V) {
+    logits_ = View2<T>();
+    logits_ = make_uninit<View2<T>>("lm::logits", n, V);
+  }
   linear_forward<T>(hf, params_.v2(lm_head_), View1<const P>(), logits_);
   View2<T> dlogits = train ? ws.take<View2<T>>("lm::dlogits", n, V) : View2<T>();
   LossSum loss = cross_entropy<T>(logits_, b.targets, grad_scale, dlogits, row_nats);

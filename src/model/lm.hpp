@@ -96,6 +96,7 @@ class MambaLM {
   std::size_t embedding_, lm_head_;
   std::unique_ptr<MambaBackbone<T>> backbone_;
   View2<T> logits_;
+  View2<R> h_;  // the embedding output of the last forward (the backbone's input), reused while its shape holds
 };
 
 }  // namespace mm

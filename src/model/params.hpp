@@ -106,7 +106,8 @@ class ParamStore {
   // Initialise every parameter from (seed, name).
   void initialize(std::uint64_t seed);
 
-  void zero_grads() { Kokkos::deep_copy(grads_, P(0)); }
+  // on the execution space's stream: no device-wide fence before and after, as the plain deep_copy has
+  void zero_grads() { Kokkos::deep_copy(Exec(), grads_, P(0)); }
 
   const std::vector<ParamEntry>& entries() const { return entries_; }
   const ParamEntry& entry(const std::string& name) const { return entries_[index(name)]; }
