@@ -36,7 +36,9 @@
 #include "core/rng.hpp"
 #include "model/lm.hpp"
 #include "parallel/grid.hpp"
+#include "ssm/mamba1/selective_scan.hpp"
 #include "ssm/mamba2/ssd.hpp"
+#include "ssm/mamba3/mixer.hpp"
 #include "tensor/gemm.hpp"
 #include "train/optimizer.hpp"
 
@@ -261,9 +263,9 @@ double g_copy_tbs = 0, g_gemm_tflops = 0;
 void record_rates(const std::string& name, double bytes, double flops, double t) {
   const double bw = bytes / t / 1e12, rate = flops / t / 1e12;
   record(name, "bandwidth", bw, "TB/s");
-  record(name, "rate", rate, "TFLOP/s");
+  if (flops > 0) record(name, "rate", rate, "TFLOP/s");
   if (g_copy_tbs > 0) record(name, "of measured copy bandwidth", 100.0 * bw / g_copy_tbs, "%");
-  if (g_gemm_tflops > 0) record(name, "of measured GEMM rate", 100.0 * rate / g_gemm_tflops, "%");
+  if (g_gemm_tflops > 0 && flops > 0) record(name, "of measured GEMM rate", 100.0 * rate / g_gemm_tflops, "%");
 }
 
 void bench_copy(int reps) {
@@ -406,6 +408,111 @@ void bench_ssd(int reps, const std::vector<SSDVariant>& variants) {
   }
 }
 
+// Mamba-1 selective scan (issue 4: at least 50 % of the measured copy bandwidth on its bytes), the shape of a
+// d_model 768 Mamba-1 layer: batch 4 x 8,192 tokens, d_inner 1,536, d_state 16, one group, with the z gate. Bytes:
+// the forward reads u, delta, z (E each) and B, C (N each) per token and writes the output (E); the backward also
+// reads dout and writes du, ddelta, dz, dB, dC (the checkpoints, N E per chunk, are not counted).
+void bench_mamba1(int reps, index_t batch, index_t seqlen) {
+  SelScanShape s;
+  s.batch = batch;
+  s.seqlen = seqlen;
+  s.dinner = 1536;
+  s.ngroups = 1;
+  s.dstate = 16;
+  s.chunk = 256;
+  using T = float;
+  const index_t BL = s.batch * s.seqlen, E = s.dinner, N = s.dstate;
+  View2<T> u("u", BL, E), delta("delta", BL, E), z("z", BL, E), bc("bc", BL, 2 * N), out("out", BL, E),
+      dout("dout", BL, E), du("du", BL, E), ddelta("ddelta", BL, E), dz("dz", BL, E), dbc("dbc", BL, 2 * N);
+  View2<float> A("A", E, N), dA("dA", E, N);
+  View1<float> D("D", E), dbias("delta_bias", E), dD("dD", E), ddbias("ddelta_bias", E);
+  fill(u, 21);
+  fill(delta, 22, -4, -1);
+  fill(z, 23);
+  fill(bc, 24);
+  fill(A, 25, -2, -0.1);
+  fill(D, 26);
+  fill(dbias, 27, -1, 0);
+  fill(dout, 28);
+  SelScanIn<T> in;
+  in.u = u;
+  in.delta = delta;
+  in.bc = bc;
+  in.b_col = 0;
+  in.c_col = N;
+  in.z = z;
+  in.A = A;
+  in.D = D;
+  in.delta_bias = dbias;
+  SelScanGrad<T> g;
+  g.du = du;
+  g.ddelta = ddelta;
+  g.dbc = dbc;
+  g.dz = dz;
+  g.dA = dA;
+  g.dD = dD;
+  g.ddelta_bias = ddbias;
+  const View3<float> ck = selective_scan_alloc_checkpoints<T>(s);
+  const double L = double(BL), fwd_bytes = 4.0 * L * (4.0 * E + 2.0 * N);
+  const double bwd_bytes = fwd_bytes + 4.0 * L * (4.0 * E + 2.0 * N);
+  const std::string shape = std::to_string(batch) + "x" + std::to_string(seqlen);
+  const std::string nf = "mamba1 scan fwd " + shape + " E1536 N16", nb = "mamba1 scan fwd+bwd " + shape + " E1536 N16";
+  const double t_f = time_median(1, reps, [&] { selective_scan_forward<T>(s, in, out, View3<float>(), ck); });
+  record(nf, "time", t_f * 1e3, "ms");
+  record_rates(nf, fwd_bytes, 0, t_f);
+  const double t_fb = time_median(1, reps, [&] {
+    selective_scan_forward<T>(s, in, out, View3<float>(), ck);
+    selective_scan_backward<T>(s, in, dout, View3<const float>(), ck, g);
+  });
+  record(nb, "time", t_fb * 1e3, "ms");
+  record_rates(nb, bwd_bytes, 0, t_fb);
+  if (g_profile) {
+    kprof::report(nf, [&] { selective_scan_forward<T>(s, in, out, View3<float>(), ck); });
+    kprof::report("mamba1 scan bwd", [&] { selective_scan_backward<T>(s, in, dout, View3<const float>(), ck, g); });
+  }
+}
+
+// Mamba-3 SISO block (issue 4): d_model 768, d_state 128, headdim 64, expand 2, chunk 64, batch 8 x 8,192; the
+// mixer's forward (in_proj, scan, gate, out_proj) and backward, fp32 activations, the layer GEMMs in the arithmetic
+// of --lm-ssd's first variant's compute (tf32 by default).
+void bench_mamba3(int reps, GemmCompute compute, index_t batch, index_t seqlen) {
+  set_float_gemm_compute(compute);
+  Mamba3Config cfg;
+  cfg.d_model = 768;
+  cfg.d_state = 128;
+  cfg.headdim = 64;
+  cfg.expand = 2;
+  cfg.chunk_size = 64;
+  ParamStore<float> ps;
+  Mamba3Mixer<float> mixer(cfg, ps, "m3.", 1);
+  ps.allocate();
+  ps.initialize(3);
+  const index_t n = batch * seqlen, D = cfg.d_model;
+  View2<float> u("u", n, D), out("out", n, D), dout("dout", n, D), du("du", n, D);
+  fill(u, 31);
+  fill(dout, 32);
+  const std::string shape = std::to_string(batch) + "x" + std::to_string(seqlen);
+  const std::string name = "mamba3 siso block fwd+bwd " + shape + " d768 N128 P64 chunk64, " +
+                           std::string(gemm_compute_name(compute));
+  Mamba3Acts<float> acts;
+  const double t_f = time_median(1, reps, [&] { mixer.forward(u, batch, seqlen, out, acts, false); });
+  record("mamba3 siso block fwd " + shape + " d768 N128 P64 chunk64, " + std::string(gemm_compute_name(compute)),
+         "time", t_f * 1e3, "ms");
+  auto one = [&] {
+    ps.zero_grads();
+    mixer.forward(u, batch, seqlen, out, acts, true);
+    mixer.backward(acts, batch, seqlen, dout, du);
+  };
+  double t = 0;
+  {
+    MemSampler mem;
+    t = time_median(1, reps, one);
+    record(name, "peak device memory", mem.peak_gib(), "GiB");
+  }
+  record(name, "time", t * 1e3, "ms");
+  if (g_profile) kprof::report(name, one);
+}
+
 // Training step of the issue-3 LM: 24 layers, d_model 768, d_state 128, headdim 64, expand 2, vocab 16, AdamW.
 // With cp > 1 (run under mpiexec with cp ranks, one GPU each): every sequence is split over the cp ranks, the
 // parameter gradients are all-reduced over them as the trainer does; the rows report per-rank memory, the whole
@@ -517,6 +624,7 @@ int run(int argc, char** argv, int cp_size, int rank) {
   std::string out = ".", only = "copy,gemm,ssd,lm";
   int reps = 10;
   index_t lm_batch = 4, lm_seqlen = 8192, lm_window = 0;
+  index_t m1_batch = 4, m3_batch = 8, m_seqlen = 8192;  // the Mamba-1 scan and Mamba-3 block shapes (issue 4)
   parallel::Backend backend = parallel::Backend::mpi;
   std::string ssd_list = "gemm-fp32,gemm-tf32,fused-tf32,gemm-bf16,portable", lm_ssd = "gemm-tf32,fused-tf32",
               lm_recompute = "mixer";
@@ -535,6 +643,8 @@ int run(int argc, char** argv, int cp_size, int rank) {
     else if (a == "--lm-batch") lm_batch = std::stoll(next());
     else if (a == "--lm-seqlen") lm_seqlen = std::stoll(next());
     else if (a == "--lm-window") lm_window = std::stoll(next());
+    else if (a == "--mamba-seqlen") m_seqlen = std::stoll(next());
+    else if (a == "--mamba-batch") m1_batch = m3_batch = std::stoll(next());
     else if (a == "--cp") next();
     else if (a == "--ssd") ssd_list = next();
     else if (a == "--profile") g_profile = true;
@@ -550,7 +660,7 @@ int run(int argc, char** argv, int cp_size, int rank) {
     }
     else {
       std::cerr << "mambamoe_bench: unknown option " << a
-                << " (known: --out DIR, --only copy,gemm,ssd,lm, --reps N, --lm-batch B, --lm-seqlen L, --lm-window W, --cp N, --backend mpi|nccl, --ssd V1,V2,.., --lm-ssd V1,.., --lm-recompute mixer,none; V: portable, gemm-C, fused-C with C = fp32, tf32, bf16)\n";
+                << " (known: --out DIR, --only copy,gemm,ssd,mamba1,mamba3,lm, --reps N, --lm-batch B, --lm-seqlen L, --lm-window W, --mamba-batch B, --mamba-seqlen L, --cp N, --backend mpi|nccl, --ssd V1,V2,.., --lm-ssd V1,.., --lm-recompute mixer,none; V: portable, gemm-C, fused-C with C = fp32, tf32, bf16)\n";
       return 2;
     }
   }
@@ -571,6 +681,9 @@ int run(int argc, char** argv, int cp_size, int rank) {
       return v;
     };
     if (want.count("ssd")) bench_ssd(reps, variants(ssd_list));
+    // (at most 5 repetitions: the portable Mamba-1 and Mamba-3 kernels take up to seconds per call)
+    if (want.count("mamba1")) bench_mamba1(std::min(reps, 5), m1_batch, m_seqlen);
+    if (want.count("mamba3")) bench_mamba3(std::min(reps, 5), variants(lm_ssd).front().compute, m3_batch, m_seqlen);
     if (want.count("lm")) {
       std::vector<Recompute> policies;
       std::stringstream ss(lm_recompute);

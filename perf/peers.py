@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Times the peers on the shapes of mambamoe_bench, in the same run on the same GPU.
 
-  peers.py --mamba-ssm DIR [--causal-conv1d DIR] --out DIR [--only copy,gemm,ssd,lm,tfm]
+  peers.py --mamba-ssm DIR [--causal-conv1d DIR] --out DIR [--only copy,gemm,ssd,mamba3,lm,tfm]
 
 DIR for --mamba-ssm is a folder holding the mamba_ssm package (github:state-spaces/mamba), e.g. .peers, not
 .peers/mamba_ssm; --causal-conv1d is a folder holding both the built extension causal_conv1d_cuda*.so and the
@@ -12,6 +12,8 @@ training steps (lm, tfm): median of per-step CUDA-event times after warm-up step
   lm:  mamba_ssm MambaLMHeadModel, the issue-3 LM (24 Mamba-2 layers, d_model 768, d_state 128, headdim 64,
        expand 2, vocab 16, chunk 256), fp32 parameters under bf16 autocast, fused AdamW, one training step =
        forward, cross-entropy, backward, optimizer step; batch 4 x 8192, 1 x 131072, 1 x 262144 (--lm-shapes).
+  mamba3: mamba_ssm's Mamba3 module, SISO (Triton mamba3_siso_combined), d_model 768, d_state 128, headdim 64,
+       expand 2, chunk 64, forward and forward + backward at batch 8 x 8192 (issue 4).
   tfm: a PyTorch Transformer of about the same size (12 layers, d_model 768, 12 heads, MLP 4x GELU, RMSNorm,
        RoPE, causal F.scaled_dot_product_attention), same precision and optimizer, batch 4 x 8192.
 """
@@ -98,6 +100,35 @@ def main():
                 record(name, "fwd time", bench(fwd) * 1e3, "ms")
             record(name, "fwd+bwd time", bench(fwd_bwd) * 1e3, "ms")
             del x, dt, Bm, Cm, dy
+
+    if "mamba3" in want:
+        # issue 4's peer: mamba_ssm's Mamba-3 SISO block (Triton mamba3_siso_combined), d_model 768, d_state 128,
+        # headdim 64, expand 2, chunk 64, batch 8 x 8192; fp32 parameters under bf16 autocast (as the LM), and the
+        # block in bf16 parameters too
+        from mamba_ssm.modules.mamba3 import Mamba3
+
+        torch.manual_seed(0)
+        for pdtype, label in ((torch.float32, "fp32 params, bf16 autocast"), (torch.bfloat16, "bf16 params")):
+            blk = Mamba3(d_model=768, d_state=128, headdim=64, expand=2, chunk_size=64, is_mimo=False,
+                         device=dev, dtype=pdtype)
+            u = torch.randn(8, 8192, 768, device=dev, dtype=pdtype, requires_grad=True)
+            g = torch.randn_like(u)
+
+            def fwd():
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=pdtype == torch.float32):
+                    return blk(u)
+
+            def fwd_bwd():
+                out = fwd()
+                out.backward(g)
+
+            name = f"mamba_ssm Mamba3 SISO block 8x8192 ({label})"
+            record(name, "fwd time", bench(fwd) * 1e3, "ms")
+            torch.cuda.reset_peak_memory_stats()
+            record(name, "fwd+bwd time", bench(fwd_bwd) * 1e3, "ms")
+            record(name, "peak memory allocated", torch.cuda.max_memory_allocated() / 2**30, "GiB")
+            del blk, u, g
+            torch.cuda.empty_cache()
 
     if "lm" in want or "tfm" in want:
         import torch.nn.functional as F
