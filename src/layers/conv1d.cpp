@@ -43,7 +43,8 @@ constexpr index_t kConvRun = 64;
 constexpr int kConvAhead = 4;
 
 namespace {
-// f(row, c, pre) for every output of rows [t0, t1) of batch row b: pre = bias + the causal taps of t's record.
+// f(row, pre, xs, rs) for every output of rows [t0, t1) of batch row b: pre = bias + the causal taps of t's record;
+// xs and rs are the K-slot window (slot K - 1 is t, tap k of W in slot K - W + k) and its record ids.
 template <int K, class T, class P, class F>
 KOKKOS_INLINE_FUNCTION void conv_run(const View2<const T>& x, index_t col, const View3<const T>& prefix, index_t L,
                                      const View2<const P>& w, const View1<const P>& bias, const SeqIdxView& seq,
@@ -90,7 +91,7 @@ MM_UNROLL
       P acc = bc;
       for (int j = 0; j < K; ++j)
         if (j >= K - W && rs[j] == rs[K - 1]) acc += wr[j] * xs[j];
-      f(b * L + tg + u, acc);
+      f(b * L + tg + u, acc, xs, rs);
     }
   }
 }
@@ -159,7 +160,36 @@ void conv_pre_runs(const char* label, const Conv1dIn<T>& in, const View2<const a
     index_t b, t0, t1;
     run_of(br, nr, L, b, t0, t1);
     conv_run<K, T, P>(x, col, prefix, L, w, bias, seq_idx, b, t0, t1, c,
-                      [&](index_t row, P pre) { out(row, c, pre); });
+                      [&](index_t row, P pre, const P*, const int*) { out(row, c, pre); });
+  });
+}
+
+// The backward's first pass over runs: dpre(row, c) = dy silu'(pre) (pre recomputed), and in the same pass each work
+// item's sums of dpre x(t - (W-1) + k) (dw) and of dpre (dbias) over its run, from the window it already holds, as
+// partials pw(run item, c W + k) and pb(run item, c) (a separate pass re-read dpre and W taps of x per row).
+template <int K, class T>
+void conv_dpre_dw_runs(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, const View1<const acc_t<T>>& bias,
+                       const SeqIdxView& seq_idx, const View2<const T>& dy, const View2<acc_t<T>>& dpre,
+                       const View2<acc_t<T>>& pw, const View2<acc_t<T>>& pb) {
+  using P = acc_t<T>;
+  const auto x = in.x;
+  const auto prefix = in.prefix;
+  const index_t col = in.col, L = in.seqlen, nr = (L + kConvRun - 1) / kConvRun, W = w.extent(1);
+  par_for("conv1d::backward_dpre", in.batch * nr, in.channels, KOKKOS_LAMBDA(index_t br, index_t c) {
+    index_t b, t0, t1;
+    run_of(br, nr, L, b, t0, t1);
+    P acc[K + 1] = {};
+    conv_run<K, T, P>(x, col, prefix, L, w, bias, seq_idx, b, t0, t1, c,
+                      [&](index_t row, P pre, const P* xs, const int* rs) {
+                        const P g = P(dy(row, c)) * dsilu(pre);
+                        dpre(row, c) = g;
+                        for (int j = 0; j < K; ++j)
+                          if (j >= K - W && rs[j] == rs[K - 1]) acc[j] += g * xs[j];
+                        acc[K] += g;
+                      });
+    for (int j = 0; j < K; ++j)
+      if (j >= K - W) pw(br, c * W + j - (K - W)) = acc[j];
+    pb(br, c) = acc[K];
   });
 }
 
@@ -202,41 +232,17 @@ void conv1d_silu_backward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w,
                           const View2<acc_t<T>>& dw, const View1<acc_t<T>>& dbias) {
   using P = acc_t<T>;
   check_prefix(in, w.extent(1), "conv1d_silu_backward");
-  const auto x = in.x;
-  const auto prefix = in.prefix;
-  const index_t col = in.col, L = in.seqlen, W = w.extent(1), C = in.channels, n = in.batch * L;
-  // dpre(t, c) = dy(t, c) * silu'(pre(t, c)), recomputing pre; then dx from dpre
+  const index_t L = in.seqlen, W = w.extent(1), C = in.channels, n = in.batch * L;
+  // dpre(t, c) = dy(t, c) * silu'(pre(t, c)), recomputing pre, with the runs' partial sums of dw and dbias; then dx
+  // from dpre, and the partials summed in order (as column_reduce does)
   PoolScope ws;  // dpre and the partial sums: cached device blocks, returned at the end
   View2<P> dpre = ws.take<View2<P>>("conv1d::dpre", n, C);
-  const auto dpre_out = KOKKOS_LAMBDA(index_t row, index_t c, P pre) { dpre(row, c) = P(dy(row, c)) * dsilu(pre); };
-  with_window(W, [&](auto k) {
-    conv_pre_runs<decltype(k)::value, T>("conv1d::backward_dpre", in, w, bias, seq_idx, dpre_out);
-    conv_dx_runs<decltype(k)::value, T>(in, w, seq_idx, dpre, dx, dx_col);
-  });
-  // dw(c, k) = sum_t dpre(t, c) x(t - (W-1) + k, c) and dbias(c) = sum_t dpre(t, c): one pass over blocks of
-  // kReduceRowBlock rows (a work item per (block, channel) keeps the W + 1 sums in registers, rows in order),
-  // then the block partials in order, as column_reduce does.
-  const index_t nb = (n + kReduceRowBlock - 1) / kReduceRowBlock;
+  const index_t nb = in.batch * ((L + kConvRun - 1) / kConvRun);
   View2<P> pw = ws.take<View2<P>>("conv1d::backward_dw::partial", nb, C * W);
   View2<P> pb = ws.take<View2<P>>("conv1d::backward_dbias::partial", nb, C);
-  par_for("conv1d::backward_dw", nb, C, KOKKOS_LAMBDA(index_t blk, index_t c) {
-    P acc[kMaxConvWidth + 1] = {};
-    const index_t i0 = blk * kReduceRowBlock, i1 = i0 + kReduceRowBlock < n ? i0 + kReduceRowBlock : n;
-    index_t b = i0 / L, t = i0 - b * L;
-MM_UNROLL4
-    for (index_t row = i0; row < i1; ++row) {
-      const P g = dpre(row, c);
-      for (index_t k = 0; k < kMaxConvWidth; ++k)  // a fixed trip count keeps acc in registers
-        if (k < W) acc[k] += g * conv_tap<T, P>(x, col, prefix, L, W, seq_idx, b, t, t - (W - 1) + k, c);
-      acc[kMaxConvWidth] += g;
-      if (++t == L) {
-        t = 0;
-        ++b;
-      }
-    }
-    for (index_t k = 0; k < kMaxConvWidth; ++k)
-      if (k < W) pw(blk, c * W + k) = acc[k];
-    pb(blk, c) = acc[kMaxConvWidth];
+  with_window(W, [&](auto k) {
+    conv_dpre_dw_runs<decltype(k)::value, T>(in, w, bias, seq_idx, dy, dpre, pw, pb);
+    conv_dx_runs<decltype(k)::value, T>(in, w, seq_idx, dpre, dx, dx_col);
   });
   reduce_partials<P>("conv1d::backward_dw", pw, nb, C * W, View1<P>(dw.data(), C * W), true);
   reduce_partials<P>("conv1d::backward_dbias", pb, nb, C, dbias, true);
