@@ -148,6 +148,7 @@ LayerMem mem_mamba2(const Mamba2Config& c, const Dims& d, Recompute pol) {
   const double conv_bwd = d.a * d.n * C;
   SSDShape shape;
   shape.algo = c.ssd_algo;
+  shape.compute = c.ssd_compute;
   if (ssd_resolved_algo(shape) != SSDAlgo::portable) {  // gemm, or fused (whose backward is gemm's)
     // ssd.cpp's GEMM formulation: xw (n, H P), Q x Q workspaces for hb heads at a time (ssd_gemm_blocks), and in
     // the backward e_in dY (n, H P), one summed dCB workspace per run of a block, the GEMMs' pointer arrays, dstates, the partial sums, six
@@ -159,7 +160,7 @@ LayerMem mem_mamba2(const Mamba2Config& c, const Dims& d, Recompute pol) {
     m.fwd_extra = ctx + d.a * d.n * E + hb * per_head + pointers;
     double scan_bwd = ctx + 2 * d.a * d.n * E + (hb + runs) * per_head + pointers + states + d.a * d.b * nc * H * 3 +
                       6 * d.a * hb * d.n + 2 * d.a * d.n * hb * P;
-    if (shape.algo == SSDAlgo::fused && d.a == 4.0 && ssd_fused::fits(int(P), int(N), int(Q))) {
+    if (ssd_resolved_algo(shape) == SSDAlgo::fused && d.a == 4.0 && ssd_fused::fits(int(P), int(N), int(Q))) {
       // the fused backward: no per-head Q x Q workspace, pointers, B dH^T or C S_in^T; blocks of heads sized by
       // the six per-token sums and each source tile's part of the incoming sums
       const double tiles = std::ceil(Q / 64);

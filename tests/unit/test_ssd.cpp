@@ -1,5 +1,6 @@
 // Mamba-2 SSD chunked scan against the token-by-token double recurrence, chunk-size independence, and
 // finite-difference gradients of every input.
+#include <string>
 #include <vector>
 
 #include "catch.hpp"
@@ -147,6 +148,18 @@ std::vector<std::vector<double>> backward_grads(const Data<T>& d) {
 }
 
 }  // namespace
+
+TEST_CASE("SSD algorithm `auto` resolves by backend and arithmetic", "[ssd]") {
+  SSDShape s;
+  const bool cuda = std::string(Exec::name()) == "Cuda";
+  for (GemmCompute cmp : {GemmCompute::fp32, GemmCompute::tf32, GemmCompute::bf16}) {
+    s.compute = cmp;
+    const SSDAlgo want = !cuda ? SSDAlgo::portable : cmp == GemmCompute::bf16 ? SSDAlgo::fused : SSDAlgo::gemm;
+    CHECK(ssd_resolved_algo(s) == want);
+  }
+  s.algo = SSDAlgo::gemm;  // an explicit choice is kept
+  CHECK(ssd_resolved_algo(s) == SSDAlgo::gemm);
+}
 
 TEST_CASE("SSD chunked forward equals the token-by-token recurrence (double)", "[ssd]") {
   for (SSDAlgo algo : kAlgos)

@@ -852,7 +852,10 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
 SSDAlgo ssd_resolved_algo(const SSDShape& s) {
   if (s.algo != SSDAlgo::automatic) return s.algo;
 #if defined(KOKKOS_ENABLE_CUDA)
-  return std::is_same_v<Exec, Kokkos::Cuda> ? SSDAlgo::gemm : SSDAlgo::portable;
+  // bf16 arithmetic asked for: the fused kernels (bf16 operands; they fall back to gemm where the shape does not
+  // suit them); fp32 or tf32: gemm, whose products keep that arithmetic
+  if (std::is_same_v<Exec, Kokkos::Cuda>) return s.compute == GemmCompute::bf16 ? SSDAlgo::fused : SSDAlgo::gemm;
+  return SSDAlgo::portable;
 #else
   return SSDAlgo::portable;
 #endif

@@ -32,7 +32,8 @@ namespace mm {
 //             (dX = M^T dY, the sums of K o dY X^T, dC B^T summed over heads) as native tensor-core kernels
 //             (ssd_fused.hpp: bf16 operands, fp32 accumulation, no per-head Q x Q workspace); the rest as gemm
 //             (its GEMMs under `compute`), and every other build or shape entirely as gemm;
-//   automatic: gemm on CUDA, portable on host backends.
+//   automatic: on CUDA fused when `compute` is bf16 (the arithmetic its products use), else gemm; portable on host
+//             backends.
 enum class SSDAlgo { automatic, portable, gemm, fused };
 
 struct SSDShape {
