@@ -72,7 +72,7 @@ struct One {
 
 // One block per (64 columns n of the state, head, (row, chunk)); PT = P / 16 fragments per warp.
 template <int PT, bool V4>
-__global__ void __launch_bounds__(kThreads, 3) chunk_state_kernel(const Args a) {
+__global__ void __launch_bounds__(kThreads, PT <= 4 ? 6 : 4) chunk_state_kernel(const Args a) {
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int P = PT * 16, ldx = P + kPad;
   bf* xs = reinterpret_cast<bf*>(smem);  // (kTile tokens, P): es Delta x, read as X^T (column-major A)
