@@ -304,6 +304,33 @@ TEST_CASE("selective scan backward matches finite differences for every input", 
   }
 }
 
+TEST_CASE("selective scan dB and dC summed over blocks of channels match finite differences", "[mamba1]") {
+  // 64 channels per group: the backward splits each group's channels into 2 blocks whose parts it adds in order
+  Case c;
+  c.L = 19;
+  c.E = 128;
+  c.G = 2;
+  c.N = 3;
+  c.Q = 8;
+  Data<double> d(c);
+  const index_t n = c.B * c.L;
+  View2<double> dout("dout", n, c.E);
+  View3<double> dfin("dfin", c.B, c.E, c.N);
+  fill_uniform(dout, 13);
+  fill_uniform(dfin, 14);
+  const auto dov = to_vec(dout), dfv = to_vec(dfin);
+  auto loss = [&]() {
+    View2<double> out("out", n, c.E);
+    View3<double> fin("fin", c.B, c.E, c.N);
+    selective_scan_forward<double>(d.shape, d.in(), out, fin);
+    return mmtest::dot(to_vec(out), dov) + mmtest::dot(to_vec(fin), dfv);
+  };
+  const Grads g = run_backward<double>(d, dout, dfin, true);
+  const double e_bc = fd_check(d.bc, g.dbc, loss, 60).rel();
+  CHECK(e_bc < 1e-7);
+  WARN("scan FD over channel blocks: dB/dC " << e_bc);
+}
+
 TEST_CASE("selective scan rejects shapes that do not fit, naming the values", "[mamba1]") {
   Case c;
   c.L = 10;

@@ -1,5 +1,7 @@
 #include "ssm/mamba1/selective_scan.hpp"
 
+#include <algorithm>
+
 #include "core/error.hpp"
 #include "core/pool.hpp"
 
@@ -362,18 +364,30 @@ void selective_scan_backward(const SelScanShape& s, const SelScanIn<T>& in, cons
       for (index_t n = 0; n < c.N; ++n) dinit(b, d, n) = dh(n, bd);
   });
 
-  // Pass 2, per (batch, chunk, group, state): dC_t = sum_d g_t,d h_t,d and dB_t = sum_d dh_t,d Delta_t,d u_t,d over
-  // the channels of the group, in channel order (h rebuilt forward from the checkpoint, dh backward from the carry).
+  // Pass 2, per (batch, chunk, group, state, block of the group's channels): the block's part of
+  // dC_t = sum_d g_t,d h_t,d and dB_t = sum_d dh_t,d Delta_t,d u_t,d in channel order (h rebuilt forward from the
+  // checkpoint, dh backward from the carry), then the blocks' parts summed in block order. (One work item per
+  // (batch, chunk, group, state) walking all the group's channels left a GPU with B nc G N threads.) The blocks are
+  // as many as a 256 MiB buffer of parts holds, up to one per 32 channels.
   const auto dbc = gr.dbc;
-  par_for("selective_scan::backward_bc", c.Bsz * c.nc, c.G * c.N, KOKKOS_LAMBDA(index_t bc_id, index_t gn) {
-    const index_t b = bc_id / c.nc, ch = bc_id % c.nc, g = gn / c.N, n = gn % c.N;
+  const index_t GN = c.G * c.N;
+  const double part_bytes = double(n_tok) * double(2 * GN) * sizeof(P);
+  const index_t max_blk = std::max<index_t>(1, c.cpg / 32);
+  index_t nblk = std::clamp<index_t>(index_t(double(256ull << 20) / part_bytes), 1, max_blk);
+  const index_t cblk = (c.cpg + nblk - 1) / nblk;
+  nblk = (c.cpg + cblk - 1) / cblk;
+  PoolScope ws;
+  View3<P> pbc = ws.take<View3<P>>("selective_scan::dbc_parts", nblk, n_tok, 2 * GN);
+  par_for("selective_scan::backward_bc", c.Bsz * c.nc * nblk, GN, KOKKOS_LAMBDA(index_t item, index_t gn) {
+    const index_t blk = item % nblk, bc_id = item / nblk, b = bc_id / c.nc, ch = bc_id % c.nc;
+    const index_t g = gn / c.N, n = gn % c.N;
     const index_t t0 = ch * Q, t1 = c.chunk_end(ch);
-    const index_t bcol = c.b_col + g * c.N + n, ccol = c.c_col + g * c.N + n;
+    const index_t d0 = g * c.cpg + blk * cblk, d1 = d0 + cblk < (g + 1) * c.cpg ? d0 + cblk : (g + 1) * c.cpg;
     for (index_t t = t0; t < t1; ++t) {
-      dbc(c.row(b, t), bcol) = T(0);
-      dbc(c.row(b, t), ccol) = T(0);
+      pbc(blk, c.row(b, t), gn) = P(0);
+      pbc(blk, c.row(b, t), GN + gn) = P(0);
     }
-    for (index_t d = g * c.cpg; d < (g + 1) * c.cpg; ++d) {
+    for (index_t d = d0; d < d1; ++d) {
       const index_t bd = b * c.E + d;
       const P An = c.A(d, n);
       P h = ckpt(ch, n, bd);
@@ -382,17 +396,27 @@ void selective_scan_backward(const SelScanShape& s, const SelScanIn<T>& in, cons
         const P dlt = dlt_buf(r, d);
         if (c.reset(b, t)) h = P(0);
         h = Kokkos::exp(dlt * An) * h + dlt * c.Bv(r, g, n) * c.uval(r, d);
-        dbc(r, ccol) = static_cast<T>(P(dbc(r, ccol)) + g_buf(r, d) * h);
+        pbc(blk, r, GN + gn) += g_buf(r, d) * h;
       }
       P dhn = dcarry(ch, n, bd);
       for (index_t t = t1 - 1; t >= t0; --t) {
         const index_t r = c.row(b, t);
         const P dlt = dlt_buf(r, d);
         dhn += c.Cv(r, g, n) * g_buf(r, d);
-        dbc(r, bcol) = static_cast<T>(P(dbc(r, bcol)) + dhn * dlt * c.uval(r, d));
+        pbc(blk, r, gn) += dhn * dlt * c.uval(r, d);
         dhn = c.reset(b, t) ? P(0) : Kokkos::exp(dlt * An) * dhn;
       }
     }
+  });
+  const index_t b_col = c.b_col, c_col = c.c_col;
+  par_for("selective_scan::backward_bc_sum", n_tok, GN, KOKKOS_LAMBDA(index_t r, index_t gn) {
+    P sb = 0, sc = 0;
+    for (index_t k = 0; k < nblk; ++k) {
+      sb += pbc(k, r, gn);
+      sc += pbc(k, r, GN + gn);
+    }
+    dbc(r, b_col + gn) = static_cast<T>(sb);
+    dbc(r, c_col + gn) = static_cast<T>(sc);
   });
 
   // Parameter gradients: the per-(batch, channel) partials summed over the batch in order.
