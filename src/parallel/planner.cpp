@@ -198,11 +198,17 @@ LayerMem mem_mamba1(const Mamba1Config& c, const Dims& d, Recompute pol) {
   const double ckpt = d.a * nc * N * d.b * E;
   m.full = d.n * d.t * (2 * E + E + R + 2 * N + E + E) + ckpt;
   m.keep = pol == Recompute::none ? m.full : 0.0;
-  m.fwd_extra = d.a * N * d.b * E;  // selective_scan::h
+  // selective_scan: the chunk-parallel forward's chunk-local end states and decay factors (d_state <= 64), or the
+  // running state of the per-channel one
+  m.fwd_extra = N <= 64 ? 2 * d.a * nc * N * d.b * E : d.a * N * d.b * E;
   // dy, dxz, dxc, ddelta, dbc, and A = -exp(A_log) and dA (E' x N); ddt_low comes after the scan's buffers are freed
   const double grads = d.n * d.t * (E + 2 * E + E + E + 2 * N) + 2 * d.a * E * N;
+  // pass 2's parts of dB and dC: as many channel blocks as 256 MiB holds, up to one per 32 channels (one group)
+  const double part = d.n * 2 * N * d.a;
+  const double nblk = std::clamp(std::floor(double(256ull << 20) / part), 1.0, std::max(1.0, std::floor(E / 32)));
   const double scan = d.a * (std::min(Q, d.L) * N * d.b * E + N * d.b * E + 2 * d.n * E + nc * N * d.b * E +
-                             d.b * E * N + 2 * d.b * E);
+                             d.b * E * N + 2 * d.b * E) +
+                      nblk * part;
   m.bwd_extra = grads + scan;
   return m;
 }
