@@ -509,6 +509,21 @@ inline ssd_fused::Args fused_args(const Ctx<float>& c) {
   return a;
 }
 
+// The arrays of a fused backward call for the block of nh heads from blk0: fused_args plus dY, dX and the
+// per-token sums.
+inline ssd_fused::Args fused_block_args(const Ctx<float>& c, const float* dy, index_t ldy, float* dx, index_t ldd,
+                                        float* v, index_t blk0, index_t nh) {
+  ssd_fused::Args a = fused_args(c);
+  a.dy = dy;
+  a.ldy = ldy;
+  a.dx = dx;
+  a.ldd = ldd;
+  a.v = v;
+  a.h0 = int(blk0);
+  a.nh = int(nh);
+  return a;
+}
+
 // SSDAlgo::fused, forward: the chunk-local states and the chunk scan in the tensor-core kernels of ssd_fused.cpp;
 // the cumsum, the state passing and C B^T (a cuBLAS batched GEMM under s.compute) as in the GEMM formulation.
 template <class T>
@@ -630,16 +645,9 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
       if constexpr (std::is_same_v<T, float>) {
         const index_t ntile = (c.Q + 63) / 64;  // the fused kernels' 64-token tiles
         const View3<T> insum = ws.take<View3<T>>("ssd::insum_parts", ntile, nh, nr);
-        ssd_fused::Args a = fused_args(c);
+        ssd_fused::Args a = fused_block_args(c, dy.data(), ldy, dX, ldd, v.data(), blk0, nh);
         a.insum = insum.data();
-        a.dy = dy.data();
-        a.ldy = ldy;
-        a.dx = dX;
-        a.ldd = ldd;
-        a.v = v.data();
         a.w2 = w2.data();
-        a.h0 = int(blk0);
-        a.nh = int(nh);
         a.run_len = int(rl);
         ssd_fused::intra_backward(a);
         // v2 = the source tiles' parts, in tile order
@@ -747,15 +755,8 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
     // not captured, which reads host stack memory on the device)
     if (fused) {
       if constexpr (std::is_same_v<T, float>) {
-        ssd_fused::Args a = fused_args(c);
-        a.dy = dy.data();
-        a.ldy = ldy;
-        a.dx = dX;
-        a.ldd = ldd;
-        a.v = v.data();
+        ssd_fused::Args a = fused_block_args(c, dy.data(), ldy, dX, ldd, v.data(), blk0, nh);
         a.dstates = dstates.data();
-        a.h0 = int(blk0);
-        a.nh = int(nh);
         ssd_fused::state_epilogue(a);
       }
     } else {
