@@ -164,7 +164,7 @@ LayerMem mem_mamba2(const Mamba2Config& c, const Dims& d, Recompute pol) {
       // the fused backward: no per-head Q x Q workspace, pointers, B dH^T or C S_in^T; blocks of heads sized by
       // the six per-token sums and each source tile's part of the incoming sums
       const double tiles = std::ceil(Q / 64);
-      const SSDGemmBlocks fb = ssd_gemm_blocks(index_t(H), index_t(G), (6 + tiles) * d.a * d.n);
+      const SSDGemmBlocks fb = ssd_gemm_blocks(index_t(H), index_t(G), ssd_fused_head_bytes(d.n, index_t(Q), d.a));
       const double fh = double(fb.heads), fr = double(fb.runs);
       scan_bwd = ctx + 2 * d.a * d.n * E + fr * per_head + states + d.a * d.b * nc * H * 3 + 6 * d.a * fh * d.n +
                  d.a * tiles * fh * d.n;

@@ -252,9 +252,9 @@ TEST_CASE("SSD fused tensor-core backward equals the fp32 GEMM formulation's wit
       c.compute = k == 0 ? GemmCompute::fp32 : GemmCompute::bf16;
       const index_t nc = (c.L + c.Q - 1) / c.Q;
       c.workspace = double(c.B * nc * c.Q * c.Q * sizeof(float)) * sh.workspace_heads;
-      // the fused backward sizes its blocks of heads by B dH^T and C S_in^T (2 n P floats per head)
+      // the fused backward sizes its blocks of heads by its own per-head arrays
       if (k == 1 && ssd_fused::fits(int(c.P), int(c.N), int(c.Q)))
-        c.workspace = 2.0 * double(c.B * c.L * c.P * sizeof(float)) * sh.workspace_heads;
+        c.workspace = ssd_fused_head_bytes(double(c.B * c.L), c.Q, sizeof(float)) * sh.workspace_heads;
       grads[k] = backward_grads(Data<float>(c));
     }
     for (std::size_t i = 0; i < grads[0].size(); ++i) {

@@ -422,7 +422,7 @@ GemmCtx<T> make_gemm_ctx(const Ctx<T>& c, double budget, bool backward, PoolScop
   // heads per block: as many per-head Q x Q workspaces as the budget holds; the fused backward has none, and its
   // per-head arrays are the six per-token sums and the incoming sums' parts (n each)
   const double per_head = per_head_qq ? double(c.Bsz * c.nc) * double(c.Q * c.Q) * sizeof(T)
-                                      : double(6 + (c.Q + 63) / 64) * double(c.Bsz * c.L) * sizeof(T);
+                                      : ssd_fused_head_bytes(double(c.Bsz * c.L), c.Q, sizeof(T));
   const SSDGemmBlocks bl = ssd_gemm_blocks(c.H, c.G, per_head, budget);
   g.hb = bl.heads;
   g.runs = bl.runs;

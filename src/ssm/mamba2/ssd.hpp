@@ -84,6 +84,11 @@ struct SSDGemmBlocks {
 };
 SSDGemmBlocks ssd_gemm_blocks(index_t nheads, index_t ngroups, double per_head_bytes,
                               double budget_bytes = double(256ull << 20));
+// The per-head bytes by which the fused backward sizes its blocks of heads: six per-token sums and one part of the
+// incoming sums per 64-token tile, for `tokens` tokens of `elem_bytes` each (it has no per-head Q x Q workspace).
+inline double ssd_fused_head_bytes(double tokens, index_t chunk, double elem_bytes) {
+  return double(6 + (chunk + 63) / 64) * tokens * elem_bytes;
+}
 
 // One token per batch row (decode): `s.seqlen` must be 1 and the inputs hold `batch` rows; state (batch, H, P, N)
 // is advanced in place (S = exp(Delta A) S + Delta x B^T) and y (batch, H * P) = S C + D x is written. seq_idx and
