@@ -34,6 +34,16 @@ void check_launch(const char* what) {
   require(e == cudaSuccess, "ssd fused", what, " failed to launch: ", cudaGetErrorString(e));
 }
 
+// Raises Kernel's dynamic shared-memory limit to `bytes` where that exceeds the default 48 KB, once per new size.
+template <auto Kernel>
+void allow_smem(std::size_t bytes, const char* what) {
+  static std::size_t allowed = 48 * 1024;
+  if (bytes <= allowed) return;
+  const cudaError_t e = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+  require(e == cudaSuccess, "ssd fused", what, ": ", bytes, " bytes of shared memory: ", cudaGetErrorString(e));
+  allowed = bytes;
+}
+
 // Four consecutive floats at p (16-byte aligned when V4, else four scalar loads).
 template <bool V4>
 __device__ __forceinline__ float4 load4(const float* p) {
@@ -506,14 +516,7 @@ template <int PT, bool V4>
 void launch_bwd(const Args& a) {
   const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
   const std::size_t bytes = bwd_smem(PT * 16, a.Q);
-  static std::size_t allowed = 48 * 1024;  // per instantiation: the opt-in above the default 48 KB
-  if (bytes > allowed) {
-    const cudaError_t e =
-        cudaFuncSetAttribute(intra_bwd_kernel<PT, V4>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-    require(e == cudaSuccess, "ssd fused", "intra-chunk backward: ", bytes, " bytes of shared memory: ",
-            cudaGetErrorString(e));
-    allowed = bytes;
-  }
+  allow_smem<intra_bwd_kernel<PT, V4>>(bytes, "intra-chunk backward");
   const int runs = (a.nh + a.run_len - 1) / a.run_len;
   // the source tile outermost in the launch order: the blocks of tile 0, which walk every output tile, start
   // first and the short ones fill in behind them
@@ -672,13 +675,7 @@ template <int PT, bool V4>
 void launch_epilogue(const Args& a) {
   const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
   const std::size_t bytes = epi_smem(PT * 16);
-  static const bool attr = [&] {  // more than the default 48 KB of shared memory per block
-    const cudaError_t e =
-        cudaFuncSetAttribute(state_epilogue_kernel<PT, V4>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-    require(e == cudaSuccess, "ssd fused", "state epilogue: ", bytes, " bytes of shared memory: ", cudaGetErrorString(e));
-    return true;
-  }();
-  (void)attr;
+  allow_smem<state_epilogue_kernel<PT, V4>>(bytes, "state epilogue");
   state_epilogue_kernel<PT, V4><<<dim3(a.Q / kTile, a.nh, a.batch * a.nc), kThreads, bytes, st>>>(a);
   check_launch("state epilogue");
 }
