@@ -1,5 +1,6 @@
 // Mamba-2 SSD chunked scan against the token-by-token double recurrence, chunk-size independence, and
 // finite-difference gradients of every input.
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -473,4 +474,79 @@ TEST_CASE("SSD GEMM formulation: forward and backward do not depend on the works
         CHECK(rel_err(out[1][i], out[0][i]) < 1e-12);
       }
     }
+}
+
+TEST_CASE("SSD with per-token decays and weights equals the dt form, forward and backward (chain rule)",
+          "[ssd][gradcheck]") {
+  // log_decay = Delta A and weight = Delta, both given per token, must reproduce the dt form exactly; their
+  // gradients, chained through Delta = softplus(dt + dt_bias) and A = -exp(A_log), must give its ddt, dA_log and
+  // ddt_bias (Mamba-3 runs its SISO scan in this form).
+  for (SSDAlgo algo : kAlgos) {
+    Case c;
+    c.L = 45;
+    c.algo = algo;
+    Data<double> d(c);
+    const index_t rows = c.B * c.L;
+    const auto dt = to_vec(d.dt), bias = to_vec(d.dt_bias), A_log = to_vec(d.A_log);
+    View3<double> la("log_decay", c.B, c.H, c.L), w("weight", c.B, c.H, c.L);
+    auto hla = Kokkos::create_mirror_view(la);
+    auto hw = Kokkos::create_mirror_view(w);
+    auto sp = [](double u) { return u > 20 ? u : std::log1p(std::exp(u)); };
+    for (index_t b = 0; b < c.B; ++b)
+      for (index_t h = 0; h < c.H; ++h)
+        for (index_t t = 0; t < c.L; ++t) {
+          const double delta = sp(dt[(b * c.L + t) * c.H + h] + bias[h]);
+          hw(b, h, t) = delta;
+          hla(b, h, t) = -std::exp(A_log[h]) * delta;
+        }
+    Kokkos::deep_copy(la, hla);
+    Kokkos::deep_copy(w, hw);
+    SSDIn<double> pin = d.in();
+    pin.log_decay = la;
+    pin.weight = w;
+    INFO("algo " << algo_name(algo));
+    View2<double> y("y", rows, c.H * c.P), yp("yp", rows, c.H * c.P);
+    View4<double> fin("fin", c.B, c.H, c.P, c.N), finp("finp", c.B, c.H, c.P, c.N);
+    ssd_forward<double>(d.shape, d.in(), y, fin);
+    ssd_forward<double>(d.shape, pin, yp, finp);
+    CHECK(rel_err(to_vec(yp), to_vec(y)) < 1e-12);
+    CHECK(rel_err(to_vec(finp), to_vec(fin)) < 1e-12);
+
+    View2<double> dy("dy", rows, c.H * c.P);
+    View4<double> dfin("dfin", c.B, c.H, c.P, c.N);
+    fill_uniform(dy, 21);
+    fill_uniform(dfin, 22);
+    SSDGrad<double> g = d.grads(true), gp = d.grads(true);
+    gp.dlog_decay = View3<double>("dla", c.B, c.H, c.L);
+    gp.dweight = View3<double>("dw", c.B, c.H, c.L);
+    ssd_backward<double>(d.shape, d.in(), dy, dfin, g);
+    ssd_backward<double>(d.shape, pin, dy, dfin, gp);
+    CHECK(rel_err(to_vec(gp.dxbc), to_vec(g.dxbc)) < 1e-12);
+    CHECK(rel_err(to_vec(gp.dD), to_vec(g.dD)) < 1e-12);
+    CHECK(rel_err(to_vec(gp.dinit_state), to_vec(g.dinit_state)) < 1e-12);
+    // the per-token form leaves the dt-form gradients alone
+    auto all_zero = [](const std::vector<double>& v) {
+      for (double x : v)
+        if (x != 0) return false;
+      return true;
+    };
+    CHECK(all_zero(to_vec(gp.ddt)));
+    CHECK(all_zero(to_vec(gp.dA_log)));
+    CHECK(all_zero(to_vec(gp.ddt_bias)));
+    const auto dla = to_vec(gp.dlog_decay), dw = to_vec(gp.dweight);
+    std::vector<double> ddt(rows * c.H), dA_log(c.H, 0.0), dbias(c.H, 0.0);
+    for (index_t b = 0; b < c.B; ++b)
+      for (index_t h = 0; h < c.H; ++h)
+        for (index_t t = 0; t < c.L; ++t) {
+          const index_t i = (b * c.H + h) * c.L + t;
+          const double u = dt[(b * c.L + t) * c.H + h] + bias[h], A = -std::exp(A_log[h]);
+          const double delta = sp(u), du = (dw[i] + dla[i] * A) / (1 + std::exp(-u));
+          ddt[(b * c.L + t) * c.H + h] = du;
+          dA_log[h] += dla[i] * delta * A;
+          dbias[h] += du;
+        }
+    CHECK(rel_err(ddt, to_vec(g.ddt)) < 1e-10);
+    CHECK(rel_err(dA_log, to_vec(g.dA_log)) < 1e-10);
+    CHECK(rel_err(dbias, to_vec(g.ddt_bias)) < 1e-10);
+  }
 }

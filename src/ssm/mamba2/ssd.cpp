@@ -64,6 +64,8 @@ struct Ctx {
   View3<P> delta, acs;  // (batch, H, L)
   View5<P> states;      // (batch, nchunks, H, P, N): chunk-local states, then the state entering each chunk
   View5<P> cb;          // (batch, nchunks, G, Q, Q): C_l . B_s for s <= l, shared by the heads of a group
+  View3<const P> pa, pw;  // SSDIn::log_decay and weight (per_token: delta holds the weight), or empty
+  bool pre = false;
 
   KOKKOS_INLINE_FUNCTION index_t row(index_t b, index_t t) const { return b * L + t; }
   KOKKOS_INLINE_FUNCTION int rec(index_t b, index_t t) const { return seq.extent(0) > 0 ? seq(b, t) : 0; }
@@ -80,6 +82,10 @@ struct Ctx {
     return P(xbc(row(b, t), c_col + g * N + n));
   }
   KOKKOS_INLINE_FUNCTION P A(index_t h) const { return -Kokkos::exp(A_log(h)); }
+  // the per-token exponent a_t of the decay (after dt_cumsum: delta holds Delta_t, or the given weight)
+  KOKKOS_INLINE_FUNCTION P a_tok(index_t b, index_t h, index_t t) const {
+    return pre ? pa(b, h, t) : delta(b, h, t) * A(h);
+  }
   // League index of the per-(batch, chunk, head) kernels -> (b, ch, h), head fastest.
   KOKKOS_INLINE_FUNCTION void decode(index_t id, index_t& b, index_t& ch, index_t& h) const {
     h = id % H;
@@ -98,8 +104,14 @@ template <class T>
 Ctx<T> make_ctx(const SSDShape& s, const SSDIn<T>& in, PoolScope& ws) {
   using P = acc_t<T>;
   s.validate("ssd");
-  require(index_t(in.xbc.extent(0)) == s.batch * s.seqlen && index_t(in.dt.extent(0)) == s.batch * s.seqlen,
+  const bool pre = in.per_token();
+  require(index_t(in.xbc.extent(0)) == s.batch * s.seqlen && (pre || index_t(in.dt.extent(0)) == s.batch * s.seqlen),
           "ssd", "inputs have ", in.xbc.extent(0), " rows, expected batch * seqlen = ", s.batch * s.seqlen);
+  auto per_token_shape = [&](const View3<const P>& v) {
+    return index_t(v.extent(0)) == s.batch && index_t(v.extent(1)) == s.nheads && index_t(v.extent(2)) == s.seqlen;
+  };
+  require(!pre || (per_token_shape(in.log_decay) && per_token_shape(in.weight)), "ssd",
+          "log_decay and weight must be (batch, nheads, seqlen) = (", s.batch, ", ", s.nheads, ", ", s.seqlen, ")");
   require(in.seq_idx.extent(0) == 0 ||
               (index_t(in.seq_idx.extent(0)) == s.batch && index_t(in.seq_idx.extent(1)) == s.seqlen),
           "ssd", "seq_idx must be (batch, seqlen)");
@@ -114,6 +126,9 @@ Ctx<T> make_ctx(const SSDShape& s, const SSDIn<T>& in, PoolScope& ws) {
   c.dt_bias = in.dt_bias;
   c.D = in.D;
   c.seq = in.seq_idx;
+  c.pa = in.log_decay;
+  c.pw = in.weight;
+  c.pre = pre;
   c.Bsz = s.batch;
   c.L = s.seqlen;
   c.H = s.nheads;
@@ -132,7 +147,8 @@ Ctx<T> make_ctx(const SSDShape& s, const SSDIn<T>& in, PoolScope& ws) {
   return c;
 }
 
-// Delta and the in-chunk inclusive cumsum of a = Delta * A.
+// Delta (or the given per-token weight) and the in-chunk inclusive cumsum of a = Delta * A (or the given per-token
+// exponent).
 template <class T>
 void dt_cumsum(const Ctx<T>& c) {
   using P = acc_t<T>;
@@ -146,17 +162,22 @@ void dt_cumsum(const Ctx<T>& c) {
         const index_t t0 = ch * c.Q, q = c.chunk_end(ch) - t0;
         Scratch1<P> d(tm.team_scratch(0), c.Q), a(tm.team_scratch(0), c.Q);
         Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, q), [&](index_t i) {
-          P v = softplus(P(c.dt(c.row(b, t0 + i), c.dt_col + h)) + c.dt_bias(h));
+          const index_t t = t0 + i;
+          if (c.pre) {
+            c.delta(b, h, t) = c.pw(b, h, t);
+            d(i) = c.pa(b, h, t);
+            return;
+          }
+          P v = softplus(P(c.dt(c.row(b, t), c.dt_col + h)) + c.dt_bias(h));
           v = v < c.dt_lo ? c.dt_lo : (v > c.dt_hi ? c.dt_hi : v);
-          d(i) = v;
-          c.delta(b, h, t0 + i) = v;
+          d(i) = v * c.A(h);
+          c.delta(b, h, t) = v;
         });
         tm.team_barrier();
         Kokkos::single(Kokkos::PerTeam(tm), [&]() {
-          const P A = c.A(h);
           P run = 0;
           for (index_t i = 0; i < q; ++i) {
-            run += d(i) * A;
+            run += d(i);
             a(i) = run;
           }
         });
@@ -290,8 +311,10 @@ void param_reduce(const Ctx<T>& c, const View4<acc_t<T>>& partial, const SSDGrad
         sb += partial(b, ch, h, 1);
         sd += partial(b, ch, h, 2);
       }
-    dA_log(h) += sa * c.A(h);  // dA/dA_log = A
-    ddt_bias(h) += sb;
+    if (!c.pre) {  // per-token decays and weights: their gradients were written per token
+      dA_log(h) += sa * c.A(h);  // dA/dA_log = A
+      ddt_bias(h) += sb;
+    }
     dD(h) += sd;
   });
 }
@@ -792,6 +815,8 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
     }
     // dAcs per token, its reverse cumsum da, dDelta, d(raw dt) and the per-(b, c, h) partial sums: the per-token
     // terms in parallel into team scratch, then one serial pass for the reverse cumsum.
+    const auto dla = gr.dlog_decay;
+    const auto dwt = gr.dweight;
     par_for_team_vec(
         "ssd::bwd_dacs", nh * nbc, kTeam, kVector,
         KOKKOS_LAMBDA(const Team& tm) {
@@ -818,6 +843,7 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
                 base(il) = v(hi, r, 0) + v(hi, r, 5);
                 dlt(il) = d;
                 ddot(il) = v(hi, r, 3);
+                if (c.pre) return;
                 const T u = c.dt(r, c.dt_col + h) + c.dt_bias(h);
                 const T sp = softplus(u);
                 dsp(il) = (sp >= c.dt_lo && sp <= c.dt_hi) ? dsoftplus(u) : T(0);
@@ -825,23 +851,33 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
               wstate_total);
           tm.team_barrier();
           Kokkos::single(Kokkos::PerTeam(tm), [&]() {
-            const T A = c.A(h);
+            const T A = c.pre ? T(0) : c.A(h);
             T run = 0, dA = 0, dbias = 0, dD = 0;
             for (index_t il = q - 1; il >= 0; --il) {
               run += dacs(il) + (il == q - 1 ? wstate_total + wdecay : T(0));
+              dD += ddot(il);
+              if (c.pre) {  // da_t itself; base keeps d weight_t
+                du(il) = run;
+                continue;
+              }
               const T g = (base(il) + run * A) * dsp(il);
               du(il) = g;
               dA += run * dlt(il);
               dbias += g;
-              dD += ddot(il);
             }
             partial(b, ch, h, 0) = dA;
             partial(b, ch, h, 1) = dbias;
             partial(b, ch, h, 2) = dD;
           });
           tm.team_barrier();
-          Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, q),
-                               [&](index_t il) { ddt(b * c.L + t0 + il, c.dt_col + h) = du(il); });
+          Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, q), [&](index_t il) {
+            if (c.pre) {
+              dla(b, h, t0 + il) = du(il);
+              dwt(b, h, t0 + il) = base(il);
+            } else {
+              ddt(b * c.L + t0 + il, c.dt_col + h) = du(il);
+            }
+          });
         },
         6 * Scratch1<T>::shmem_size(c.Q), 0, 0);
   }
@@ -899,11 +935,10 @@ void ssd_forward(const SSDShape& s, const SSDIn<T>& in, const View2<T>& y, const
         const index_t g = h / c.hpg, t0 = ch * c.Q, t1 = c.chunk_end(ch);
         const int r_in = c.rec_in(b, ch);
         const P Dh = c.D(h);
-        const P A = c.A(h);
         Scratch1<P> ea(tm.team_scratch(lvl), c.Q);         // exp(a_t) = exp(Delta_t A): one exponential per token
         Scratch1<P> S(tm.team_scratch(lvl), c.Pd * ldS);   // state entering the chunk, (P, N + 1)
         Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, t0, t1),
-                             [&](index_t t) { ea(t - t0) = exp_nonpos(c.delta(b, h, t) * A); });
+                             [&](index_t t) { ea(t - t0) = exp_nonpos(c.a_tok(b, h, t)); });
         Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, c.Pd * c.N), [&](index_t pn) {
           S((pn / c.N) * ldS + pn % c.N) = c.states(b, ch, h, pn / c.N, pn % c.N);
         });
@@ -949,6 +984,10 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
   const Ctx<T> c = make_ctx(s, in, ws);
   require(index_t(dy.extent(0)) == c.Bsz * c.L && index_t(dy.extent(1)) == c.H * c.Pd, "ssd_backward",
           "dy must be (batch * seqlen, nheads * headdim)");
+  require(!c.pre || (gr.dlog_decay.extent(0) == c.delta.extent(0) && gr.dlog_decay.extent(1) == c.delta.extent(1) &&
+                     gr.dlog_decay.extent(2) == c.delta.extent(2) && gr.dweight.extent(0) == c.delta.extent(0) &&
+                     gr.dweight.extent(1) == c.delta.extent(1) && gr.dweight.extent(2) == c.delta.extent(2)),
+          "ssd_backward", "with per-token decays and weights, dlog_decay and dweight must be (batch, nheads, seqlen)");
   if (ssd_resolved_algo(s) != SSDAlgo::portable) {  // fused: the backward is the GEMM formulation's
     ssd_backward_gemm<T>(c, s, in, dy, dfinal_state, gr, ws,
                          ssd_resolved_algo(s) == SSDAlgo::fused && fused_applies(c));
@@ -999,6 +1038,8 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
   View4<P> partial = ws.take<View4<P>>("ssd::partial", c.Bsz, c.nc, c.H, 3);
   const auto dxbc = gr.dxbc;
   const auto ddt = gr.ddt;
+  const auto dla = gr.dlog_decay;
+  const auto dwt = gr.dweight;
   const index_t Q = c.Q;
   // Large (global-memory) team scratch: K = E' (C.B), DX = dy_l . x_s, E' = [same record] exp(Acs_l - Acs_s)
   // (Q x Q each, s <= l). On chip: seven per-token vectors and dL/dH_c with rows padded to N + 1 (lanes over p read
@@ -1017,7 +1058,7 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
         c.decode(id, b, ch, h);
         const index_t g = h / c.hpg, t0 = ch * c.Q, t1 = c.chunk_end(ch), q = t1 - t0, last = t1 - 1;
         const int r_in = c.rec_in(b, ch), r_last = c.rec(b, last);
-        const P A = c.A(h), Dh = c.D(h), acs_last = c.acs(b, h, last);
+        const P A = c.pre ? P(0) : c.A(h), Dh = c.D(h), acs_last = c.acs(b, h, last);
         Scratch2<P> K(tm.team_scratch(1), Q, Q), DX(tm.team_scratch(1), Q, Q), E(tm.team_scratch(1), Q, Q);
         Scratch1<P> in_sum(tm.team_scratch(0), Q), out_sum(tm.team_scratch(0), Q), w_inter(tm.team_scratch(0), Q),
             w_state(tm.team_scratch(0), Q), ddelta(tm.team_scratch(0), Q), ddot(tm.team_scratch(0), Q),
@@ -1029,7 +1070,7 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
 
         // Phase A: pairwise quantities for s <= l; the decays are products of exp(a_t) as in the forward.
         Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, q),
-                             [&](index_t it) { ea(it) = exp_nonpos(c.delta(b, h, t0 + it) * A); });
+                             [&](index_t it) { ea(it) = exp_nonpos(c.a_tok(b, h, t0 + it)); });
         Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, c.Pd * c.N),
                              [&](index_t pn) { dHs((pn / c.N) * ldS + pn % c.N) = dH[pn]; });
         tm.team_barrier();
@@ -1160,6 +1201,12 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
             P dacs = in_sum(ij) + w_inter(ij) - out_sum(ij) - w_state(ij);
             if (ij == q - 1) dacs += wstate_total + wdecay;
             run += dacs;  // da_j
+            dD += ddot(ij);
+            if (c.pre) {  // per-token decay and weight: their gradients as they are
+              dla(b, h, j) = run;
+              dwt(b, h, j) = ddelta(ij);
+              continue;
+            }
             const P dlt = c.delta(b, h, j);
             const P ddel = ddelta(ij) + run * A;
             const P u = P(c.dt(c.row(b, j), c.dt_col + h)) + c.dt_bias(h);
@@ -1168,7 +1215,6 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
             ddt(c.row(b, j), c.dt_col + h) = static_cast<T>(du);
             dA += run * dlt;
             dbias += du;
-            dD += ddot(ij);
           }
           partial(b, ch, h, 0) = dA;
           partial(b, ch, h, 1) = dbias;

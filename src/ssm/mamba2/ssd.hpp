@@ -56,6 +56,11 @@ struct SSDIn {
   View1<const acc_t<T>> A_log, dt_bias, D;  // (H)
   SeqIdxView seq_idx;                         // (batch, seqlen) or empty
   View4<const acc_t<T>> init_state;           // (batch, H, P, N) or empty (zero)
+  // Per-token decay and weight given directly, instead of dt, A_log and dt_bias (then unused, and may be empty):
+  //   S_t = exp(log_decay_t) S_{t-1} + weight_t x_t B_t^T, both (batch, H, L), log_decay <= 0.
+  // Mamba-3 runs its SISO scan through this form (data-dependent A, trapezoidal weights). ssd_step ignores it.
+  View3<const acc_t<T>> log_decay, weight;
+  bool per_token() const { return log_decay.extent(0) > 0; }
 };
 
 template <class T>
@@ -64,6 +69,9 @@ struct SSDGrad {
   View2<T> ddt;   // d(raw dt) written at the same column as dt
   View1<acc_t<T>> dA_log, ddt_bias, dD;  // accumulated (+=)
   View4<acc_t<T>> dinit_state;           // written when non-empty
+  // With SSDIn::per_token(): the gradients of log_decay and weight (batch, H, L) are written here instead of ddt,
+  // dA_log and ddt_bias (left untouched); dD is accumulated as always.
+  View3<acc_t<T>> dlog_decay, dweight;
 };
 
 // y (batch * seqlen, H * P) is written; final_state (batch, H, P, N) is written when non-empty.
