@@ -473,11 +473,15 @@ void bench_mamba1(int reps, index_t batch, index_t seqlen) {
 }
 
 // Mamba-3 SISO block (issue 4): d_model 768, d_state 128, headdim 64, expand 2, chunk 64, batch 8 x 8,192; the
-// mixer's forward (in_proj, scan, gate, out_proj) and backward, fp32 activations, the layer GEMMs in the arithmetic
-// of --lm-ssd's first variant's compute (tf32 by default).
-void bench_mamba3(int reps, GemmCompute compute, index_t batch, index_t seqlen) {
+// mixer's forward (in_proj, scan, gate, out_proj) and backward, fp32 activations, per --lm-ssd variant: the scan
+// through that SSD algorithm (SISO runs on the SSD kernels; portable: the Mamba-3 scan's own kernels) and the
+// layer GEMMs in that variant's arithmetic.
+void bench_mamba3(int reps, const SSDVariant& var, index_t batch, index_t seqlen) {
+  const GemmCompute compute = var.compute;
   set_float_gemm_compute(compute);
   Mamba3Config cfg;
+  cfg.scan_algo = var.algo;
+  cfg.scan_compute = var.compute;
   cfg.d_model = 768;
   cfg.d_state = 128;
   cfg.headdim = 64;
@@ -492,12 +496,10 @@ void bench_mamba3(int reps, GemmCompute compute, index_t batch, index_t seqlen) 
   fill(u, 31);
   fill(dout, 32);
   const std::string shape = std::to_string(batch) + "x" + std::to_string(seqlen);
-  const std::string name = "mamba3 siso block fwd+bwd " + shape + " d768 N128 P64 chunk64, " +
-                           std::string(gemm_compute_name(compute));
+  const std::string name = "mamba3 siso block fwd+bwd " + shape + " d768 N128 P64 chunk64, " + var.name;
   Mamba3Acts<float> acts;
   const double t_f = time_median(1, reps, [&] { mixer.forward(u, batch, seqlen, out, acts, false); });
-  record("mamba3 siso block fwd " + shape + " d768 N128 P64 chunk64, " + std::string(gemm_compute_name(compute)),
-         "time", t_f * 1e3, "ms");
+  record("mamba3 siso block fwd " + shape + " d768 N128 P64 chunk64, " + var.name, "time", t_f * 1e3, "ms");
   auto one = [&] {
     ps.zero_grads();
     mixer.forward(u, batch, seqlen, out, acts, true);
@@ -683,7 +685,8 @@ int run(int argc, char** argv, int cp_size, int rank) {
     if (want.count("ssd")) bench_ssd(reps, variants(ssd_list));
     // (at most 5 repetitions: the portable Mamba-1 and Mamba-3 kernels take up to seconds per call)
     if (want.count("mamba1")) bench_mamba1(std::min(reps, 5), m1_batch, m_seqlen);
-    if (want.count("mamba3")) bench_mamba3(std::min(reps, 5), variants(lm_ssd).front().compute, m3_batch, m_seqlen);
+    if (want.count("mamba3"))
+      for (const SSDVariant& v : variants(lm_ssd)) bench_mamba3(std::min(reps, 5), v, m3_batch, m_seqlen);
     if (want.count("lm")) {
       std::vector<Recompute> policies;
       std::stringstream ss(lm_recompute);

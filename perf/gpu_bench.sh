@@ -5,6 +5,8 @@
 #
 #   perf/gpu_bench.sh --kokkos PREFIX --out DIR --mamba-ssm DIR [--causal-conv1d DIR] [--boost-po LIB]
 #                     [--htslib PREFIX] [--stages build,test,bench,long,131k,cp,ecoli] [--test-timeout S]
+#                     [--test-regex RE]   (test stage: only the ctest tests whose names match RE)
+#                     [--peer-timeout S]  (stop the peers' run after S seconds; peers.log keeps what it measured)
 #                     [--bench-only LIST]
 #                     [--commit HASH]   (the commit to print, where the copy on the GPU machine has no usable .git)
 #                     [--peer-args "ARGS"]    (passed to perf/peers.py, e.g. "--ssd-dtypes bf16")
@@ -23,7 +25,7 @@
 # Writes under DIR: build.log, ctest.log, ours.csv, peers.csv, bench.log, and summary.txt (the table, also printed).
 set -uo pipefail
 
-commit="" kokkos="" out="" mamba="" cc1d="" po="" hts="" stages="build,test,bench" test_timeout=300 bench_only="copy,gemm,ssd,lm" bench_args="" peer_args=""
+commit="" kokkos="" out="" mamba="" cc1d="" po="" hts="" stages="build,test,bench" test_timeout=300 test_regex='' peer_timeout=0 bench_only="copy,gemm,ssd,lm" bench_args="" peer_args=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --kokkos) kokkos=$2; shift 2 ;;
@@ -34,6 +36,8 @@ while [[ $# -gt 0 ]]; do
     --htslib) hts=$2; shift 2 ;;
     --stages) stages=$2; shift 2 ;;
     --test-timeout) test_timeout=$2; shift 2 ;;
+    --test-regex) test_regex=$2; shift 2 ;;
+    --peer-timeout) peer_timeout=$2; shift 2 ;;
     --bench-only) bench_only=$2; shift 2 ;;
     --commit) commit=$2; shift 2 ;;
     --bench-args) bench_args=$2; shift 2 ;;
@@ -65,7 +69,7 @@ fi
 
 if has test; then
   t0=$SECONDS
-  (cd "$root/build/cuda" && ctest --output-on-failure -j 4 --timeout "$test_timeout") > "$out/ctest.log" 2>&1 || rc=1
+  (cd "$root/build/cuda" && ctest --output-on-failure -j 4 --timeout "$test_timeout" ${test_regex:+-R "$test_regex"}) > "$out/ctest.log" 2>&1 || rc=1
   grep -E "tests passed|\(Failed\)|\(Timeout\)|Exception|\*\*\*Failed" "$out/ctest.log" | tail -20
   echo "tests: $((SECONDS - t0)) s"
 fi
@@ -73,7 +77,7 @@ fi
 if has bench; then
   "$root/build/cuda/perf/mambamoe_bench" --out "$out" --only "$bench_only" $bench_args > "$out/bench.log" 2>&1 || { tail -20 "$out/bench.log"; rc=1; }
   if [[ -n $mamba ]]; then
-    python3 "$root/perf/peers.py" --mamba-ssm "$mamba" ${cc1d:+--causal-conv1d "$cc1d"} --out "$out" \
+    timeout "$peer_timeout" python3 "$root/perf/peers.py" --mamba-ssm "$mamba" ${cc1d:+--causal-conv1d "$cc1d"} --out "$out" \
       --only "$bench_only" $peer_args > "$out/peers.log" 2>&1 || { tail -20 "$out/peers.log"; rc=1; }
   fi
   { echo "commit $commit, $(date -u +%F), $(head -2 "$out/gpu.txt" | tail -1)"; cat "$out/bench.log"; cat "$out/peers.log" 2>/dev/null; } \

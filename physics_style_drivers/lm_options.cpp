@@ -66,6 +66,21 @@ const parallel::Plan* auto_plan(const io::Deck& d) {
   }
   return plan.get();
 }
+
+// [model] ssd_algorithm and ssd_precision: the M2 layers' chunked scan, and the M3 layers' SISO scan (which runs
+// on the same kernels).
+void parse_ssd_choice(const io::Deck& d, SSDAlgo& algo, GemmCompute& compute) {
+  const std::string where = d.path().empty() ? "[model]" : d.path() + " [model]";
+  const std::string a = d.get<std::string>("model.ssd_algorithm");
+  require(a == "auto" || a == "portable" || a == "gemm" || a == "fused", where, "model.ssd_algorithm: unknown value '",
+          a, "' (valid: auto, portable, gemm, fused)");
+  algo = a == "gemm"       ? SSDAlgo::gemm
+         : a == "fused"    ? SSDAlgo::fused
+         : a == "portable" ? SSDAlgo::portable
+                           : SSDAlgo::automatic;
+  compute = parse_gemm_compute(d.get<std::string>("model.ssd_precision"), where + " model.ssd_precision");
+}
+
 }  // namespace
 
 std::shared_ptr<const parallel::ProcessGrid> make_process_grid(const io::Deck& d) {
@@ -121,12 +136,13 @@ void declare_backbone_options(io::Deck& d) {
               "states (the backward recomputes each window from its boundary state, right to left), so a layer's "
               "working memory follows the window, not the sequence; same results as one pass. 0: one pass")
       .add<std::string>("model.ssd_algorithm", "auto",
-                        "M2 layers: how the SSD is computed: auto (gemm on CUDA, portable on CPU), portable (Kokkos "
-                        "team kernels), gemm (batched chunk GEMMs), fused (CUDA: the chunk scan's forward and the "
+                        "M2 layers and M3 SISO layers: how the SSD is computed: auto (on CUDA fused under "
+                        "ssd_precision = bf16, else gemm; portable on CPU), portable (Kokkos team kernels; M3: its own "
+                        "scan kernels), gemm (batched chunk GEMMs), fused (CUDA: the chunk scan's forward and the "
                         "backward's intra-chunk products in tensor-core kernels, bf16 operands; otherwise gemm)")
       .add<std::string>("model.ssd_precision", "fp32",
-                        "M2 layers, CUDA: arithmetic of the SSD's chunk GEMMs: fp32, tf32 or bf16 (tensor cores, "
-                        "fp32 accumulation); CPU builds always compute in fp32")
+                        "M2 and M3 SISO layers, CUDA: arithmetic of the SSD's chunk GEMMs: fp32, tf32 or bf16 "
+                        "(tensor cores, fp32 accumulation); CPU builds always compute in fp32")
       .add<std::string>("model.pattern", "",
                         "layer pattern, one code per pre-norm residual block, spaced (M2 M2 M3 E) or together "
                         "(M2M2M3E): M1 Mamba-1, M2 Mamba-2, M3 Mamba-3, E MoE feed-forward, D dense SwiGLU "
@@ -208,6 +224,7 @@ LayerStackConfig make_layer_stack_config(const io::Deck& d) {
   m3.dt_max = d.get<double>("model.dt_max");
   m3.dt_init_floor = d.get<double>("model.dt_init_floor");
   m3.norm_eps = d.get<double>("model.norm_eps");
+  parse_ssd_choice(d, m3.scan_algo, m3.scan_compute);
   MoEConfig& e = c.moe;
   e.n_experts = d.get<I>("moe.n_experts");
   e.top_k = d.get<I>("moe.top_k");
@@ -286,16 +303,7 @@ Mamba2Config make_mixer_config(const io::Deck& d) {
   m.norm_eps = d.get<double>("model.norm_eps");
   m.window = d.get<I>("model.mixer_window");
   const std::string where = d.path().empty() ? "[model]" : d.path() + " [model]";
-  {
-    const std::string a = d.get<std::string>("model.ssd_algorithm");
-    require(a == "auto" || a == "portable" || a == "gemm" || a == "fused", where,
-            "model.ssd_algorithm: unknown value '", a, "' (valid: auto, portable, gemm, fused)");
-    m.ssd_algo = a == "gemm"       ? SSDAlgo::gemm
-                 : a == "fused"    ? SSDAlgo::fused
-                 : a == "portable" ? SSDAlgo::portable
-                                   : SSDAlgo::automatic;
-    m.ssd_compute = parse_gemm_compute(d.get<std::string>("model.ssd_precision"), where + " model.ssd_precision");
-  }
+  parse_ssd_choice(d, m.ssd_algo, m.ssd_compute);
   m.validate(d.path().empty() ? "[model]" : d.path() + " [model]");
   return m;
 }

@@ -25,6 +25,8 @@ struct M3Case {
   index_t B = 2, L = 23, H = 2, P = 3, G = 1, N = 6, R = 1, S = 2, Q = 8;
   bool halved = false, init = true;
   std::vector<int> seq;  // (B*L) record ids, or empty (one record per row)
+  SSDAlgo algo = SSDAlgo::automatic;  // gemm / fused: SISO through the SSD kernels (fused is gemm on the CPU)
+  GemmCompute compute = GemmCompute::fp32;
 };
 
 // Record ids for B rows of L tokens: row b starts a new record at each position of starts[b % starts.size()].
@@ -63,6 +65,8 @@ struct M3Data {
     shape.nangles = c.S;
     shape.chunk = c.Q;
     shape.pairing = c.halved ? RopePairing::halved : RopePairing::interleaved;
+    shape.algo = c.algo;
+    shape.compute = c.compute;
     const index_t rows = c.B * c.L, RGN = c.R * c.G * c.N;
     v = View2<T>("v", rows, c.H * c.R * c.P);
     qk = View2<T>("qk", rows, 2 * RGN);
@@ -190,22 +194,26 @@ TEST_CASE("Mamba-3 step reference equals the chunked-form (quadratic) reference"
 TEST_CASE("Mamba-3 chunked scan equals the token-by-token recurrence (double)", "[mamba3]") {
   double worst = 0;
   int cases = 0;
+  for (SSDAlgo algo : {SSDAlgo::portable, SSDAlgo::gemm})
   for (index_t R : {1, 2})
     for (bool halved : {false, true})
       for (index_t L : {1, 7, 23, 40})
         for (index_t Q : {1, 4, 8, 16, 64}) {
+          if (algo != SSDAlgo::portable && R > 1) continue;  // the SSD route is SISO
           M3Case c;
           c.L = L;
           c.Q = Q;
           c.R = R;
           c.halved = halved;
+          c.algo = algo;
           c.init = (L + Q) % 2 == 1;
           if (Q == 8) {  // groups: 4 heads in 2 groups
             c.H = 4;
             c.G = 2;
           }
           const double e = scan_error<double>(c);
-          INFO("R=" << R << " halved=" << halved << " L=" << L << " Q=" << Q << " init=" << c.init);
+          INFO("SSD route=" << (algo != SSDAlgo::portable) << " R=" << R << " halved=" << halved << " L=" << L
+                            << " Q=" << Q << " init=" << c.init);
           CHECK(e < 1e-10);
           worst = std::max(worst, e);
           ++cases;
@@ -216,15 +224,18 @@ TEST_CASE("Mamba-3 chunked scan equals the token-by-token recurrence (double)", 
 TEST_CASE("Mamba-3 chunked scan with packed records equals the recurrence that resets at each record", "[mamba3]") {
   double worst = 0, least_effect = 1e300;
   int cases = 0;
+  for (SSDAlgo algo : {SSDAlgo::portable, SSDAlgo::gemm})
   for (index_t R : {1, 2})
     for (bool halved : {false, true})
       for (index_t L : {7, 23, 40})
         for (index_t Q : {1, 4, 8, 16, 64}) {
+          if (algo != SSDAlgo::portable && R > 1) continue;  // the SSD route is SISO
           M3Case c;
           c.L = L;
           c.Q = Q;
           c.R = R;
           c.halved = halved;
+          c.algo = algo;
           c.init = (L + Q + R) % 2 == 1;
           if (Q == 8) {
             c.H = 4;
@@ -240,7 +251,8 @@ TEST_CASE("Mamba-3 chunked scan with packed records equals the recurrence that r
           }
           c.seq = make_records(c.B, c.L, {r0, r1});
           const double e = scan_error<double>(c);
-          INFO("R=" << R << " halved=" << halved << " L=" << L << " Q=" << Q << " init=" << c.init);
+          INFO("SSD route=" << (algo != SSDAlgo::portable) << " R=" << R << " halved=" << halved << " L=" << L
+                            << " Q=" << Q << " init=" << c.init);
           CHECK(e < 1e-10);
           worst = std::max(worst, e);
           // the records matter: the resetting recurrence differs from the one without records
@@ -277,6 +289,65 @@ TEST_CASE("Mamba-3 chunked scan in float stays close to the double recurrence", 
   const double e = scan_error<float>(c);
   WARN("float chunked vs double recurrence, rel err " << e);
   CHECK(e < 1e-4);
+}
+
+namespace {
+// Every gradient of one scan backward (float), with seeded output and final-carry gradients.
+std::vector<std::vector<double>> scan_grads_float(const M3Case& c) {
+  M3Data<float> d(c);
+  const index_t rows = c.B * c.L;
+  View2<float> dy("dy", rows, c.H * c.R * c.P);
+  fill_uniform(dy, 20);
+  auto dfin = Mamba3Carry<float>::allocate("dfin", d.shape);
+  fill_uniform(dfin.phi, 21);
+  fill_uniform(dfin.S, 22);
+  fill_uniform(dfin.k, 23);
+  fill_uniform(dfin.v, 24);
+  Mamba3ScanGrad<float> g;
+  g.dv = View2<float>("dv", rows, d.v.extent(1));
+  g.dqk = View2<float>("dqk", rows, d.qk.extent(1));
+  g.ddd = View2<float>("ddd", rows, d.dd.extent(1));
+  g.ddt_bias = View1<float>("ddt_bias", c.H);
+  g.dD = View1<float>("dD", c.H);
+  g.dq_bias = View1<float>("dqb", c.H * c.N);
+  g.dk_bias = View1<float>("dkb", c.H * c.N);
+  g.dinit = Mamba3Carry<float>::allocate("dinit", d.shape);
+  mamba3_scan_backward<float>(d.shape, d.in(), dy, dfin, g);
+  return {to_vec(g.dv),       to_vec(g.dqk),     to_vec(g.ddd),     to_vec(g.ddt_bias),
+          to_vec(g.dD),       to_vec(g.dq_bias), to_vec(g.dk_bias), to_vec(g.dinit.S),
+          to_vec(g.dinit.phi), to_vec(g.dinit.k), to_vec(g.dinit.v)};
+}
+}  // namespace
+
+TEST_CASE("Mamba-3 SISO through the fused SSD kernels stays within bf16 rounding (forward and backward)", "[mamba3]") {
+  // Shapes the CUDA kernels take (headdim and d_state multiples of 16, chunk 64): the forward against the double
+  // recurrence, every gradient against this file's portable kernels in fp32 (tied to finite differences in double
+  // above). On host builds fused is the SSD's GEMM formulation in fp32.
+  struct Shape {
+    index_t L, H, P, N, S;
+  };
+  for (const Shape& sh : {Shape{200, 2, 16, 32, 8}, Shape{150, 2, 64, 128, 32}}) {
+    M3Case c;
+    c.L = sh.L;
+    c.H = sh.H;
+    c.P = sh.P;
+    c.N = sh.N;
+    c.S = sh.S;
+    c.Q = 64;
+    c.seq = make_records(c.B, c.L, {{70, 128}, {}});
+    c.algo = SSDAlgo::fused;
+    c.compute = GemmCompute::bf16;
+    INFO("P=" << sh.P << " N=" << sh.N);
+    CHECK(scan_error<float>(c) < 2e-2);
+    const auto fused = scan_grads_float(c);
+    c.algo = SSDAlgo::portable;
+    const auto portable = scan_grads_float(c);
+    for (std::size_t i = 0; i < fused.size(); ++i) {
+      INFO("gradient " << i);
+      // per-token gradients to bf16 rounding; the sums over all tokens (biases, D) get some cancellation
+      CHECK(rel_err(fused[i], portable[i]) < (i < 3 ? 2e-2 : 5e-2));
+    }
+  }
 }
 
 TEST_CASE("Mamba-3 with lambda = 1 and no rotary reduces to Mamba-2's SSD recurrence", "[mamba3]") {
@@ -409,11 +480,12 @@ void scan_fd_check(const M3Case& c, const std::string& name) {
 }  // namespace
 
 TEST_CASE("Mamba-3 scan backward matches finite differences for every input", "[mamba3]") {
-  for (int variant = 0; variant < 2; ++variant) {
+  for (int variant = 0; variant < 3; ++variant) {
     M3Case c;
-    if (variant == 0) {  // SISO, interleaved pairs
+    if (variant < 2) {  // SISO, interleaved pairs; this file's kernels, then through the SSD (gemm)
       c.L = 21;
       c.Q = 8;
+      c.algo = variant == 0 ? SSDAlgo::portable : SSDAlgo::gemm;
     } else {  // MIMO rank 2, halved pairs, groups
       c.L = 17;
       c.Q = 5;
@@ -423,17 +495,18 @@ TEST_CASE("Mamba-3 scan backward matches finite differences for every input", "[
       c.N = 4;
       c.halved = true;
     }
-    scan_fd_check(c, variant == 0 ? "SISO" : "MIMO");
+    scan_fd_check(c, variant == 0 ? "SISO" : variant == 1 ? "SISO through the SSD" : "MIMO");
   }
 }
 
 TEST_CASE("Mamba-3 scan backward with packed records matches finite differences for every input", "[mamba3]") {
-  for (int variant = 0; variant < 2; ++variant) {
+  for (int variant = 0; variant < 3; ++variant) {
     M3Case c;
-    if (variant == 0) {  // SISO; boundaries inside chunks and at the chunk edges 8 and 16, a 1-token record
+    if (variant < 2) {  // SISO; boundaries inside chunks and at the chunk edges 8 and 16, a 1-token record
       c.L = 21;
       c.Q = 8;
       c.seq = make_records(c.B, c.L, {{5, 8, 16, 17}, {13}});
+      c.algo = variant == 0 ? SSDAlgo::portable : SSDAlgo::gemm;
     } else {  // MIMO rank 2, halved pairs, groups; chunk edges 5 and 10
       c.L = 17;
       c.Q = 5;
@@ -444,7 +517,9 @@ TEST_CASE("Mamba-3 scan backward with packed records matches finite differences 
       c.halved = true;
       c.seq = make_records(c.B, c.L, {{5, 11}, {2, 10, 16}});
     }
-    scan_fd_check(c, variant == 0 ? "SISO with records" : "MIMO with records");
+    scan_fd_check(c, variant == 0   ? "SISO with records"
+                     : variant == 1 ? "SISO through the SSD with records"
+                                    : "MIMO with records");
   }
 }
 

@@ -142,6 +142,8 @@ Mamba3ScanShape Mamba3Mixer<T>::scan_shape(index_t batch, index_t seqlen) const 
   s.chunk = cfg_.chunk_size;
   s.pairing = cfg_.pairing();
   s.A_floor = cfg_.A_floor;
+  s.algo = cfg_.scan_algo;
+  s.compute = cfg_.scan_compute;
   return s;
 }
 

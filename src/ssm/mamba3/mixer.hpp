@@ -65,6 +65,9 @@ struct Mamba3Config {
   double A_floor = 1e-4;
   double dt_min = 1e-3, dt_max = 0.1, dt_init_floor = 1e-4;
   double norm_eps = 1e-5;
+  // How the scan is computed (Mamba3ScanShape::algo, compute: SISO through the SSD kernels on CUDA by default)
+  SSDAlgo scan_algo = SSDAlgo::automatic;
+  GemmCompute scan_compute = GemmCompute::fp32;
 
   index_t d_inner() const { return expand * d_model; }
   index_t nheads() const { return d_inner() / headdim; }

@@ -19,6 +19,14 @@ void Mamba3ScanShape::validate(const char* where) const {
   require(A_floor >= 0, where, "A_floor (", A_floor, ") must be non-negative");
 }
 
+bool Mamba3ScanShape::via_ssd() const {
+  if (rank != 1 || algo == SSDAlgo::portable) return false;
+  SSDShape sh;
+  sh.algo = algo;
+  sh.compute = compute;
+  return ssd_resolved_algo(sh) != SSDAlgo::portable;
+}
+
 namespace {
 
 template <class P>
@@ -43,8 +51,13 @@ struct Ctx {
   bool halved;
   P A_floor;
   View3<P> delta, lam, Av, acs, w;  // (batch, H, L): Delta, lambda, A_t, in-chunk cumsum of A Delta, weight w
+  View3<P> ad;                      // (batch, H, L): A_t Delta_t (the SSD route's decay exponents), else empty
   View4<P> phi;                     // (batch, H, L, S)
-  View2<P> qt, kt;                  // (batch * L, H * R * N): rotated, biased q and k
+  // (batch * L, ld): rotated, biased q at q_off + (h R + r) N + n and k at k_off + ...; the SSD route also copies
+  // v to columns h P + p (its x, before k (its B) and q (its C)); the backward's gradients use the same layout
+  View2<P> qkv;
+  index_t q_off, k_off;
+  bool ssd;
   View5<P> states;                  // (batch, nchunks, H, P, N): chunk-local states, then the state entering
 
   KOKKOS_INLINE_FUNCTION index_t row(index_t b, index_t t) const { return b * L + t; }
@@ -62,13 +75,31 @@ struct Ctx {
     i0 = halved ? i : 2 * i;
     i1 = halved ? i + N / 2 : 2 * i + 1;
   }
+  // State dimension n: false if it is not rotated, else its angle i, the other member m of its pair and whether n
+  // is the pair's first member (pair(i) = (n, m)) or its second ((m, n)).
+  KOKKOS_INLINE_FUNCTION bool partner(index_t n, index_t& i, index_t& m, bool& first) const {
+    if (halved) {
+      first = n < N / 2;
+      i = first ? n : n - N / 2;
+      m = first ? n + N / 2 : n - N / 2;
+    } else {
+      first = n % 2 == 0;
+      i = n / 2;
+      m = first ? n + 1 : n - 1;
+    }
+    return i < S;
+  }
   KOKKOS_INLINE_FUNCTION P gamma(index_t b, index_t h, index_t t) const { return lam(b, h, t) * delta(b, h, t); }
   // rows of length P (v of rank r) and N (rotated q, k of rank r) of token t, head h
   KOKKOS_INLINE_FUNCTION const T* vrow(index_t rw, index_t h, index_t r) const {
     return &v(rw, v_col + (h * R + r) * Pd);
   }
-  KOKKOS_INLINE_FUNCTION const P* qrow(index_t rw, index_t h, index_t r) const { return &qt(rw, (h * R + r) * N); }
-  KOKKOS_INLINE_FUNCTION const P* krow(index_t rw, index_t h, index_t r) const { return &kt(rw, (h * R + r) * N); }
+  KOKKOS_INLINE_FUNCTION const P* qrow(index_t rw, index_t h, index_t r) const {
+    return &qkv(rw, q_off + (h * R + r) * N);
+  }
+  KOKKOS_INLINE_FUNCTION const P* krow(index_t rw, index_t h, index_t r) const {
+    return &qkv(rw, k_off + (h * R + r) * N);
+  }
 };
 
 template <class T>
@@ -139,10 +170,17 @@ Ctx<T> make_ctx(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in) {
   c.w = v3("mamba3::w");
   c.phi = View4<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::phi"), s.batch, s.nheads, s.seqlen,
                    s.nangles);
-  c.qt = View2<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::qt"), rows, HRN);
-  c.kt = View2<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::kt"), rows, HRN);
-  c.states = View5<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::states"), s.batch, c.nc, s.nheads,
-                      s.headdim, s.dstate);
+  c.ssd = s.via_ssd();
+  const index_t xw = c.ssd ? s.nheads * s.headdim : 0;  // v's columns (SSD route)
+  c.k_off = xw;
+  c.q_off = xw + HRN;
+  c.qkv = View2<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::qkv"), rows, xw + 2 * HRN);
+  if (c.ssd) {
+    c.ad = v3("mamba3::a_delta");
+  } else {  // the portable kernels' chunk states (the SSD keeps its own)
+    c.states = View5<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::states"), s.batch, c.nc, s.nheads,
+                        s.headdim, s.dstate);
+  }
   return c;
 }
 
@@ -165,6 +203,7 @@ void token_scalars(const Ctx<T>& c) {
       c.Av(b, h, t) = A;
       run += A * d;
       c.acs(b, h, t) = run;
+      if (c.ssd) c.ad(b, h, t) = A * d;
       P gp = 0;
       if (t + 1 < c.L && c.same(b, t + 1, t)) {  // no beta term across a record boundary
         const P dn = softplus(P(c.dd(rw + 1, c.dt_col + h)) + c.dt_bias(h));
@@ -197,24 +236,37 @@ void phases(const Ctx<T>& c, const View3<acc_t<T>>& init_phi) {
 template <class T>
 void rotate(const Ctx<T>& c) {
   using P = acc_t<T>;
-  par_for("mamba3::rotate", c.Bsz * c.L, c.H * c.R, KOKKOS_LAMBDA(index_t rw, index_t hr) {
+  // one (token, head, rank) per thread, lanes over the state dimensions: each lane forms its own element of the
+  // rotated pair (a row is read and written contiguously)
+  par_for_rows("mamba3::rotate", c.Bsz * c.L * c.H * c.R, KOKKOS_LAMBDA(const Team& tm, index_t i) {
+    const index_t rw = i / (c.H * c.R), hr = i % (c.H * c.R);
     const index_t b = rw / c.L, t = rw % c.L, h = hr / c.R, r = hr % c.R, g = h / c.hpg;
-    P* qo = &c.qt(rw, hr * c.N);
-    P* ko = &c.kt(rw, hr * c.N);
-    for (index_t n = 0; n < c.N; ++n) {
-      qo[n] = P(c.qk(rw, c.q_col + (r * c.G + g) * c.N + n)) + c.q_bias(hr * c.N + n);
-      ko[n] = P(c.qk(rw, c.k_col + (r * c.G + g) * c.N + n)) + c.k_bias(hr * c.N + n);
+    const T* qin = &c.qk(rw, c.q_col + (r * c.G + g) * c.N);
+    const T* kin = &c.qk(rw, c.k_col + (r * c.G + g) * c.N);
+    const P* qb = &c.q_bias(hr * c.N);
+    const P* kb = &c.k_bias(hr * c.N);
+    P* qo = &c.qkv(rw, c.q_off + hr * c.N);
+    P* ko = &c.qkv(rw, c.k_off + hr * c.N);
+    if (c.ssd) {  // rank 1: v of head h is the SSD's x
+      const T* vin = c.vrow(rw, h, 0);
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.Pd),
+                           [&](index_t p) { c.qkv(rw, h * c.Pd + p) = P(vin[p]); });
     }
-    for (index_t i = 0; i < c.S; ++i) {
-      index_t i0, i1;
-      c.pair(i, i0, i1);
-      const P ph = c.phi(b, h, t, i), cs = Kokkos::cos(ph), sn = Kokkos::sin(ph);
-      const P q0 = qo[i0], q1 = qo[i1], k0 = ko[i0], k1 = ko[i1];
-      qo[i0] = q0 * cs - q1 * sn;
-      qo[i1] = q0 * sn + q1 * cs;
-      ko[i0] = k0 * cs - k1 * sn;
-      ko[i1] = k0 * sn + k1 * cs;
-    }
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.N), [&](index_t n) {
+      const P qn = P(qin[n]) + qb[n], kn = P(kin[n]) + kb[n];
+      index_t ai, m;
+      bool first;
+      if (!c.partner(n, ai, m, first)) {
+        qo[n] = qn;
+        ko[n] = kn;
+        return;
+      }
+      const P ph = c.phi(b, h, t, ai), cs = Kokkos::cos(ph), sn = Kokkos::sin(ph);
+      const P qm = P(qin[m]) + qb[m], km = P(kin[m]) + kb[m];
+      // pair (i0, i1): out_i0 = x_i0 cos - x_i1 sin, out_i1 = x_i0 sin + x_i1 cos
+      qo[n] = first ? qn * cs - qm * sn : qm * sn + qn * cs;
+      ko[n] = first ? kn * cs - km * sn : km * sn + kn * cs;
+    });
   });
 }
 
@@ -243,23 +295,25 @@ void chunk_state(const Ctx<T>& c) {
   });
 }
 
+// Sh_{-1} = S_init + Delta_0 (1 - lambda_0) sum_r v_prev,r k_prev,r^T, element (p, n) of row b, head h.
+template <class T>
+KOKKOS_INLINE_FUNCTION acc_t<T> entering(const Ctx<T>& c, const Mamba3Carry<acc_t<T>>& init, index_t b, index_t h,
+                                         index_t p, index_t n) {
+  using P = acc_t<T>;
+  const P gp0 = c.delta(b, h, 0) * (P(1) - c.lam(b, h, 0));
+  P kv = 0;
+  for (index_t r = 0; r < c.R; ++r) kv += init.v(b, h, r, p) * init.k(b, h, r, n);
+  return init.S(b, h, p, n) + gp0 * kv;
+}
+
 // In place: states(b, c) becomes the state entering chunk c (Sh_{t0 - 1}); final.S gets the state after the last.
 template <class T>
 void state_passing(const Ctx<T>& c, const Mamba3Carry<acc_t<T>>& init, const View4<acc_t<T>>& final_S) {
   using P = acc_t<T>;
   const bool has_init = !init.empty(), has_final = final_S.extent(0) > 0;
-  const auto iS = init.S;
-  const auto ik = init.k;
-  const auto iv = init.v;
   par_for("mamba3::state_passing", c.Bsz * c.H, c.Pd * c.N, KOKKOS_LAMBDA(index_t bh, index_t pn) {
     const index_t b = bh / c.H, h = bh % c.H, p = pn / c.N, n = pn % c.N;
-    P Sh = 0;
-    if (has_init) {
-      const P gp0 = c.delta(b, h, 0) * (P(1) - c.lam(b, h, 0));
-      P kv = 0;
-      for (index_t r = 0; r < c.R; ++r) kv += iv(b, h, r, p) * ik(b, h, r, n);
-      Sh = iS(b, h, p, n) + gp0 * kv;
-    }
+    P Sh = has_init ? entering(c, init, b, h, p, n) : P(0);
     for (index_t ch = 0; ch < c.nc; ++ch) {
       const P local = c.states(b, ch, h, p, n);
       c.states(b, ch, h, p, n) = Sh;
@@ -270,13 +324,82 @@ void state_passing(const Ctx<T>& c, const Mamba3Carry<acc_t<T>>& init, const Vie
   });
 }
 
+// The per-token quantities, the rotated q and k, and (portable kernels) the chunk states.
 template <class T>
 void recompute(const Ctx<T>& c, const Mamba3Carry<acc_t<T>>& init, const View4<acc_t<T>>& final_S) {
   token_scalars(c);
   phases(c, init.phi);
   rotate(c);
+  if (c.ssd) return;
   chunk_state(c);
   state_passing(c, init, final_S);
+}
+
+// ---------------------------------------------------------------- SISO through the SSD kernels (ssd.hpp)
+
+template <class T>
+SSDShape ssd_shape(const Ctx<T>& c, const Mamba3ScanShape& s) {
+  SSDShape sh;
+  sh.batch = c.Bsz;
+  sh.seqlen = c.L;
+  sh.nheads = c.H;
+  sh.headdim = c.Pd;
+  sh.ngroups = c.H;  // q~ and k~ are per head (biases, phases)
+  sh.dstate = c.N;
+  sh.chunk = c.Q;
+  sh.algo = s.algo;
+  sh.compute = s.compute;
+  return sh;
+}
+
+// The SSD's inputs: x = v, B = k~, C = q~ out of c.qkv, decay exponents A_t Delta_t, weights w_t, and Sh_{-1}
+// (entering_states) as the initial state.
+template <class T>
+SSDIn<T> ssd_in(const Ctx<T>& c, const View4<acc_t<T>>& sh0) {
+  SSDIn<T> in;
+  in.xbc = c.qkv;
+  in.x_col = 0;
+  in.b_col = c.k_off;
+  in.c_col = c.q_off;
+  in.D = c.D;
+  in.seq_idx = c.seq;
+  in.init_state = sh0;
+  in.log_decay = c.ad;
+  in.weight = c.w;
+  return in;
+}
+
+// Sh_{-1} of every (row, head), or empty without an initial carry.
+template <class T>
+View4<acc_t<T>> entering_states(const Ctx<T>& c, const Mamba3Carry<acc_t<T>>& init) {
+  using P = acc_t<T>;
+  if (init.empty()) return View4<P>();
+  View4<P> sh0(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::sh0"), c.Bsz, c.H, c.Pd, c.N);
+  par_for("mamba3::entering_states", c.Bsz * c.H, c.Pd * c.N, KOKKOS_LAMBDA(index_t bh, index_t pn) {
+    const index_t b = bh / c.H, h = bh % c.H, p = pn / c.N, n = pn % c.N;
+    sh0(b, h, p, n) = entering(c, init, b, h, p, n);
+  });
+  return sh0;
+}
+
+// y = the SSD's output + (gamma_t - w_t) (q~_t . k~_t) v_t (the trapezoid's diagonal weight is gamma_t, the SSD's
+// w_t); final_S (when non-empty) gets the state after the last token.
+template <class T>
+void forward_ssd(const Ctx<T>& c, const Mamba3ScanShape& s, const Mamba3Carry<acc_t<T>>& init, const View2<T>& y,
+                 const View4<acc_t<T>>& final_S) {
+  using P = acc_t<T>;
+  ssd_forward<T>(ssd_shape(c, s), ssd_in(c, entering_states(c, init)), y, final_S);
+  par_for_rows("mamba3::diagonal", c.Bsz * c.L * c.H, KOKKOS_LAMBDA(const Team& tm, index_t i) {
+    const index_t rw = i / c.H, h = i % c.H, b = rw / c.L, t = rw % c.L;
+    const P* q = c.qrow(rw, h, 0);
+    const P* k = c.krow(rw, h, 0);
+    P qk = 0;
+    Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(tm, c.N), [&](index_t n, P& a) { a += q[n] * k[n]; }, qk);
+    const P f = (c.gamma(b, h, t) - c.w(b, h, t)) * qk;
+    const P* v = &c.qkv(rw, h * c.Pd);
+    T* yt = &y(rw, h * c.Pd);
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.Pd), [&](index_t p) { yt[p] = T(P(yt[p]) + f * v[p]); });
+  });
 }
 
 }  // namespace
@@ -295,13 +418,11 @@ void mamba3_scan_forward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, co
                 index_t(fin.k.extent(2)) == c.R && index_t(fin.v.extent(2)) == c.R &&
                 index_t(fin.phi.extent(2)) == c.S,
             "mamba3_scan_forward", "final carry does not match the shape");
-  token_scalars(c);
-  phases(c, in.init.phi);
-  rotate(c);
-  chunk_state(c);
-  state_passing(c, in.init, fin.S);
-
-  par_for_team(
+  recompute(c, in.init, fin.S);
+  if (c.ssd)
+    forward_ssd(c, s, in.init, y, fin.S);
+  else
+    par_for_team(
       "mamba3::chunk_scan", c.Bsz * c.nc * c.H,
       KOKKOS_LAMBDA(const Team& tm) {
         index_t b, ch, h;
@@ -361,21 +482,18 @@ void mamba3_scan_forward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, co
   }
 }
 
-template <class T>
-void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, const View2<const T>& dy,
-                          const Mamba3Carry<acc_t<T>>& dfin, const Mamba3ScanGrad<T>& gr) {
-  using P = acc_t<T>;
-  const Ctx<T> c = make_ctx(s, in);
-  const index_t rows = c.Bsz * c.L, HRN = c.H * c.R * c.N;
-  require(index_t(dy.extent(0)) == rows && index_t(dy.extent(1)) == c.H * c.R * c.Pd, "mamba3_scan_backward",
-          "dy must be (batch * seqlen, nheads * rank * headdim) = (", rows, ", ", c.H * c.R * c.Pd, ")");
-  require(index_t(gr.dv.extent(0)) == rows && gr.dv.extent(1) == in.v.extent(1) && index_t(gr.dqk.extent(0)) == rows &&
-              gr.dqk.extent(1) == in.qk.extent(1) && index_t(gr.ddd.extent(0)) == rows &&
-              gr.ddd.extent(1) == in.dd.extent(1),
-          "mamba3_scan_backward", "gradient matrices must have the shapes of the inputs");
-  recompute(c, in.init, View4<P>());
-  const bool has_dfinal = !dfin.empty(), has_init = !in.init.empty(), want_dinit = !gr.dinit.empty();
+namespace {
 
+// The portable kernels' part of the backward: dv (into gr.dv), dq~ and dk~ (into dqkv at the q and k columns),
+// the per-token gradients da (of A_t Delta_t), dw (of w_t off the diagonal) and ddg (of gamma_t on it), dsh0
+// (of Sh_{-1}) and dD (accumulated).
+template <class T>
+void backward_portable(const Ctx<T>& c, const Mamba3ScanIn<T>& in, const View2<const T>& dy,
+                       const Mamba3Carry<acc_t<T>>& dfin, const Mamba3ScanGrad<T>& gr, const View2<acc_t<T>>& dqkv,
+                       const View3<acc_t<T>>& da, const View3<acc_t<T>>& dw, const View3<acc_t<T>>& ddg,
+                       const View4<acc_t<T>>& dsh0) {
+  using P = acc_t<T>;
+  const bool has_dfinal = !dfin.empty();
   // dstates(b, c) = sum_{t in c} exp(Acs_t) sum_r dy_{t,r} q~_{t,r}^T  (gradient of Sh_in from chunk c's outputs)
   View5<P> dstates(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::dstates"), c.Bsz, c.nc, c.H, c.Pd, c.N);
   par_for_team("mamba3::dstates_local", c.Bsz * c.nc * c.H, KOKKOS_LAMBDA(const Team& tm) {
@@ -398,7 +516,6 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
   });
 
   // Reverse state passing, in place: dstates(b, c) becomes dL/dSh_out(c); dsh0 = dL/dSh_{-1}.
-  View4<P> dsh0(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::dsh0"), c.Bsz, c.H, c.Pd, c.N);
   {
     const auto dS = dfin.S;
     par_for("mamba3::state_passing_bwd", c.Bsz * c.H, c.Pd * c.N, KOKKOS_LAMBDA(index_t bh, index_t pn) {
@@ -414,46 +531,7 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
     });
   }
 
-  // Initial carry: Sh_{-1} = S_init + gp0 sum_r v_r k_r^T with gp0 = Delta_0 (1 - lambda_0).
-  View2<P> dgp0("mamba3::dgp0", c.Bsz, c.H);
-  {
-    const auto iv = in.init.v;
-    const auto ik = in.init.k;
-    const auto dS = gr.dinit.S;
-    const auto dk = gr.dinit.k;
-    const auto dv = gr.dinit.v;
-    par_for("mamba3::init_carry_bwd", c.Bsz * c.H, KOKKOS_LAMBDA(index_t bh) {
-      const index_t b = bh / c.H, h = bh % c.H;
-      const P gp0 = c.delta(b, h, 0) * (P(1) - c.lam(b, h, 0));
-      P acc = 0;
-      for (index_t r = 0; r < c.R; ++r) {
-        for (index_t p = 0; p < c.Pd; ++p) {
-          P dk_row = 0;  // sum_n dSh[p, n] k_r[n]
-          for (index_t n = 0; n < c.N; ++n) dk_row += dsh0(b, h, p, n) * (has_init ? ik(b, h, r, n) : P(0));
-          const P vv = has_init ? iv(b, h, r, p) : P(0);
-          acc += vv * dk_row;
-          if (want_dinit) dv(b, h, r, p) = gp0 * dk_row;
-        }
-        if (want_dinit)
-          for (index_t n = 0; n < c.N; ++n) {
-            P s2 = 0;
-            for (index_t p = 0; p < c.Pd; ++p) s2 += dsh0(b, h, p, n) * (has_init ? iv(b, h, r, p) : P(0));
-            dk(b, h, r, n) = gp0 * s2;
-          }
-      }
-      dgp0(b, h) = has_init ? acc : P(0);
-      if (want_dinit)
-        for (index_t p = 0; p < c.Pd; ++p)
-          for (index_t n = 0; n < c.N; ++n) dS(b, h, p, n) = dsh0(b, h, p, n);
-    });
-  }
-
   // Per chunk and head: dv, dq~, dk~, and the per-token scalar gradients da (of A_t Delta_t), dw, and dgamma_diag.
-  View2<P> dqt(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::dqt"), rows, HRN);
-  View2<P> dkt(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::dkt"), rows, HRN);
-  View3<P> da(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::da"), c.Bsz, c.H, c.L);
-  View3<P> dw(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::dw"), c.Bsz, c.H, c.L);
-  View3<P> ddg(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::ddiag"), c.Bsz, c.H, c.L);
   View3<P> dD_part(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::dD_part"), c.Bsz, c.nc, c.H);
   {
     const auto dvo = gr.dv;
@@ -539,7 +617,7 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
                 }
               }
             }
-            for (index_t i = 0; i < c.R * c.N; ++i) dqt(rt, h * c.R * c.N + i) = accN(i);
+            for (index_t i = 0; i < c.R * c.N; ++i) dqkv(rt, c.q_off + h * c.R * c.N + i) = accN(i);
             inter(il) = in_term;
             insum(il) = ins;
             ddg(b, h, t) = M(il, il);
@@ -598,7 +676,7 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
             for (index_t r2 = 0; r2 < c.R; ++r2)
               for (index_t p = 0; p < c.Pd; ++p)
                 dvo(rs, v_col + (h * c.R + r2) * c.Pd + p) = static_cast<T>(accP(r2 * c.Pd + p));
-            for (index_t i = 0; i < c.R * c.N; ++i) dkt(rs, h * c.R * c.N + i) = accN(i);
+            for (index_t i = 0; i < c.R * c.N; ++i) dqkv(rs, c.k_off + h * c.R * c.N + i) = accN(i);
             outsum(is) = outs;
             wstate(is) = es * ws * vdk;
             dwv(is) = dwi + es * vdk;
@@ -631,30 +709,146 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
         },
         team_bytes, thread_bytes, 1);
   }
+  const auto dD = gr.dD;
+  par_for("mamba3::dD", c.H, KOKKOS_LAMBDA(index_t h) {
+    P acc = 0;
+    for (index_t b = 0; b < c.Bsz; ++b)
+      for (index_t ch = 0; ch < c.nc; ++ch) acc += dD_part(b, ch, h);
+    dD(h) += acc;
+  });
+}
 
-  // Rotation backward: dphi (direct) and the un-rotated gradients of the biased q, k (in place in dqt, dkt).
+// The SSD route's part of the backward, with the outputs of backward_portable: the SSD's backward (per-token
+// gradients of the decay exponents and weights), then the diagonal's correction (gamma_t - w_t) (q~ . k~) v and the
+// final carry's k and v (those of each row's last token).
+template <class T>
+void backward_ssd(const Ctx<T>& c, const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, const View2<const T>& dy,
+                  const Mamba3Carry<acc_t<T>>& dfin, const Mamba3ScanGrad<T>& gr, const View2<acc_t<T>>& dqkv,
+                  const View3<acc_t<T>>& da, const View3<acc_t<T>>& dw, const View3<acc_t<T>>& ddg,
+                  const View4<acc_t<T>>& dsh0) {
+  using P = acc_t<T>;
+  SSDGrad<T> g;
+  g.dxbc = dqkv;
+  g.dD = gr.dD;
+  g.dinit_state = dsh0;
+  g.dlog_decay = da;
+  g.dweight = dw;
+  ssd_backward<T>(ssd_shape(c, s), ssd_in(c, entering_states(c, in.init)), dy, dfin.S, g);
+  const bool has_dfinal = !dfin.empty();
+  const auto fv = dfin.v;
+  const auto fk = dfin.k;
+  const auto dvo = gr.dv;
+  const index_t v_col = in.v_col;
+  par_for_rows("mamba3::diagonal_bwd", c.Bsz * c.L * c.H, KOKKOS_LAMBDA(const Team& tm, index_t i) {
+    const index_t rw = i / c.H, h = i % c.H, b = rw / c.L, t = rw % c.L;
+    const P* q = c.qrow(rw, h, 0);
+    const P* k = c.krow(rw, h, 0);
+    const P* v = &c.qkv(rw, h * c.Pd);
+    const T* dyt = &dy(rw, h * c.Pd);
+    P qk = 0, dyv = 0;
+    Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(tm, c.N), [&](index_t n, P& a) { a += q[n] * k[n]; }, qk);
+    Kokkos::parallel_reduce(
+        Kokkos::ThreadVectorRange(tm, c.Pd), [&](index_t p, P& a) { a += P(dyt[p]) * v[p]; }, dyv);
+    const P f = c.gamma(b, h, t) - c.w(b, h, t), m = qk * dyv;
+    Kokkos::single(Kokkos::PerThread(tm), [&]() {
+      ddg(b, h, t) = m;
+      dw(b, h, t) -= m;  // the SSD counted the diagonal with weight w_t
+    });
+    const bool last = has_dfinal && t == c.L - 1;
+    P* dq = &dqkv(rw, c.q_off + h * c.N);
+    P* dk = &dqkv(rw, c.k_off + h * c.N);
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.N), [&](index_t n) {
+      dq[n] += f * dyv * k[n];
+      dk[n] += f * dyv * q[n] + (last ? fk(b, h, 0, n) : P(0));
+    });
+    const P* dx = &dqkv(rw, h * c.Pd);
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.Pd), [&](index_t p) {
+      dvo(rw, v_col + h * c.Pd + p) = static_cast<T>(dx[p] + f * qk * P(dyt[p]) + (last ? fv(b, h, 0, p) : P(0)));
+    });
+  });
+}
+
+}  // namespace
+
+template <class T>
+void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, const View2<const T>& dy,
+                          const Mamba3Carry<acc_t<T>>& dfin, const Mamba3ScanGrad<T>& gr) {
+  using P = acc_t<T>;
+  const Ctx<T> c = make_ctx(s, in);
+  const index_t rows = c.Bsz * c.L, HRN = c.H * c.R * c.N;
+  require(index_t(dy.extent(0)) == rows && index_t(dy.extent(1)) == c.H * c.R * c.Pd, "mamba3_scan_backward",
+          "dy must be (batch * seqlen, nheads * rank * headdim) = (", rows, ", ", c.H * c.R * c.Pd, ")");
+  require(index_t(gr.dv.extent(0)) == rows && gr.dv.extent(1) == in.v.extent(1) && index_t(gr.dqk.extent(0)) == rows &&
+              gr.dqk.extent(1) == in.qk.extent(1) && index_t(gr.ddd.extent(0)) == rows &&
+              gr.ddd.extent(1) == in.dd.extent(1),
+          "mamba3_scan_backward", "gradient matrices must have the shapes of the inputs");
+  recompute(c, in.init, View4<P>());
+  const bool has_dfinal = !dfin.empty(), has_init = !in.init.empty(), want_dinit = !gr.dinit.empty();
+  View4<P> dsh0(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::dsh0"), c.Bsz, c.H, c.Pd, c.N);
+  View2<P> dqkv(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::dqkv"), rows, c.qkv.extent(1));
+  View3<P> da(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::da"), c.Bsz, c.H, c.L);
+  View3<P> dw(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::dw"), c.Bsz, c.H, c.L);
+  View3<P> ddg(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::ddiag"), c.Bsz, c.H, c.L);
+  if (c.ssd)
+    backward_ssd(c, s, in, dy, dfin, gr, dqkv, da, dw, ddg, dsh0);
+  else
+    backward_portable(c, in, dy, dfin, gr, dqkv, da, dw, ddg, dsh0);
+
+  // Initial carry: Sh_{-1} = S_init + gp0 sum_r v_r k_r^T with gp0 = Delta_0 (1 - lambda_0).
+  View2<P> dgp0("mamba3::dgp0", c.Bsz, c.H);
+  {
+    const auto iv = in.init.v;
+    const auto ik = in.init.k;
+    const auto dS = gr.dinit.S;
+    const auto dk = gr.dinit.k;
+    const auto dv = gr.dinit.v;
+    par_for("mamba3::init_carry_bwd", c.Bsz * c.H, KOKKOS_LAMBDA(index_t bh) {
+      const index_t b = bh / c.H, h = bh % c.H;
+      const P gp0 = c.delta(b, h, 0) * (P(1) - c.lam(b, h, 0));
+      P acc = 0;
+      for (index_t r = 0; r < c.R; ++r) {
+        for (index_t p = 0; p < c.Pd; ++p) {
+          P dk_row = 0;  // sum_n dSh[p, n] k_r[n]
+          for (index_t n = 0; n < c.N; ++n) dk_row += dsh0(b, h, p, n) * (has_init ? ik(b, h, r, n) : P(0));
+          const P vv = has_init ? iv(b, h, r, p) : P(0);
+          acc += vv * dk_row;
+          if (want_dinit) dv(b, h, r, p) = gp0 * dk_row;
+        }
+        if (want_dinit)
+          for (index_t n = 0; n < c.N; ++n) {
+            P s2 = 0;
+            for (index_t p = 0; p < c.Pd; ++p) s2 += dsh0(b, h, p, n) * (has_init ? iv(b, h, r, p) : P(0));
+            dk(b, h, r, n) = gp0 * s2;
+          }
+      }
+      dgp0(b, h) = has_init ? acc : P(0);
+      if (want_dinit)
+        for (index_t p = 0; p < c.Pd; ++p)
+          for (index_t n = 0; n < c.N; ++n) dS(b, h, p, n) = dsh0(b, h, p, n);
+    });
+  }
+
+  // Rotation backward: dphi (direct) and the un-rotated gradients of the biased q, k (in place in dqkv); one
+  // (token, head) per thread, lanes over the angles.
   View4<P> dphi(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::dphi"), c.Bsz, c.H, c.L, c.S);
-  par_for("mamba3::rotate_bwd", rows, c.H, KOKKOS_LAMBDA(index_t rw, index_t h) {
-    const index_t b = rw / c.L, t = rw % c.L;
-    for (index_t i = 0; i < c.S; ++i) {
+  par_for_rows("mamba3::rotate_bwd", rows * c.H, KOKKOS_LAMBDA(const Team& tm, index_t j) {
+    const index_t rw = j / c.H, h = j % c.H, b = rw / c.L, t = rw % c.L;
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.S), [&](index_t i) {
       index_t i0, i1;
       c.pair(i, i0, i1);
       const P ph = c.phi(b, h, t, i), cs = Kokkos::cos(ph), sn = Kokkos::sin(ph);
       P acc = 0;
-      for (index_t r = 0; r < c.R; ++r) {
-        const index_t base = (h * c.R + r) * c.N;
+      for (index_t r = 0; r < c.R; ++r)
         for (int which = 0; which < 2; ++which) {
-          const View2<P>& val = which == 0 ? c.qt : c.kt;
-          const View2<P>& grd = which == 0 ? dqt : dkt;
-          const P y0 = val(rw, base + i0), y1 = val(rw, base + i1);
-          const P g0 = grd(rw, base + i0), g1 = grd(rw, base + i1);
+          const index_t base = (which == 0 ? c.q_off : c.k_off) + (h * c.R + r) * c.N;
+          const P y0 = c.qkv(rw, base + i0), y1 = c.qkv(rw, base + i1);
+          const P g0 = dqkv(rw, base + i0), g1 = dqkv(rw, base + i1);
           acc += -g0 * y1 + g1 * y0;
-          grd(rw, base + i0) = g0 * cs + g1 * sn;
-          grd(rw, base + i1) = -g0 * sn + g1 * cs;
+          dqkv(rw, base + i0) = g0 * cs + g1 * sn;
+          dqkv(rw, base + i1) = -g0 * sn + g1 * cs;
         }
-      }
       dphi(b, h, t, i) = acc;
-    }
+    });
   });
 
   // Phase cumsum backward, in place: dphi(t) becomes the total gradient of the increment at t.
@@ -711,27 +905,21 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
     const index_t r = rgn / (c.G * c.N), g = (rgn / c.N) % c.G, n = rgn % c.N;
     P sq = 0, sk = 0;
     for (index_t h = g * c.hpg; h < (g + 1) * c.hpg; ++h) {
-      sq += dqt(rw, (h * c.R + r) * c.N + n);
-      sk += dkt(rw, (h * c.R + r) * c.N + n);
+      sq += dqkv(rw, c.q_off + (h * c.R + r) * c.N + n);
+      sk += dqkv(rw, c.k_off + (h * c.R + r) * c.N + n);
     }
     dqk(rw, q_col + rgn) = static_cast<T>(sq);
     dqk(rw, k_col + rgn) = static_cast<T>(sk);
   });
   // Parameter gradients, ordered sums over rows.
-  column_reduce<P>("mamba3::dq_bias", rows, HRN, KOKKOS_LAMBDA(index_t i, index_t j) { return dqt(i, j); },
+  const index_t q_off = c.q_off, k_off = c.k_off;
+  column_reduce<P>("mamba3::dq_bias", rows, HRN, KOKKOS_LAMBDA(index_t i, index_t j) { return dqkv(i, q_off + j); },
                    gr.dq_bias, true);
-  column_reduce<P>("mamba3::dk_bias", rows, HRN, KOKKOS_LAMBDA(index_t i, index_t j) { return dkt(i, j); },
+  column_reduce<P>("mamba3::dk_bias", rows, HRN, KOKKOS_LAMBDA(index_t i, index_t j) { return dqkv(i, k_off + j); },
                    gr.dk_bias, true);
   const index_t L = c.L;
   column_reduce<P>("mamba3::ddt_bias", rows, c.H,
                    KOKKOS_LAMBDA(index_t i, index_t h) { return dut(i / L, h, i % L); }, gr.ddt_bias, true);
-  const auto dD = gr.dD;
-  par_for("mamba3::dD", c.H, KOKKOS_LAMBDA(index_t h) {
-    P acc = 0;
-    for (index_t b = 0; b < c.Bsz; ++b)
-      for (index_t ch = 0; ch < c.nc; ++ch) acc += dD_part(b, ch, h);
-    dD(h) += acc;
-  });
 }
 
 #define MM_INSTANTIATE(T)                                                                                     \

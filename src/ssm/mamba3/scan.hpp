@@ -28,12 +28,19 @@
 //   Sh_out = exp(Acs_last) Sh_in + sum_s exp(Acs_last - Acs_s) w_s sum_r' v_{s,r'} k_{s,r'}^T
 // where Sh_{-1} = S_init + Delta_0 (1 - lambda_0) sum_r v_prev,r k_prev,r^T. The backward recomputes the per-token
 // quantities, rotated q/k and the chunk states instead of storing them; every reduction is ordered (no atomics).
+//
+// SISO (R = 1) is the Mamba-2 SSD of ssm/mamba2/ssd.hpp with per-token decay exponent A_t Delta_t, weight w_t,
+// x = v and, per head (ngroups = nheads), B = k~, C = q~ (SSDIn::log_decay / weight), plus the diagonal's correction
+//   y_t += (gamma_t - w_t) (q~_t . k~_t) v_t
+// and Sh_{-1} as the SSD's initial state; Mamba3ScanShape::algo chooses between this file's kernels (portable) and
+// that route (gemm, fused: the SSD's GEMM formulation or tensor-core kernels, under `compute`).
 #pragma once
 
 #include <string>
 
 #include "core/kokkos_types.hpp"
 #include "layers/conv1d.hpp"  // SeqIdxView
+#include "ssm/mamba2/ssd.hpp"
 
 namespace mm {
 
@@ -45,7 +52,14 @@ struct Mamba3ScanShape {
   index_t chunk = 64;
   RopePairing pairing = RopePairing::interleaved;
   double A_floor = 1e-4;
+  // How the chunked scan is computed: portable = this file's kernels (every rank); gemm / fused = SISO through the
+  // SSD kernels (ssd.hpp) under `compute`; automatic = the SSD route on CUDA for SISO (gemm, or fused when compute
+  // is bf16, as ssd_resolved_algo), portable elsewhere. MIMO (rank > 1) always runs the portable kernels.
+  SSDAlgo algo = SSDAlgo::automatic;
+  GemmCompute compute = GemmCompute::fp32;
   index_t nchunks() const { return (seqlen + chunk - 1) / chunk; }
+  // The SSD route applies (SISO and an algorithm other than portable after resolution).
+  bool via_ssd() const;
   void validate(const char* where) const;
 };
 
