@@ -214,19 +214,52 @@ void token_scalars(const Ctx<T>& c) {
   });
 }
 
-// Cumulative rotary phases phi_t = (phi_{t-1} + pi tanh(theta_t) Delta_t) mod 2 pi.
+// Phase step of token t, angle i: (ph + pi tanh(theta_t) Delta_t) mod 2 pi, from 0 where a record starts.
+template <class T>
+KOKKOS_INLINE_FUNCTION acc_t<T> phase_step(const Ctx<T>& c, acc_t<T> ph, index_t b, index_t h, index_t t, index_t i) {
+  using P = acc_t<T>;
+  const P pi = Kokkos::numbers::pi_v<P>, two_pi = P(2) * pi;
+  if (t > 0 && !c.same(b, t, t - 1)) ph = P(0);  // a new record restarts its phase
+  ph += pi * Kokkos::tanh(P(c.dd(c.row(b, t), c.angle_col + i))) * c.delta(b, h, t);
+  return ph - two_pi * Kokkos::floor(ph / two_pi);
+}
+
+// Cumulative rotary phases phi_t = (phi_{t-1} + pi tanh(theta_t) Delta_t) mod 2 pi, over the chunks in parallel
+// (a thread walking a whole row was latency-bound: one dependent step per token): each chunk's phase from 0, then
+// per (row, head, angle) in chunk order the phase entering each chunk, then each chunk's phases from it. Without a
+// record start in a chunk (tokens t0 .. t1 - 1 continue the record of in_tok) its phases are the entering phase
+// plus its own; with one, its own from there on.
 template <class T>
 void phases(const Ctx<T>& c, const View3<acc_t<T>>& init_phi) {
   using P = acc_t<T>;
   const bool has_init = init_phi.extent(0) > 0;
-  par_for("mamba3::phases", c.Bsz * c.H, c.S, KOKKOS_LAMBDA(index_t bh, index_t i) {
+  View4<P> carry(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::phase_carry"), c.Bsz, c.H, c.nc, c.S);
+  par_for("mamba3::phases_local", c.Bsz * c.H * c.nc, c.S, KOKKOS_LAMBDA(index_t bhc, index_t i) {
+    const index_t ch = bhc % c.nc, bh = bhc / c.nc, b = bh / c.H, h = bh % c.H;
+    P ph = 0;
+    for (index_t t = ch * c.Q; t < c.chunk_end(ch); ++t) ph = phase_step(c, ph, b, h, t, i);
+    carry(b, h, ch, i) = ph;
+  });
+  par_for("mamba3::phases_carry", c.Bsz * c.H, c.S, KOKKOS_LAMBDA(index_t bh, index_t i) {
     const index_t b = bh / c.H, h = bh % c.H;
-    const P pi = Kokkos::numbers::pi_v<P>, two_pi = P(2) * pi;
+    const P two_pi = P(2) * Kokkos::numbers::pi_v<P>;
     P ph = has_init ? init_phi(b, h, i) : P(0);
-    for (index_t t = 0; t < c.L; ++t) {
-      if (t > 0 && !c.same(b, t, t - 1)) ph = P(0);  // a new record restarts its phase
-      ph += pi * Kokkos::tanh(P(c.dd(c.row(b, t), c.angle_col + i))) * c.delta(b, h, t);
-      ph -= two_pi * Kokkos::floor(ph / two_pi);
+    for (index_t ch = 0; ch < c.nc; ++ch) {
+      const P own = carry(b, h, ch, i);
+      carry(b, h, ch, i) = ph;
+      if (c.same(b, c.chunk_end(ch) - 1, c.in_tok(ch))) {
+        ph += own;
+        ph -= two_pi * Kokkos::floor(ph / two_pi);
+      } else {
+        ph = own;
+      }
+    }
+  });
+  par_for("mamba3::phases", c.Bsz * c.H * c.nc, c.S, KOKKOS_LAMBDA(index_t bhc, index_t i) {
+    const index_t ch = bhc % c.nc, bh = bhc / c.nc, b = bh / c.H, h = bh % c.H;
+    P ph = carry(b, h, ch, i);
+    for (index_t t = ch * c.Q; t < c.chunk_end(ch); ++t) {
+      ph = phase_step(c, ph, b, h, t, i);
       c.phi(b, h, t, i) = ph;
     }
   });
@@ -851,19 +884,39 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
     });
   });
 
-  // Phase cumsum backward, in place: dphi(t) becomes the total gradient of the increment at t.
+  // Phase cumsum backward, in place: dphi(t) becomes the total gradient of the increment at t,
+  //   run_t = dphi_t + [t + 1 continues t's record] run_{t+1}   (run_L = the final phase's gradient),
+  // over the chunks in parallel as the forward: each chunk's sum flowing out to the left from 0, then per (row,
+  // head, angle) from the right the sum flowing into each chunk, then each chunk's sums from it.
   {
     const auto fphi = dfin.phi;
     const auto dphi0 = gr.dinit.phi;
-    par_for("mamba3::phases_bwd", c.Bsz * c.H, c.S, KOKKOS_LAMBDA(index_t bh, index_t i) {
-      const index_t b = bh / c.H, h = bh % c.H;
-      P run = has_dfinal ? fphi(b, h, i) : P(0);
-      for (index_t t = c.L - 1; t >= 0; --t) {
+    View4<P> flow(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::phase_flow"), c.Bsz, c.H, c.nc, c.S);
+    auto walk = [=] KOKKOS_FUNCTION(index_t b, index_t h, index_t ch, index_t i, P run, bool write) {
+      for (index_t t = c.chunk_end(ch) - 1; t >= ch * c.Q; --t) {
         run += dphi(b, h, t, i);
-        dphi(b, h, t, i) = run;
+        if (write) dphi(b, h, t, i) = run;
         if (t > 0 && !c.same(b, t, t - 1)) run = P(0);  // phi_t does not depend on the previous record
       }
+      return run;
+    };
+    par_for("mamba3::phases_bwd_local", c.Bsz * c.H * c.nc, c.S, KOKKOS_LAMBDA(index_t bhc, index_t i) {
+      const index_t ch = bhc % c.nc, bh = bhc / c.nc;
+      flow(bh / c.H, bh % c.H, ch, i) = walk(bh / c.H, bh % c.H, ch, i, P(0), false);
+    });
+    par_for("mamba3::phases_bwd_carry", c.Bsz * c.H, c.S, KOKKOS_LAMBDA(index_t bh, index_t i) {
+      const index_t b = bh / c.H, h = bh % c.H;
+      P run = has_dfinal ? fphi(b, h, i) : P(0);
+      for (index_t ch = c.nc - 1; ch >= 0; --ch) {
+        const P own = flow(b, h, ch, i);
+        flow(b, h, ch, i) = run;
+        run = own + (c.same(b, c.chunk_end(ch) - 1, c.in_tok(ch)) ? run : P(0));
+      }
       if (want_dinit) dphi0(b, h, i) = run;
+    });
+    par_for("mamba3::phases_bwd", c.Bsz * c.H * c.nc, c.S, KOKKOS_LAMBDA(index_t bhc, index_t i) {
+      const index_t ch = bhc % c.nc, bh = bhc / c.nc;
+      walk(bh / c.H, bh % c.H, ch, i, flow(bh / c.H, bh % c.H, ch, i), true);
     });
   }
 
