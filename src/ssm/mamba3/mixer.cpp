@@ -216,15 +216,18 @@ void bc_norm_forward(const View2<T>& proj, const View1<const acc_t<T>>& wB, cons
                      const View2<acc_t<T>>& rstd) {
   using P = acc_t<T>;
   const index_t RGN = RG * N;
-  par_for("mamba3::bc_norm", proj.extent(0), 2 * RG, KOKKOS_LAMBDA(index_t i, index_t j) {
-    const index_t part = j / RG, grp = j % RG;
+  // one (token, group) per thread, lanes over the N values
+  par_for_rows("mamba3::bc_norm", proj.extent(0) * 2 * RG, KOKKOS_LAMBDA(const Team& tm, index_t ij) {
+    const index_t i = ij / (2 * RG), j = ij % (2 * RG), part = j / RG, grp = j % RG;
     const index_t src = 2 * E + (part == 0 ? RGN : 0) + grp * N, dst = part * RGN + grp * N;
     const auto& wt = part == 0 ? wC : wB;
+    const T* x = &proj(i, src);
     P ss = 0;
-    for (index_t m = 0; m < N; ++m) ss += P(proj(i, src + m)) * P(proj(i, src + m));
+    Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(tm, N), [&](index_t m, P& a) { a += P(x[m]) * P(x[m]); }, ss);
     const P r = P(1) / Kokkos::sqrt(ss / P(N) + eps);
-    rstd(i, j) = r;
-    for (index_t m = 0; m < N; ++m) qk(i, dst + m) = static_cast<T>(P(proj(i, src + m)) * r * wt(m));
+    Kokkos::single(Kokkos::PerThread(tm), [&]() { rstd(i, j) = r; });
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, N),
+                         [&](index_t m) { qk(i, dst + m) = static_cast<T>(P(x[m]) * r * wt(m)); });
   });
 }
 
@@ -239,25 +242,33 @@ void mimo_x_forward(const View2<T>& proj, const View1<const acc_t<T>>& mx, index
   });
 }
 
-// Gate (and the per-head norm, whose rstd it stores) and the MIMO down-projection into o.
+// Row kernels over (token i, head h, rank r), lanes over p: body(team, i, h, r).
+template <class F>
+void per_head_rank(const char* label, index_t n, index_t H, index_t R, const F& body) {
+  par_for_rows(label, n * H * R, KOKKOS_LAMBDA(const Team& tm, index_t ihr) {
+    body(tm, ihr / (H * R), (ihr / R) % H, ihr % R);
+  });
+}
+
+// Gate (and the per-head norm, whose rstd it stores first) and the MIMO down-projection into o; elementwise over
+// (token, column) so that a warp reads and writes contiguous columns.
 template <class T>
 void gate_forward(const Gate<T>& gt, acc_t<T> eps, const View2<T>& o) {
   using P = acc_t<T>;
-  par_for("mamba3::gate", o.extent(0), gt.H, KOKKOS_LAMBDA(index_t i, index_t h) {
-    for (index_t p = 0; p < gt.Pd; ++p) o(i, h * gt.Pd + p) = T(0);
-    for (index_t r = 0; r < gt.R; ++r) {
-      if (gt.norm) {
-        P ss = 0;
-        for (index_t p = 0; p < gt.Pd; ++p) {
-          const P yv = P(gt.y(i, (h * gt.R + r) * gt.Pd + p));
-          ss += yv * yv;
-        }
-        gt.rstd(i, h * gt.R + r) = P(1) / Kokkos::sqrt(ss / P(gt.Pd) + eps);
-      }
-      for (index_t p = 0; p < gt.Pd; ++p)
-        o(i, h * gt.Pd + p) = static_cast<T>(P(o(i, h * gt.Pd + p)) +
-                                             gt.mo_of(h, r, p) * gt.yw(i, h, r, p) * silu(gt.zz(i, h, r, p)));
-    }
+  const index_t n = o.extent(0);
+  if (gt.norm)
+    per_head_rank("mamba3::gate_rstd", n, gt.H, gt.R, KOKKOS_LAMBDA(const Team& tm, index_t i, index_t h, index_t r) {
+      const T* yr = &gt.y(i, (h * gt.R + r) * gt.Pd);
+      P ss = 0;
+      Kokkos::parallel_reduce(
+          Kokkos::ThreadVectorRange(tm, gt.Pd), [&](index_t p, P& a) { a += P(yr[p]) * P(yr[p]); }, ss);
+      Kokkos::single(Kokkos::PerThread(tm), [&]() { gt.rstd(i, h * gt.R + r) = P(1) / Kokkos::sqrt(ss / P(gt.Pd) + eps); });
+    });
+  par_for("mamba3::gate", n, gt.H * gt.Pd, KOKKOS_LAMBDA(index_t i, index_t hp) {
+    const index_t h = hp / gt.Pd, p = hp % gt.Pd;
+    P acc = 0;
+    for (index_t r = 0; r < gt.R; ++r) acc += gt.mo_of(h, r, p) * gt.yw(i, h, r, p) * silu(gt.zz(i, h, r, p));
+    o(i, hp) = static_cast<T>(acc);
   });
 }
 
@@ -381,35 +392,45 @@ void Mamba3Mixer<T>::backward(Mamba3Acts<T>& a, index_t batch, index_t seqlen, c
     gt.rstd = a.rstd_out;
     gt.w = store_->v1(norm_w_);
   }
-  par_for("mamba3::gate_bwd", n, H, KOKKOS_LAMBDA(index_t i, index_t h) {
-    for (index_t p = 0; p < gt.Pd; ++p) dproj(i, h * gt.Pd + p) = T(0);
-    for (index_t r = 0; r < gt.R; ++r) {
-      // dn = dL/d(yw) per p; with the norm, yw = y rstd w and dy = rstd (dn w - nrm * mean(dn w nrm))
+  // dn = dL/d(yw) per p; with the norm, yw = y rstd w and dy = rstd (dn w - nrm * mean(dn w nrm)): the means per
+  // (token, head, rank) first, then every element (dy, and dz into the z columns of dproj) on its own
+  View2<P> dots;
+  if (gt.norm) {
+    dots = make_uninit<View2<P>>("mamba3::gate_dots", n, H * R);
+    per_head_rank("mamba3::gate_bwd_dots", n, H, R, KOKKOS_LAMBDA(const Team& tm, index_t i, index_t h, index_t r) {
       P dot = 0;
-      if (gt.norm)
-        for (index_t p = 0; p < gt.Pd; ++p) {
-          const P G_ = P(dO(i, h * gt.Pd + p)) * gt.mo_of(h, r, p);
-          const P nrm = P(gt.y(i, (h * gt.R + r) * gt.Pd + p)) * gt.rstd(i, h * gt.R + r);
-          dot += G_ * silu(gt.zz(i, h, r, p)) * gt.w(h * gt.Pd + p) * nrm;
-        }
-      for (index_t p = 0; p < gt.Pd; ++p) {
-        const P G_ = P(dO(i, h * gt.Pd + p)) * gt.mo_of(h, r, p);
-        const P z2 = gt.zz(i, h, r, p), s = silu(z2);
-        P dyv;
-        if (gt.norm) {
-          const P rs = gt.rstd(i, h * gt.R + r);
-          const P nrm = P(gt.y(i, (h * gt.R + r) * gt.Pd + p)) * rs;
-          dyv = rs * (G_ * s * gt.w(h * gt.Pd + p) - nrm * dot / P(gt.Pd));
-        } else {
-          dyv = G_ * s;
-        }
-        dy(i, (h * gt.R + r) * gt.Pd + p) = static_cast<T>(dyv);
-        const P dzz = G_ * gt.yw(i, h, r, p) * dsilu(z2);
-        const P dz = gt.mimo ? dzz * gt.mz((h * gt.R + r) * gt.Pd + p) : dzz;
-        dproj(i, h * gt.Pd + p) = static_cast<T>(P(dproj(i, h * gt.Pd + p)) + dz);
+      Kokkos::parallel_reduce(
+          Kokkos::ThreadVectorRange(tm, gt.Pd),
+          [&](index_t p, P& acc) {
+            const P G_ = P(dO(i, h * gt.Pd + p)) * gt.mo_of(h, r, p);
+            const P nrm = P(gt.y(i, (h * gt.R + r) * gt.Pd + p)) * gt.rstd(i, h * gt.R + r);
+            acc += G_ * silu(gt.zz(i, h, r, p)) * gt.w(h * gt.Pd + p) * nrm;
+          },
+          dot);
+      Kokkos::single(Kokkos::PerThread(tm), [&]() { dots(i, h * gt.R + r) = dot; });
+    });
+  }
+  par_for("mamba3::gate_bwd", n, H * Pd, KOKKOS_LAMBDA(index_t i, index_t hp) {
+    const index_t h = hp / gt.Pd, p = hp % gt.Pd;
+    P dzsum = 0;
+    for (index_t r = 0; r < gt.R; ++r) {
+      const P G_ = P(dO(i, hp)) * gt.mo_of(h, r, p);
+      const P z2 = gt.zz(i, h, r, p), s = silu(z2);
+      P dyv;
+      if (gt.norm) {
+        const P rs = gt.rstd(i, h * gt.R + r);
+        const P nrm = P(gt.y(i, (h * gt.R + r) * gt.Pd + p)) * rs;
+        dyv = rs * (G_ * s * gt.w(h * gt.Pd + p) - nrm * dots(i, h * gt.R + r) / P(gt.Pd));
+      } else {
+        dyv = G_ * s;
       }
+      dy(i, (h * gt.R + r) * gt.Pd + p) = static_cast<T>(dyv);
+      const P dzz = G_ * gt.yw(i, h, r, p) * dsilu(z2);
+      dzsum += gt.mimo ? dzz * gt.mz((h * gt.R + r) * gt.Pd + p) : dzz;
     }
+    dproj(i, hp) = static_cast<T>(dzsum);
   });
+  dots = View2<P>();  // freed before the scan's backward
   if (gt.norm) {
     const index_t Rr = R, Pp = Pd;
     column_reduce<P>(
@@ -527,16 +548,19 @@ void Mamba3Mixer<T>::backward(Mamba3Acts<T>& a, index_t batch, index_t seqlen, c
   {
     const auto rstd = a.rstd_qk;
     const View1<const P> wB = store_->v1(B_norm_), wC = store_->v1(C_norm_);
-    par_for("mamba3::bc_norm_bwd", n, 2 * RG, KOKKOS_LAMBDA(index_t i, index_t j) {
-      const index_t part = j / RG, grp = j % RG;
+    par_for_rows("mamba3::bc_norm_bwd", n * 2 * RG, KOKKOS_LAMBDA(const Team& tm, index_t ij) {
+      const index_t i = ij / (2 * RG), j = ij % (2 * RG), part = j / RG, grp = j % RG;
       const index_t src = 2 * E + (part == 0 ? RGN : 0) + grp * N, dst = part * RGN + grp * N;
       const auto& wt = part == 0 ? wC : wB;
       const P r = rstd(i, j);
       P dot = 0;
-      for (index_t m = 0; m < N; ++m) dot += P(dqk(i, dst + m)) * wt(m) * P(proj(i, src + m));
+      Kokkos::parallel_reduce(
+          Kokkos::ThreadVectorRange(tm, N),
+          [&](index_t m, P& a) { a += P(dqk(i, dst + m)) * wt(m) * P(proj(i, src + m)); }, dot);
       const P cc = r * r * dot / P(N);
-      for (index_t m = 0; m < N; ++m)
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, N), [&](index_t m) {
         dproj(i, src + m) = static_cast<T>(r * (P(dqk(i, dst + m)) * wt(m) - P(proj(i, src + m)) * cc));
+      });
     });
     for (int part = 0; part < 2; ++part) {
       const index_t src0 = 2 * E + (part == 0 ? RGN : 0), dst0 = part * RGN, jo = part * RG;

@@ -1,6 +1,7 @@
 #include "ssm/mamba3/scan.hpp"
 
 #include "core/error.hpp"
+#include "core/pool.hpp"
 #include "tensor/ops.hpp"
 
 namespace mm {
@@ -103,7 +104,7 @@ struct Ctx {
 };
 
 template <class T>
-Ctx<T> make_ctx(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in) {
+Ctx<T> make_ctx(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, PoolScope& ws) {
   using P = acc_t<T>;
   s.validate("mamba3_scan");
   const index_t rows = s.batch * s.seqlen;
@@ -162,54 +163,56 @@ Ctx<T> make_ctx(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in) {
   c.hpg = s.nheads / s.ngroups;
   c.halved = s.pairing == RopePairing::halved;
   c.A_floor = P(s.A_floor);
-  auto v3 = [&](const std::string& l) { return View3<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, l), s.batch, s.nheads, s.seqlen); };
+  auto v3 = [&](const std::string& l) { return ws.take<View3<P>>(l, s.batch, s.nheads, s.seqlen); };
   c.delta = v3("mamba3::delta");
   c.lam = v3("mamba3::lambda");
   c.Av = v3("mamba3::A");
-  c.acs = v3("mamba3::acs");
+  if (!s.via_ssd()) c.acs = v3("mamba3::acs");
   c.w = v3("mamba3::w");
-  c.phi = View4<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::phi"), s.batch, s.nheads, s.seqlen,
-                   s.nangles);
+  c.phi = ws.take<View4<P>>("mamba3::phi", s.batch, s.nheads, s.seqlen, s.nangles);
   c.ssd = s.via_ssd();
   const index_t xw = c.ssd ? s.nheads * s.headdim : 0;  // v's columns (SSD route)
   c.k_off = xw;
   c.q_off = xw + HRN;
-  c.qkv = View2<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::qkv"), rows, xw + 2 * HRN);
+  c.qkv = ws.take<View2<P>>("mamba3::qkv", rows, xw + 2 * HRN);
   if (c.ssd) {
     c.ad = v3("mamba3::a_delta");
   } else {  // the portable kernels' chunk states (the SSD keeps its own)
-    c.states = View5<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::states"), s.batch, c.nc, s.nheads,
-                        s.headdim, s.dstate);
+    c.states = ws.take<View5<P>>("mamba3::states", s.batch, c.nc, s.nheads, s.headdim, s.dstate);
   }
   return c;
 }
 
-// Per-token scalars: Delta, lambda, A_t, the in-chunk cumsum of A Delta and the weight w_t = gamma_t + gamma'_t
-// (gamma'_t = Delta_{t+1} (1 - lambda_{t+1}) is recomputed from the next token's inputs, so chunks are independent).
+// Per-token scalars: Delta, lambda, A_t and the weight w_t = gamma_t + gamma'_t (gamma'_t = Delta_{t+1}
+// (1 - lambda_{t+1}) is recomputed from the next token's inputs, so every token is independent); then A_t Delta_t
+// (the SSD route's decay exponents) or the in-chunk cumsum of A Delta (the portable kernels').
 template <class T>
 void token_scalars(const Ctx<T>& c) {
   using P = acc_t<T>;
-  par_for("mamba3::token_scalars", c.Bsz * c.H, c.nc, KOKKOS_LAMBDA(index_t bh, index_t ch) {
+  par_for("mamba3::token_scalars", c.Bsz * c.H, c.L, KOKKOS_LAMBDA(index_t bh, index_t t) {
+    const index_t b = bh / c.H, h = bh % c.H, rw = c.row(b, t);
+    const P d = softplus(P(c.dd(rw, c.dt_col + h)) + c.dt_bias(h));
+    const P f = heavy_tail(P(c.dd(rw, c.A_col + h)));
+    const P A = -(f > c.A_floor ? f : c.A_floor);
+    const P lm = sigmoid(P(c.dd(rw, c.trap_col + h)));
+    c.delta(b, h, t) = d;
+    c.lam(b, h, t) = lm;
+    c.Av(b, h, t) = A;
+    if (c.ssd) c.ad(b, h, t) = A * d;
+    P gp = 0;
+    if (t + 1 < c.L && c.same(b, t + 1, t)) {  // no beta term across a record boundary
+      const P dn = softplus(P(c.dd(rw + 1, c.dt_col + h)) + c.dt_bias(h));
+      gp = dn * (P(1) - sigmoid(P(c.dd(rw + 1, c.trap_col + h))));
+    }
+    c.w(b, h, t) = lm * d + gp;
+  });
+  if (c.ssd) return;
+  par_for("mamba3::chunk_cumsum", c.Bsz * c.H, c.nc, KOKKOS_LAMBDA(index_t bh, index_t ch) {
     const index_t b = bh / c.H, h = bh % c.H;
     P run = 0;
     for (index_t t = ch * c.Q; t < c.chunk_end(ch); ++t) {
-      const index_t rw = c.row(b, t);
-      const P d = softplus(P(c.dd(rw, c.dt_col + h)) + c.dt_bias(h));
-      const P f = heavy_tail(P(c.dd(rw, c.A_col + h)));
-      const P A = -(f > c.A_floor ? f : c.A_floor);
-      const P lm = sigmoid(P(c.dd(rw, c.trap_col + h)));
-      c.delta(b, h, t) = d;
-      c.lam(b, h, t) = lm;
-      c.Av(b, h, t) = A;
-      run += A * d;
+      run += c.Av(b, h, t) * c.delta(b, h, t);
       c.acs(b, h, t) = run;
-      if (c.ssd) c.ad(b, h, t) = A * d;
-      P gp = 0;
-      if (t + 1 < c.L && c.same(b, t + 1, t)) {  // no beta term across a record boundary
-        const P dn = softplus(P(c.dd(rw + 1, c.dt_col + h)) + c.dt_bias(h));
-        gp = dn * (P(1) - sigmoid(P(c.dd(rw + 1, c.trap_col + h))));
-      }
-      c.w(b, h, t) = lm * d + gp;
     }
   });
 }
@@ -233,7 +236,8 @@ template <class T>
 void phases(const Ctx<T>& c, const View3<acc_t<T>>& init_phi) {
   using P = acc_t<T>;
   const bool has_init = init_phi.extent(0) > 0;
-  View4<P> carry(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::phase_carry"), c.Bsz, c.H, c.nc, c.S);
+  PoolScope ws;  // the chunks' carries, returned at the end
+  View4<P> carry = ws.take<View4<P>>("mamba3::phase_carry", c.Bsz, c.H, c.nc, c.S);
   par_for("mamba3::phases_local", c.Bsz * c.H * c.nc, c.S, KOKKOS_LAMBDA(index_t bhc, index_t i) {
     const index_t ch = bhc % c.nc, bh = bhc / c.nc, b = bh / c.H, h = bh % c.H;
     P ph = 0;
@@ -404,10 +408,10 @@ SSDIn<T> ssd_in(const Ctx<T>& c, const View4<acc_t<T>>& sh0) {
 
 // Sh_{-1} of every (row, head), or empty without an initial carry.
 template <class T>
-View4<acc_t<T>> entering_states(const Ctx<T>& c, const Mamba3Carry<acc_t<T>>& init) {
+View4<acc_t<T>> entering_states(const Ctx<T>& c, const Mamba3Carry<acc_t<T>>& init, PoolScope& ws) {
   using P = acc_t<T>;
   if (init.empty()) return View4<P>();
-  View4<P> sh0(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::sh0"), c.Bsz, c.H, c.Pd, c.N);
+  View4<P> sh0 = ws.take<View4<P>>("mamba3::sh0", c.Bsz, c.H, c.Pd, c.N);
   par_for("mamba3::entering_states", c.Bsz * c.H, c.Pd * c.N, KOKKOS_LAMBDA(index_t bh, index_t pn) {
     const index_t b = bh / c.H, h = bh % c.H, p = pn / c.N, n = pn % c.N;
     sh0(b, h, p, n) = entering(c, init, b, h, p, n);
@@ -419,9 +423,9 @@ View4<acc_t<T>> entering_states(const Ctx<T>& c, const Mamba3Carry<acc_t<T>>& in
 // w_t); final_S (when non-empty) gets the state after the last token.
 template <class T>
 void forward_ssd(const Ctx<T>& c, const Mamba3ScanShape& s, const Mamba3Carry<acc_t<T>>& init, const View2<T>& y,
-                 const View4<acc_t<T>>& final_S) {
+                 const View4<acc_t<T>>& final_S, PoolScope& ws) {
   using P = acc_t<T>;
-  ssd_forward<T>(ssd_shape(c, s), ssd_in(c, entering_states(c, init)), y, final_S);
+  ssd_forward<T>(ssd_shape(c, s), ssd_in(c, entering_states(c, init, ws)), y, final_S);
   par_for_rows("mamba3::diagonal", c.Bsz * c.L * c.H, KOKKOS_LAMBDA(const Team& tm, index_t i) {
     const index_t rw = i / c.H, h = i % c.H, b = rw / c.L, t = rw % c.L;
     const P* q = c.qrow(rw, h, 0);
@@ -441,7 +445,8 @@ template <class T>
 void mamba3_scan_forward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, const View2<T>& y,
                          const Mamba3Carry<acc_t<T>>& fin) {
   using P = acc_t<T>;
-  const Ctx<T> c = make_ctx(s, in);
+  PoolScope ws;  // the call's buffers: cached device blocks, returned at the end
+  const Ctx<T> c = make_ctx(s, in, ws);
   require(index_t(y.extent(0)) == c.Bsz * c.L && index_t(y.extent(1)) == c.H * c.R * c.Pd, "mamba3_scan_forward",
           "y must be (batch * seqlen, nheads * rank * headdim) = (", c.Bsz * c.L, ", ", c.H * c.R * c.Pd, ")");
   const bool has_final = !fin.empty();
@@ -453,7 +458,7 @@ void mamba3_scan_forward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, co
             "mamba3_scan_forward", "final carry does not match the shape");
   recompute(c, in.init, fin.S);
   if (c.ssd)
-    forward_ssd(c, s, in.init, y, fin.S);
+    forward_ssd(c, s, in.init, y, fin.S, ws);
   else
     par_for_team(
       "mamba3::chunk_scan", c.Bsz * c.nc * c.H,
@@ -526,9 +531,10 @@ void backward_portable(const Ctx<T>& c, const Mamba3ScanIn<T>& in, const View2<c
                        const View3<acc_t<T>>& da, const View3<acc_t<T>>& dw, const View3<acc_t<T>>& ddg,
                        const View4<acc_t<T>>& dsh0) {
   using P = acc_t<T>;
+  PoolScope ws;  // dstates and the partial sums of dD, returned at the end
   const bool has_dfinal = !dfin.empty();
   // dstates(b, c) = sum_{t in c} exp(Acs_t) sum_r dy_{t,r} q~_{t,r}^T  (gradient of Sh_in from chunk c's outputs)
-  View5<P> dstates(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::dstates"), c.Bsz, c.nc, c.H, c.Pd, c.N);
+  View5<P> dstates = ws.take<View5<P>>("mamba3::dstates", c.Bsz, c.nc, c.H, c.Pd, c.N);
   par_for_team("mamba3::dstates_local", c.Bsz * c.nc * c.H, KOKKOS_LAMBDA(const Team& tm) {
     index_t b, ch, h;
     c.decode(tm.league_rank(), b, ch, h);
@@ -565,7 +571,7 @@ void backward_portable(const Ctx<T>& c, const Mamba3ScanIn<T>& in, const View2<c
   }
 
   // Per chunk and head: dv, dq~, dk~, and the per-token scalar gradients da (of A_t Delta_t), dw, and dgamma_diag.
-  View3<P> dD_part(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::dD_part"), c.Bsz, c.nc, c.H);
+  View3<P> dD_part = ws.take<View3<P>>("mamba3::dD_part", c.Bsz, c.nc, c.H);
   {
     const auto dvo = gr.dv;
     const index_t v_col = in.v_col, Q = c.Q;
@@ -758,7 +764,7 @@ template <class T>
 void backward_ssd(const Ctx<T>& c, const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, const View2<const T>& dy,
                   const Mamba3Carry<acc_t<T>>& dfin, const Mamba3ScanGrad<T>& gr, const View2<acc_t<T>>& dqkv,
                   const View3<acc_t<T>>& da, const View3<acc_t<T>>& dw, const View3<acc_t<T>>& ddg,
-                  const View4<acc_t<T>>& dsh0) {
+                  const View4<acc_t<T>>& dsh0, PoolScope& ws) {
   using P = acc_t<T>;
   SSDGrad<T> g;
   g.dxbc = dqkv;
@@ -766,7 +772,7 @@ void backward_ssd(const Ctx<T>& c, const Mamba3ScanShape& s, const Mamba3ScanIn<
   g.dinit_state = dsh0;
   g.dlog_decay = da;
   g.dweight = dw;
-  ssd_backward<T>(ssd_shape(c, s), ssd_in(c, entering_states(c, in.init)), dy, dfin.S, g);
+  ssd_backward<T>(ssd_shape(c, s), ssd_in(c, entering_states(c, in.init, ws)), dy, dfin.S, g);
   const bool has_dfinal = !dfin.empty();
   const auto fv = dfin.v;
   const auto fk = dfin.k;
@@ -807,7 +813,8 @@ template <class T>
 void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, const View2<const T>& dy,
                           const Mamba3Carry<acc_t<T>>& dfin, const Mamba3ScanGrad<T>& gr) {
   using P = acc_t<T>;
-  const Ctx<T> c = make_ctx(s, in);
+  PoolScope ws;  // the call's buffers: cached device blocks, returned at the end
+  const Ctx<T> c = make_ctx(s, in, ws);
   const index_t rows = c.Bsz * c.L, HRN = c.H * c.R * c.N;
   require(index_t(dy.extent(0)) == rows && index_t(dy.extent(1)) == c.H * c.R * c.Pd, "mamba3_scan_backward",
           "dy must be (batch * seqlen, nheads * rank * headdim) = (", rows, ", ", c.H * c.R * c.Pd, ")");
@@ -817,18 +824,18 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
           "mamba3_scan_backward", "gradient matrices must have the shapes of the inputs");
   recompute(c, in.init, View4<P>());
   const bool has_dfinal = !dfin.empty(), has_init = !in.init.empty(), want_dinit = !gr.dinit.empty();
-  View4<P> dsh0(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::dsh0"), c.Bsz, c.H, c.Pd, c.N);
-  View2<P> dqkv(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::dqkv"), rows, c.qkv.extent(1));
-  View3<P> da(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::da"), c.Bsz, c.H, c.L);
-  View3<P> dw(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::dw"), c.Bsz, c.H, c.L);
-  View3<P> ddg(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::ddiag"), c.Bsz, c.H, c.L);
+  View4<P> dsh0 = ws.take<View4<P>>("mamba3::dsh0", c.Bsz, c.H, c.Pd, c.N);
+  View2<P> dqkv = ws.take<View2<P>>("mamba3::dqkv", rows, c.qkv.extent(1));
+  View3<P> da = ws.take<View3<P>>("mamba3::da", c.Bsz, c.H, c.L);
+  View3<P> dw = ws.take<View3<P>>("mamba3::dw", c.Bsz, c.H, c.L);
+  View3<P> ddg = ws.take<View3<P>>("mamba3::ddiag", c.Bsz, c.H, c.L);
   if (c.ssd)
-    backward_ssd(c, s, in, dy, dfin, gr, dqkv, da, dw, ddg, dsh0);
+    backward_ssd(c, s, in, dy, dfin, gr, dqkv, da, dw, ddg, dsh0, ws);
   else
     backward_portable(c, in, dy, dfin, gr, dqkv, da, dw, ddg, dsh0);
 
   // Initial carry: Sh_{-1} = S_init + gp0 sum_r v_r k_r^T with gp0 = Delta_0 (1 - lambda_0).
-  View2<P> dgp0("mamba3::dgp0", c.Bsz, c.H);
+  View2<P> dgp0 = ws.take<View2<P>>("mamba3::dgp0", c.Bsz, c.H);  // every entry written below
   {
     const auto iv = in.init.v;
     const auto ik = in.init.k;
@@ -863,7 +870,7 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
 
   // Rotation backward: dphi (direct) and the un-rotated gradients of the biased q, k (in place in dqkv); one
   // (token, head) per thread, lanes over the angles.
-  View4<P> dphi(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::dphi"), c.Bsz, c.H, c.L, c.S);
+  View4<P> dphi = ws.take<View4<P>>("mamba3::dphi", c.Bsz, c.H, c.L, c.S);
   par_for_rows("mamba3::rotate_bwd", rows * c.H, KOKKOS_LAMBDA(const Team& tm, index_t j) {
     const index_t rw = j / c.H, h = j % c.H, b = rw / c.L, t = rw % c.L;
     Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.S), [&](index_t i) {
@@ -891,7 +898,8 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
   {
     const auto fphi = dfin.phi;
     const auto dphi0 = gr.dinit.phi;
-    View4<P> flow(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::phase_flow"), c.Bsz, c.H, c.nc, c.S);
+    PoolScope local;  // returned at the end of the block
+    View4<P> flow = local.take<View4<P>>("mamba3::phase_flow", c.Bsz, c.H, c.nc, c.S);
     auto walk = [=] KOKKOS_FUNCTION(index_t b, index_t h, index_t ch, index_t i, P run, bool write) {
       for (index_t t = c.chunk_end(ch) - 1; t >= ch * c.Q; --t) {
         run += dphi(b, h, t, i);
@@ -922,7 +930,7 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
 
   // Per-token chain: Delta, lambda, A_t -> dd_dt, dd_A, trap; dut keeps d(dd_dt) in the accumulation type.
   const auto ddd = gr.ddd;
-  View3<P> dut(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba3::dut"), c.Bsz, c.H, c.L);
+  View3<P> dut = ws.take<View3<P>>("mamba3::dut", c.Bsz, c.H, c.L);
   par_for("mamba3::token_bwd", c.Bsz * c.H, c.L, KOKKOS_LAMBDA(index_t bh, index_t t) {
     const index_t b = bh / c.H, h = bh % c.H;
     const P pi = Kokkos::numbers::pi_v<P>;
