@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <sstream>
 #include <tuple>
+#include <utility>
 
 #include "core/error.hpp"
 #include "ssm/mamba2/ssd_fused.hpp"
@@ -124,6 +125,43 @@ Dims window_dims(const Dims& d, index_t window) {
   return w;
 }
 
+// ssd.cpp's per-call context: Delta and the cumsum (H n), the chunk states, C B^T per group, and with G > 1 the
+// pointer arrays of its GEMMs batched over groups.
+double ssd_ctx_bytes(double H, double G, double N, double P, double Q, const Dims& d) {
+  const double nc = std::ceil(d.L / Q);
+  return d.a * 2 * H * d.n + d.a * d.b * nc * H * P * N + d.a * d.b * nc * G * Q * Q +
+         (G > 1 ? 3.0 * 8.0 * G * d.b * nc : 0.0);
+}
+
+// The SSD's own buffers in its GEMM formulation or fused kernels (ssd.cpp) for H heads of headdim P in G groups,
+// beyond its inputs and outputs: {forward, backward}.
+std::pair<double, double> ssd_gemm_mem(double H, double G, double N, double P, double Q, const SSDShape& shape,
+                                       const Dims& d) {
+  const double E = H * P, nc = std::ceil(d.L / Q);
+  const double states = d.a * d.b * nc * H * P * N;
+  const double ctx = ssd_ctx_bytes(H, G, N, P, Q, d);
+  // xw (n, H P), Q x Q workspaces for hb heads at a time (ssd_gemm_blocks), and in the backward e_in dY (n, H P),
+  // one summed dCB workspace per run of a block, the GEMMs' pointer arrays, dstates, the partial sums, six per-token
+  // sums and B dH^T and C S_in^T of the block's heads. No team scratch.
+  const double per_head = d.a * d.b * nc * Q * Q;
+  const SSDGemmBlocks bl = ssd_gemm_blocks(index_t(H), index_t(G), per_head);
+  const double hb = double(bl.heads), runs = double(bl.runs);
+  const double pointers = 3.0 * 8.0 * hb * d.b * nc;  // operand pointers of the (chunk, head) GEMMs
+  const double fwd = ctx + d.a * d.n * E + hb * per_head + pointers;
+  double bwd = ctx + 2 * d.a * d.n * E + (hb + runs) * per_head + pointers + states + d.a * d.b * nc * H * 3 +
+               6 * d.a * hb * d.n + 2 * d.a * d.n * hb * P;
+  if (ssd_resolved_algo(shape) == SSDAlgo::fused && d.a == 4.0 && ssd_fused::fits(int(P), int(N), int(Q))) {
+    // the fused backward: no per-head Q x Q workspace, pointers, B dH^T or C S_in^T; blocks of heads sized by
+    // the six per-token sums and each source tile's part of the incoming sums
+    const double tiles = std::ceil(Q / 64);
+    const SSDGemmBlocks fb = ssd_gemm_blocks(index_t(H), index_t(G), ssd_fused_head_bytes(d.n, index_t(Q), d.a));
+    const double fh = double(fb.heads), fr = double(fb.runs);
+    bwd = ctx + 2 * d.a * d.n * E + fr * per_head + states + d.a * d.b * nc * H * 3 + 6 * d.a * fh * d.n +
+          d.a * tiles * fh * d.n;
+  }
+  return {fwd, bwd};
+}
+
 LayerMem mem_mamba2(const Mamba2Config& c, const Dims& d, Recompute pol) {
   if (c.window > 0 && d.L > double(c.window)) {
     Mamba2Config cw = c;
@@ -142,7 +180,7 @@ LayerMem mem_mamba2(const Mamba2Config& c, const Dims& d, Recompute pol) {
   m.full = d.n * (d.t * (din + C + 2 * E) + d.a * G);
   m.keep = pol == Recompute::none ? m.full : 0.0;
   const double states = d.a * d.b * nc * H * P * N;
-  const double ctx = d.a * 2 * H * d.n + states + d.a * d.b * nc * G * Q * Q;
+  const double ctx = ssd_ctx_bytes(H, G, N, P, Q, d);
   m.fwd_extra = ctx;
   const double grads = d.n * d.t * (2 * E + din + C);  // dyn, dy, dzxbcdt, dxbc
   const double conv_bwd = d.a * d.n * C;
@@ -150,26 +188,9 @@ LayerMem mem_mamba2(const Mamba2Config& c, const Dims& d, Recompute pol) {
   shape.algo = c.ssd_algo;
   shape.compute = c.ssd_compute;
   if (ssd_resolved_algo(shape) != SSDAlgo::portable) {  // gemm, or fused (whose backward is gemm's)
-    // ssd.cpp's GEMM formulation: xw (n, H P), Q x Q workspaces for hb heads at a time (ssd_gemm_blocks), and in
-    // the backward e_in dY (n, H P), one summed dCB workspace per run of a block, the GEMMs' pointer arrays, dstates, the partial sums, six
-    // per-token sums and B dH^T and C S_in^T of the block's heads. No team scratch.
-    const double per_head = d.a * d.b * nc * Q * Q;
-    const SSDGemmBlocks bl = ssd_gemm_blocks(index_t(H), index_t(G), per_head);
-    const double hb = double(bl.heads), runs = double(bl.runs);
-    const double pointers = 3.0 * 8.0 * hb * d.b * nc;  // operand pointers of the (chunk, head) GEMMs
-    m.fwd_extra = ctx + d.a * d.n * E + hb * per_head + pointers;
-    double scan_bwd = ctx + 2 * d.a * d.n * E + (hb + runs) * per_head + pointers + states + d.a * d.b * nc * H * 3 +
-                      6 * d.a * hb * d.n + 2 * d.a * d.n * hb * P;
-    if (ssd_resolved_algo(shape) == SSDAlgo::fused && d.a == 4.0 && ssd_fused::fits(int(P), int(N), int(Q))) {
-      // the fused backward: no per-head Q x Q workspace, pointers, B dH^T or C S_in^T; blocks of heads sized by
-      // the six per-token sums and each source tile's part of the incoming sums
-      const double tiles = std::ceil(Q / 64);
-      const SSDGemmBlocks fb = ssd_gemm_blocks(index_t(H), index_t(G), ssd_fused_head_bytes(d.n, index_t(Q), d.a));
-      const double fh = double(fb.heads), fr = double(fb.runs);
-      scan_bwd = ctx + 2 * d.a * d.n * E + fr * per_head + states + d.a * d.b * nc * H * 3 + 6 * d.a * fh * d.n +
-                 d.a * tiles * fh * d.n;
-    }
-    m.bwd_extra = grads + std::max(scan_bwd, conv_bwd);
+    const auto [fwd, bwd] = ssd_gemm_mem(H, G, N, P, Q, shape, d);
+    m.fwd_extra = fwd;
+    m.bwd_extra = grads + std::max(bwd, conv_bwd);
     return m;
   }
   const double scan_bwd = ctx + states + 2 * d.a * d.n * H * N + d.a * d.b * nc * H * 3;
@@ -222,16 +243,38 @@ LayerMem mem_mamba3(const Mamba3Config& c, const Dims& d, Recompute pol) {
   m.full = d.n * (d.t * (din + 2 * RGN + (c.is_mimo ? HRP : 0.0) + HRP + E) + d.a * 2 * R * G +
                   (c.is_outproj_norm ? d.a * H * R : 0.0));
   m.keep = pol == Recompute::none ? m.full : 0.0;
+  const double grads = d.n * d.t * (E + din + HRP + 2 * RGN + (c.is_mimo ? HRP : 0.0));
+  const double carry = d.a * d.b * H * nc * S;  // the rotary phases' per-chunk carries (while they are formed)
+  Mamba3ScanShape ss;
+  ss.rank = c.rank();
+  ss.algo = c.scan_algo;
+  ss.compute = c.scan_compute;
+  if (ss.via_ssd()) {
+    // SISO through the SSD (scan.cpp): Delta, lambda, A, w, A Delta, the phases and [v | k~ | q~] per head, then
+    // the SSD's own buffers with one group per head; the backward's dsh0, d[v | k~ | q~] and three per-token
+    // gradients around the SSD's backward
+    SSDShape sh;
+    sh.algo = c.scan_algo;
+    sh.compute = c.scan_compute;
+    const auto [fwd, bwd] = ssd_gemm_mem(H, H, N, P, Q, sh, d);
+    const double ctx = d.a * d.n * (5 * H + H * S + H * P + 2 * H * N);
+    m.fwd_extra = ctx + std::max(carry, fwd);
+    m.bwd_extra = grads + ctx + d.a * d.b * H * P * N + d.a * d.n * (H * P + 2 * H * N + 3 * H) + bwd;
+    return m;
+  }
+  // the portable kernels (scan.cpp): Delta, lambda, A, the in-chunk cumsum, w, the phases, rotated q and k, and the
+  // chunk states
   const double states = d.a * d.b * nc * H * P * N;
   const double ctx = d.a * d.n * (5 * H + H * S + 2 * H * R * N) + states;
-  m.fwd_extra = ctx;
-  const double grads = d.n * d.t * (E + din + HRP + 2 * RGN + (c.is_mimo ? HRP : 0.0));
-  // dstates, dsh0, dgp0, dqt, dkt, da, dw, ddiag, dphi, dut, dD_part, then the column_reduce partials of
-  // dq_bias / dk_bias (one at a time: ceil(n / 256) rows of H R N)
-  const double scan_bwd = ctx + states + d.a * d.b * H * (P * N + 1) +
-                          d.a * d.n * (2 * H * R * N + 4 * H + H * S) + d.a * d.b * nc * H +
-                          d.a * std::ceil(d.n / 256.0) * H * R * N;
-  m.bwd_extra = grads + scan_bwd;
+  m.fwd_extra = ctx + carry;
+  // backward: dsh0, dq~ and dk~, da, dw, ddiag, then dstates and the partial sums of dD (freed at the end of
+  // the chunk kernels), or later dgp0, dphi and the phases' flows, then in their place dut and the column_reduce
+  // partials of dq_bias / dk_bias (one at a time: ceil(n / 256) rows of H R N)
+  const double base = ctx + d.a * d.b * H * P * N + d.a * d.n * (2 * H * R * N + 3 * H);
+  const double chunks = states + d.a * d.b * nc * H;
+  const double late = d.a * d.b * H + d.a * d.n * H * S +
+                      std::max(carry, d.a * d.n * H + d.a * std::ceil(d.n / 256.0) * H * R * N);
+  m.bwd_extra = grads + base + std::max(chunks, late);
   return m;
 }
 

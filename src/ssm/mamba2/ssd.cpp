@@ -66,6 +66,7 @@ struct Ctx {
   View5<P> cb;          // (batch, nchunks, G, Q, Q): C_l . B_s for s <= l, shared by the heads of a group
   View3<const P> pa, pw;  // SSDIn::log_decay and weight (per_token: delta holds the weight), or empty
   bool pre = false;
+  std::uintptr_t* gptrs = nullptr;  // with G > 1: pointer arrays of the per-group GEMMs batched over groups
 
   KOKKOS_INLINE_FUNCTION index_t row(index_t b, index_t t) const { return b * L + t; }
   KOKKOS_INLINE_FUNCTION int rec(index_t b, index_t t) const { return seq.extent(0) > 0 ? seq(b, t) : 0; }
@@ -144,6 +145,8 @@ Ctx<T> make_ctx(const SSDShape& s, const SSDIn<T>& in, PoolScope& ws) {
   c.acs = ws.take<View3<P>>("ssd::acs", s.batch, s.nheads, s.seqlen);
   c.states = ws.take<View5<P>>("ssd::states", s.batch, c.nc, s.nheads, s.headdim, s.dstate);
   c.cb = ws.take<View5<P>>("ssd::cb", s.batch, c.nc, s.ngroups, s.chunk, s.chunk);
+  if (s.ngroups > 1)
+    c.gptrs = ws.take<View1<std::uintptr_t>>("ssd::group_pointers", 3 * s.ngroups * s.batch * c.nc).data();
   return c;
 }
 
@@ -464,9 +467,8 @@ template <class T>
 void chunk_cb(const Ctx<T>& c, GemmCompute cmp) {
   const T* X = c.xbc.data();
   const index_t ldx = index_t(c.xbc.stride(0));
-  for (index_t grp = 0; grp < c.G; ++grp)
-    chunk_gemm<T>(c, cmp, Trans::N, Trans::T, kQ, kQ, c.N, T(1), tok(X + c.c_col + grp * c.N, ldx),
-                  tok(X + c.b_col + grp * c.N, ldx), T(0), blk(c.cb.data() + grp * c.Q * c.Q, c.Q, c.G * c.Q * c.Q));
+  chunk_gemm<T>(c, cmp, Trans::N, Trans::T, kQ, kQ, c.N, T(1), tok(X + c.c_col, ldx, c.N), tok(X + c.b_col, ldx, c.N),
+                T(0), blk(c.cb.data(), c.Q, c.G * c.Q * c.Q, c.Q * c.Q), c.G, c.gptrs);
 }
 
 // Chunk-local states (into c.states), then the state passing (c.states becomes the state entering each chunk),
@@ -486,9 +488,8 @@ void gemm_states_and_cb(const Ctx<T>& c, const GemmCtx<T>& g, GemmCompute cmp, c
   const T* X = c.xbc.data();
   const index_t PN = c.Pd * c.N, gP = c.hpg * c.Pd;
   // S_loc of a group's heads (rows (h, p) of the states): (xw of the group)^T B
-  for (index_t grp = 0; grp < c.G; ++grp)
-    chunk_gemm<T>(c, cmp, Trans::T, Trans::N, gP, c.N, kQ, T(1), tok<const T*>(xw.data() + grp * gP, g.HP),
-                  tok(X + c.b_col + grp * c.N, g.ldx), T(0), blk(c.states.data() + grp * c.hpg * PN, c.N, c.H * PN));
+  chunk_gemm<T>(c, cmp, Trans::T, Trans::N, gP, c.N, kQ, T(1), tok<const T*>(xw.data(), g.HP, gP),
+                tok(X + c.b_col, g.ldx, c.N), T(0), blk(c.states.data(), c.N, c.H * PN, c.hpg * PN), c.G, c.gptrs);
   state_passing(c, init, final_state);
   chunk_cb(c, cmp);
 }
@@ -576,10 +577,8 @@ void ssd_forward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, co
   const T* X = c.xbc.data();
   const index_t PN = c.Pd * c.N, ldy = index_t(y.stride(0)), gP = c.hpg * c.Pd;
   // inter-chunk outputs C S_in^T of a group's heads, then y = e_in y + D x
-  for (index_t grp = 0; grp < c.G; ++grp)
-    chunk_gemm<T>(c, cmp, Trans::N, Trans::T, kQ, gP, c.N, T(1), tok(X + c.c_col + grp * c.N, g.ldx),
-                  blk<const T*>(c.states.data() + grp * c.hpg * PN, c.N, c.H * PN), T(0),
-                  tok(y.data() + grp * gP, ldy));
+  chunk_gemm<T>(c, cmp, Trans::N, Trans::T, kQ, gP, c.N, T(1), tok(X + c.c_col, g.ldx, c.N),
+                blk<const T*>(c.states.data(), c.N, c.H * PN, c.hpg * PN), T(0), tok(y.data(), ldy, gP), c.G, c.gptrs);
   per_token_heads(
       "ssd::out_scale", c, KOKKOS_LAMBDA(index_t b, index_t h, index_t t) { return e_in_of(c, b, h, t); },
       KOKKOS_LAMBDA(index_t r, int hp, int h, T e) { y(r, hp) = e * y(r, hp) + c.D(h) * c.xbc(r, c.x_col + hp); });
@@ -631,9 +630,8 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
       "ssd::dy_scaled", c, KOKKOS_LAMBDA(index_t b, index_t h, index_t t) { return e_in_of(c, b, h, t); },
       KOKKOS_LAMBDA(index_t r, int hp, int, T e) { dye(r, hp) = e * dy(r, hp); });
   View5<T> dstates = ws.take<View5<T>>("ssd::dstates", c.Bsz, c.nc, c.H, c.Pd, c.N);
-  for (index_t grp = 0; grp < c.G; ++grp)
-    chunk_gemm<T>(c, cmp, Trans::T, Trans::N, gP, c.N, kQ, T(1), tok<const T*>(dye.data() + grp * gP, g.HP),
-                  tok(X + c.c_col + grp * c.N, g.ldx), T(0), blk(dstates.data() + grp * c.hpg * PN, c.N, c.H * PN));
+  chunk_gemm<T>(c, cmp, Trans::T, Trans::N, gP, c.N, kQ, T(1), tok<const T*>(dye.data(), g.HP, gP),
+                tok(X + c.c_col, g.ldx, c.N), T(0), blk(dstates.data(), c.N, c.H * PN, c.hpg * PN), c.G, c.gptrs);
   state_passing_bwd(c, dstates, dfinal_state, gr.dinit_state);
 
   const auto dxbc = gr.dxbc;
@@ -642,13 +640,14 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
   T* dX = dxbc.data();
   // the state terms of dB and dC, summed over a group's heads by the K dimension:
   // dB = (es Delta X) dH, dC = (e_in dY) S_in (the Q x Q terms are added per block below)
-  for (index_t grp = 0; grp < c.G; ++grp) {
-    const ChunkOp<const T*> dHg = blk<const T*>(dstates.data() + grp * c.hpg * PN, c.N, c.H * PN),
-                            Sg = blk<const T*>(c.states.data() + grp * c.hpg * PN, c.N, c.H * PN);
-    chunk_gemm<T>(c, cmp, Trans::N, Trans::N, kQ, c.N, gP, T(1), tok<const T*>(g.xw.data() + grp * gP, g.HP), dHg,
-                  T(0), tok(dX + c.b_col + grp * c.N, ldd));
-    chunk_gemm<T>(c, cmp, Trans::N, Trans::N, kQ, c.N, gP, T(1), tok<const T*>(dye.data() + grp * gP, g.HP), Sg,
-                  T(0), tok(dX + c.c_col + grp * c.N, ldd));
+  // (every group in one two-level batched call)
+  {
+    const ChunkOp<const T*> dHg = blk<const T*>(dstates.data(), c.N, c.H * PN, c.hpg * PN),
+                            Sg = blk<const T*>(c.states.data(), c.N, c.H * PN, c.hpg * PN);
+    chunk_gemm<T>(c, cmp, Trans::N, Trans::N, kQ, c.N, gP, T(1), tok<const T*>(g.xw.data(), g.HP, gP), dHg, T(0),
+                  tok(dX + c.b_col, ldd, c.N), c.G, c.gptrs);
+    chunk_gemm<T>(c, cmp, Trans::N, Trans::N, kQ, c.N, gP, T(1), tok<const T*>(dye.data(), g.HP, gP), Sg, T(0),
+                  tok(dX + c.c_col, ldd, c.N), c.G, c.gptrs);
   }
 
   View4<T> partial = ws.take<View4<T>>("ssd::partial", c.Bsz, c.nc, c.H, 3);
@@ -758,7 +757,18 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
                     tok(dy.data() + blk0 * c.Pd, ldy, c.Pd), T(0), tok(dX + c.x_col + blk0 * c.Pd, ldd, c.Pd), nh,
                     g.ptrs.data());
     }
+    // runs of whole groups (a run per group): the dB and dC products of every run in one two-level batched call
+    const bool group_runs = rl == c.hpg && nruns > 1 && c.gptrs != nullptr;
+    if (group_runs) {
+      const index_t grp0 = blk0 / c.hpg;
+      const ChunkOp<const T*> W2 = blk<const T*>(w2.data(), c.Q, QQ, nbc * QQ);
+      chunk_gemm<T>(c, cmp, Trans::T, Trans::N, kQ, c.N, kQ, T(1), W2, tok(X + c.c_col + grp0 * c.N, g.ldx, c.N),
+                    T(1), tok(dX + c.b_col + grp0 * c.N, ldd, c.N), nruns, c.gptrs);
+      chunk_gemm<T>(c, cmp, Trans::N, Trans::N, kQ, c.N, kQ, T(1), W2, tok(X + c.b_col + grp0 * c.N, g.ldx, c.N),
+                    T(1), tok(dX + c.c_col + grp0 * c.N, ldd, c.N), nruns, c.gptrs);
+    }
     for (index_t u = 0; u < nruns; ++u) {
+      if (group_runs && fused) break;
       const index_t hi0 = u * rl, hn = std::min(rl, nh - hi0), h0 = blk0 + hi0, grp = h0 / c.hpg;
       const ChunkOp<const T*> Bg = tok(X + c.b_col + grp * c.N, g.ldx), Cg = tok(X + c.c_col + grp * c.N, g.ldx);
       if (!fused) {
@@ -768,6 +778,7 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
         chunk_gemm<T>(c, cmp, Trans::N, Trans::T, kQ, hn * c.Pd, c.N, T(1), Cg,
                       blk<const T*>(c.states.data() + h0 * PN, c.N, c.H * PN), T(0), tok(t2.data() + hi0 * c.Pd, ldt1));
       }
+      if (group_runs) continue;
       // dB += (sum_h dCB)^T C, dC += (sum_h dCB) B
       const ChunkOp<const T*> W2 = blk<const T*>(w2.data() + u * nbc * QQ, c.Q, QQ);
       chunk_gemm<T>(c, cmp, Trans::T, Trans::N, kQ, c.N, kQ, T(1), W2, Cg, T(1), tok(dX + c.b_col + grp * c.N, ldd));
