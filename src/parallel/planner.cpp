@@ -227,9 +227,18 @@ LayerMem mem_mamba1(const Mamba1Config& c, const Dims& d, Recompute pol) {
   // pass 2's parts of dB and dC: as many channel blocks as 256 MiB holds, up to one per 32 channels (one group)
   const double part = d.n * 2 * N * d.a;
   const double nblk = std::clamp(std::floor(double(256ull << 20) / part), 1.0, std::max(1.0, std::floor(E / 32)));
-  const double scan = d.a * (std::min(Q, d.L) * N * d.b * E + N * d.b * E + 2 * d.n * E + nc * N * d.b * E +
-                             d.b * E * N + 2 * d.b * E) +
-                      nblk * part;
+  double scan = d.a * (std::min(Q, d.L) * N * d.b * E + N * d.b * E + 2 * d.n * E + nc * N * d.b * E +
+                       d.b * E * N + 2 * d.b * E) +
+                nblk * part;
+  if (N <= 64) {
+    // the chunk-parallel first pass: Delta and g per token, the carries, the partial sums per (batch, chunk), and
+    // one at a time the chunks' local carries and decays, the rebuilt states of a slab of chunks (at most 1 GiB),
+    // then pass 2's parts
+    const double q = std::min(Q, d.L), chunk_states = d.a * q * N * d.b * E;
+    const double slab = std::clamp(std::floor(double(1ull << 30) / chunk_states), 1.0, nc);
+    scan = d.a * (2 * d.n * E + nc * N * d.b * E + d.b * nc * E * (N + 2)) +
+           std::max({2 * d.a * nc * N * d.b * E, slab * chunk_states, nblk * part});
+  }
   m.bwd_extra = grads + scan;
   return m;
 }

@@ -39,6 +39,10 @@ struct Ctx {
   KOKKOS_INLINE_FUNCTION P Bv(index_t r, index_t g, index_t n) const { return P(bc(r, b_col + g * N + n)); }
   KOKKOS_INLINE_FUNCTION P Cv(index_t r, index_t g, index_t n) const { return P(bc(r, c_col + g * N + n)); }
   KOKKOS_INLINE_FUNCTION P raw_delta(index_t r, index_t d) const { return P(delta(r, delta_col + d)) + bias(d); }
+  // The decay exp(Delta A) as exp2(Delta A2) with A2 = A log2(e) (one ex2 instruction instead of expf's range
+  // reduction on GPUs); every kernel forms it this way, so the backward's rebuilt states equal the forward's.
+  KOKKOS_INLINE_FUNCTION P A2(index_t d, index_t n) const { return A(d, n) * P(1.4426950408889634074); }
+  KOKKOS_INLINE_FUNCTION static P decay(P dlt, P a2) { return Kokkos::exp2(dlt * a2); }
 };
 
 template <class T>
@@ -134,7 +138,7 @@ void forward_chunked(const Ctx<T>& c, const View3<const acc_t<T>>& init, const V
     const index_t b = bd / c.E, d = bd % c.E, g = d / c.cpg;
     P h[NM], m[NM], a[NM];
 MM_UNROLL
-    for (int n = 0; n < NM; ++n) h[n] = P(0), m[n] = P(1), a[n] = n < N ? c.A(d, n) : P(0);
+    for (int n = 0; n < NM; ++n) h[n] = P(0), m[n] = P(1), a[n] = n < N ? c.A2(d, n) : P(0);
     for (index_t t = ch * c.Q; t < c.chunk_end(ch); ++t) {
       const index_t r = c.row(b, t);
       const P dlt = softplus(c.raw_delta(r, d)), du = dlt * c.uval(r, d);
@@ -142,7 +146,7 @@ MM_UNROLL
   MM_UNROLL
     for (int n = 0; n < NM; ++n)
         if (n < N) {
-          const P e = Kokkos::exp(dlt * a[n]);
+          const P e = c.decay(dlt, a[n]);
           h[n] = (rs ? P(0) : e * h[n]) + du * c.Bv(r, g, n);
           m[n] = rs ? P(0) : e * m[n];
         }
@@ -164,7 +168,7 @@ MM_UNROLL
     const index_t b = bd / c.E, d = bd % c.E, g = d / c.cpg;
     P h[NM], a[NM];
 MM_UNROLL
-    for (int n = 0; n < NM; ++n) h[n] = n < N ? ckpt(ch, n, bd) : P(0), a[n] = n < N ? c.A(d, n) : P(0);
+    for (int n = 0; n < NM; ++n) h[n] = n < N ? ckpt(ch, n, bd) : P(0), a[n] = n < N ? c.A2(d, n) : P(0);
     const P Dd = c.D(d);
     for (index_t t = ch * c.Q; t < c.chunk_end(ch); ++t) {
       const index_t r = c.row(b, t);
@@ -174,7 +178,7 @@ MM_UNROLL
   MM_UNROLL
     for (int n = 0; n < NM; ++n)
         if (n < N) {
-          h[n] = (rs ? P(0) : Kokkos::exp(dlt * a[n]) * h[n]) + du * c.Bv(r, g, n);
+          h[n] = (rs ? P(0) : c.decay(dlt, a[n]) * h[n]) + du * c.Bv(r, g, n);
           y += c.Cv(r, g, n) * h[n];
         }
       y += Dd * uu;
@@ -182,6 +186,159 @@ MM_UNROLL
       out(r, d) = static_cast<T>(y);
     }
   });
+}
+
+// What the backward's first pass writes: per token Delta and g (the gradient of y) for pass 2, the carried dh
+// entering each chunk from the right, and the partial sums of dA (K, E, N), dD and d(delta_bias) (K, E, 2) over
+// K = batch (per-channel walk) or batch x nchunks (chunk-parallel) blocks of tokens, summed in order later.
+template <class T>
+struct BwdPass1 {
+  using P = acc_t<T>;
+  View2<P> dlt, g;   // (batch L, E)
+  View3<P> dcarry;   // (nchunks, N, batch E)
+  View3<P> dA_part;  // (K, E, N)
+  View3<P> dv_part;  // (K, E, 2)
+};
+
+// The backward's first pass in three passes over (chunk, batch, channel) work items with the carried dh in
+// registers (NM >= N), as the forward:
+//   1. each chunk's reverse scan dh_t = C_t g_t + [t+1 same record] exp(Delta_{t+1} A) dh_{t+1} from a zero carry,
+//      giving the dh it passes to the left and the factor by which the carry entering from the right reaches it;
+//   2. per (state, batch, channel), from the last chunk: the carry entering each chunk (dfinal for the last) and
+//      the gradient of the initial state;
+//   3. each chunk from its checkpoint (the states rebuilt into `hs`, a slab of chunks at a time) and its carry:
+//      du, d(raw delta), dz and the chunk's partial sums.
+// (One work item per (batch, channel) walking all L tokens left a GPU with B E threads: 116 ms of a 119 ms
+// forward + backward at batch 4 x 8,192, d_inner 1,536, d_state 16 on an H200.)
+template <int NM, class T>
+void backward_chunked(const Ctx<T>& c, const View2<const T>& dout, const View3<const acc_t<T>>& dfinal,
+                      const View3<const acc_t<T>>& ckpt, const SelScanGrad<T>& gr, const BwdPass1<T>& o) {
+  using P = acc_t<T>;
+  const index_t BE = c.Bsz * c.E, N = c.N, Q = c.Q;
+  const bool has_dfinal = dfinal.extent(0) > 0, has_dinit = gr.dinit_state.extent(0) > 0;
+  // g_t = dout_t silu(z_t) (or dout_t)
+  auto gate = [=] KOKKOS_FUNCTION(index_t r, index_t d) {
+    const P go = P(dout(r, d));
+    return c.has_z ? go * silu(P(c.z(r, c.z_col + d))) : go;
+  };
+  {
+    PoolScope ws;
+    View3<P> dl = ws.take<View3<P>>("selective_scan::bwd_chunk_carry", c.nc, N, BE);
+    View3<P> dm = ws.take<View3<P>>("selective_scan::bwd_chunk_decay", c.nc, N, BE);
+    par_for("selective_scan::bwd_chunk_local", c.nc, BE, KOKKOS_LAMBDA(index_t ch, index_t bd) {
+      const index_t b = bd / c.E, d = bd % c.E, g = d / c.cpg;
+      P dh[NM], m[NM], a[NM];
+  MM_UNROLL
+      for (int n = 0; n < NM; ++n) dh[n] = P(0), m[n] = P(1), a[n] = n < N ? c.A2(d, n) : P(0);
+      for (index_t t = c.chunk_end(ch) - 1; t >= ch * Q; --t) {
+        const index_t r = c.row(b, t);
+        const P dlt = softplus(c.raw_delta(r, d)), gt = gate(r, d);
+        const bool rs = c.reset(b, t);
+    MM_UNROLL
+        for (int n = 0; n < NM; ++n)
+          if (n < N) {
+            const P e = c.decay(dlt, a[n]);
+            dh[n] = rs ? P(0) : e * (dh[n] + c.Cv(r, g, n) * gt);
+            m[n] = rs ? P(0) : e * m[n];
+          }
+      }
+  MM_UNROLL
+      for (int n = 0; n < NM; ++n)
+        if (n < N) dl(ch, n, bd) = dh[n], dm(ch, n, bd) = m[n];
+    });
+    const auto dcarry = o.dcarry;
+    const auto dinit = gr.dinit_state;
+    par_for("selective_scan::bwd_chunk_carry", N, BE, KOKKOS_LAMBDA(index_t n, index_t bd) {
+      const index_t b = bd / c.E, d = bd % c.E;
+      P D = has_dfinal ? dfinal(b, d, n) : P(0);
+      for (index_t ch = c.nc - 1; ch >= 0; --ch) {
+        dcarry(ch, n, bd) = D;
+        D = dm(ch, n, bd) * D + dl(ch, n, bd);
+      }
+      if (has_dinit) dinit(b, d, n) = D;
+    });
+  }
+  // pass 3 over slabs of chunks whose rebuilt states fit in 1 GiB
+  const index_t q = Q < c.L ? Q : c.L;
+  const double chunk_bytes = double(q) * double(N) * double(BE) * sizeof(P);
+  const index_t slab = std::clamp<index_t>(index_t(double(1ull << 30) / chunk_bytes), 1, c.nc);
+  PoolScope ws;
+  View3<P> hs = ws.take<View3<P>>("selective_scan::hs", slab * q, N, BE);
+  const auto du = gr.du;
+  const auto ddelta = gr.ddelta;
+  const auto dz = gr.dz;
+  const index_t du_col = gr.du_col, ddelta_col = gr.ddelta_col, dz_col = gr.dz_col;
+  const View2<P> dlt_buf = o.dlt, g_buf = o.g;
+  const View3<P> dcarry = o.dcarry, dA_part = o.dA_part, dv_part = o.dv_part;
+  for (index_t ch0 = 0; ch0 < c.nc; ch0 += slab) {
+    const index_t nch = std::min(slab, c.nc - ch0);
+    par_for("selective_scan::bwd_chunk", nch, BE, KOKKOS_LAMBDA(index_t ci, index_t bd) {
+      const index_t ch = ch0 + ci, b = bd / c.E, d = bd % c.E, g = d / c.cpg;
+      const index_t t0 = ch * Q, t1 = c.chunk_end(ch), k = b * c.nc + ch;
+      const P Dd = c.D(d);
+      P h[NM], dh[NM], a[NM], dA[NM];  // a: A2 = A log2(e)
+  MM_UNROLL
+      for (int n = 0; n < NM; ++n) {
+        h[n] = n < N ? ckpt(ch, n, bd) : P(0);
+        dh[n] = n < N ? dcarry(ch, n, bd) : P(0);
+        a[n] = n < N ? c.A2(d, n) : P(0);
+        dA[n] = P(0);
+      }
+      // the states h_t of the chunk (h_{t0-1} is the checkpoint)
+      for (index_t t = t0; t < t1; ++t) {
+        const index_t r = c.row(b, t);
+        const P dlt = softplus(c.raw_delta(r, d)), du_ = dlt * c.uval(r, d);
+        const bool rs = c.reset(b, t);
+        dlt_buf(r, d) = dlt;
+    MM_UNROLL
+        for (int n = 0; n < NM; ++n)
+          if (n < N) {
+            h[n] = (rs ? P(0) : c.decay(dlt, a[n]) * h[n]) + du_ * c.Bv(r, g, n);
+            hs(ci * q + t - t0, n, bd) = h[n];
+          }
+      }
+      P dD_acc = 0, dbias_acc = 0;
+      for (index_t t = t1 - 1; t >= t0; --t) {
+        const index_t r = c.row(b, t);
+        const P dlt = dlt_buf(r, d), uu = c.uval(r, d);
+        const bool rs = c.reset(b, t);
+        P gt = P(dout(r, d));
+        if (c.has_z) {
+          P y = Dd * uu;
+      MM_UNROLL
+          for (int n = 0; n < NM; ++n)
+            if (n < N) y += c.Cv(r, g, n) * hs(ci * q + t - t0, n, bd);
+          const P zz = P(c.z(r, c.z_col + d));
+          dz(r, dz_col + d) = static_cast<T>(gt * y * dsilu(zz));
+          gt *= silu(zz);
+        }
+        g_buf(r, d) = gt;
+        P dut = Dd * gt, ddl = 0;
+    MM_UNROLL
+        for (int n = 0; n < NM; ++n)
+          if (n < N) {
+            const P Bn = c.Bv(r, g, n);
+            const P prev = rs ? P(0) : (t == t0 ? ckpt(ch, n, bd) : hs(ci * q + t - 1 - t0, n, bd));
+            const P e = c.decay(dlt, a[n]);
+            const P dhn = dh[n] + c.Cv(r, g, n) * gt;
+            dut += dhn * dlt * Bn;
+            ddl += dhn * (Bn * uu + c.A(d, n) * e * prev);
+            dA[n] += dhn * dlt * e * prev;
+            dh[n] = rs ? P(0) : e * dhn;  // carried to t - 1
+          }
+        dD_acc += gt * uu;
+        const P draw = ddl * dsoftplus(c.raw_delta(r, d));
+        dbias_acc += draw;
+        du(r, du_col + d) = static_cast<T>(dut);
+        ddelta(r, ddelta_col + d) = static_cast<T>(draw);
+      }
+  MM_UNROLL
+      for (int n = 0; n < NM; ++n)
+        if (n < N) dA_part(k, d, n) = dA[n];
+      dv_part(k, d, 0) = dD_acc;
+      dv_part(k, d, 1) = dbias_acc;
+    });
+  }
 }
 
 }  // namespace
@@ -235,7 +392,7 @@ void selective_scan_forward(const SelScanShape& s, const SelScanIn<T>& in, const
         P y = 0;
         for (index_t n = 0; n < c.N; ++n) {
           const P prev = rs ? P(0) : h(n, bd);
-          const P hn = Kokkos::exp(dlt * c.A(d, n)) * prev + dlt * c.Bv(r, g, n) * uu;
+          const P hn = c.decay(dlt, c.A2(d, n)) * prev + dlt * c.Bv(r, g, n) * uu;
           h(n, bd) = hn;
           y += c.Cv(r, g, n) * hn;
         }
@@ -295,14 +452,28 @@ void selective_scan_backward(const SelScanShape& s, const SelScanIn<T>& in, cons
   //   dh_t = C_t g_t + [t+1 same record] exp(Delta_{t+1} A) dh_{t+1}
   // giving du, d(raw delta), dz and per-(batch, channel) partials of dA, dD, d(delta_bias). It keeps Delta_t and
   // g_t (the gradient of y_t) per token and the carried dh entering each chunk from the right for pass 2.
+  const bool chunked = c.N <= kMaxRegStates;
+  const index_t K = chunked ? c.Bsz * c.nc : c.Bsz;  // blocks of the parameter partial sums
+  BwdPass1<T> p1;
+  p1.dlt = View2<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "selective_scan::delta"), n_tok, c.E);
+  p1.g = View2<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "selective_scan::g"), n_tok, c.E);
+  p1.dcarry = View3<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "selective_scan::dcarry"), c.nc, c.N, BE);
+  p1.dA_part = View3<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "selective_scan::dA_partial"), K, c.E, c.N);
+  p1.dv_part = View3<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "selective_scan::dD_dbias_partial"), K, c.E,
+                        2);
+  const View2<P> dlt_buf = p1.dlt, g_buf = p1.g;
+  const View3<P> dcarry = p1.dcarry, dA_part = p1.dA_part, dv_part = p1.dv_part;
+  if (chunked) {
+    if (c.N <= 16)
+      backward_chunked<16, T>(c, dout, dfinal_state, ckpt, gr, p1);
+    else if (c.N <= 32)
+      backward_chunked<32, T>(c, dout, dfinal_state, ckpt, gr, p1);
+    else
+      backward_chunked<int(kMaxRegStates), T>(c, dout, dfinal_state, ckpt, gr, p1);
+  } else {
+  // larger d_state: one work item per (batch, channel), the states of a chunk and dh in device memory
   View3<P> hs(Kokkos::view_alloc(Kokkos::WithoutInitializing, "selective_scan::hs"), Q < c.L ? Q : c.L, c.N, BE);
   View2<P> dh(Kokkos::view_alloc(Kokkos::WithoutInitializing, "selective_scan::dh"), c.N, BE);
-  View2<P> dlt_buf(Kokkos::view_alloc(Kokkos::WithoutInitializing, "selective_scan::delta"), n_tok, c.E);
-  View2<P> g_buf(Kokkos::view_alloc(Kokkos::WithoutInitializing, "selective_scan::g"), n_tok, c.E);
-  View3<P> dcarry(Kokkos::view_alloc(Kokkos::WithoutInitializing, "selective_scan::dcarry"), c.nc, c.N, BE);
-  View3<P> dA_part(Kokkos::view_alloc(Kokkos::WithoutInitializing, "selective_scan::dA_partial"), c.Bsz, c.E, c.N);
-  View3<P> dv_part(Kokkos::view_alloc(Kokkos::WithoutInitializing, "selective_scan::dD_dbias_partial"), c.Bsz, c.E,
-                   2);
   par_for("selective_scan::backward_scan", BE, KOKKOS_LAMBDA(index_t bd) {
     const index_t b = bd / c.E, d = bd % c.E, g = d / c.cpg;
     const P Dd = c.D(d);
@@ -322,7 +493,7 @@ void selective_scan_backward(const SelScanShape& s, const SelScanIn<T>& in, cons
         const bool rs = c.reset(b, t);
         for (index_t n = 0; n < c.N; ++n) {
           const P prev = rs ? P(0) : (t == t0 ? ckpt(ch, n, bd) : hs(t - 1 - t0, n, bd));
-          hs(t - t0, n, bd) = Kokkos::exp(dlt * c.A(d, n)) * prev + dlt * c.Bv(r, g, n) * uu;
+          hs(t - t0, n, bd) = c.decay(dlt, c.A2(d, n)) * prev + dlt * c.Bv(r, g, n) * uu;
         }
       }
       for (index_t n = 0; n < c.N; ++n) dcarry(ch, n, bd) = dh(n, bd);
@@ -344,7 +515,7 @@ void selective_scan_backward(const SelScanShape& s, const SelScanIn<T>& in, cons
         for (index_t n = 0; n < c.N; ++n) {
           const P An = c.A(d, n), Bn = c.Bv(r, g, n);
           const P prev = rs ? P(0) : (t == t0 ? ckpt(ch, n, bd) : hs(t - 1 - t0, n, bd));
-          const P a = Kokkos::exp(dlt * An);
+          const P a = c.decay(dlt, c.A2(d, n));
           const P dhn = dh(n, bd) + c.Cv(r, g, n) * gt;
           dut += dhn * dlt * Bn;
           ddl += dhn * (Bn * uu + An * a * prev);
@@ -363,6 +534,7 @@ void selective_scan_backward(const SelScanShape& s, const SelScanIn<T>& in, cons
     if (has_dinit)
       for (index_t n = 0; n < c.N; ++n) dinit(b, d, n) = dh(n, bd);
   });
+  }
 
   // Pass 2, per (batch, chunk, group, state, block of the group's channels): the block's part of
   // dC_t = sum_d g_t,d h_t,d and dB_t = sum_d dh_t,d Delta_t,d u_t,d in channel order (h rebuilt forward from the
@@ -389,13 +561,13 @@ void selective_scan_backward(const SelScanShape& s, const SelScanIn<T>& in, cons
     }
     for (index_t d = d0; d < d1; ++d) {
       const index_t bd = b * c.E + d;
-      const P An = c.A(d, n);
+      const P An = c.A2(d, n);
       P h = ckpt(ch, n, bd);
       for (index_t t = t0; t < t1; ++t) {
         const index_t r = c.row(b, t);
         const P dlt = dlt_buf(r, d);
         if (c.reset(b, t)) h = P(0);
-        h = Kokkos::exp(dlt * An) * h + dlt * c.Bv(r, g, n) * c.uval(r, d);
+        h = c.decay(dlt, An) * h + dlt * c.Bv(r, g, n) * c.uval(r, d);
         pbc(blk, r, GN + gn) += g_buf(r, d) * h;
       }
       P dhn = dcarry(ch, n, bd);
@@ -404,7 +576,7 @@ void selective_scan_backward(const SelScanShape& s, const SelScanIn<T>& in, cons
         const P dlt = dlt_buf(r, d);
         dhn += c.Cv(r, g, n) * g_buf(r, d);
         pbc(blk, r, gn) += dhn * dlt * c.uval(r, d);
-        dhn = c.reset(b, t) ? P(0) : Kokkos::exp(dlt * An) * dhn;
+        dhn = c.reset(b, t) ? P(0) : c.decay(dlt, An) * dhn;
       }
     }
   });
@@ -419,19 +591,19 @@ void selective_scan_backward(const SelScanShape& s, const SelScanIn<T>& in, cons
     dbc(r, c_col + gn) = static_cast<T>(sc);
   });
 
-  // Parameter gradients: the per-(batch, channel) partials summed over the batch in order.
+  // Parameter gradients: the partials summed over the batch (and the chunks) in order.
   const auto dA = gr.dA;
   const auto dD = gr.dD;
   const auto dbias = gr.ddelta_bias;
   par_for("selective_scan::param_reduce", c.E, c.N, KOKKOS_LAMBDA(index_t d, index_t n) {
     P sa = 0;
-    for (index_t b = 0; b < c.Bsz; ++b) sa += dA_part(b, d, n);
+    for (index_t k = 0; k < K; ++k) sa += dA_part(k, d, n);
     dA(d, n) += sa;
     if (n == 0) {
       P sd = 0, sb = 0;
-      for (index_t b = 0; b < c.Bsz; ++b) {
-        sd += dv_part(b, d, 0);
-        sb += dv_part(b, d, 1);
+      for (index_t k = 0; k < K; ++k) {
+        sd += dv_part(k, d, 0);
+        sb += dv_part(k, d, 1);
       }
       dD(d) += sd;
       dbias(d) += sb;
@@ -458,7 +630,7 @@ void selective_scan_step(const SelScanShape& s, const SelScanIn<T>& in, const Vi
     const P uu = c.uval(b, d);
     P y = 0;
     for (index_t n = 0; n < c.N; ++n) {
-      const P hn = Kokkos::exp(dlt * c.A(d, n)) * state(b, d, n) + dlt * c.Bv(b, g, n) * uu;
+      const P hn = c.decay(dlt, c.A2(d, n)) * state(b, d, n) + dlt * c.Bv(b, g, n) * uu;
       state(b, d, n) = hn;
       y += c.Cv(b, g, n) * hn;
     }
