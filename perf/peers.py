@@ -31,6 +31,8 @@ def main():
     ap.add_argument("--only", default="copy,gemm,ssd")
     ap.add_argument("--ssd-dtypes", default="bf16,fp32",
                     help="dtypes of the mamba_chunk_scan_combined timings (fp32 autotunes for minutes)")
+    ap.add_argument("--mamba3-params", default="fp32,bf16",
+                    help="mamba3: the block's parameter types (fp32: under bf16 autocast, as the LM; bf16)")
     ap.add_argument("--lm-shapes", default="4x8192,1x131072,1x262144",
                     help="batch x length of the LM training steps timed (comma separated)")
     args = ap.parse_args()
@@ -108,7 +110,8 @@ def main():
         from mamba_ssm.modules.mamba3 import Mamba3
 
         torch.manual_seed(0)
-        for pdtype, label in ((torch.float32, "fp32 params, bf16 autocast"), (torch.bfloat16, "bf16 params")):
+        kinds = {"fp32": (torch.float32, "fp32 params, bf16 autocast"), "bf16": (torch.bfloat16, "bf16 params")}
+        for pdtype, label in (kinds[k] for k in args.mamba3_params.split(",")):
             blk = Mamba3(d_model=768, d_state=128, headdim=64, expand=2, chunk_size=64, is_mimo=False,
                          device=dev, dtype=pdtype)
             u = torch.randn(8, 8192, 768, device=dev, dtype=pdtype, requires_grad=True)

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/error.hpp"
+#include "core/pool.hpp"
 #include "layers/linear.hpp"
 #include "tensor/ops.hpp"
 
@@ -369,12 +370,15 @@ void Mamba3Mixer<T>::backward(Mamba3Acts<T>& a, index_t batch, index_t seqlen, c
   if (a.proj.extent(0) == 0) run_internals(a.u, batch, seqlen, a, Mamba3Carry<P>{});  // recompute policy
   const index_t n = batch * seqlen, E = cfg_.d_inner(), H = cfg_.nheads(), N = cfg_.d_state, R = cfg_.rank(),
                 G = cfg_.ngroups, Pd = cfg_.headdim, RG = R * G, RGN = RG * N;
+  // the backward's buffers from the workspace pool (no device allocation and synchronizing free per call)
+  PoolScope ws;
   // out_proj
-  View2<T> dO = make_uninit<View2<T>>("mamba3::dO", n, E);
+  View2<T> dO = ws.take<View2<T>>("mamba3::dO", n, E);
   linear_backward<T>(a.o, store_->v2(out_proj_), dout, dO, false, store_->g2(out_proj_), View1<P>());
 
-  View2<T> dproj("mamba3::dproj", n, cfg_.d_in_proj());
-  View2<T> dy = make_uninit<View2<T>>("mamba3::dy", n, H * R * Pd);
+  View2<T> dproj = ws.take<View2<T>>("mamba3::dproj", n, cfg_.d_in_proj());
+  Kokkos::deep_copy(dproj, T(0));  // columns no kernel below writes (x under MIMO before its backward) stay zero
+  View2<T> dy = ws.take<View2<T>>("mamba3::dy", n, H * R * Pd);
   // Gate backward: dy, and dz into the z columns of dproj.
   Gate<T> gt;
   gt.y = a.y;
@@ -394,9 +398,11 @@ void Mamba3Mixer<T>::backward(Mamba3Acts<T>& a, index_t batch, index_t seqlen, c
   }
   // dn = dL/d(yw) per p; with the norm, yw = y rstd w and dy = rstd (dn w - nrm * mean(dn w nrm)): the means per
   // (token, head, rank) first, then every element (dy, and dz into the z columns of dproj) on its own
+  {
+  PoolScope gate_ws;  // dots, returned at the end of the block
   View2<P> dots;
   if (gt.norm) {
-    dots = make_uninit<View2<P>>("mamba3::gate_dots", n, H * R);
+    dots = gate_ws.take<View2<P>>("mamba3::gate_dots", n, H * R);
     per_head_rank("mamba3::gate_bwd_dots", n, H, R, KOKKOS_LAMBDA(const Team& tm, index_t i, index_t h, index_t r) {
       P dot = 0;
       Kokkos::parallel_reduce(
@@ -430,7 +436,7 @@ void Mamba3Mixer<T>::backward(Mamba3Acts<T>& a, index_t batch, index_t seqlen, c
     }
     dproj(i, hp) = static_cast<T>(dzsum);
   });
-  dots = View2<P>();  // freed before the scan's backward
+  }
   if (gt.norm) {
     const index_t Rr = R, Pp = Pd;
     column_reduce<P>(
@@ -466,8 +472,8 @@ void Mamba3Mixer<T>::backward(Mamba3Acts<T>& a, index_t batch, index_t seqlen, c
   }
 
   // Scan backward: dv (SISO: straight into the x columns of dproj), dqk, and the dd columns of dproj.
-  View2<T> dqk = make_uninit<View2<T>>("mamba3::dqk", n, 2 * RGN);
-  View2<T> dv = cfg_.is_mimo ? make_uninit<View2<T>>("mamba3::dv", n, H * R * Pd) : dproj;
+  View2<T> dqk = ws.take<View2<T>>("mamba3::dqk", n, 2 * RGN);
+  View2<T> dv = cfg_.is_mimo ? ws.take<View2<T>>("mamba3::dv", n, H * R * Pd) : dproj;
   Mamba3ScanGrad<T> g;
   g.dv = dv;
   g.dqk = dqk;
