@@ -224,9 +224,9 @@ LayerMem mem_mamba1(const Mamba1Config& c, const Dims& d, Recompute pol) {
   m.fwd_extra = N <= 64 ? 2 * d.a * nc * N * d.b * E : d.a * N * d.b * E;
   // dy, dxz, dxc, ddelta, dbc, and A = -exp(A_log) and dA (E' x N); ddt_low comes after the scan's buffers are freed
   const double grads = d.n * d.t * (E + 2 * E + E + E + 2 * N) + 2 * d.a * E * N;
-  // pass 2's parts of dB and dC: as many channel blocks as 256 MiB holds, up to one per 32 channels (one group)
+  // pass 2's parts of dB and dC: one per block of 32 channels (one group), as many at a time as 256 MiB holds
   const double part = d.n * 2 * N * d.a;
-  const double nblk = std::clamp(std::floor(double(256ull << 20) / part), 1.0, std::max(1.0, std::floor(E / 32)));
+  const double nblk = std::clamp(std::floor(double(256ull << 20) / part), 1.0, std::ceil(E / 32));
   double scan = d.a * (std::min(Q, d.L) * N * d.b * E + N * d.b * E + 2 * d.n * E + nc * N * d.b * E +
                        d.b * E * N + 2 * d.b * E) +
                 nblk * part;

@@ -259,15 +259,17 @@ TEST_CASE("selective scan backward is deterministic (bit-identical runs)", "[mam
 }
 
 TEST_CASE("selective scan backward matches finite differences for every input", "[mamba1]") {
-  // variant 3: 64 channels per group, which the backward splits into 2 blocks whose dB/dC parts it adds in order
-  for (int variant = 0; variant < 4; ++variant) {
+  // variant 3: 64 channels per group, which the backward splits into 2 blocks whose dB/dC parts it adds in order;
+  // variant 4: the same with room for one block's parts at a time (two rounds, the second added to the first)
+  for (int variant = 0; variant < 5; ++variant) {
     Case c;
-    c.L = variant == 3 ? 19 : 23;
-    c.Q = variant == 0 ? 4 : variant == 3 ? 8 : 16;
+    c.L = variant >= 3 ? 19 : 23;
+    c.Q = variant == 0 ? 4 : variant >= 3 ? 8 : 16;
     c.z = variant != 1;
     c.records = variant != 2;
-    if (variant == 3) c.E = 128, c.G = 2, c.N = 3;
+    if (variant >= 3) c.E = 128, c.G = 2, c.N = 3;
     Data<double> d(c);
+    if (variant == 4) d.shape.bc_parts_bytes = 1;
     const index_t n = c.B * c.L;
     View2<double> dout("dout", n, c.E);
     View3<double> dfin("dfin", c.B, c.E, c.N);

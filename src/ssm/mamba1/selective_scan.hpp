@@ -27,6 +27,8 @@ namespace mm {
 
 struct SelScanShape {
   index_t batch = 1, seqlen = 0, dinner = 1, ngroups = 1, dstate = 1, chunk = 256;
+  // The backward forms dB and dC as parts over blocks of 32 channels, as many at a time as this many bytes hold.
+  double bc_parts_bytes = double(256ull << 20);
   index_t nchunks() const { return (seqlen + chunk - 1) / chunk; }
   void validate(const char* where) const;
 };
