@@ -277,12 +277,12 @@ LayerMem mem_mamba3(const Mamba3Config& c, const Dims& d, Recompute pol) {
   const double ctx = d.a * d.n * (5 * H + H * S + 2 * H * R * N) + states;
   m.fwd_extra = ctx + carry;
   // backward: dsh0, dq~ and dk~, da, dw, ddiag, then dstates and the partial sums of dD (freed at the end of
-  // the chunk kernels), or later dgp0, dphi and the phases' flows, then in their place dut and the column_reduce
-  // partials of dq_bias / dk_bias (one at a time: ceil(n / 256) rows of H R N)
+  // the chunk kernels), or later dgp0, dphi and the phases' flows, then in their place dut, the k and q bias sums
+  // and their column_reduce partials (ceil(n / 256) rows of 2 H R N)
   const double base = ctx + d.a * d.b * H * P * N + d.a * d.n * (2 * H * R * N + 3 * H);
   const double chunks = states + d.a * d.b * nc * H;
   const double late = d.a * d.b * H + d.a * d.n * H * S +
-                      std::max(carry, d.a * d.n * H + d.a * std::ceil(d.n / 256.0) * H * R * N);
+                      std::max(carry, d.a * d.n * H + d.a * (std::ceil(d.n / 256.0) + 1) * 2 * H * R * N);
   m.bwd_extra = grads + base + std::max(chunks, late);
   return m;
 }

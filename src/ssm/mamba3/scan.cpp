@@ -836,7 +836,9 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
 
   // Initial carry: Sh_{-1} = S_init + gp0 sum_r v_r k_r^T with gp0 = Delta_0 (1 - lambda_0).
   View2<P> dgp0 = ws.take<View2<P>>("mamba3::dgp0", c.Bsz, c.H);  // every entry written below
-  {
+  if (!has_init && !want_dinit) {
+    Kokkos::deep_copy(dgp0, P(0));  // no carry in, none asked for
+  } else {
     const auto iv = in.init.v;
     const auto ik = in.init.k;
     const auto dS = gr.dinit.S;
@@ -973,11 +975,19 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
     dqk(rw, k_col + rgn) = static_cast<T>(sk);
   });
   // Parameter gradients, ordered sums over rows.
-  const index_t q_off = c.q_off, k_off = c.k_off;
-  column_reduce<P>("mamba3::dq_bias", rows, HRN, KOKKOS_LAMBDA(index_t i, index_t j) { return dqkv(i, q_off + j); },
-                   gr.dq_bias, true);
-  column_reduce<P>("mamba3::dk_bias", rows, HRN, KOKKOS_LAMBDA(index_t i, index_t j) { return dqkv(i, k_off + j); },
-                   gr.dk_bias, true);
+  // the q and k biases in one pass over the adjacent k and q columns (k_off, then q_off = k_off + H R N)
+  {
+    const index_t k_off = c.k_off;
+    View1<P> dkq = ws.take<View1<P>>("mamba3::dkq_bias", 2 * HRN);
+    column_reduce<P>("mamba3::dkq_bias", rows, 2 * HRN,
+                     KOKKOS_LAMBDA(index_t i, index_t j) { return dqkv(i, k_off + j); }, dkq, false);
+    const auto dqb = gr.dq_bias;
+    const auto dkb = gr.dk_bias;
+    par_for("mamba3::dkq_bias_add", HRN, KOKKOS_LAMBDA(index_t j) {
+      dkb(j) += dkq(j);
+      dqb(j) += dkq(HRN + j);
+    });
+  }
   const index_t L = c.L;
   column_reduce<P>("mamba3::ddt_bias", rows, c.H,
                    KOKKOS_LAMBDA(index_t i, index_t h) { return dut(i / L, h, i % L); }, gr.ddt_bias, true);
