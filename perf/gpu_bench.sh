@@ -15,7 +15,8 @@
 # --mamba-ssm DIR is the folder that holds the mamba_ssm package (e.g. $PWD/.peers); --causal-conv1d DIR holds the
 # built causal_conv1d_cuda*.so and the causal_conv1d package (perf/build_causal_conv1d.py makes it), without which
 # the peer's LM runs its unfused path. --bench-only also takes tfm (a PyTorch Transformer, peers only), mamba1 (our
-# Mamba-1 selective scan against the copy bandwidth, ours only) and mamba3 (the Mamba-3 SISO block, both).
+# Mamba-1 selective scan against the copy bandwidth, ours only), mamba3 (the Mamba-3 SISO block, both) and moe
+# (the issue-5 MoE layer and its expert GEMM rate; the peer on torch._grouped_mm).
 # --stages long: the LM step on one 1,048,576-token sequence with the Mamba-2 layers in windows of 131,072 tokens.
 # --stages 131k: the LM step at batch 1 x 131,072 (issue 3: 1.5x the peer's tokens/s at half its memory) with the
 #   Mamba-2 layers in windows of 32,768 tokens, gemm-tf32 and fused-tf32.

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Times the peers on the shapes of mambamoe_bench, in the same run on the same GPU.
 
-  peers.py --mamba-ssm DIR [--causal-conv1d DIR] --out DIR [--only copy,gemm,ssd,mamba3,lm,tfm]
+  peers.py --mamba-ssm DIR [--causal-conv1d DIR] --out DIR [--only copy,gemm,ssd,mamba3,moe,lm,tfm]
 
 DIR for --mamba-ssm is a folder holding the mamba_ssm package (github:state-spaces/mamba), e.g. .peers, not
 .peers/mamba_ssm; --causal-conv1d is a folder holding both the built extension causal_conv1d_cuda*.so and the
@@ -14,6 +14,8 @@ training steps (lm, tfm): median of per-step CUDA-event times after warm-up step
        forward, cross-entropy, backward, optimizer step; batch 4 x 8192, 1 x 131072, 1 x 262144 (--lm-shapes).
   mamba3: mamba_ssm's Mamba3 module, SISO (Triton mamba3_siso_combined), d_model 768, d_state 128, headdim 64,
        expand 2, chunk 64, forward and forward + backward at batch 8 x 8192 (issue 4).
+  moe: the issue-5 MoE layer (65,536 tokens, d_model 768, 8 SwiGLU experts of 2,048, top-1 and top-2) in PyTorch
+       on torch._grouped_mm, bf16, forward and forward + backward, and its expert GEMM against a dense one.
   tfm: a PyTorch Transformer of about the same size (12 layers, d_model 768, 12 heads, MLP 4x GELU, RMSNorm,
        RoPE, causal F.scaled_dot_product_attention), same precision and optimizer, batch 4 x 8192.
 """
@@ -132,6 +134,65 @@ def main():
             record(name, "peak memory allocated", torch.cuda.max_memory_allocated() / 2**30, "GiB")
             del blk, u, g
             torch.cuda.empty_cache()
+
+    if "moe" in want:
+        # issue 5's peer: the same MoE layer in PyTorch on torch._grouped_mm, bf16: 65,536 tokens, d_model 768,
+        # 8 SwiGLU experts of d_ff 2,048, softmax router with fp32 logits, top-1 and top-2, dropless; tokens sorted
+        # by expert into groups padded to multiples of 16 rows (as torchtitan does for _grouped_mm), combined with
+        # index_add; forward and forward + backward (autograd); then the expert GEMM alone, grouped (8 equal
+        # groups) against one dense bf16 GEMM of the same total size
+        import torch.nn.functional as F
+
+        T_, D_, E_, FF = 65536, 768, 8, 2048
+        torch.manual_seed(0)
+        bf = torch.bfloat16
+        x = torch.randn(T_, D_, device=dev, dtype=bf, requires_grad=True)
+        gx = torch.randn_like(x)
+        wr = (torch.randn(E_, D_, device=dev) / D_ ** 0.5).requires_grad_()
+        w1 = (torch.randn(E_, FF, D_, device=dev, dtype=bf) / D_ ** 0.5).requires_grad_()
+        w3 = (torch.randn(E_, FF, D_, device=dev, dtype=bf) / D_ ** 0.5).requires_grad_()
+        w2 = (torch.randn(E_, D_, FF, device=dev, dtype=bf) / FF ** 0.5).requires_grad_()
+        params = [x, wr, w1, w3, w2]
+
+        def moe(k):
+            probs = (x.float() @ wr.t()).softmax(-1)
+            gate, idx = probs.topk(k, dim=-1)
+            flat = idx.reshape(-1)
+            order = flat.argsort(stable=True)
+            tok = order // k
+            counts = torch.bincount(flat, minlength=E_)
+            padded = (counts + 15) // 16 * 16
+            start, start_p = counts.cumsum(0) - counts, padded.cumsum(0) - padded
+            e_sorted = flat[order]
+            dest = torch.arange(flat.numel(), device=dev) - start[e_sorted] + start_p[e_sorted]
+            offs = padded.cumsum(0).to(torch.int32)
+            xp = x.new_zeros(int(padded.sum().item()), D_).index_copy(0, dest, x[tok])
+            h = F.silu(torch._grouped_mm(xp, w1.transpose(-2, -1), offs=offs)) * \
+                torch._grouped_mm(xp, w3.transpose(-2, -1), offs=offs)
+            y = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)[dest]
+            wgt = gate.reshape(-1)[order].to(bf).unsqueeze(1)
+            return torch.zeros_like(x).index_add(0, tok, y * wgt)
+
+        for k in (1, 2):
+            name = f"torch._grouped_mm MoE layer {T_} tok d768 ff2048 E8 top{k} (bf16)"
+            with torch.no_grad():
+                record(name, "fwd time", bench(lambda: moe(k)) * 1e3, "ms")
+            torch.cuda.reset_peak_memory_stats()
+            record(name, "fwd+bwd time",
+                   bench(lambda: torch.autograd.backward(moe(k), gx, inputs=params)) * 1e3, "ms")
+            record(name, "peak memory allocated", torch.cuda.max_memory_allocated() / 2 ** 30, "GiB")
+        xp = torch.randn(T_, D_, device=dev, dtype=bf)
+        offs = torch.arange(1, E_ + 1, device=dev, dtype=torch.int32) * (T_ // E_)
+        flops = 2.0 * T_ * D_ * FF
+        with torch.no_grad():
+            t_g = bench(lambda: torch._grouped_mm(xp, w1.transpose(-2, -1), offs=offs))
+            t_d = bench(lambda: xp @ w1[0].t())
+        name = f"torch expert GEMM {T_}x768x2048 in 8 groups (bf16)"
+        record(name, "rate", flops / t_g / 1e12, "TFLOP/s")
+        record(name, "dense rate, same size", flops / t_d / 1e12, "TFLOP/s")
+        record(name, "of the dense rate", 100.0 * t_d / t_g, "%")
+        del x, gx, wr, w1, w3, w2, params, xp
+        torch.cuda.empty_cache()
 
     if "lm" in want or "tfm" in want:
         import torch.nn.functional as F
