@@ -167,10 +167,10 @@ Ctx<T> make_ctx(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, PoolScope& 
   c.delta = v3("mamba3::delta");
   c.lam = v3("mamba3::lambda");
   c.Av = v3("mamba3::A");
-  if (!s.via_ssd()) c.acs = v3("mamba3::acs");
+  c.ssd = s.via_ssd();
+  if (!c.ssd) c.acs = v3("mamba3::acs");
   c.w = v3("mamba3::w");
   c.phi = ws.take<View4<P>>("mamba3::phi", s.batch, s.nheads, s.seqlen, s.nangles);
-  c.ssd = s.via_ssd();
   const index_t xw = c.ssd ? s.nheads * s.headdim : 0;  // v's columns (SSD route)
   c.k_off = xw;
   c.q_off = xw + HRN;
