@@ -6,6 +6,8 @@
 #   perf/gpu_bench.sh --kokkos PREFIX --out DIR --mamba-ssm DIR [--causal-conv1d DIR] [--boost-po LIB]
 #                     [--htslib PREFIX] [--stages build,test,bench,long,131k,cp,ecoli] [--test-timeout S]
 #                     [--test-regex RE]   (test stage: only the ctest tests whose names match RE)
+#                     [--build-targets T1,T2]   (build stage: only these targets, e.g. unit_tests,mambamoe_bench;
+#                                               their dependencies come with them)
 #                     [--peer-timeout S]  (stop the peers' run after S seconds; peers.log keeps what it measured)
 #                     [--bench-only LIST]
 #                     [--commit HASH]   (the commit to print, where the copy on the GPU machine has no usable .git)
@@ -26,7 +28,7 @@
 # Writes under DIR: build.log, ctest.log, ours.csv, peers.csv, bench.log, and summary.txt (the table, also printed).
 set -uo pipefail
 
-commit="" kokkos="" out="" mamba="" cc1d="" po="" hts="" stages="build,test,bench" test_timeout=300 test_regex='' peer_timeout=0 bench_only="copy,gemm,ssd,lm" bench_args="" peer_args=""
+commit="" kokkos="" out="" mamba="" cc1d="" po="" hts="" stages="build,test,bench" test_timeout=300 test_regex='' peer_timeout=0 build_targets='' bench_only="copy,gemm,ssd,lm" bench_args="" peer_args=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --kokkos) kokkos=$2; shift 2 ;;
@@ -39,6 +41,7 @@ while [[ $# -gt 0 ]]; do
     --test-timeout) test_timeout=$2; shift 2 ;;
     --test-regex) test_regex=$2; shift 2 ;;
     --peer-timeout) peer_timeout=$2; shift 2 ;;
+    --build-targets) build_targets=$2; shift 2 ;;
     --bench-only) bench_only=$2; shift 2 ;;
     --commit) commit=$2; shift 2 ;;
     --bench-args) bench_args=$2; shift 2 ;;
@@ -63,7 +66,8 @@ if has build; then
   [[ -n $po ]] && extra+=("-DMAMBAMOE_BOOST_PO_LIBRARY=$po")
   [[ -n $hts ]] && extra+=("-DMAMBAMOE_HTSLIB_ROOT=$hts")
   (cd "$root" && cmake --preset cuda -DKokkos_ROOT="$kokkos" "${extra[@]}" && \
-    cmake --build build/cuda -j"$(nproc)") > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+    cmake --build build/cuda -j"$(nproc)" ${build_targets:+--target ${build_targets//,/ }}) > "$out/build.log" 2>&1 || \
+    { tail -30 "$out/build.log"; exit 1; }
   cp "$root/build/cuda/.ninja_log" "$out/ninja_log.txt" 2>/dev/null
   echo "build: $((SECONDS - t0)) s"
 fi
