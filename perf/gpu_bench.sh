@@ -7,7 +7,8 @@
 #                     [--htslib PREFIX] [--stages build,test,bench,long,131k,cp,ecoli] [--test-timeout S]
 #                     [--test-regex RE]   (test stage: only the ctest tests whose names match RE)
 #                     [--build-targets T1,T2]   (build stage: only these targets, e.g. unit_tests,mambamoe_bench;
-#                                               their dependencies come with them)
+#                                               their dependencies come with them; the regression tests need the
+#                                               mambamoe driver, so pair it with --test-regex "unit_tests|mpi_tests")
 #                     [--peer-timeout S]  (stop the peers' run after S seconds; peers.log keeps what it measured)
 #                     [--bench-only LIST]
 #                     [--commit HASH]   (the commit to print, where the copy on the GPU machine has no usable .git)
