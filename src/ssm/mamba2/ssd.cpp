@@ -768,7 +768,6 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
                     T(1), tok(dX + c.c_col + grp0 * c.N, ldd, c.N), nruns, c.gptrs);
     }
     for (index_t u = 0; u < nruns; ++u) {
-      if (group_runs && fused) break;
       const index_t hi0 = u * rl, hn = std::min(rl, nh - hi0), h0 = blk0 + hi0, grp = h0 / c.hpg;
       const ChunkOp<const T*> Bg = tok(X + c.b_col + grp * c.N, g.ldx), Cg = tok(X + c.c_col + grp * c.N, g.ldx);
       if (!fused) {
@@ -778,11 +777,12 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
         chunk_gemm<T>(c, cmp, Trans::N, Trans::T, kQ, hn * c.Pd, c.N, T(1), Cg,
                       blk<const T*>(c.states.data() + h0 * PN, c.N, c.H * PN), T(0), tok(t2.data() + hi0 * c.Pd, ldt1));
       }
-      if (group_runs) continue;
-      // dB += (sum_h dCB)^T C, dC += (sum_h dCB) B
-      const ChunkOp<const T*> W2 = blk<const T*>(w2.data() + u * nbc * QQ, c.Q, QQ);
-      chunk_gemm<T>(c, cmp, Trans::T, Trans::N, kQ, c.N, kQ, T(1), W2, Cg, T(1), tok(dX + c.b_col + grp * c.N, ldd));
-      chunk_gemm<T>(c, cmp, Trans::N, Trans::N, kQ, c.N, kQ, T(1), W2, Bg, T(1), tok(dX + c.c_col + grp * c.N, ldd));
+      if (!group_runs) {
+        // dB += (sum_h dCB)^T C, dC += (sum_h dCB) B
+        const ChunkOp<const T*> W2 = blk<const T*>(w2.data() + u * nbc * QQ, c.Q, QQ);
+        chunk_gemm<T>(c, cmp, Trans::T, Trans::N, kQ, c.N, kQ, T(1), W2, Cg, T(1), tok(dX + c.b_col + grp * c.N, ldd));
+        chunk_gemm<T>(c, cmp, Trans::N, Trans::N, kQ, c.N, kQ, T(1), W2, Bg, T(1), tok(dX + c.c_col + grp * c.N, ldd));
+      }
     }
     // per token: finish dx, and the decay sums w_inter = e_in dy . (C S_in^T) and dd_state = es x . (B dH^T)
     // (kEpiRows itself in the lambda: a local constant read through std::min's reference would be odr-used and
