@@ -147,6 +147,34 @@ struct M3Data {
     return mmref::mamba3_scan_reference(ref_shape(), to_vec(v), to_vec(qk), to_vec(dd), to_vec(dt_bias), to_vec(D),
                                         to_vec(qb), to_vec(kb), ref_init(), fin);
   }
+  // The backward tests' seeded output gradient (batch * seqlen, H R P) and final-carry gradient.
+  View2<T> seeded_dy() const {
+    View2<T> dy("dy", cs.B * cs.L, cs.H * cs.R * cs.P);
+    fill_uniform(dy, 20);
+    return dy;
+  }
+  Mamba3Carry<Pt> seeded_dfinal() const {
+    auto dfin = Mamba3Carry<Pt>::allocate("dfin", shape);
+    fill_uniform(dfin.phi, 21);
+    fill_uniform(dfin.S, 22);
+    fill_uniform(dfin.k, 23);
+    fill_uniform(dfin.v, 24);
+    return dfin;
+  }
+  // Zeroed gradients of every input, the initial carry included.
+  Mamba3ScanGrad<T> zero_grads() const {
+    const index_t rows = cs.B * cs.L, HRN = cs.H * cs.R * cs.N;
+    Mamba3ScanGrad<T> g;
+    g.dv = View2<T>("dv", rows, v.extent(1));
+    g.dqk = View2<T>("dqk", rows, qk.extent(1));
+    g.ddd = View2<T>("ddd", rows, dd.extent(1));
+    g.ddt_bias = View1<Pt>("ddt_bias", cs.H);
+    g.dD = View1<Pt>("dD", cs.H);
+    g.dq_bias = View1<Pt>("dqb", HRN);
+    g.dk_bias = View1<Pt>("dkb", HRN);
+    g.dinit = Mamba3Carry<Pt>::allocate("dinit", shape);
+    return g;
+  }
   std::vector<double> quadratic() const {
     return mmref::mamba3_quadratic_reference(ref_shape(), to_vec(v), to_vec(qk), to_vec(dd), to_vec(dt_bias),
                                              to_vec(D), to_vec(qb), to_vec(kb), ref_init());
@@ -295,24 +323,8 @@ namespace {
 // Every gradient of one scan backward (float), with seeded output and final-carry gradients.
 std::vector<std::vector<double>> scan_grads_float(const M3Case& c) {
   M3Data<float> d(c);
-  const index_t rows = c.B * c.L;
-  View2<float> dy("dy", rows, c.H * c.R * c.P);
-  fill_uniform(dy, 20);
-  auto dfin = Mamba3Carry<float>::allocate("dfin", d.shape);
-  fill_uniform(dfin.phi, 21);
-  fill_uniform(dfin.S, 22);
-  fill_uniform(dfin.k, 23);
-  fill_uniform(dfin.v, 24);
-  Mamba3ScanGrad<float> g;
-  g.dv = View2<float>("dv", rows, d.v.extent(1));
-  g.dqk = View2<float>("dqk", rows, d.qk.extent(1));
-  g.ddd = View2<float>("ddd", rows, d.dd.extent(1));
-  g.ddt_bias = View1<float>("ddt_bias", c.H);
-  g.dD = View1<float>("dD", c.H);
-  g.dq_bias = View1<float>("dqb", c.H * c.N);
-  g.dk_bias = View1<float>("dkb", c.H * c.N);
-  g.dinit = Mamba3Carry<float>::allocate("dinit", d.shape);
-  mamba3_scan_backward<float>(d.shape, d.in(), dy, dfin, g);
+  Mamba3ScanGrad<float> g = d.zero_grads();
+  mamba3_scan_backward<float>(d.shape, d.in(), d.seeded_dy(), d.seeded_dfinal(), g);
   return {to_vec(g.dv),       to_vec(g.dqk),     to_vec(g.ddd),     to_vec(g.ddt_bias),
           to_vec(g.dD),       to_vec(g.dq_bias), to_vec(g.dk_bias), to_vec(g.dinit.S),
           to_vec(g.dinit.phi), to_vec(g.dinit.k), to_vec(g.dinit.v)};
@@ -427,13 +439,8 @@ namespace {
 void scan_fd_check(const M3Case& c, const std::string& name) {
   M3Data<double> d(c);
   const index_t rows = c.B * c.L;
-  View2<double> dy("dy", rows, c.H * c.R * c.P);
-  fill_uniform(dy, 20);
-  auto dfin = Mamba3Carry<double>::allocate("dfin", d.shape);
-  fill_uniform(dfin.phi, 21);
-  fill_uniform(dfin.S, 22);
-  fill_uniform(dfin.k, 23);
-  fill_uniform(dfin.v, 24);
+  const View2<double> dy = d.seeded_dy();
+  const Mamba3Carry<double> dfin = d.seeded_dfinal();
   const auto dyv = to_vec(dy);
   const auto dphi = to_vec(dfin.phi), dS = to_vec(dfin.S), dk = to_vec(dfin.k), dvv = to_vec(dfin.v);
   auto loss = [&]() {
@@ -443,15 +450,7 @@ void scan_fd_check(const M3Case& c, const std::string& name) {
     return mmtest::dot(to_vec(y), dyv) + mmtest::dot(to_vec(fin.phi), dphi) + mmtest::dot(to_vec(fin.S), dS) +
            mmtest::dot(to_vec(fin.k), dk) + mmtest::dot(to_vec(fin.v), dvv);
   };
-  Mamba3ScanGrad<double> g;
-  g.dv = View2<double>("dv", rows, d.v.extent(1));
-  g.dqk = View2<double>("dqk", rows, d.qk.extent(1));
-  g.ddd = View2<double>("ddd", rows, d.dd.extent(1));
-  g.ddt_bias = View1<double>("ddt_bias", c.H);
-  g.dD = View1<double>("dD", c.H);
-  g.dq_bias = View1<double>("dqb", c.H * c.R * c.N);
-  g.dk_bias = View1<double>("dkb", c.H * c.R * c.N);
-  g.dinit = Mamba3Carry<double>::allocate("dinit", d.shape);
+  Mamba3ScanGrad<double> g = d.zero_grads();
   mamba3_scan_backward<double>(d.shape, d.in(), dy, dfin, g);
   INFO(name);
   double worst = 0;
