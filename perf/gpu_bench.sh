@@ -118,14 +118,16 @@ fi
 
 # Context-parallel weak scaling on 2 GPUs (issue 6): the LM step on one GPU at 131,072 tokens, then cp = 2 over two
 # GPUs at 262,144 tokens (one sequence) and at 32,768 tokens (the state-passing bytes per layer must not change).
+# One SSD variant (fused-tf32, the LM's fastest measured), so that each csv holds one throughput row.
 if has cp; then
   b="$root/build/cuda/perf/mambamoe_bench"
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
   mpi=(mpirun -np 2 --bind-to none -x OMPI_ALLOW_RUN_AS_ROOT -x OMPI_ALLOW_RUN_AS_ROOT_CONFIRM)
-  { "$b" --out "$out" --only lm --lm-batch 1 --lm-seqlen 131072 --reps 3 && mv "$out/ours.csv" "$out/cp1.csv"
-    "${mpi[@]}" "$b" --out "$out" --only lm --lm-batch 1 --lm-seqlen 262144 --reps 3 --cp 2 --backend nccl \
+  b=("$b" --lm-ssd fused-tf32)
+  { "${b[@]}" --out "$out" --only lm --lm-batch 1 --lm-seqlen 131072 --reps 3 && mv "$out/ours.csv" "$out/cp1.csv"
+    "${mpi[@]}" "${b[@]}" --out "$out" --only lm --lm-batch 1 --lm-seqlen 262144 --reps 3 --cp 2 --backend nccl \
       --kokkos-map-device-id-by=mpi_rank && mv "$out/ours.csv" "$out/cp2.csv"
-    "${mpi[@]}" "$b" --out "$out" --only lm --lm-batch 1 --lm-seqlen 32768 --reps 3 --cp 2 --backend nccl \
+    "${mpi[@]}" "${b[@]}" --out "$out" --only lm --lm-batch 1 --lm-seqlen 32768 --reps 3 --cp 2 --backend nccl \
       --kokkos-map-device-id-by=mpi_rank && mv "$out/ours.csv" "$out/cp2_32k.csv"; } > "$out/cp.log" 2>&1 || rc=1
   grep -E "throughput|memory|cp bytes|error" "$out/cp.log"
   t1=$(grep throughput "$out/cp1.csv" 2>/dev/null | cut -d, -f3); t2=$(grep throughput "$out/cp2.csv" 2>/dev/null | cut -d, -f3)
