@@ -463,6 +463,14 @@ void bench_mamba1(int reps, index_t batch, index_t seqlen) {
   const double t_f = time_median(1, reps, [&] { selective_scan_forward<T>(s, in, out, View3<float>(), ck); });
   record(nf, "time", t_f * 1e3, "ms");
   record_rates(nf, fwd_bytes, 0, t_f);
+  if (selective_scan_native_forward<T>(s, in)) {  // the portable passes on the same inputs, side by side
+    SelScanShape sp = s;
+    sp.native = false;
+    const std::string np = "mamba1 scan fwd portable " + shape + " E1536 N16";
+    const double t_p = time_median(1, reps, [&] { selective_scan_forward<T>(sp, in, out, View3<float>(), ck); });
+    record(np, "time", t_p * 1e3, "ms");
+    record_rates(np, fwd_bytes, 0, t_p);
+  }
   const double t_fb = time_median(1, reps, [&] {
     selective_scan_forward<T>(s, in, out, View3<float>(), ck);
     selective_scan_backward<T>(s, in, dout, View3<const float>(), ck, g);

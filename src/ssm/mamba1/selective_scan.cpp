@@ -1,9 +1,12 @@
 #include "ssm/mamba1/selective_scan.hpp"
 
 #include <algorithm>
+#include <cstdint>
+#include <type_traits>
 
 #include "core/error.hpp"
 #include "core/pool.hpp"
+#include "ssm/mamba1/scan_cuda.hpp"
 
 namespace mm {
 
@@ -351,6 +354,51 @@ View3<acc_t<T>> selective_scan_alloc_checkpoints(const SelScanShape& s) {
                          s.nchunks(), s.dstate, s.batch * s.dinner);
 }
 
+namespace {
+// The native kernel's view of the inputs, where it can run them: fp32, its shape rules, and every row-major
+// window starting on 16 bytes with a row stride of a multiple of 4 floats (so that 16-byte copies never straddle).
+template <class T>
+bool native_fits(const SelScanShape& s, const SelScanIn<T>& in, mamba1_cuda::FwdArgs* a) {
+  if constexpr (!std::is_same_v<T, float>) {
+    return false;
+  } else {
+    if (!s.native || !mamba1_cuda::compiled() || !mamba1_cuda::shape_fits(s.dinner, s.dstate, s.dinner / s.ngroups))
+      return false;
+    auto window = [](const auto& v, index_t col, const float** p, index_t* ld) {
+      *p = v.data() + col;
+      *ld = index_t(v.stride(0));
+      return reinterpret_cast<std::uintptr_t>(*p) % 16 == 0 && *ld % 4 == 0;
+    };
+    mamba1_cuda::FwdArgs x;
+    index_t ld_c = 0;
+    bool ok = window(in.u, in.u_col, &x.u, &x.ld_u) && window(in.delta, in.delta_col, &x.delta, &x.ld_delta) &&
+              window(in.bc, in.b_col, &x.B, &x.ld_bc) && window(in.bc, in.c_col, &x.C, &ld_c);
+    if (in.z.extent(0) > 0) ok = ok && window(in.z, in.z_col, &x.z, &x.ld_z);
+    if (!ok) return false;
+    x.A = in.A.data();
+    x.D = in.D.data();
+    x.bias = in.delta_bias.data();
+    x.seq = in.seq_idx.extent(0) > 0 ? in.seq_idx.data() : nullptr;
+    x.ld_seq = index_t(in.seq_idx.stride(0));
+    x.init = in.init_state.extent(0) > 0 ? in.init_state.data() : nullptr;
+    x.batch = s.batch;
+    x.L = s.seqlen;
+    x.E = s.dinner;
+    x.N = s.dstate;
+    x.cpg = s.dinner / s.ngroups;
+    x.Q = s.chunk;
+    if (a) *a = x;
+    return true;
+  }
+}
+}  // namespace
+
+template <class T>
+bool selective_scan_native_forward(const SelScanShape& s, const SelScanIn<T>& in) {
+  make_ctx(s, in, "selective_scan_native_forward");
+  return native_fits(s, in, nullptr);
+}
+
 template <class T>
 void selective_scan_forward(const SelScanShape& s, const SelScanIn<T>& in, const View2<T>& out,
                             const View3<acc_t<T>>& final_state, const View3<acc_t<T>>& checkpoints) {
@@ -361,6 +409,20 @@ void selective_scan_forward(const SelScanShape& s, const SelScanIn<T>& in, const
   require_state(final_state, s, "selective_scan_forward", "final_state");
   require_checkpoints(checkpoints, s, "selective_scan_forward");
   const auto init = in.init_state;
+  if (mamba1_cuda::FwdArgs a; native_fits(s, in, &a)) {  // one pass; checkpoints as the portable passes write them
+    PoolScope ws;
+    const View3<P> ck = checkpoints.extent(0) > 0 ? checkpoints
+                                                   : ws.take<View3<P>>("selective_scan::checkpoints", c.nc, c.N,
+                                                                       c.Bsz * c.E);
+    if constexpr (std::is_same_v<T, float>) {
+      a.out = out.data();
+      a.ld_out = index_t(out.stride(0));
+      a.final_state = final_state.extent(0) > 0 ? final_state.data() : nullptr;
+      a.ckpt = ck.data();
+      mamba1_cuda::forward(a);
+    }
+    return;
+  }
   if (c.N <= kMaxRegStates) {  // the chunk-parallel passes; they need the checkpoints (a scratch block if not given)
     PoolScope ws;
     const View3<P> ck = checkpoints.extent(0) > 0 ? checkpoints
@@ -662,6 +724,7 @@ void selective_scan_step(const SelScanShape& s, const SelScanIn<T>& in, const Vi
 
 #define MM_INSTANTIATE(T)                                                                                         \
   template View3<acc_t<T>> selective_scan_alloc_checkpoints<T>(const SelScanShape&);                             \
+  template bool selective_scan_native_forward<T>(const SelScanShape&, const SelScanIn<T>&);                      \
   template void selective_scan_forward<T>(const SelScanShape&, const SelScanIn<T>&, const View2<T>&,              \
                                           const View3<acc_t<T>>&, const View3<acc_t<T>>&);                        \
   template void selective_scan_backward<T>(const SelScanShape&, const SelScanIn<T>&, const View2<const T>&,       \

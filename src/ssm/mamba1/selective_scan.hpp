@@ -29,6 +29,9 @@ struct SelScanShape {
   index_t batch = 1, seqlen = 0, dinner = 1, ngroups = 1, dstate = 1, chunk = 256;
   // The backward forms dB and dC as parts over blocks of 32 channels, as many at a time as this many bytes hold.
   double bc_parts_bytes = double(256ull << 20);
+  // Let the forward take the native CUDA kernel (ssm/mamba1/scan_cuda.hpp) where it fits; false: always the
+  // portable passes (to compare the two).
+  bool native = true;
   index_t nchunks() const { return (seqlen + chunk - 1) / chunk; }
   void validate(const char* where) const;
 };
@@ -72,6 +75,11 @@ View3<acc_t<T>> selective_scan_alloc_checkpoints(const SelScanShape& s);
 template <class T>
 void selective_scan_forward(const SelScanShape& s, const SelScanIn<T>& in, const View2<T>& out,
                             const View3<acc_t<T>>& final_state, const View3<acc_t<T>>& checkpoints = {});
+
+// Whether selective_scan_forward runs these inputs through the native CUDA kernel (a CUDA build, fp32 data, d_state
+// 8 or 16, d_inner and channels per group multiples of 16, 16-byte aligned column windows, s.native).
+template <class T>
+bool selective_scan_native_forward(const SelScanShape& s, const SelScanIn<T>& in);
 
 // dout (batch * seqlen, E); dfinal_state (batch, E, N) or empty. `checkpoints` from the forward of the same inputs,
 // or empty: then they are recomputed (one extra forward pass).
