@@ -14,6 +14,7 @@
 #                     [--commit HASH]   (the commit to print, where the copy on the GPU machine has no usable .git)
 #                     [--peer-args "ARGS"]    (passed to perf/peers.py, e.g. "--ssd-dtypes bf16")
 #                     [--bench-args "ARGS"]   (passed to mambamoe_bench, e.g. "--ssd gemm-tf32,portable --lm-ssd gemm-bf16")
+#                     [--cp-args "ARGS"]      (passed to the cp stage's three runs, e.g. "--profile")
 #
 # --mamba-ssm DIR is the folder that holds the mamba_ssm package (e.g. $PWD/.peers); --causal-conv1d DIR holds the
 # built causal_conv1d_cuda*.so and the causal_conv1d package (perf/build_causal_conv1d.py makes it), without which
@@ -29,7 +30,7 @@
 # Writes under DIR: build.log, ctest.log, ours.csv, peers.csv, bench.log, and summary.txt (the table, also printed).
 set -uo pipefail
 
-commit="" kokkos="" out="" mamba="" cc1d="" po="" hts="" stages="build,test,bench" test_timeout=300 test_regex='' peer_timeout=0 build_targets='' bench_only="copy,gemm,ssd,lm" bench_args="" peer_args=""
+commit="" kokkos="" out="" mamba="" cc1d="" po="" hts="" stages="build,test,bench" test_timeout=300 test_regex='' peer_timeout=0 build_targets='' bench_only="copy,gemm,ssd,lm" bench_args="" peer_args="" cp_args=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --kokkos) kokkos=$2; shift 2 ;;
@@ -47,6 +48,7 @@ while [[ $# -gt 0 ]]; do
     --commit) commit=$2; shift 2 ;;
     --bench-args) bench_args=$2; shift 2 ;;
     --peer-args) peer_args=$2; shift 2 ;;
+    --cp-args) cp_args=$2; shift 2 ;;
     *) echo "gpu_bench.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -123,14 +125,18 @@ if has cp; then
   b="$root/build/cuda/perf/mambamoe_bench"
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
   mpi=(mpirun -np 2 --bind-to none -x OMPI_ALLOW_RUN_AS_ROOT -x OMPI_ALLOW_RUN_AS_ROOT_CONFIRM)
-  b=("$b" --lm-ssd fused-tf32)
+  b=("$b" --lm-ssd fused-tf32 $cp_args)
   { "${b[@]}" --out "$out" --only lm --lm-batch 1 --lm-seqlen 131072 --reps 3 && mv "$out/ours.csv" "$out/cp1.csv"
     "${mpi[@]}" "${b[@]}" --out "$out" --only lm --lm-batch 1 --lm-seqlen 262144 --reps 3 --cp 2 --backend nccl \
       --kokkos-map-device-id-by=mpi_rank && mv "$out/ours.csv" "$out/cp2.csv"
     "${mpi[@]}" "${b[@]}" --out "$out" --only lm --lm-batch 1 --lm-seqlen 32768 --reps 3 --cp 2 --backend nccl \
       --kokkos-map-device-id-by=mpi_rank && mv "$out/ours.csv" "$out/cp2_32k.csv"; } > "$out/cp.log" 2>&1 || rc=1
   grep -E "throughput|memory|cp bytes|error" "$out/cp.log"
-  t1=$(grep throughput "$out/cp1.csv" 2>/dev/null | cut -d, -f3); t2=$(grep throughput "$out/cp2.csv" 2>/dev/null | cut -d, -f3)
-  [[ -n $t1 && -n $t2 ]] && python3 -c "print(f'cp=2 at 262,144 tokens / 1 GPU at 131,072: {$t2/$t1:.3f}x tokens/s')"
+  # (the csv's first field is a quoted name with commas in it: read it as csv)
+  python3 - "$out/cp1.csv" "$out/cp2.csv" <<'PY' || rc=1
+import csv, sys
+t = [next(float(r["value"]) for r in csv.DictReader(open(f)) if r["metric"] == "throughput") for f in sys.argv[1:]]
+print(f"cp=2 at 262,144 tokens / 1 GPU at 131,072: {t[1] / t[0]:.3f}x tokens/s")
+PY
 fi
 exit $rc
