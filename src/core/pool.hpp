@@ -61,6 +61,13 @@ class PoolScope {
   std::vector<Taken> taken_;
 };
 
+// A view from `ws` when one is given, else a fresh uninitialised allocation (code shared by callers that keep
+// their buffers in a scope and callers that do not).
+template <class V, class... Extents>
+V take_or_alloc(PoolScope* ws, const std::string& label, Extents... ext) {
+  return ws ? ws->template take<V>(label, ext...) : make_uninit<V>(label, ext...);
+}
+
 // Frees every cached block not in use (all of them between calls); the next takes allocate again.
 void pool_trim();
 // Bytes of device memory the cache holds (in use or not).

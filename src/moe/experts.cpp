@@ -53,15 +53,15 @@ void grouped_gemm_wgrad(acc_t<T> alpha, const View2<const T>& A, const View2<con
 
 template <class T>
 void swiglu_experts_forward(const SwiGLUWeights<T>& w, const View2<const T>& xp, const std::vector<index_t>& off,
-                            SwiGLUActs<T>& acts, const View2<T>& y) {
+                            SwiGLUActs<T>& acts, const View2<T>& y, PoolScope* ws) {
   using P = acc_t<T>;
   const index_t m = xp.extent(0), F = w.F;
   require(index_t(xp.extent(1)) == w.d && index_t(y.extent(1)) == w.d && index_t(y.extent(0)) == m,
           "moe::swiglu_experts", "xp is (", xp.extent(0), ", ", xp.extent(1), "), y is (", y.extent(0), ", ",
           y.extent(1), "), d_model = ", w.d);
-  acts.h1 = make_uninit<View2<T>>("moe::h1", m, F);
-  acts.h3 = make_uninit<View2<T>>("moe::h3", m, F);
-  acts.a = make_uninit<View2<T>>("moe::a", m, F);
+  acts.h1 = take_or_alloc<View2<T>>(ws, "moe::h1", m, F);
+  acts.h3 = take_or_alloc<View2<T>>(ws, "moe::h3", m, F);
+  acts.a = take_or_alloc<View2<T>>(ws, "moe::a", m, F);
   grouped_gemm<T>(Trans::T, P(1), xp, w.w1, F, w.d, P(0), acts.h1, off);
   grouped_gemm<T>(Trans::T, P(1), xp, w.w3, F, w.d, P(0), acts.h3, off);
   auto h1 = acts.h1;
@@ -79,8 +79,9 @@ void swiglu_experts_backward(const SwiGLUWeights<T>& w, const View2<const T>& xp
                              bool accumulate, const SwiGLUGrads<T>& g) {
   using P = acc_t<T>;
   const index_t m = xp.extent(0), F = w.F;
-  View2<T> dh1 = make_uninit<View2<T>>("moe::dh1", m, F);
-  View2<T> dh3 = make_uninit<View2<T>>("moe::dh3", m, F);
+  PoolScope ws;  // cached device blocks (no cudaMalloc/cudaFree per call), returned at the end
+  View2<T> dh1 = ws.take<View2<T>>("moe::dh1", m, F);
+  View2<T> dh3 = ws.take<View2<T>>("moe::dh3", m, F);
   // da = dy W2_g (into dh1), dW2_g += dy^T a
   grouped_gemm<T>(Trans::N, P(1), dy, w.w2, w.d, F, P(0), dh1, off);
   grouped_gemm_wgrad<T>(P(1), dy, acts.a, P(1), g.w2, off);
@@ -159,7 +160,8 @@ void moe_permute_backward(const View2<const T>& dxp, const View2<const index_t>&
   template void grouped_gemm_wgrad<T>(acc_t<T>, const View2<const T>&, const View2<const T>&, acc_t<T>, T*,       \
                                       const std::vector<index_t>&);                                                \
   template void swiglu_experts_forward<T>(const SwiGLUWeights<T>&, const View2<const T>&,                          \
-                                          const std::vector<index_t>&, SwiGLUActs<T>&, const View2<T>&);           \
+                                          const std::vector<index_t>&, SwiGLUActs<T>&, const View2<T>&,            \
+                                          PoolScope*);                                                             \
   template void swiglu_experts_backward<T>(const SwiGLUWeights<T>&, const View2<const T>&, const SwiGLUActs<T>&,   \
                                            const View2<const T>&, const std::vector<index_t>&, const View2<T>&,    \
                                            bool, const SwiGLUGrads<T>&);                                           \

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/kokkos_types.hpp"
+#include "core/pool.hpp"
 #include "tensor/gemm.hpp"
 
 namespace mm {
@@ -54,10 +55,10 @@ struct SwiGLUActs {
   bool empty() const { return h1.extent(0) == 0 && h1.data() == nullptr; }
 };
 
-// y (m, d) = expert outputs of xp (m, d); acts receives h1, h3, a.
+// y (m, d) = expert outputs of xp (m, d); acts receives h1, h3, a (taken from `ws` when given, else allocated).
 template <class T>
 void swiglu_experts_forward(const SwiGLUWeights<T>& w, const View2<const T>& xp, const std::vector<index_t>& off,
-                            SwiGLUActs<T>& acts, const View2<T>& y);
+                            SwiGLUActs<T>& acts, const View2<T>& y, PoolScope* ws = nullptr);
 
 // dxp (m, d) = (accumulate ? dxp : 0) + d/dxp; weight gradients accumulated into g.
 template <class T>

@@ -182,10 +182,12 @@ View2<T> MoELayer<T>::experts_forward(MoEActs<T>& a) const {
   const Routing<P>& r = a.routing;
   const index_t n = a.x.extent(0), m = r.rows(), d = cfg_.d_model;
   if (ep_size_ == 1) {
-    a.xp = make_uninit<View2<T>>("moe::xp", m, d);
+    a.expert_ws = std::make_shared<PoolScope>();
+    PoolScope* ws = a.expert_ws.get();
+    a.xp = ws->template take<View2<T>>("moe::xp", m, d);
     moe_permute<T>(a.x, r.perm_token, a.xp);
-    a.y = make_uninit<View2<T>>("moe::y", m, d);
-    swiglu_experts_forward<T>(expert_weights(), a.xp, r.offsets, a.ex, a.y);
+    a.y = ws->template take<View2<T>>("moe::y", m, d);
+    swiglu_experts_forward<T>(expert_weights(), a.xp, r.offsets, a.ex, a.y, ws);
   } else {
     // expert parallelism: the permuted rows are expert-major, so the rows of owner q are one contiguous block
     const int R = ep_size_;
@@ -279,6 +281,7 @@ MoELosses MoELayer<T>::forward(const View2<T>& x, const View2<T>& out, MoEActs<T
             "state_aware router needs a state input of shape (", n, ", ", d, "), got (", state.extent(0), ", ",
             state.extent(1), ")");
   acts = MoEActs<T>{};
+  acts.ws = std::make_shared<PoolScope>();
   acts.x = x;
   acts.state = cfg_.state_aware ? state : View2<T>();
   acts.step = step;
@@ -308,13 +311,13 @@ MoELosses MoELayer<T>::forward(const View2<T>& x, const View2<T>& out, MoEActs<T
   // routing
   const RouterOptions opt = cfg_.router_options();
   Routing<P>& r = acts.routing;
-  r.logits = make_uninit<View2<P>>("moe::logits", n, cfg_.n_experts);
+  r.logits = acts.ws->template take<View2<P>>("moe::logits", n, cfg_.n_experts);
   linear_forward<T>(xr, store_->v2(router_w_), View1<const P>(), r.logits);
-  router_select<P>(opt, has_expert_bias() ? View1<const P>(store_->v1(bias_)) : View1<const P>(), r);
+  router_select<P>(opt, has_expert_bias() ? View1<const P>(store_->v1(bias_)) : View1<const P>(), r, acts.ws.get());
   RouterLosses L;
   std::vector<index_t> kept_all;  // cp: kept assignments per expert over all cp ranks
   if (!cpx) {
-    router_plan<P>(opt, r);
+    router_plan<P>(opt, r, {}, acts.ws.get());
     L = router_losses<P>(opt, r);
   } else {
     const index_t E = cfg_.n_experts, k = cfg_.top_k, B = step.batch, N = n * cp_size_;
@@ -338,7 +341,7 @@ MoELosses MoELayer<T>::forward(const View2<T>& x, const View2<T>& out, MoEActs<T
             }
       }
     }
-    router_plan<P>(opt, r, keep);
+    router_plan<P>(opt, r, keep, acts.ws.get());
     r.capacity = cap;
     // router choices, kept assignments and the loss sums of all cp ranks, summed in rank order
     std::vector<std::int64_t> cnt(std::size_t(2 * E));
@@ -380,6 +383,7 @@ MoELosses MoELayer<T>::forward(const View2<T>& x, const View2<T>& out, MoEActs<T
     acts.y = View2<T>();
     acts.ex = SwiGLUActs<T>{};
     acts.sh = SwiGLUActs<T>{};
+    acts.expert_ws.reset();
     acts.expert_acts_kept = false;
   }
 
@@ -413,14 +417,15 @@ void MoELayer<T>::backward(MoEActs<T>& a, const View2<const T>& dout, const View
   const Routing<P>& r = a.routing;
   const index_t m = r.rows();
 
-  // combine -> experts -> tokens
-  View2<T> dy = make_uninit<View2<T>>("moe::dy", m, d);
-  View2<P> dgate = make_uninit<View2<P>>("moe::dgate", n, k);
+  // combine -> experts -> tokens (the buffers below: cached device blocks, returned at the end)
+  PoolScope ws;
+  View2<T> dy = ws.take<View2<T>>("moe::dy", m, d);
+  View2<P> dgate = ws.take<View2<P>>("moe::dgate", n, k);
   moe_combine_backward<T>(dout, a.y, r.row, r.gate, r.perm_token, r.perm_slot, dy, dgate);
   const SwiGLUGrads<T> eg{store_->g1(w1_).data(), store_->g1(w3_).data(), store_->g1(w2_).data()};
   View2<T> dxp;
   if (ep_size_ == 1) {
-    dxp = make_uninit<View2<T>>("moe::dxp", m, d);
+    dxp = ws.take<View2<T>>("moe::dxp", m, d);
     swiglu_experts_backward<T>(expert_weights(), a.xp, a.ex, dy, r.offsets, dxp, false, eg);
   } else {  // mirror of the forward exchange: dy to the owners, the input gradients back to the sources
     const MoEExchange& X = a.ep;
@@ -451,12 +456,12 @@ void MoELayer<T>::backward(MoEActs<T>& a, const View2<const T>& dout, const View
                                {store_->g1(s1_).data(), store_->g1(s3_).data(), store_->g1(s2_).data()});
 
   // router: gates, load-balancing loss, z-loss -> logits -> router weight and input
-  View2<P> dl = make_uninit<View2<P>>("moe::dlogits", n, E);
+  View2<P> dl = ws.take<View2<P>>("moe::dlogits", n, E);
   router_backward<P>(cfg_.router_options(), r, dgate, aux_scale, dl);
   if (a.xr.extent(0) == 0 && a.xr.data() == nullptr) {
     linear_backward<T>(a.x, store_->v2(router_w_), dl, dx, true, store_->g2(router_w_), View1<P>());
   } else {
-    View2<T> dxr = make_uninit<View2<T>>("moe::drouter_in", n, dr);
+    View2<T> dxr = ws.take<View2<T>>("moe::drouter_in", n, dr);
     linear_backward<T>(a.xr, store_->v2(router_w_), dl, dxr, false, store_->g2(router_w_), View1<P>());
     const bool jit = cfg_.jitter > 0 && a.step.training, sa = cfg_.state_aware;
     const CounterRNG rng{a.step.seed, jitter_stream(a.step.step)};

@@ -49,6 +49,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -142,6 +143,9 @@ struct MoEActs {
   View2<T> y;             // expert outputs (m, d)         }
   SwiGLUActs<T> sh;       // shared expert intermediates  }
   bool expert_acts_kept = false;
+  // Cached device blocks (core/pool.hpp) behind the views above: `ws` for the router's, `expert_ws` for xp, ex and
+  // y (single-rank experts), dropped with them under recompute.
+  std::shared_ptr<PoolScope> ws, expert_ws;
   MoEExchange ep;         // expert parallelism only: xp is then the received rows in expert-major order,
                           // y the outputs of this rank's m permuted rows after the reverse exchange
   MoEStats stats;

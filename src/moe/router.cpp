@@ -21,18 +21,18 @@ index_t expert_capacity(const RouterOptions& opt, index_t n) {
 }
 
 template <class P>
-void router_select(const RouterOptions& opt, const View1<const P>& bias, Routing<P>& r) {
+void router_select(const RouterOptions& opt, const View1<const P>& bias, Routing<P>& r, PoolScope* ws) {
   const index_t n = r.logits.extent(0), E = opt.n_experts, k = opt.top_k;
   require(index_t(r.logits.extent(1)) == E, "moe::router", "logits have ", r.logits.extent(1),
           " columns, expected n_experts = ", E);
   require(bias.extent(0) == 0 || index_t(bias.extent(0)) == E, "moe::router", "expert bias has ", bias.extent(0),
           " entries, expected n_experts = ", E);
   r.n = n;
-  r.probs = make_uninit<View2<P>>("moe::probs", n, E);
-  r.lse = make_uninit<View1<P>>("moe::lse", n);
-  r.psum = make_uninit<View1<P>>("moe::psum", n);
-  r.expert = make_uninit<View2<std::int32_t>>("moe::expert", n, k);
-  r.gate = make_uninit<View2<P>>("moe::gate", n, k);
+  r.probs = take_or_alloc<View2<P>>(ws, "moe::probs", n, E);
+  r.lse = take_or_alloc<View1<P>>(ws, "moe::lse", n);
+  r.psum = take_or_alloc<View1<P>>(ws, "moe::psum", n);
+  r.expert = take_or_alloc<View2<std::int32_t>>(ws, "moe::expert", n, k);
+  r.gate = take_or_alloc<View2<P>>(ws, "moe::gate", n, k);
   auto logits = r.logits;
   auto probs = r.probs;
   auto lse = r.lse;
@@ -88,14 +88,14 @@ constexpr index_t kPlanBlock = 256;  // tokens per counting block of the dispatc
 }
 
 template <class P>
-void router_plan(const RouterOptions& opt, Routing<P>& r, const std::vector<index_t>& keep) {
+void router_plan(const RouterOptions& opt, Routing<P>& r, const std::vector<index_t>& keep, PoolScope* ws) {
   const index_t n = r.n, E = opt.n_experts, k = opt.top_k;
   const index_t nb = (n + kPlanBlock - 1) / kPlanBlock, items = k * nb;
   // Work item it = j * nb + b covers slot j of the tokens of block b: items in increasing order enumerate the
   // assignments in the slot-major order of the header. No atomics: each item owns its row of `pos`.
   View2<index_t> pos("moe::plan_pos", items > 0 ? items : 1, E);
-  r.row = make_uninit<View2<index_t>>("moe::row", n, k);
-  r.count = make_uninit<View1<index_t>>("moe::count", E);
+  r.row = take_or_alloc<View2<index_t>>(ws, "moe::row", n, k);
+  r.count = take_or_alloc<View1<index_t>>(ws, "moe::count", E);
   auto expert = r.expert;
   auto row = r.row;
   auto count = r.count;
@@ -147,8 +147,8 @@ void router_plan(const RouterOptions& opt, Routing<P>& r, const std::vector<inde
     for (index_t e = 0; e <= E; ++e) h(e) = r.offsets[e];
     Kokkos::deep_copy(off, h);
   }
-  r.perm_token = make_uninit<View1<index_t>>("moe::perm_token", m);
-  r.perm_slot = make_uninit<View1<std::int32_t>>("moe::perm_slot", m);
+  r.perm_token = take_or_alloc<View1<index_t>>(ws, "moe::perm_token", m);
+  r.perm_slot = take_or_alloc<View1<std::int32_t>>(ws, "moe::perm_slot", m);
   auto perm_token = r.perm_token;
   auto perm_slot = r.perm_slot;
   par_for("moe::plan_rows", n, KOKKOS_LAMBDA(index_t x) {
@@ -308,8 +308,8 @@ void update_expert_bias(const View1<P>& bias, const std::vector<double>& load, d
 }
 
 #define MM_INSTANTIATE(P)                                                                                   \
-  template void router_select<P>(const RouterOptions&, const View1<const P>&, Routing<P>&);                \
-  template void router_plan<P>(const RouterOptions&, Routing<P>&, const std::vector<index_t>&);             \
+  template void router_select<P>(const RouterOptions&, const View1<const P>&, Routing<P>&, PoolScope*);    \
+  template void router_plan<P>(const RouterOptions&, Routing<P>&, const std::vector<index_t>&, PoolScope*); \
   template std::vector<index_t> router_slot_counts<P>(const RouterOptions&, const Routing<P>&, index_t);    \
   template RouterLossSums router_loss_sums<P>(const RouterOptions&, const Routing<P>&);                    \
   template RouterLosses router_losses<P>(const RouterOptions&, const Routing<P>&);                         \

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "core/kokkos_types.hpp"
+#include "core/pool.hpp"
 
 namespace mm {
 
@@ -90,14 +91,15 @@ struct RouterLosses {
 // On entry r.logits holds the raw router output r_x W_r^T (n, E). Divides it by the temperature in place and
 // fills probs, lse, expert and gate. `bias` (E) is the expert bias for selection; pass an empty view for none.
 template <class P>
-void router_select(const RouterOptions& opt, const View1<const P>& bias, Routing<P>& r);
+void router_select(const RouterOptions& opt, const View1<const P>& bias, Routing<P>& r, PoolScope* ws = nullptr);
 
 // After router_select: the dispatch plan (row, perm_token, perm_slot, count, offsets, routed, capacity).
 // `keep` (E, optional): keep the first keep[e] assignments of expert e in the slot-major order instead of the
 // capacity of this batch (context parallelism: the caller derives it from the capacity over all cp ranks; it must
 // not exceed the router's choices of the expert). r.capacity is then left for the caller to set.
 template <class P>
-void router_plan(const RouterOptions& opt, Routing<P>& r, const std::vector<index_t>& keep = {});
+void router_plan(const RouterOptions& opt, Routing<P>& r, const std::vector<index_t>& keep = {},
+                 PoolScope* ws = nullptr);
 
 // Router choices per (slot j, sequence b, expert e) when the n tokens are `batch` sequences of n / batch
 // consecutive rows: host (k, batch, E) row-major, from a deterministic count (no atomics).
