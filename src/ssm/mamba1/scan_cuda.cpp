@@ -17,9 +17,8 @@ bool compiled() { return true; }
 
 namespace {
 
-constexpr int kTile = 64;    // tokens per shared-memory stage
+constexpr int kTile = 32;    // tokens per shared-memory stage
 constexpr int kStages = 3;   // stages in flight (two tiles load while one is computed)
-constexpr unsigned kFull = 0xffffffffu;
 
 // Shared-memory floats of one stage: u, delta and z for the block's channels, then B and C (N each) per token.
 __host__ __device__ constexpr int stage_floats(int N) { return kTile * (3 * int(kChannels) + 2 * N); }
@@ -71,15 +70,31 @@ __device__ void load_tile(const FwdArgs& a, float* s, index_t b, index_t t0, ind
   }
 }
 
-// One block per (16 channels, batch row), LPC = N / 4 lanes per channel, 4 states per lane.
+// Shared memory beside the stages: Delta and Delta u per (token, channel), the record starts per token, and the
+// per-lane partial outputs per (token, channel, lane of the channel).
+template <int N>
+__host__ __device__ constexpr int extra_floats() {
+  return 2 * kTile * int(kChannels) + kTile + kTile * int(kChannels) * (N / 4);
+}
+
+// One block per (16 channels, batch row), LPC = N / 4 lanes per channel, 4 states each. Per tile, three phases
+// separated by barriers, so that the sequential part does nothing but the recurrence:
+//   1. every thread: softplus and Delta u for (token, channel) elements, the record starts per token;
+//   2. each lane: its 4 states through the tile's tokens (one exp2 per state and token), the partial y per token;
+//   3. every thread: the partials summed per (token, channel), D skip, z gate, the store.
 template <int N>
 __global__ void __launch_bounds__(int(kChannels) * N / 4) forward_kernel(const FwdArgs a) {
-  constexpr int LPC = N / 4, C = int(kChannels);
+  constexpr int LPC = N / 4, C = int(kChannels), NT = C * LPC;
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
+  float* sdl = smem + kStages * stage_floats(N);  // (kTile, C)
+  float* sdu = sdl + kTile * C;                    // (kTile, C)
+  float* srs = sdu + kTile * C;                    // (kTile): 1 where a record starts at the token
+  float* spart = srs + kTile;                      // (kTile, C, LPC)
   const index_t b = blockIdx.y, d0 = index_t(blockIdx.x) * C, g = d0 / a.cpg;
-  const int lane = threadIdx.x % 32, q = lane % LPC;
-  const int c = threadIdx.x / LPC;  // the block's channel of this lane
+  const int tid = threadIdx.x, q = tid % LPC;
+  const int c = tid / LPC;  // the block's channel of this lane in phase 2
+  const int ce = tid % C;   // the channel of this thread's elements in phases 1 and 3 (NT is a multiple of C)
   const index_t d = d0 + c, bd = b * a.E + d;
   constexpr float kLog2e = 1.4426950408889634f;
 
@@ -89,7 +104,7 @@ __global__ void __launch_bounds__(int(kChannels) * N / 4) forward_kernel(const F
     a2[s] = a.A[d * N + 4 * q + s] * kLog2e;
     h[s] = a.init ? a.init[bd * N + 4 * q + s] : 0.f;
   }
-  const float Dd = a.D[d], bias = a.bias[d];
+  const float De = a.D[d0 + ce], biase = a.bias[d0 + ce];
   const index_t ntiles = (a.L + kTile - 1) / kTile, BE = a.batch * a.E;
   const std::int32_t* seq = a.seq ? a.seq + b * a.ld_seq : nullptr;
   index_t next_ck = 0;  // the next chunk start, where the state entering it is saved
@@ -113,58 +128,52 @@ __global__ void __launch_bounds__(int(kChannels) * N / 4) forward_kernel(const F
     const float* sB = sz + kTile * C;
     const float* sC = sB + kTile * N;
     const index_t t0 = tile * kTile;
-    for (int g0 = 0; g0 < kTile; g0 += LPC) {
-      // This lane's own token: softplus once per (token, channel), shared with the channel's other lanes.
-      const int own = g0 + q;
-      const index_t t = t0 + own;
-      const bool valid = t < a.L;
-      const float uu = valid ? su[own * C + c] : 0.f;
-      const float dlt = valid ? softplus(sd[own * C + c] + bias) : 0.f;
-      const float du = dlt * uu;
-      const int rs = valid && seq && t > 0 && seq[t] != seq[t - 1];
-      float part[LPC];
+    const int rows = int(a.L - t0 < kTile ? a.L - t0 : kTile);
+
+    // phase 1
+    for (int e = tid; e < rows * C; e += NT) {
+      const float dl = softplus(sd[e] + biase);
+      sdl[e] = dl;
+      sdu[e] = dl * su[e];
+    }
+    if (seq)
+      for (int t = tid; t < rows; t += NT) srs[t] = (t0 + t > 0 && seq[t0 + t] != seq[t0 + t - 1]) ? 1.f : 0.f;
+    __syncthreads();
+
+    // phase 2
+    int ck = next_ck - t0 < kTile ? int(next_ck - t0) : kTile;  // the tile's next chunk start
+#pragma unroll 4
+    for (int t = 0; t < rows; ++t) {
+      if (t == ck) {  // the state entering chunk (t0 + t) / Q
+        const index_t ch = (t0 + t) / a.Q;
 #pragma unroll
-      for (int j = 0; j < LPC; ++j) part[j] = 0.f;
-#pragma unroll
-      for (int j = 0; j < LPC; ++j) {
-        const index_t tj = t0 + g0 + j;
-        if (tj >= a.L) break;  // the same for every lane
-        if (tj == next_ck) {   // the state entering chunk tj / Q
-#pragma unroll
-          for (int s = 0; s < 4; ++s) a.ckpt[((tj / a.Q) * N + 4 * q + s) * BE + bd] = h[s];
-          next_ck += a.Q;
-        }
-        const float dj = __shfl_sync(kFull, dlt, j, LPC), duj = __shfl_sync(kFull, du, j, LPC);
-        if (seq && __shfl_sync(kFull, rs, j, LPC)) {  // a record starts at tj (the same for the whole block)
-#pragma unroll
-          for (int s = 0; s < 4; ++s) h[s] = 0.f;
-        }
-        const float4 Bv = *reinterpret_cast<const float4*>(sB + (g0 + j) * N + 4 * q);
-        const float4 Cv = *reinterpret_cast<const float4*>(sC + (g0 + j) * N + 4 * q);
-        const float bb[4] = {Bv.x, Bv.y, Bv.z, Bv.w}, cc[4] = {Cv.x, Cv.y, Cv.z, Cv.w};
-        float y = 0.f;
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-          h[s] = fmaf(ex2(dj * a2[s]), h[s], duj * bb[s]);
-          y = fmaf(cc[s], h[s], y);
-        }
-        part[j] = y;
+        for (int s = 0; s < 4; ++s) a.ckpt[(ch * N + 4 * q + s) * BE + bd] = h[s];
+        next_ck += a.Q;
+        ck = next_ck - t0 < kTile ? int(next_ck - t0) : kTile;
       }
-      // Reduce-scatter over the channel's LPC lanes: lane q ends with the full sum for token g0 + q.
-      float mine;
-      if constexpr (LPC == 2) {
-        mine = (q ? part[1] : part[0]) + __shfl_xor_sync(kFull, q ? part[0] : part[1], 1);
-      } else {
-        const bool hi = q & 2, lo = q & 1;
-        const float s0 = (hi ? part[2] : part[0]) + __shfl_xor_sync(kFull, hi ? part[0] : part[2], 2);
-        const float s1 = (hi ? part[3] : part[1]) + __shfl_xor_sync(kFull, hi ? part[1] : part[3], 2);
-        mine = (lo ? s1 : s0) + __shfl_xor_sync(kFull, lo ? s0 : s1, 1);
+      if (seq && srs[t] != 0.f) {  // a record starts here (the same for the whole block)
+#pragma unroll
+        for (int s = 0; s < 4; ++s) h[s] = 0.f;
       }
-      if (valid) {
-        float y = mine + Dd * uu;
-        if (a.z) y *= silu(sz[own * C + c]);
-        a.out[(b * a.L + t) * a.ld_out + d] = y;
-      }
+      const float dl = sdl[t * C + c], du = sdu[t * C + c];
+      const float4 Bv = *reinterpret_cast<const float4*>(sB + t * N + 4 * q);
+      const float4 Cv = *reinterpret_cast<const float4*>(sC + t * N + 4 * q);
+      h[0] = fmaf(ex2(dl * a2[0]), h[0], du * Bv.x);
+      h[1] = fmaf(ex2(dl * a2[1]), h[1], du * Bv.y);
+      h[2] = fmaf(ex2(dl * a2[2]), h[2], du * Bv.z);
+      h[3] = fmaf(ex2(dl * a2[3]), h[3], du * Bv.w);
+      spart[(t * C + c) * LPC + q] = fmaf(Cv.x, h[0], fmaf(Cv.y, h[1], fmaf(Cv.z, h[2], Cv.w * h[3])));
+    }
+    __syncthreads();
+
+    // phase 3
+    for (int e = tid; e < rows * C; e += NT) {
+      const float* p = spart + e * LPC;
+      float y = De * su[e];
+#pragma unroll
+      for (int k = 0; k < LPC; ++k) y += p[k];
+      if (a.z) y *= silu(sz[e]);
+      a.out[(b * a.L + t0 + e / C) * a.ld_out + d0 + ce] = y;
     }
   }
   asm volatile("cp.async.wait_all;\n" ::);
@@ -176,11 +185,13 @@ __global__ void __launch_bounds__(int(kChannels) * N / 4) forward_kernel(const F
 
 template <int N>
 void launch(const FwdArgs& a) {
-  const std::size_t bytes = sizeof(float) * std::size_t(kStages) * stage_floats(N);
-  static bool raised = false;  // the dynamic shared-memory limit, raised once per kernel
-  if (!raised) {
-    const cudaError_t e =
-        cudaFuncSetAttribute(forward_kernel<N>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+  const std::size_t bytes = sizeof(float) * (std::size_t(kStages) * stage_floats(N) + extra_floats<N>());
+  static bool raised = false;  // once per kernel: the dynamic shared-memory limit, and the largest shared-memory
+  if (!raised) {               // carveout (else the driver may leave room for one block per SM)
+    cudaError_t e = cudaFuncSetAttribute(forward_kernel<N>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+    if (e == cudaSuccess)
+      e = cudaFuncSetAttribute(forward_kernel<N>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               int(cudaSharedmemCarveoutMaxShared));
     require(e == cudaSuccess, "selective_scan_forward (CUDA)", bytes, " bytes of shared memory: ",
             cudaGetErrorString(e));
     raised = true;

@@ -6,11 +6,13 @@
 // the carried state for the outputs), so every decay exp(Delta A) is computed twice, and its per-token loads wait
 // on device memory. The GPU's exp unit (16 results per clock per SM on an H200) then bounds it at twice the time of
 // one pass. This kernel makes one pass over the sequence: a block owns 16 channels of one batch row and walks all
-// tokens, with tiles of 64 tokens of u, delta, z, B and C brought into shared memory by asynchronous copies three
-// tiles ahead; each channel's 16 states are spread over 4 lanes (4 states each), the 4 lanes of a channel compute
-// softplus for 4 consecutive tokens once and share it, and the per-lane partial outputs are summed by a
-// reduce-scatter so that each lane finishes one token (D skip, z gate, store). The checkpoints (the state entering
-// every chunk of `chunk` tokens) and the final state are written on the way.
+// tokens, with tiles of 32 tokens of u, delta, z, B and C brought into shared memory by asynchronous copies two
+// tiles ahead. Per tile, three phases: every thread computes softplus and Delta u for (token, channel) elements;
+// then each channel's 16 states, spread over 4 lanes (4 each), run through the tile's tokens, one exp2 per state
+// and token, writing partial outputs; then every thread sums the partials of (token, channel) elements, adds the D
+// skip, applies the z gate and stores. The sequential phase does nothing but the recurrence, and the elementwise
+// work is spread over all threads. The checkpoints (the state entering every chunk of `chunk` tokens) and the
+// final state are written on the way.
 #pragma once
 
 #include <cstdint>
