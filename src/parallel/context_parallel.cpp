@@ -130,48 +130,43 @@ void cp_conv_halo_backward(const Comm& cp, const View3<const T>& dprefix, const 
 }
 
 namespace {
+// The pairs of every rank (device memory, rank-major: m decays then m * block states per rank), folded on the
+// device from rank `from` towards `to` (exclusive) in steps of `step`: acc = g_q acc + S_q.
 template <class P>
-HostView1<P> gather_pairs(const Comm& cp, const View1<const P>& g, const View1<const P>& S, index_t block) {
-  const std::size_t m = g.extent(0);
-  require(S.extent(0) == m * std::size_t(block), "context parallel state scan", "states hold ", S.extent(0),
-          " values, not decays (", m, ") x block (", block, ")");
-  auto hg = Kokkos::create_mirror_view_and_copy(HostMem(), g);
-  auto hS = Kokkos::create_mirror_view_and_copy(HostMem(), S);
-  std::vector<P> send(m + S.extent(0));
-  std::copy(hg.data(), hg.data() + m, send.begin());
-  std::copy(hS.data(), hS.data() + S.extent(0), send.begin() + m);
-  const std::vector<P> all = cp.allgather(send);
-  HostView1<P> out("cp::pairs", all.size());
-  std::copy(all.begin(), all.end(), out.data());
-  return out;
-}
-
-template <class P>
-View1<P> fold(const Comm& cp, const HostView1<P>& all, std::size_t m, index_t block, int from, int to, int step) {
-  const std::size_t ms = m * std::size_t(block), stride = m + ms;
-  HostView1<P> acc("cp::fold", ms);  // zero
-  for (int q = from; q != to; q += step) {
-    const P* gq = all.data() + std::size_t(q) * stride;
-    const P* Sq = gq + m;
-    for (std::size_t i = 0; i < ms; ++i) acc(i) = gq[i / std::size_t(block)] * acc(i) + Sq[i];
-  }
-  View1<P> out(Kokkos::view_alloc(Kokkos::WithoutInitializing, "cp::state_in"), ms);
-  Kokkos::deep_copy(out, acc);
-  (void)cp;
+View1<P> state_scan(const Comm& cp, const View1<const P>& g, const View1<const P>& S, index_t block, int from, int to,
+                    int step, PoolScope* ws) {
+  const std::size_t m = g.extent(0), ms = m * std::size_t(block), stride = m + ms;
+  require(S.extent(0) == ms, "context parallel state scan", "states hold ", S.extent(0), " values, not decays (", m,
+          ") x block (", block, ")");
+  View1<P> send = take_or_alloc<View1<P>>(ws, "cp::pairs_send", stride);
+  View1<P> all = take_or_alloc<View1<P>>(ws, "cp::pairs", stride * std::size_t(cp.size()));
+  Kokkos::deep_copy(Kokkos::subview(send, std::make_pair(std::size_t(0), m)), g);
+  Kokkos::deep_copy(Kokkos::subview(send, std::make_pair(m, stride)), S);
+  cp.allgather(send, all);
+  View1<P> out = take_or_alloc<View1<P>>(ws, "cp::state_in", ms);
+  const std::size_t bl = std::size_t(block);
+  par_for("cp::fold", index_t(ms), KOKKOS_LAMBDA(index_t i) {
+    P acc = 0;
+    for (int q = from; q != to; q += step) {
+      const std::size_t base = std::size_t(q) * stride;
+      acc = all(base + std::size_t(i) / bl) * acc + all(base + m + std::size_t(i));
+    }
+    out(i) = acc;
+  });
   return out;
 }
 }  // namespace
 
 template <class P>
-View1<P> cp_state_scan_forward(const Comm& cp, const View1<const P>& g, const View1<const P>& S, index_t block) {
-  auto all = gather_pairs(cp, g, S, block);
-  return fold(cp, all, g.extent(0), block, 0, cp.rank(), 1);
+View1<P> cp_state_scan_forward(const Comm& cp, const View1<const P>& g, const View1<const P>& S, index_t block,
+                               PoolScope* ws) {
+  return state_scan(cp, g, S, block, 0, cp.rank(), 1, ws);
 }
 
 template <class P>
-View1<P> cp_state_scan_backward(const Comm& cp, const View1<const P>& g, const View1<const P>& S, index_t block) {
-  auto all = gather_pairs(cp, g, S, block);
-  return fold(cp, all, g.extent(0), block, cp.size() - 1, cp.rank(), -1);
+View1<P> cp_state_scan_backward(const Comm& cp, const View1<const P>& g, const View1<const P>& S, index_t block,
+                                PoolScope* ws) {
+  return state_scan(cp, g, S, block, cp.size() - 1, cp.rank(), -1, ws);
 }
 
 #define MM_CP_INST(T)                                                                                             \
@@ -182,8 +177,10 @@ View1<P> cp_state_scan_backward(const Comm& cp, const View1<const P>& g, const V
                                            const View2<const T>&, const View3<T>&);                               \
   template void cp_conv_halo_backward<T>(const Comm&, const View3<const T>&, const UView2<T>&, index_t, index_t,  \
                                          index_t);                                                                \
-  template View1<T> cp_state_scan_forward<T>(const Comm&, const View1<const T>&, const View1<const T>&, index_t); \
-  template View1<T> cp_state_scan_backward<T>(const Comm&, const View1<const T>&, const View1<const T>&, index_t);
+  template View1<T> cp_state_scan_forward<T>(const Comm&, const View1<const T>&, const View1<const T>&, index_t,   \
+                                             PoolScope*);                                                          \
+  template View1<T> cp_state_scan_backward<T>(const Comm&, const View1<const T>&, const View1<const T>&, index_t,  \
+                                              PoolScope*);
 MM_CP_INST(float)
 MM_CP_INST(double)
 #undef MM_CP_INST

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "core/kokkos_types.hpp"
+#include "core/pool.hpp"
 #include "layers/conv1d.hpp"
 #include "parallel/comm.hpp"
 
@@ -78,12 +79,16 @@ void cp_conv_halo_backward(const Comm& cp, const View3<const T>& dprefix, const 
 
 // Exclusive scan over the ranks of the pairs (g, S): returns the S part of (pair_0 o ... o pair_{r-1}) on rank r
 // (zero on rank 0). g has m entries, S has m * block; S[i] decays with g[i / block]. One allgather of
-// m * (1 + block) values per rank; the fold runs locally in rank order (the same on every rank, deterministic).
+// m * (1 + block) values per rank (device buffers under NCCL); the fold runs on the device in rank order (the same
+// on every rank, deterministic). With `ws` the buffers and the result are taken from it (the result lives as long
+// as the scope), else allocated.
 template <class P>
-View1<P> cp_state_scan_forward(const Comm& cp, const View1<const P>& g, const View1<const P>& S, index_t block);
+View1<P> cp_state_scan_forward(const Comm& cp, const View1<const P>& g, const View1<const P>& S, index_t block,
+                               PoolScope* ws = nullptr);
 
 // The mirror for the backward: D = 0; for q = size - 1 down to r + 1: D = g_q D + S_q (zero on the last rank).
 template <class P>
-View1<P> cp_state_scan_backward(const Comm& cp, const View1<const P>& g, const View1<const P>& S, index_t block);
+View1<P> cp_state_scan_backward(const Comm& cp, const View1<const P>& g, const View1<const P>& S, index_t block,
+                                PoolScope* ws = nullptr);
 
 }  // namespace mm::parallel

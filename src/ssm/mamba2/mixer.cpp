@@ -15,8 +15,8 @@ namespace mm {
 namespace {
 // per batch row, 1 where token 0 continues the left neighbour's record, as a device vector of P
 template <class P>
-View1<P> cp_cont_view(const std::vector<int>& cont) {
-  View1<P> v(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba2::cp_cont"), cont.size());
+View1<P> cp_cont_view(const std::vector<int>& cont, PoolScope& ws) {
+  View1<P> v = ws.take<View1<P>>("mamba2::cp_cont", cont.size());
   auto h = Kokkos::create_mirror_view(HostMem(), v);
   for (std::size_t i = 0; i < cont.size(); ++i) h(i) = cont[i] ? P(1) : P(0);
   Kokkos::deep_copy(v, h);
@@ -92,9 +92,10 @@ View2<acc_t<T>> m2_cp_decay_weights(const View2<T>& dt, index_t dtc, const View1
 
 // g(b, h): the slice's total decay, zero when a record starts inside it (or at its first token)
 template <class P>
-View1<P> m2_cp_total_decay(const View2<P>& lexp, const std::vector<int>& cont, index_t batch, index_t L, index_t H) {
-  View1<P> c = cp_cont_view<P>(cont);
-  View1<P> g(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba2::cp_g"), batch * H);
+View1<P> m2_cp_total_decay(const View2<P>& lexp, const std::vector<int>& cont, index_t batch, index_t L, index_t H,
+                           PoolScope& ws) {
+  View1<P> c = cp_cont_view<P>(cont, ws);
+  View1<P> g = ws.take<View1<P>>("mamba2::cp_g", batch * H);
   par_for("mamba2::cp_total_decay", batch * H, KOKKOS_LAMBDA(index_t bh) {
     const index_t b = bh / H, h = bh % H;
     g(bh) = c(b) * lexp(b * L + L - 1, h);
@@ -112,7 +113,7 @@ void m2_cp_apply_state_in(const View1<acc_t<T>>& S_fold, const std::vector<int>&
                           index_t batch, index_t L, index_t H, index_t Pd, index_t N, index_t HG, GemmCompute cmp,
                           PoolScope& ws) {
   using P = acc_t<T>;
-  View1<P> cont = cp_cont_view<P>(cont_v);
+  View1<P> cont = cp_cont_view<P>(cont_v, ws);
   const index_t PN = Pd * N, G = H / HG, HP = H * Pd, ldx = index_t(xbc.stride(0));
   par_for("mamba2::cp_state_in", batch, H * PN, KOKKOS_LAMBDA(index_t b, index_t i) {
     Sin4(b, i / PN, (i % PN) / N, i % N) = cont(b) * S_fold(b * H * PN + i);
@@ -135,7 +136,7 @@ View4<acc_t<T>> m2_cp_state_grad(const View2<acc_t<T>>& lexp, const std::vector<
                                  index_t N, index_t HG, GemmCompute cmp, PoolScope& ws) {
   using P = acc_t<T>;
   const index_t G = H / HG, HP = H * Pd, PN = Pd * N, ldx = index_t(xbc.stride(0));
-  View4<P> Gs(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba2::cp_G"), batch, H, Pd, N);
+  View4<P> Gs = ws.take<View4<P>>("mamba2::cp_G", batch, H, Pd, N);
   View2<P> dyw = ws.take<View2<P>>("mamba2::cp_dy_scaled", batch * L, HP);
   par_for("mamba2::cp_dy_scaled", batch * L, HP, KOKKOS_LAMBDA(index_t row, index_t hp) {
     dyw(row, hp) = lexp(row, hp / Pd) * P(dy(row, hp));
@@ -144,7 +145,7 @@ View4<acc_t<T>> m2_cp_state_grad(const View2<acc_t<T>>& lexp, const std::vector<
     gemm_batched_2d(Trans::T, Trans::N, Pd, N, L, P(1), dyw.data() + b * L * HP, HP, HG * Pd, Pd,
                     xbc.data() + ccol + b * L * ldx, ldx, N, 0, P(0), Gs.data() + b * H * PN, N, HG * PN, PN, G, HG,
                     cmp);
-  View1<P> cont = cp_cont_view<P>(cont_v);
+  View1<P> cont = cp_cont_view<P>(cont_v, ws);
   par_for("mamba2::cp_G", batch, H * PN, KOKKOS_LAMBDA(index_t b, index_t i) {
     Gs(b, i / PN, (i % PN) / N, i % N) *= cont(b);
   });
@@ -372,10 +373,10 @@ void Mamba2Mixer<T>::backward(Mamba2Acts<T>& a, index_t batch, index_t seqlen, c
                                            cfg_.dt_limit_lo, cfg_.dt_limit_hi, seq, batch, seqlen, H, &ws);
     View4<P> Gs = m2_cp_state_grad<T>(lexp, a.cp_cont, dy, a.xbc, ccol, batch, seqlen, H, Pd, N, HG,
                                       ssd_shape(batch, seqlen).compute, ws);
-    View1<P> gdec = m2_cp_total_decay<P>(lexp, a.cp_cont, batch, seqlen, H);
-    View1<P> dS = parallel::cp_state_scan_backward<P>(*cp_, gdec, View1<const P>(Gs.data(), Gs.size()), Pd * N);
-    dfinal = View4<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba2::cp_dfinal"), batch, H, Pd, N);
-    Kokkos::deep_copy(View1<P>(dfinal.data(), dfinal.size()), dS);
+    View1<P> gdec = m2_cp_total_decay<P>(lexp, a.cp_cont, batch, seqlen, H, ws);
+    View1<P> dS =
+        parallel::cp_state_scan_backward<P>(*cp_, gdec, View1<const P>(Gs.data(), Gs.size()), Pd * N, &ws);
+    dfinal = View4<P>(dS.data(), batch, H, Pd, N);  // a view of the scope's block
   }
   ssd_backward<T>(ssd_shape(batch, seqlen), ssd_in(a, seq), dy, dfinal, g);
   // conv: d([x | B | C]) into its columns of d(zxbcdt)
@@ -388,8 +389,7 @@ void Mamba2Mixer<T>::backward(Mamba2Acts<T>& a, index_t batch, index_t seqlen, c
     windows::conv_state_out_backward<T>(dfinal_state->conv, a.conv_init, seq, seqlen, dzxbcdt, E,
                                         dinit_state ? dinit_state->conv : View3<T>());
   if (cp_->size() > 1) {  // the halo's gradient goes back to the left neighbour, which adds it to its rows
-    View3<T> dprefix(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba2::cp_dprefix"), batch, C_,
-                     cfg_.d_conv - 1);
+    View3<T> dprefix = ws.take<View3<T>>("mamba2::cp_dprefix", batch, C_, cfg_.d_conv - 1);
     parallel::conv1d_silu_prefix_grad<T>(Conv1dIn<T>{a.zxbcdt, E, batch, seqlen, C_, a.conv_init},
                                          store_->v2(conv_w_), store_->v1(conv_b_), seq, dxbc, a.cp_mask, dprefix);
     parallel::cp_conv_halo_backward<T>(*cp_, dprefix, dzxbcdt, E, batch, seqlen);
@@ -429,8 +429,9 @@ void Mamba2Mixer<T>::forward_cp(const View2<T>& u, index_t batch, index_t seqlen
   ssd_forward<T>(ssd_shape(batch, seqlen), ssd_in(a, seq), a.y, S_loc);
   View2<P> lexp = m2_cp_decay_weights<T>(a.zxbcdt, 2 * E + 2 * G * N, store_->v1(A_log_), store_->v1(dt_bias_),
                                          cfg_.dt_limit_lo, cfg_.dt_limit_hi, seq, batch, L, H, &ws);
-  View1<P> gdec = m2_cp_total_decay<P>(lexp, a.cp_cont, batch, L, H);
-  View1<P> S_in = parallel::cp_state_scan_forward<P>(*cp_, gdec, View1<const P>(S_loc.data(), S_loc.size()), Pd * N);
+  View1<P> gdec = m2_cp_total_decay<P>(lexp, a.cp_cont, batch, L, H, ws);
+  View1<P> S_in =
+      parallel::cp_state_scan_forward<P>(*cp_, gdec, View1<const P>(S_loc.data(), S_loc.size()), Pd * N, &ws);
   a.ssm_init = View4<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba2::ssm_init"), batch, H, Pd, N);
   m2_cp_apply_state_in<T>(S_in, a.cp_cont, a.ssm_init, lexp, a.xbc, ccol, a.y, batch, L, H, Pd, N, HG,
                           ssd_shape(batch, seqlen).compute, ws);
