@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 
 #include "core/error.hpp"
 #include "core/pool.hpp"
@@ -34,11 +35,14 @@ KOKKOS_INLINE_FUNCTION P cp_delta(P raw, P bias, P lo, P hi) {
 }
 
 // exp(l_t), l_t = sum_{j <= t} Delta_j A_h inside the slice, for the tokens of the slice's first record; 0 after.
+// rows_nz: 1 + the largest t (over rows and heads) whose weight is not zero (0 if none): exp(l_t) only decreases
+// and underflows to exactly 0 after enough decay, so the correction and its gradient need only rows t < rows_nz.
 // (Free functions: CUDA lambdas may not sit in private member functions.)
 template <class T>
 View2<acc_t<T>> m2_cp_decay_weights(const View2<T>& dt, index_t dtc, const View1<const acc_t<T>>& A_log,
                                     const View1<const acc_t<T>>& dt_bias, double dt_lo, double dt_hi,
-                                    const SeqIdxView& seq, index_t batch, index_t L, index_t H, PoolScope* ws) {
+                                    const SeqIdxView& seq, index_t batch, index_t L, index_t H, PoolScope* ws,
+                                    index_t& rows_nz) {
   using P = acc_t<T>;
   View2<P> lexp = take_or_alloc<View2<P>>(ws, "mamba2::cp_lexp", batch * L, H);
   const P lo = P(dt_lo);
@@ -52,6 +56,7 @@ View2<acc_t<T>> m2_cp_decay_weights(const View2<T>& dt, index_t dtc, const View1
   View2<P> part = take_or_alloc<View2<P>>(ws, "mamba2::cp_lpart", batch * nb, H);
   View2<index_t> fb = take_or_alloc<View2<index_t>>(ws, "mamba2::cp_first_part", batch * nb, 1);
   View1<index_t> first = take_or_alloc<View1<index_t>>(ws, "mamba2::cp_first", batch);
+  View2<index_t> lastp = take_or_alloc<View2<index_t>>(ws, "mamba2::cp_last_part", batch * nb, H);
   par_for("mamba2::cp_decay_part", batch * nb, H, KOKKOS_LAMBDA(index_t bk, index_t h) {
     const index_t b = bk / nb, t0 = (bk % nb) * kCpDecayBlock, t1 = t0 + kCpDecayBlock < L ? t0 + kCpDecayBlock : L;
     const P A = -Kokkos::exp(A_log(h)), bias = dt_bias(h);
@@ -82,11 +87,24 @@ View2<acc_t<T>> m2_cp_decay_weights(const View2<T>& dt, index_t dtc, const View1
     const index_t f = first(b);
     const P A = -Kokkos::exp(A_log(h)), bias = dt_bias(h);
     P run = part(bk, h);
+    index_t last = -1;
     for (index_t t = t0; t < t1; ++t) {
       run += cp_delta(P(dt(b * L + t, dtc + h)), bias, lo, hi) * A;
-      lexp(b * L + t, h) = t < f ? Kokkos::exp(run) : P(0);
+      const P w = t < f ? Kokkos::exp(run) : P(0);
+      lexp(b * L + t, h) = w;
+      if (w != P(0)) last = t;
     }
+    lastp(bk, h) = last;
   });
+  index_t last = -1;
+  Kokkos::parallel_reduce(
+      "mamba2::cp_rows", Kokkos::RangePolicy<Exec>(0, batch * nb * H),
+      KOKKOS_LAMBDA(index_t i, index_t& m) {
+        const index_t v = lastp(i / H, i % H);
+        if (v > m) m = v;
+      },
+      Kokkos::Max<index_t>(last));
+  rows_nz = last + 1;
   return lexp;
 }
 
@@ -104,45 +122,53 @@ View1<P> m2_cp_total_decay(const View2<P>& lexp, const std::vector<int>& cont, i
 }
 
 // S_in (batch, H, P, N) from the fold (zero where token 0 starts a record), then the correction of the first
-// record's outputs y_t += exp(l_t) C_t . S_in: per (row, group) one GEMM C_g S_g^T (the group's heads' outputs,
-// tokens x heads * headdim, into a cached scratch block), then the rows scaled by exp(l_t) and added to y.
+// record's outputs y_t += exp(l_t) C_t . S_in over the rows t < Lnz where exp(l_t) is not zero: per (row, group)
+// one GEMM C_g S_g^T (the group's heads' outputs, tokens x heads * headdim, into a cached scratch block), then
+// the rows scaled by exp(l_t) and added to y.
 // (An elementwise kernel with a 128-term dot product per output took 4.6 ms per layer at 131,072 tokens.)
 template <class T>
 void m2_cp_apply_state_in(const View1<acc_t<T>>& S_fold, const std::vector<int>& cont_v, const View4<acc_t<T>>& Sin4,
                           const View2<acc_t<T>>& lexp, const View2<T>& xbc, index_t ccol, const View2<T>& y,
-                          index_t batch, index_t L, index_t H, index_t Pd, index_t N, index_t HG, GemmCompute cmp,
-                          PoolScope& ws) {
+                          index_t batch, index_t L, index_t Lnz, index_t H, index_t Pd, index_t N, index_t HG,
+                          GemmCompute cmp, PoolScope& ws) {
   using P = acc_t<T>;
   View1<P> cont = cp_cont_view<P>(cont_v, ws);
   const index_t PN = Pd * N, G = H / HG, HP = H * Pd, ldx = index_t(xbc.stride(0));
   par_for("mamba2::cp_state_in", batch, H * PN, KOKKOS_LAMBDA(index_t b, index_t i) {
     Sin4(b, i / PN, (i % PN) / N, i % N) = cont(b) * S_fold(b * H * PN + i);
   });
-  View2<P> corr = ws.take<View2<P>>("mamba2::cp_correction", batch * L, HP);
-  gemm_batched_2d(Trans::N, Trans::T, L, HG * Pd, N, P(1), xbc.data() + ccol, ldx, L * ldx, N, Sin4.data(), N,
-                  H * PN, HG * PN, P(0), corr.data(), HP, L * HP, HG * Pd, batch, G, cmp);
-  par_for("mamba2::cp_correct", batch * L, HP, KOKKOS_LAMBDA(index_t row, index_t hp) {
+  if (Lnz == 0) return;
+  View2<P> corr = ws.take<View2<P>>("mamba2::cp_correction", batch * Lnz, HP);
+  gemm_batched_2d(Trans::N, Trans::T, Lnz, HG * Pd, N, P(1), xbc.data() + ccol, ldx, L * ldx, N, Sin4.data(), N,
+                  H * PN, HG * PN, P(0), corr.data(), HP, Lnz * HP, HG * Pd, batch, G, cmp);
+  par_for("mamba2::cp_correct", batch * Lnz, HP, KOKKOS_LAMBDA(index_t r, index_t hp) {
+    const index_t row = (r / Lnz) * L + r % Lnz;
     const P w = lexp(row, hp / Pd);
-    if (w != P(0)) y(row, hp) = static_cast<T>(P(y(row, hp)) + w * corr(row, hp));
+    if (w != P(0)) y(row, hp) = static_cast<T>(P(y(row, hp)) + w * corr(r, hp));
   });
 }
 
 // G(b, h, p, n) = sum_t exp(l_t) dy_t C_t^T over the first record, zero when the slice starts a record: dy scaled
 // by exp(l_t) (zero after the first record) into a cached scratch block, then per (row, group) the GEMMs
-// (dy_h)^T C_g of the group's heads (C shared by them).
+// (dy_h)^T C_g of the group's heads (C shared by them), over the rows t < Lnz where exp(l_t) is not zero.
 template <class T>
 View4<acc_t<T>> m2_cp_state_grad(const View2<acc_t<T>>& lexp, const std::vector<int>& cont_v, const View2<T>& dy,
-                                 const View2<T>& xbc, index_t ccol, index_t batch, index_t L, index_t H, index_t Pd,
-                                 index_t N, index_t HG, GemmCompute cmp, PoolScope& ws) {
+                                 const View2<T>& xbc, index_t ccol, index_t batch, index_t L, index_t Lnz, index_t H,
+                                 index_t Pd, index_t N, index_t HG, GemmCompute cmp, PoolScope& ws) {
   using P = acc_t<T>;
   const index_t G = H / HG, HP = H * Pd, PN = Pd * N, ldx = index_t(xbc.stride(0));
   View4<P> Gs = ws.take<View4<P>>("mamba2::cp_G", batch, H, Pd, N);
-  View2<P> dyw = ws.take<View2<P>>("mamba2::cp_dy_scaled", batch * L, HP);
-  par_for("mamba2::cp_dy_scaled", batch * L, HP, KOKKOS_LAMBDA(index_t row, index_t hp) {
-    dyw(row, hp) = lexp(row, hp / Pd) * P(dy(row, hp));
+  if (Lnz == 0) {
+    Kokkos::deep_copy(Gs, P(0));
+    return Gs;
+  }
+  View2<P> dyw = ws.take<View2<P>>("mamba2::cp_dy_scaled", batch * Lnz, HP);
+  par_for("mamba2::cp_dy_scaled", batch * Lnz, HP, KOKKOS_LAMBDA(index_t r, index_t hp) {
+    const index_t row = (r / Lnz) * L + r % Lnz;
+    dyw(r, hp) = lexp(row, hp / Pd) * P(dy(row, hp));
   });
   for (index_t b = 0; b < batch; ++b)
-    gemm_batched_2d(Trans::T, Trans::N, Pd, N, L, P(1), dyw.data() + b * L * HP, HP, HG * Pd, Pd,
+    gemm_batched_2d(Trans::T, Trans::N, Pd, N, Lnz, P(1), dyw.data() + b * Lnz * HP, HP, HG * Pd, Pd,
                     xbc.data() + ccol + b * L * ldx, ldx, N, 0, P(0), Gs.data() + b * H * PN, N, HG * PN, PN, G, HG,
                     cmp);
   View1<P> cont = cp_cont_view<P>(cont_v, ws);
@@ -369,9 +395,10 @@ void Mamba2Mixer<T>::backward(Mamba2Acts<T>& a, index_t batch, index_t seqlen, c
     const index_t H = H_, Pd = cfg_.headdim, N = cfg_.d_state, HG = H / G, ccol = E + G * N;
     require(index_t(a.cp_cont.size()) == batch, "Mamba2Mixer::backward", "cp = ", cp_->size(),
             " needs the forward of the same mixer with cp (no context-parallel state kept for batch = ", batch, ")");
+    index_t Lnz = 0;
     View2<P> lexp = m2_cp_decay_weights<T>(a.zxbcdt, 2 * E + 2 * G * N, store_->v1(A_log_), store_->v1(dt_bias_),
-                                           cfg_.dt_limit_lo, cfg_.dt_limit_hi, seq, batch, seqlen, H, &ws);
-    View4<P> Gs = m2_cp_state_grad<T>(lexp, a.cp_cont, dy, a.xbc, ccol, batch, seqlen, H, Pd, N, HG,
+                                           cfg_.dt_limit_lo, cfg_.dt_limit_hi, seq, batch, seqlen, H, &ws, Lnz);
+    View4<P> Gs = m2_cp_state_grad<T>(lexp, a.cp_cont, dy, a.xbc, ccol, batch, seqlen, Lnz, H, Pd, N, HG,
                                       ssd_shape(batch, seqlen).compute, ws);
     View1<P> gdec = m2_cp_total_decay<P>(lexp, a.cp_cont, batch, seqlen, H, ws);
     View1<P> dS =
@@ -427,13 +454,14 @@ void Mamba2Mixer<T>::forward_cp(const View2<T>& u, index_t batch, index_t seqlen
   // local scan from a zero state, then the exclusive scan of (total decay, final state) across the ranks
   View4<P> S_loc = ws.take<View4<P>>("mamba2::cp_S_loc", batch, H, Pd, N);
   ssd_forward<T>(ssd_shape(batch, seqlen), ssd_in(a, seq), a.y, S_loc);
+  index_t Lnz = 0;
   View2<P> lexp = m2_cp_decay_weights<T>(a.zxbcdt, 2 * E + 2 * G * N, store_->v1(A_log_), store_->v1(dt_bias_),
-                                         cfg_.dt_limit_lo, cfg_.dt_limit_hi, seq, batch, L, H, &ws);
+                                         cfg_.dt_limit_lo, cfg_.dt_limit_hi, seq, batch, L, H, &ws, Lnz);
   View1<P> gdec = m2_cp_total_decay<P>(lexp, a.cp_cont, batch, L, H, ws);
   View1<P> S_in =
       parallel::cp_state_scan_forward<P>(*cp_, gdec, View1<const P>(S_loc.data(), S_loc.size()), Pd * N, &ws);
   a.ssm_init = View4<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba2::ssm_init"), batch, H, Pd, N);
-  m2_cp_apply_state_in<T>(S_in, a.cp_cont, a.ssm_init, lexp, a.xbc, ccol, a.y, batch, L, H, Pd, N, HG,
+  m2_cp_apply_state_in<T>(S_in, a.cp_cont, a.ssm_init, lexp, a.xbc, ccol, a.y, batch, L, Lnz, H, Pd, N, HG,
                           ssd_shape(batch, seqlen).compute, ws);
   gated_rmsnorm_forward<T>(GatedNormIn<T>{a.y, 0, a.zxbcdt, 0}, E, E / G, GateOrder::gate_first,
                            store_->v1(norm_w_), cfg_.norm_eps, a.yn, a.rstd);
