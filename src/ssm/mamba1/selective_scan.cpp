@@ -374,7 +374,8 @@ bool native_fits(const SelScanShape& s, const SelScanIn<T>& in, mamba1_cuda::Fwd
     bool ok = window(in.u, in.u_col, &x.u, &x.ld_u) && window(in.delta, in.delta_col, &x.delta, &x.ld_delta) &&
               window(in.bc, in.b_col, &x.B, &x.ld_bc) && window(in.bc, in.c_col, &x.C, &ld_c);
     if (in.z.extent(0) > 0) ok = ok && window(in.z, in.z_col, &x.z, &x.ld_z);
-    if (!ok) return false;
+    // A (E, N) and the initial state (batch, E, N) are indexed as dense row-major arrays
+    if (!ok || !in.A.span_is_contiguous() || !in.init_state.span_is_contiguous()) return false;
     x.A = in.A.data();
     x.D = in.D.data();
     x.bias = in.delta_bias.data();
@@ -409,7 +410,8 @@ void selective_scan_forward(const SelScanShape& s, const SelScanIn<T>& in, const
   require_state(final_state, s, "selective_scan_forward", "final_state");
   require_checkpoints(checkpoints, s, "selective_scan_forward");
   const auto init = in.init_state;
-  if (mamba1_cuda::FwdArgs a; native_fits(s, in, &a)) {  // one pass; checkpoints as the portable passes write them
+  if (mamba1_cuda::FwdArgs a; native_fits(s, in, &a) && final_state.span_is_contiguous() &&
+                               checkpoints.span_is_contiguous()) {  // one pass; checkpoints as the portable ones
     PoolScope ws;
     const View3<P> ck = checkpoints.extent(0) > 0 ? checkpoints
                                                    : ws.take<View3<P>>("selective_scan::checkpoints", c.nc, c.N,
