@@ -115,6 +115,7 @@ int run_genomics_lm(const io::Deck& d) {
   const std::string objective = d.get<std::string>("model.objective");
   require(objective == "causal" || objective == "rc_equivariant_mlm", "[model] objective", "'", objective,
           "' is not one of: causal rc_equivariant_mlm");
+  if (print_plan_only(d)) return 0;
 
   const io::GenomeDataset data =
       dataset.empty() ? io::GenomeDataset(io::read_fasta(fasta), d.get<double>("data.holdout_fraction"), fasta)

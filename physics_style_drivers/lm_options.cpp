@@ -35,6 +35,9 @@ void declare_run(io::Deck& d) {
                         "manual: tp, cp, ep, dp as given | auto: the planner picks them and the recompute policy from "
                         "the model, seq_len, batch and gpu_memory_gb (it prints its choice and memory estimate)")
       .add<double>("parallel.gpu_memory_gb", 141.0, "layout = auto: device memory per rank in GB (H200: 141)")
+      .add<I>("parallel.plan_gpus", 0,
+              "N > 0: print the planner's layout and memory estimate per rank for N GPUs and exit without reading "
+              "data or training (layout = auto: its choice; manual: the deck's tp, cp, ep, with dp the rest)")
       .add<std::string>("parallel.backend", "mpi",
                         "communicator transport: mpi (host memory; device buffers are staged through the host) | "
                         "nccl (device memory, on Kokkos' CUDA stream; host buffers are staged through the device; "
@@ -45,6 +48,18 @@ void declare_run(io::Deck& d) {
 }
 
 namespace {
+// What the planner needs from the deck, for `gpus` ranks.
+parallel::PlanInput plan_input(const io::Deck& d, I gpus) {
+  parallel::PlanInput in;
+  in.model = parallel::plan_model(make_lm_config(d));
+  in.seqlen = d.get<I>("train.seq_len");
+  in.global_batch = d.get<I>("train.batch_size") * d.get<I>("train.grad_accum");
+  in.gpus = gpus;
+  in.gpu_memory_bytes = d.get<double>("parallel.gpu_memory_gb") * 1e9;
+  require(in.gpu_memory_bytes > 0, "[parallel] gpu_memory_gb", "the planner needs the device memory per rank");
+  return in;
+}
+
 // layout = auto: the planner's choice for this deck and this many ranks (computed once)
 const parallel::Plan* auto_plan(const io::Deck& d) {
   static std::unique_ptr<parallel::Plan> plan;
@@ -52,14 +67,7 @@ const parallel::Plan* auto_plan(const io::Deck& d) {
   if (!plan) {
     int world = 1;
     MPI_Comm_size(MPI_COMM_WORLD, &world);
-    parallel::PlanInput in;
-    in.model = parallel::plan_model(make_lm_config(d));
-    in.seqlen = d.get<I>("train.seq_len");
-    in.global_batch = d.get<I>("train.batch_size") * d.get<I>("train.grad_accum");
-    in.gpus = world;
-    in.gpu_memory_bytes = d.get<double>("parallel.gpu_memory_gb") * 1e9;
-    require(in.gpu_memory_bytes > 0, "[parallel] gpu_memory_gb", "layout = auto needs the device memory per rank");
-    plan = std::make_unique<parallel::Plan>(parallel::plan(in));
+    plan = std::make_unique<parallel::Plan>(parallel::plan(plan_input(d, world)));
     int rank = 0;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     if (rank == 0) std::printf("layout = auto (%d ranks):\n%s\n", world, parallel::describe(*plan).c_str());
@@ -104,6 +112,37 @@ std::shared_ptr<const parallel::ProcessGrid> make_process_grid(const io::Deck& d
         l, MPI_COMM_WORLD, backend == "nccl" ? parallel::Backend::nccl : parallel::Backend::mpi);
   }
   return grid;
+}
+
+bool print_plan_only(const io::Deck& d) {
+  const I gpus = d.get<I>("parallel.plan_gpus");
+  if (gpus <= 0) return false;
+  const parallel::PlanInput in = plan_input(d, gpus);
+  parallel::Plan p;
+  if (d.get<std::string>("parallel.layout") == "auto") {
+    p = parallel::plan(in);
+  } else {
+    parallel::Layout l;
+    l.tp = d.get<I>("parallel.tp");
+    l.cp = d.get<I>("parallel.cp");
+    l.ep = d.get<I>("parallel.ep");
+    const I split = l.tp * l.cp * l.ep;
+    require(split >= 1 && gpus % split == 0, "[parallel] plan_gpus", gpus, " GPUs do not divide by tp * cp * ep = ",
+            split);
+    l.dp = d.get<I>("parallel.dp") > 0 ? d.get<I>("parallel.dp") : gpus / split;
+    require(l.tp * l.cp * l.ep * l.dp == gpus, "[parallel] plan_gpus", "tp * cp * ep * dp = ",
+            l.tp * l.cp * l.ep * l.dp, " is not ", gpus);
+    const std::string rc = d.get<std::string>("train.recompute");
+    require(rc == "none" || rc == "mixer", "[train] recompute", "unknown policy '", rc, "'; valid: none mixer");
+    p = parallel::estimate(in, l, d.get<I>("train.batch_size"), rc == "none" ? Recompute::none : Recompute::mixer);
+  }
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (rank == 0)
+    std::printf("plan for %lld GPUs of %.0f GB, %lld tokens per sequence, %lld sequences per step (%s layout):\n%s\n",
+                (long long)gpus, in.gpu_memory_bytes / 1e9, (long long)in.seqlen, (long long)in.global_batch,
+                d.get<std::string>("parallel.layout").c_str(), parallel::describe(p).c_str());
+  return true;
 }
 
 void require_data_parallel_only(const io::Deck& d, const std::string& what) {

@@ -16,6 +16,9 @@ std::shared_ptr<const parallel::ProcessGrid> make_process_grid(const io::Deck& d
 // An mm::Error naming the layout unless tp = cp = ep = 1 (models and modes without tensor, context or expert
 // parallelism).
 void require_data_parallel_only(const io::Deck& deck, const std::string& what);
+// [parallel] plan_gpus = N > 0: prints the planner's layout and memory for N GPUs (rank 0) and returns true: the
+// driver then exits without reading data or training.
+bool print_plan_only(const io::Deck& deck);
 // [model]: the backbone (Mamba-2 keys, the layer pattern, model.dense_d_ff), [mamba1], [mamba3], [moe]
 void declare_backbone_options(io::Deck& deck);
 void declare_train_options(io::Deck& deck);     // [train] (model-independent keys) and [checkpoint]

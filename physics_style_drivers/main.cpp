@@ -75,6 +75,11 @@ int run(int argc, char** argv, int rank) {
   if (print_deck) return 0;
   mm::set_float_gemm_compute(
       mm::parse_gemm_compute(deck.get<std::string>("run.gemm_precision"), deck_path + " [run] gemm_precision"));
+  if (deck.get<std::int64_t>("parallel.plan_gpus") > 0) {  // a dry run of the planner: no grid, data or training
+    mm::require(driver.name == "genomics_lm", "[parallel] plan_gpus", "the planner models the genomics_lm driver's "
+                "language model; driver ", driver.name, " has no plan");
+    return driver.run(deck);
+  }
   const auto grid = mm::drivers::make_process_grid(deck);  // validates [parallel] against the MPI ranks
   mm::require(grid->world_size() == 1 || driver.name == "genomics_lm", "[parallel]", "driver ", driver.name,
               " runs on one rank (got ", grid->world_size(), "); parallel layouts are implemented for genomics_lm");

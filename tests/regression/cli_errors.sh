@@ -79,6 +79,21 @@ expect "missing checkpoint" "$work/none.h5" -- run "$lambda_deck" --checkpoint.r
 expect "resume into another shape" "params/backbone.embedding.weight" "expected" -- \
   run "$lambda_deck" --checkpoint.resume="$work/ckpt/checkpoint.h5" --model.d_model=32
 
+expect "plan for a GPU count the layout does not divide" "plan_gpus" "3 GPUs do not divide by tp * cp * ep = 2" -- \
+  run "$lambda_deck" --parallel.cp=2 --parallel.plan_gpus=3
+
+# The planner's dry run (not an error): it prints the layout and memory for 4 GPUs on one rank and exits 0 before
+# reading any data (the FASTA path does not exist).
+plan=$("$exe" "$lambda_deck" --data.fasta="$work/absent.fa" --train.seq_len=1024 --parallel.cp=4 \
+  --parallel.plan_gpus=4 2>&1)
+if [[ $? -ne 0 || $plan != *"plan for 4 GPUs"* || $plan != *"layout tp=1 cp=4 ep=1 dp=1"* ||
+      $plan != *"memory per GPU"* ]]; then
+  echo "FAIL planner dry run: $plan"
+  fails=$((fails + 1))
+else
+  echo "ok   planner dry run: $(grep "^layout tp" <<< "$plan")"
+fi
+
 if [[ $fails -gt 0 ]]; then
   echo "$fails case(s) failed"
   exit 1
