@@ -96,7 +96,7 @@ struct LayerMem {
 struct Dims {
   double t, a;           // activation and acc_t bytes
   double b, L, n;        // rows, tokens per row (the rank's slice), tokens
-  index_t tp, ep;
+  index_t tp, ep, cp = 1;
   double concurrency_teams;
 };
 
@@ -184,17 +184,23 @@ LayerMem mem_mamba2(const Mamba2Config& c, const Dims& d, Recompute pol) {
   m.fwd_extra = ctx;
   const double grads = d.n * d.t * (2 * E + din + C);  // dyn, dy, dzxbcdt, dxbc
   const double conv_bwd = d.a * d.n * C;
+  // cp > 1 (mixer.cpp forward_cp / backward): after the scan, the decay weights cp_lexp (a H per token) with the
+  // correction's scratch cp_correction (a E per token) in the forward, with cp_dy_scaled (a E per token) in the
+  // backward before the scan's backward; both freed before what follows (rows past the last nonzero weight are
+  // skipped, so these are upper bounds)
+  const double cp_extra = d.cp > 1 ? d.a * d.n * (H + E) : 0.0;
   SSDShape shape;
   shape.algo = c.ssd_algo;
   shape.compute = c.ssd_compute;
   if (ssd_resolved_algo(shape) != SSDAlgo::portable) {  // gemm, or fused (whose backward is gemm's)
     const auto [fwd, bwd] = ssd_gemm_mem(H, G, N, P, Q, shape, d);
-    m.fwd_extra = fwd;
-    m.bwd_extra = grads + std::max(bwd, conv_bwd);
+    m.fwd_extra = std::max(fwd, cp_extra);
+    m.bwd_extra = grads + std::max({bwd, conv_bwd, cp_extra});
     return m;
   }
+  m.fwd_extra = std::max(m.fwd_extra, cp_extra);
   const double scan_bwd = ctx + states + 2 * d.a * d.n * H * N + d.a * d.b * nc * H * 3;
-  m.bwd_extra = grads + std::max(scan_bwd, conv_bwd);
+  m.bwd_extra = grads + std::max({scan_bwd, conv_bwd, cp_extra});
   // ssd::chunk_bwd: 3 Q x Q tiles in level-1 scratch (+ the dL/dH tile when it does not fit on chip)
   const double dh = d.a * P * (N + 1);
   const bool fast = 7 * d.a * Q + dh <= 46.0 * 1024;
@@ -470,6 +476,7 @@ Plan estimate(const PlanInput& in, const Layout& layout_in, index_t micro_batch,
   d.n = d.b * d.L;
   d.tp = l.tp;
   d.ep = l.ep;
+  d.cp = l.cp;
   d.concurrency_teams = std::max(1.0, std::floor(double(in.gpu_concurrency) / 256.0));
 
   Plan p;

@@ -394,15 +394,18 @@ void Mamba2Mixer<T>::backward(Mamba2Acts<T>& a, index_t batch, index_t seqlen, c
     const index_t H = H_, Pd = cfg_.headdim, N = cfg_.d_state, HG = H / G, ccol = E + G * N;
     require(index_t(a.cp_cont.size()) == batch, "Mamba2Mixer::backward", "cp = ", cp_->size(),
             " needs the forward of the same mixer with cp (no context-parallel state kept for batch = ", batch, ")");
+    // (the decay weights and the scaled dy, a token-sized block each, go back before the scan's backward)
+    dfinal = ws.take<View4<P>>("mamba2::cp_dfinal", batch, H, Pd, N);
+    PoolScope cpws;
     index_t Lnz = 0;
     View2<P> lexp = m2_cp_decay_weights<T>(a.zxbcdt, 2 * E + 2 * G * N, store_->v1(A_log_), store_->v1(dt_bias_),
-                                           cfg_.dt_limit_lo, cfg_.dt_limit_hi, seq, batch, seqlen, H, &ws, Lnz);
+                                           cfg_.dt_limit_lo, cfg_.dt_limit_hi, seq, batch, seqlen, H, &cpws, Lnz);
     View4<P> Gs = m2_cp_state_grad<T>(lexp, a.cp_cont, dy, a.xbc, ccol, batch, seqlen, Lnz, H, Pd, N, HG,
-                                      ssd_shape(batch, seqlen).compute, ws);
-    View1<P> gdec = m2_cp_total_decay<P>(lexp, a.cp_cont, batch, seqlen, H, ws);
+                                      ssd_shape(batch, seqlen).compute, cpws);
+    View1<P> gdec = m2_cp_total_decay<P>(lexp, a.cp_cont, batch, seqlen, H, cpws);
     View1<P> dS =
-        parallel::cp_state_scan_backward<P>(*cp_, gdec, View1<const P>(Gs.data(), Gs.size()), Pd * N, &ws);
-    dfinal = View4<P>(dS.data(), batch, H, Pd, N);  // a view of the scope's block
+        parallel::cp_state_scan_backward<P>(*cp_, gdec, View1<const P>(Gs.data(), Gs.size()), Pd * N, &cpws);
+    Kokkos::deep_copy(View1<P>(dfinal.data(), dfinal.size()), dS);
   }
   ssd_backward<T>(ssd_shape(batch, seqlen), ssd_in(a, seq), dy, dfinal, g);
   // conv: d([x | B | C]) into its columns of d(zxbcdt)
@@ -450,18 +453,22 @@ void Mamba2Mixer<T>::forward_cp(const View2<T>& u, index_t batch, index_t seqlen
   a.cp_cont = halo.cont;
   conv1d_silu_forward<T>(Conv1dIn<T>{a.zxbcdt, E, batch, seqlen, C, a.conv_init}, store_->v2(conv_w_),
                          store_->v1(conv_b_), seq, a.xbc);
-  // local scan from a zero state, then the exclusive scan of (total decay, final state) across the ranks
-  View4<P> S_loc = ws.take<View4<P>>("mamba2::cp_S_loc", batch, H, Pd, N);
-  ssd_forward<T>(ssd_shape(batch, seqlen), ssd_in(a, seq), a.y, S_loc);
-  index_t Lnz = 0;
-  View2<P> lexp = m2_cp_decay_weights<T>(a.zxbcdt, 2 * E + 2 * G * N, store_->v1(A_log_), store_->v1(dt_bias_),
-                                         cfg_.dt_limit_lo, cfg_.dt_limit_hi, seq, batch, L, H, &ws, Lnz);
-  View1<P> gdec = m2_cp_total_decay<P>(lexp, a.cp_cont, batch, L, H, ws);
-  View1<P> S_in =
-      parallel::cp_state_scan_forward<P>(*cp_, gdec, View1<const P>(S_loc.data(), S_loc.size()), Pd * N, &ws);
-  a.ssm_init = View4<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba2::ssm_init"), batch, H, Pd, N);
-  m2_cp_apply_state_in<T>(S_in, a.cp_cont, a.ssm_init, lexp, a.xbc, ccol, a.y, batch, L, Lnz, H, Pd, N, HG,
-                          ssd_shape(batch, seqlen).compute, ws);
+  // local scan from a zero state, then the exclusive scan of (total decay, final state) across the ranks and the
+  // correction (its buffers, a token-sized block or two, go back before the norm)
+  {
+    PoolScope cpws;
+    View4<P> S_loc = cpws.take<View4<P>>("mamba2::cp_S_loc", batch, H, Pd, N);
+    ssd_forward<T>(ssd_shape(batch, seqlen), ssd_in(a, seq), a.y, S_loc);
+    index_t Lnz = 0;
+    View2<P> lexp = m2_cp_decay_weights<T>(a.zxbcdt, 2 * E + 2 * G * N, store_->v1(A_log_), store_->v1(dt_bias_),
+                                           cfg_.dt_limit_lo, cfg_.dt_limit_hi, seq, batch, L, H, &cpws, Lnz);
+    View1<P> gdec = m2_cp_total_decay<P>(lexp, a.cp_cont, batch, L, H, cpws);
+    View1<P> S_in =
+        parallel::cp_state_scan_forward<P>(*cp_, gdec, View1<const P>(S_loc.data(), S_loc.size()), Pd * N, &cpws);
+    a.ssm_init = View4<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba2::ssm_init"), batch, H, Pd, N);
+    m2_cp_apply_state_in<T>(S_in, a.cp_cont, a.ssm_init, lexp, a.xbc, ccol, a.y, batch, L, Lnz, H, Pd, N, HG,
+                            ssd_shape(batch, seqlen).compute, cpws);
+  }
   gated_rmsnorm_forward<T>(GatedNormIn<T>{a.y, 0, a.zxbcdt, 0}, E, E / G, GateOrder::gate_first,
                            store_->v1(norm_w_), cfg_.norm_eps, a.yn, a.rstd);
   linear_forward<T>(a.yn, store_->v2(out_proj_), View1<const P>(), out);
