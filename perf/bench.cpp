@@ -258,6 +258,20 @@ class MemSampler {
   std::thread th_;
 };
 
+// Times `one` (median of reps after a warm-up) while sampling device memory; records the peak memory and the time
+// under `name`, and with --profile the per-kernel profile of one more run. Returns the median in seconds.
+double time_with_memory(const std::string& name, int reps, const std::function<void()>& one) {
+  double t = 0;
+  {
+    MemSampler mem;
+    t = time_median(1, reps, one);
+    record(name, "peak device memory", mem.peak_gib(), "GiB");
+  }
+  record(name, "time", t * 1e3, "ms");
+  if (g_profile) kprof::report(name, one);
+  return t;
+}
+
 // The device floors measured in this run (0 when --only leaves them out): the fastest copy's bandwidth and the
 // fastest GEMM rate (bf16 on CUDA, fp32 on host builds); kernels report their achieved fraction of them.
 double g_copy_tbs = 0, g_gemm_tflops = 0;
@@ -516,14 +530,7 @@ void bench_mamba3(int reps, const SSDVariant& var, index_t batch, index_t seqlen
     mixer.forward(u, batch, seqlen, out, acts, true);
     mixer.backward(acts, batch, seqlen, dout, du);
   };
-  double t = 0;
-  {
-    MemSampler mem;
-    t = time_median(1, reps, one);
-    record(name, "peak device memory", mem.peak_gib(), "GiB");
-  }
-  record(name, "time", t * 1e3, "ms");
-  if (g_profile) kprof::report(name, one);
+  time_with_memory(name, reps, one);
 }
 
 // MoE layer (issue 5): 65,536 tokens, d_model 768, 8 SwiGLU experts of d_ff 2,048, top-1 and top-2, softmax
@@ -558,14 +565,7 @@ void bench_moe(int reps, GemmCompute compute, index_t tokens) {
       layer.backward(acts, dout, dx);
     };
     const std::string name = "moe layer fwd+bwd " + shape;
-    double t = 0;
-    {
-      MemSampler mem;
-      t = time_median(1, reps, one);
-      record(name, "peak device memory", mem.peak_gib(), "GiB");
-    }
-    record(name, "time", t * 1e3, "ms");
-    if (g_profile) kprof::report(name, one);
+    time_with_memory(name, reps, one);
   }
   // the expert GEMM rate: k = 1's 65,536 rows in 8 equal groups against one GEMM of the same total size
   const index_t E = 8, D = 768, F = 2048;
@@ -650,14 +650,7 @@ void bench_lm(index_t batch, index_t seqlen, int reps, int cp_size, parallel::Ba
   };
   one();  // warm
   Kokkos::fence();
-  double t = 0;
-  {
-    MemSampler mem;
-    t = time_median(1, reps, one);
-    record(name, "peak device memory", mem.peak_gib(), "GiB");
-  }
-  record(name, "time", t * 1e3, "ms");
-  if (g_profile) kprof::report(name, one);
+  const double t = time_with_memory(name, reps, one);
   record(name, "throughput", double(batch * seqlen) / t / 1e3, "k tokens/s");
   const double flops = 6.0 * double(lm.params().count()) * double(batch * seqlen);
   record(name, "model FLOP rate (6 N T)", flops / t / 1e12, "TFLOP/s");
