@@ -283,17 +283,22 @@ SSDIn<T> Mamba2Mixer<T>::ssd_in(const Mamba2Acts<T>& acts, const SeqIdxView& seq
 }
 
 template <class T>
-void Mamba2Mixer<T>::run_internals(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq,
-                                   Mamba2Acts<T>& a, const View4<P>& final_ssm) const {
-  const index_t n = batch * seqlen, E = E_, G = G_;
+void Mamba2Mixer<T>::take_activations(const View2<T>& u, index_t n, Mamba2Acts<T>& a) const {
   a.u = u;
   a.internals = std::make_shared<PoolScope>();
   PoolScope& ws = *a.internals;
   a.zxbcdt = ws.take<View2<T>>("mamba2::zxbcdt", n, Din_);
   a.xbc = ws.take<View2<T>>("mamba2::xbc", n, C_);
-  a.y = ws.take<View2<T>>("mamba2::y", n, E);
-  a.yn = ws.take<View2<T>>("mamba2::yn", n, E);
-  a.rstd = ws.take<View2<P>>("mamba2::rstd", n, G);
+  a.y = ws.take<View2<T>>("mamba2::y", n, E_);
+  a.yn = ws.take<View2<T>>("mamba2::yn", n, E_);
+  a.rstd = ws.take<View2<P>>("mamba2::rstd", n, G_);
+}
+
+template <class T>
+void Mamba2Mixer<T>::run_internals(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq,
+                                   Mamba2Acts<T>& a, const View4<P>& final_ssm) const {
+  const index_t E = E_, G = G_;
+  take_activations(u, batch * seqlen, a);
   linear_forward<T>(u, store_->v2(in_proj_), View1<const P>(), a.zxbcdt);
   conv1d_silu_forward<T>(Conv1dIn<T>{a.zxbcdt, E, batch, seqlen, C_, a.conv_init},
                          store_->v2(conv_w_), store_->v1(conv_b_), seq, a.xbc);
@@ -435,16 +440,9 @@ void Mamba2Mixer<T>::forward_cp(const View2<T>& u, index_t batch, index_t seqlen
   const index_t n = batch * seqlen, E = E_, G = G_, H = H_, Pd = cfg_.headdim, N = cfg_.d_state, C = C_,
                 HG = H / G, L = seqlen, ccol = E + G * N;
   a = Mamba2Acts<T>{};
-  a.u = u;
   // the activations from the workspace cache (dropped below when not saved): no cudaMalloc/cudaFree of gigabytes
   // per layer and step; the incoming states (kept for the recompute) stay allocations of their own
-  a.internals = std::make_shared<PoolScope>();
-  PoolScope& ws = *a.internals;
-  a.zxbcdt = ws.take<View2<T>>("mamba2::zxbcdt", n, Din_);
-  a.xbc = ws.take<View2<T>>("mamba2::xbc", n, C);
-  a.y = ws.take<View2<T>>("mamba2::y", n, E);
-  a.yn = ws.take<View2<T>>("mamba2::yn", n, E);
-  a.rstd = ws.take<View2<P>>("mamba2::rstd", n, G);
+  take_activations(u, n, a);
   linear_forward<T>(u, store_->v2(in_proj_), View1<const P>(), a.zxbcdt);
   // conv with the left neighbour's halo as its prefix
   auto halo = parallel::cp_conv_halo_forward<T>(*cp_, a.zxbcdt, E, C, batch, seqlen, cfg_.d_conv, seq);

@@ -160,6 +160,8 @@ class Mamba2Mixer {
  private:
   void run_internals(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq,
                      Mamba2Acts<T>& acts, const View4<P>& final_ssm) const;
+  // acts.u = u, and zxbcdt, xbc, y, yn, rstd for n tokens from a new workspace scope (acts.internals)
+  void take_activations(const View2<T>& u, index_t n, Mamba2Acts<T>& acts) const;
   SSDShape ssd_shape(index_t batch, index_t seqlen) const;
   SSDIn<T> ssd_in(const Mamba2Acts<T>& acts, const SeqIdxView& seq) const;
   void check_state(const Mamba2State<T>& s, index_t batch, const char* what) const;
