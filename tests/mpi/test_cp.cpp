@@ -155,15 +155,21 @@ void sweep(const char* name, const Cfg& cfg, const std::vector<index_t>& groups)
       }
 }
 
-}  // namespace
-
-TEST_CASE("cp: Mamba-2 mixer by state passing equals the full-sequence run", "[cp]") {
+// The small Mamba-2 mixer of the cases below: d_inner 32, 4 heads, chunk 8, conv width 4.
+Mamba2Config small_mamba2() {
   Mamba2Config cfg;
   cfg.d_model = 16;
   cfg.d_state = 8;
-  cfg.headdim = 8;  // d_inner 32, 4 heads
+  cfg.headdim = 8;
   cfg.chunk = 8;
   cfg.d_conv = 4;
+  return cfg;
+}
+
+}  // namespace
+
+TEST_CASE("cp: Mamba-2 mixer by state passing equals the full-sequence run", "[cp]") {
+  Mamba2Config cfg = small_mamba2();
   sweep<Mamba2Mixer<double>, Mamba2Acts<double>>("mamba2", cfg, {1, 2});
 }
 
@@ -171,12 +177,7 @@ TEST_CASE("cp: Mamba-2 with decays that underflow to zero inside a slice equals 
   // A in [-36, -30] (Delta near 0.3 to 1.3 with the jittered dt_bias): exp(l_t) starts at 1e-8 or below and reaches
   // exactly 0 (double) within about 60 tokens for every head, so at Lr = 104 the correction of the incoming state
   // and its gradient run over a prefix of the slice (the rows past it skipped; records cut it shorter as well).
-  Mamba2Config cfg;
-  cfg.d_model = 16;
-  cfg.d_state = 8;
-  cfg.headdim = 8;
-  cfg.chunk = 8;
-  cfg.d_conv = 4;
+  Mamba2Config cfg = small_mamba2();
   cfg.A_init_lo = 30;
   cfg.A_init_hi = 36;
   sweep<Mamba2Mixer<double>, Mamba2Acts<double>>("mamba2-fast-decay", cfg, {1});
@@ -207,12 +208,7 @@ TEST_CASE("cp: Mamba-3 mixer (SISO and MIMO) by state passing equals the full-se
 TEST_CASE("cp: a slice shorter than d_conv - 1 and explicit states with cp > 1 are errors", "[cp]") {
   const int n = mmtest::world_size();
   parallel::ProcessGrid grid(parallel::Layout{1, n, 1, 1}, MPI_COMM_WORLD);
-  Mamba2Config cfg;
-  cfg.d_model = 16;
-  cfg.d_state = 8;
-  cfg.headdim = 8;
-  cfg.chunk = 8;
-  cfg.d_conv = 4;
+  Mamba2Config cfg = small_mamba2();
   ParamStore<double> ps;
   Mamba2Mixer<double> mixer(cfg, ps, "m.", 2, grid.model_comms());
   ps.allocate();
