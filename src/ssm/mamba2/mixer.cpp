@@ -109,9 +109,8 @@ View2<acc_t<T>> m2_cp_decay_weights(const View2<T>& dt, index_t dtc, const View1
 
 // g(b, h): the slice's total decay, zero when a record starts inside it (or at its first token)
 template <class P>
-View1<P> m2_cp_total_decay(const View2<P>& lexp, const std::vector<int>& cont, index_t batch, index_t L, index_t H,
+View1<P> m2_cp_total_decay(const View2<P>& lexp, const View1<P>& c, index_t batch, index_t L, index_t H,
                            PoolScope& ws) {
-  View1<P> c = cp_cont_view<P>(cont, ws);
   View1<P> g = ws.take<View1<P>>("mamba2::cp_g", batch * H);
   par_for("mamba2::cp_total_decay", batch * H, KOKKOS_LAMBDA(index_t bh) {
     const index_t b = bh / H, h = bh % H;
@@ -126,12 +125,11 @@ View1<P> m2_cp_total_decay(const View2<P>& lexp, const std::vector<int>& cont, i
 // the rows scaled by exp(l_t) and added to y.
 // (An elementwise kernel with a 128-term dot product per output took 4.6 ms per layer at 131,072 tokens.)
 template <class T>
-void m2_cp_apply_state_in(const View1<acc_t<T>>& S_fold, const std::vector<int>& cont_v, const View4<acc_t<T>>& Sin4,
+void m2_cp_apply_state_in(const View1<acc_t<T>>& S_fold, const View1<acc_t<T>>& cont, const View4<acc_t<T>>& Sin4,
                           const View2<acc_t<T>>& lexp, const View2<T>& xbc, index_t ccol, const View2<T>& y,
                           index_t batch, index_t L, index_t Lnz, index_t H, index_t Pd, index_t N, index_t HG,
                           GemmCompute cmp, PoolScope& ws) {
   using P = acc_t<T>;
-  View1<P> cont = cp_cont_view<P>(cont_v, ws);
   const index_t PN = Pd * N, G = H / HG, HP = H * Pd, ldx = index_t(xbc.stride(0));
   par_for("mamba2::cp_state_in", batch, H * PN, KOKKOS_LAMBDA(index_t b, index_t i) {
     Sin4(b, i / PN, (i % PN) / N, i % N) = cont(b) * S_fold(b * H * PN + i);
@@ -151,7 +149,7 @@ void m2_cp_apply_state_in(const View1<acc_t<T>>& S_fold, const std::vector<int>&
 // by exp(l_t) (zero after the first record) into a cached scratch block, then per (row, group) the GEMMs
 // (dy_h)^T C_g of the group's heads (C shared by them), over the rows t < Lnz where exp(l_t) is not zero.
 template <class T>
-View4<acc_t<T>> m2_cp_state_grad(const View2<acc_t<T>>& lexp, const std::vector<int>& cont_v, const View2<T>& dy,
+View4<acc_t<T>> m2_cp_state_grad(const View2<acc_t<T>>& lexp, const View1<acc_t<T>>& cont, const View2<T>& dy,
                                  const View2<T>& xbc, index_t ccol, index_t batch, index_t L, index_t Lnz, index_t H,
                                  index_t Pd, index_t N, index_t HG, GemmCompute cmp, PoolScope& ws) {
   using P = acc_t<T>;
@@ -170,7 +168,6 @@ View4<acc_t<T>> m2_cp_state_grad(const View2<acc_t<T>>& lexp, const std::vector<
     gemm_batched_2d(Trans::T, Trans::N, Pd, N, Lnz, P(1), dyw.data() + b * Lnz * HP, HP, HG * Pd, Pd,
                     xbc.data() + ccol + b * L * ldx, ldx, N, 0, P(0), Gs.data() + b * H * PN, N, HG * PN, PN, G, HG,
                     cmp);
-  View1<P> cont = cp_cont_view<P>(cont_v, ws);
   par_for("mamba2::cp_G", batch, H * PN, KOKKOS_LAMBDA(index_t b, index_t i) {
     Gs(b, i / PN, (i % PN) / N, i % N) *= cont(b);
   });
@@ -405,9 +402,10 @@ void Mamba2Mixer<T>::backward(Mamba2Acts<T>& a, index_t batch, index_t seqlen, c
     index_t Lnz = 0;
     View2<P> lexp = m2_cp_decay_weights<T>(a.zxbcdt, 2 * E + 2 * G * N, store_->v1(A_log_), store_->v1(dt_bias_),
                                            cfg_.dt_limit_lo, cfg_.dt_limit_hi, seq, batch, seqlen, H, &cpws, Lnz);
-    View4<P> Gs = m2_cp_state_grad<T>(lexp, a.cp_cont, dy, a.xbc, ccol, batch, seqlen, Lnz, H, Pd, N, HG,
+    const View1<P> cont = cp_cont_view<P>(a.cp_cont, cpws);
+    View4<P> Gs = m2_cp_state_grad<T>(lexp, cont, dy, a.xbc, ccol, batch, seqlen, Lnz, H, Pd, N, HG,
                                       ssd_shape(batch, seqlen).compute, cpws);
-    View1<P> gdec = m2_cp_total_decay<P>(lexp, a.cp_cont, batch, seqlen, H, cpws);
+    View1<P> gdec = m2_cp_total_decay<P>(lexp, cont, batch, seqlen, H, cpws);
     View1<P> dS =
         parallel::cp_state_scan_backward<P>(*cp_, gdec, View1<const P>(Gs.data(), Gs.size()), Pd * N, &cpws);
     Kokkos::deep_copy(View1<P>(dfinal.data(), dfinal.size()), dS);
@@ -460,11 +458,12 @@ void Mamba2Mixer<T>::forward_cp(const View2<T>& u, index_t batch, index_t seqlen
     index_t Lnz = 0;
     View2<P> lexp = m2_cp_decay_weights<T>(a.zxbcdt, 2 * E + 2 * G * N, store_->v1(A_log_), store_->v1(dt_bias_),
                                            cfg_.dt_limit_lo, cfg_.dt_limit_hi, seq, batch, L, H, &cpws, Lnz);
-    View1<P> gdec = m2_cp_total_decay<P>(lexp, a.cp_cont, batch, L, H, cpws);
+    const View1<P> cont = cp_cont_view<P>(a.cp_cont, cpws);
+    View1<P> gdec = m2_cp_total_decay<P>(lexp, cont, batch, L, H, cpws);
     View1<P> S_in =
         parallel::cp_state_scan_forward<P>(*cp_, gdec, View1<const P>(S_loc.data(), S_loc.size()), Pd * N, &cpws);
     a.ssm_init = View4<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba2::ssm_init"), batch, H, Pd, N);
-    m2_cp_apply_state_in<T>(S_in, a.cp_cont, a.ssm_init, lexp, a.xbc, ccol, a.y, batch, L, Lnz, H, Pd, N, HG,
+    m2_cp_apply_state_in<T>(S_in, cont, a.ssm_init, lexp, a.xbc, ccol, a.y, batch, L, Lnz, H, Pd, N, HG,
                             ssd_shape(batch, seqlen).compute, cpws);
   }
   gated_rmsnorm_forward<T>(GatedNormIn<T>{a.y, 0, a.zxbcdt, 0}, E, E / G, GateOrder::gate_first,
