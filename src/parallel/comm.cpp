@@ -33,6 +33,37 @@ int as_count(std::size_t n, const char* what) {
 
 std::size_t dtype_size(DType t) { return t == DType::f32 ? 4 : 8; }
 
+std::unique_ptr<Pending> Comm::start_allgather(const void* send, void* recv, std::size_t count, DType t) const {
+  allgather(send, recv, count, t);
+  struct Done final : Pending {
+    void wait() override {}
+  };
+  return std::make_unique<Done>();
+}
+
+namespace {
+struct MpiPending final : Pending {
+  MPI_Request req = MPI_REQUEST_NULL;
+  ~MpiPending() override {
+    if (req != MPI_REQUEST_NULL) MPI_Wait(&req, MPI_STATUS_IGNORE);
+  }
+  void wait() override { check(MPI_Wait(&req, MPI_STATUS_IGNORE), "MPI_Wait (MPI_Iallgather)"); }
+  void poll() override {
+    int done = 0;
+    check(MPI_Test(&req, &done, MPI_STATUS_IGNORE), "MPI_Test (MPI_Iallgather)");
+  }
+};
+}  // namespace
+
+std::unique_ptr<Pending> MpiComm::start_allgather(const void* send, void* recv, std::size_t count, DType t) const {
+  bytes_sent_ += count * dtype_size(t);
+  auto p = std::make_unique<MpiPending>();
+  Kokkos::fence("mm::MpiComm::start_allgather");
+  const int n = as_count(count, "MPI_Iallgather");
+  check(MPI_Iallgather(send, n, mpi_type(t), recv, n, mpi_type(t), comm_, &p->req), "MPI_Iallgather");
+  return p;
+}
+
 void SelfComm::allgather(const void* send, void* recv, std::size_t count, DType t) const {
   if (count) std::memmove(recv, send, count * dtype_size(t));
 }

@@ -32,6 +32,17 @@ constexpr DType dtype_of() {
   }
 }
 
+// A collective started by one of Comm's start_* calls (see there). wait() returns once work issued afterwards
+// (host code, and kernels on Kokkos' default execution space) may use its result; poll() lets a host transport
+// advance it (MPI progresses non-blocking collectives only inside MPI calls) and never blocks. Destroying it
+// unwaited waits.
+class Pending {
+ public:
+  virtual ~Pending() = default;
+  virtual void wait() = 0;
+  virtual void poll() {}
+};
+
 class Comm {
  public:
   virtual ~Comm() = default;
@@ -59,6 +70,12 @@ class Comm {
   // recv_counts[q] from rank q (into `recv`, packed in rank order).
   virtual void alltoallv(const void* send, const std::vector<std::size_t>& send_counts, void* recv,
                          const std::vector<std::size_t>& recv_counts, DType t) const = 0;
+  // Non-blocking allgather (the layout of allgather) of buffers the backend can take as they are (host memory for
+  // MpiComm, device memory for NcclComm): `send` is read as the work already issued to Kokkos' default execution
+  // space leaves it, and the call returns without waiting for that work or for the transfer. Until wait(), the
+  // caller must not write `send` nor touch `recv`, and must start no other collective on this communicator (the
+  // transports order one communicator's collectives by their start). The default runs the blocking allgather.
+  virtual std::unique_ptr<Pending> start_allgather(const void* send, void* recv, std::size_t count, DType t) const;
 
   // typed host helpers
   template <class T>
@@ -92,6 +109,10 @@ class Comm {
   void allreduce_sum(const View1<T>& buf) const;
   template <class T>
   void broadcast(const View1<T>& buf, int root) const;
+  // Views: start_allgather when the backend takes the Views' memory as it is, else the blocking (staged)
+  // allgather with an already finished Pending.
+  template <class T>
+  std::unique_ptr<Pending> start_allgather(const View1<T>& send, const View1<T>& recv) const;
 
  protected:
   mutable std::uint64_t bytes_sent_ = 0;
@@ -136,11 +157,14 @@ class MpiComm final : public Comm {
                 DType t) const override;
   void alltoallv(const void* send, const std::vector<std::size_t>& send_counts, void* recv,
                  const std::vector<std::size_t>& recv_counts, DType t) const override;
+  // MPI_Iallgather on host memory (after a Kokkos fence, so `send` is complete)
+  std::unique_ptr<Pending> start_allgather(const void* send, void* recv, std::size_t count, DType t) const override;
   using Comm::allgather;
   using Comm::allreduce_sum;
   using Comm::alltoallv;
   using Comm::broadcast;
   using Comm::sendrecv;
+  using Comm::start_allgather;
   MPI_Comm handle() const { return comm_; }
 
  private:
@@ -220,6 +244,20 @@ void Comm::broadcast(const View1<T>& buf, int root) const {
   auto h = Kokkos::create_mirror_view_and_copy(HostMem(), buf);
   broadcast(h.data(), h.extent(0), dtype_of<T>(), root);
   Kokkos::deep_copy(buf, h);
+}
+
+template <class T>
+std::unique_ptr<Pending> Comm::start_allgather(const View1<T>& send, const View1<T>& recv) const {
+  const std::size_t n = send.extent(0);
+  require(recv.extent(0) == n * std::size_t(size()), "Comm::start_allgather", "receive extent ", recv.extent(0),
+          " is not ranks (", size(), ") x send extent (", n, ")");
+  constexpr bool host = Kokkos::SpaceAccessibility<Kokkos::HostSpace, typename View1<T>::memory_space>::accessible;
+  if (device_buffers() != host) return start_allgather(send.data(), recv.data(), n, dtype_of<T>());
+  allgather(send, recv);
+  struct Done final : Pending {
+    void wait() override {}
+  };
+  return std::make_unique<Done>();
 }
 
 }  // namespace mm::parallel

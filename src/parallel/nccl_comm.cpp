@@ -71,6 +71,7 @@ struct NcclComm::Impl {
   ncclComm_t nccl = nullptr;
   char* scratch = nullptr;
   std::size_t scratch_bytes = 0;
+  cudaStream_t side = nullptr;  // the started (non-blocking) collectives' stream, made on first use
 
   // Point every region at its device buffer (growing the scratch buffer for the host ones) and copy the staged
   // inputs in. Every call ends with the stream synchronised, so the old scratch buffer is idle when it is replaced.
@@ -155,6 +156,7 @@ NcclComm::~NcclComm() {
   if (Kokkos::is_initialized() && !Kokkos::is_finalized()) {
     if (impl_->nccl) (void)ncclCommDestroy(impl_->nccl);
     if (impl_->scratch) (void)cudaFree(impl_->scratch);
+    if (impl_->side) (void)cudaStreamDestroy(impl_->side);
   }
   int finalized = 0;
   MPI_Finalized(&finalized);
@@ -191,6 +193,42 @@ void NcclComm::allgather(const void* send, void* recv, std::size_t count, DType 
   impl_->stage({&in, &out}, s);
   nccl_check(ncclAllGather(in.dev, out.dev, count, nccl_type(t), impl_->nccl, s), "ncclAllGather");
   impl_->finish({&in, &out}, s);
+}
+
+namespace {
+// A collective on the side stream: `done` is recorded there after it; wait() makes Kokkos' stream wait for it
+// (no host synchronisation).
+struct NcclPending final : Pending {
+  cudaEvent_t done = nullptr;
+  bool waited = false;
+  ~NcclPending() override {
+    if (!done) return;
+    if (!waited) (void)cudaStreamWaitEvent(kokkos_stream(), done, 0);
+    (void)cudaEventDestroy(done);
+  }
+  void wait() override {
+    if (!waited) cuda_check(cudaStreamWaitEvent(kokkos_stream(), done, 0), "cudaStreamWaitEvent");
+    waited = true;
+  }
+};
+}  // namespace
+
+std::unique_ptr<Pending> NcclComm::start_allgather(const void* send, void* recv, std::size_t count,
+                                                   DType t) const {
+  if (count == 0 || !on_device(send) || !on_device(recv)) return Comm::start_allgather(send, recv, count, t);
+  bytes_sent_ += count * dtype_size(t);
+  if (!impl_->side) cuda_check(cudaStreamCreateWithFlags(&impl_->side, cudaStreamNonBlocking), "cudaStreamCreate");
+  // the side stream starts after what is already on Kokkos' stream
+  cudaEvent_t ready = nullptr;
+  cuda_check(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "cudaEventCreate");
+  cuda_check(cudaEventRecord(ready, kokkos_stream()), "cudaEventRecord");
+  cuda_check(cudaStreamWaitEvent(impl_->side, ready, 0), "cudaStreamWaitEvent");
+  (void)cudaEventDestroy(ready);  // released once recorded work completes
+  auto p = std::make_unique<NcclPending>();
+  cuda_check(cudaEventCreateWithFlags(&p->done, cudaEventDisableTiming), "cudaEventCreate");
+  nccl_check(ncclAllGather(send, recv, count, nccl_type(t), impl_->nccl, impl_->side), "ncclAllGather (started)");
+  cuda_check(cudaEventRecord(p->done, impl_->side), "cudaEventRecord");
+  return p;
 }
 
 void NcclComm::broadcast(void* buf, std::size_t count, DType t, int root) const {

@@ -2,7 +2,8 @@
 // through parallel/grid.hpp: nccl_available(), make_nccl_comm(), ProcessGrid(..., Backend::nccl)).
 //
 // NcclComm runs every collective on Kokkos' CUDA stream (Kokkos::Cuda().cuda_stream()) and synchronises that stream
-// before it returns: the interface stays blocking, as with MpiComm. Each call first fences Kokkos, so device data
+// before it returns: the interface stays blocking, as with MpiComm (start_allgather alone runs on a side stream
+// and returns at once, for the data-parallel gradient exchange that overlaps the backward). Each call first fences Kokkos, so device data
 // that any Kokkos kernel wrote is complete. Every method takes device pointers (device or managed memory, passed
 // to NCCL as they are) and host pointers (pageable or pinned: staged through a device scratch buffer that the
 // communicator keeps and grows), so the callers written for MpiComm's host buffers work unchanged, and the View
@@ -41,11 +42,15 @@ class NcclComm final : public Comm {
                 DType t) const override;
   void alltoallv(const void* send, const std::vector<std::size_t>& send_counts, void* recv,
                  const std::vector<std::size_t>& recv_counts, DType t) const override;
+  // Device buffers: on a side stream that first waits for Kokkos' stream; wait() makes Kokkos' stream wait for
+  // it, the host never does. Host buffers: the blocking allgather.
+  std::unique_ptr<Pending> start_allgather(const void* send, void* recv, std::size_t count, DType t) const override;
   using Comm::allgather;
   using Comm::allreduce_sum;
   using Comm::alltoallv;
   using Comm::broadcast;
   using Comm::sendrecv;
+  using Comm::start_allgather;
   MPI_Comm mpi_handle() const;
 
  private:
