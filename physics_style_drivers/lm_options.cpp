@@ -44,7 +44,11 @@ void declare_run(io::Deck& d) {
                         "needs a CUDA build with NCCL and one GPU per rank)")
       .add<bool>("parallel.zero1", false,
                  "ZeRO-1: shard the AdamW moments over the dp ranks (each updates 1/dp of the parameters, which are "
-                 "then all-gathered); results are bit-identical to plain dp");
+                 "then all-gathered); results are bit-identical to plain dp")
+      .add<bool>("parallel.overlap_grad_reduce", true,
+                 "ep * dp > 1, language models: exchange each bucket of the per-micro-batch gradients as soon as the "
+                 "backward has passed its parameters (overlapped with the rest of the backward; NCCL: on a side "
+                 "stream); false: all buckets after the backward. Bit-identical results either way");
 }
 
 namespace {
@@ -389,6 +393,7 @@ TrainConfig make_train_config(const io::Deck& d) {
   t.seed = std::uint64_t(d.get<I>("run.seed"));
   t.grid = make_process_grid(d);
   t.zero1 = d.get<bool>("parallel.zero1");
+  t.overlap_grad_reduce = d.get<bool>("parallel.overlap_grad_reduce");
   require(t.steps >= 1, "[train] steps", "must be at least 1");
   require(t.grad_accum >= 1, "[train] grad_accum", "must be at least 1");
   require(t.schedule.lr > 0 && t.schedule.min_lr >= 0, "[train] lr", "lr must be positive and min_lr >= 0");

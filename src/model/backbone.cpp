@@ -335,6 +335,7 @@ void MambaBackbone<T>::backward(const View2<const T>& dout, const View2<R>& dh, 
     xn_[l] = View2<T>();
     xn_ws_[l].reset();
     rmsnorm_backward<R, T>(h_[l], store_->v1(norm_[l]), rstd_[l], dxn, dh, true, store_->g1(norm_[l]));
+    if (grads_ready_) grads_ready_(store_->entries()[norm_[l]].offset);
   }
   h_.clear();
   xn_.clear();

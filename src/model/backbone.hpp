@@ -26,6 +26,7 @@
 // forward may drop different assignments.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <variant>
@@ -121,6 +122,10 @@ class MambaBackbone {
   // After a training forward: d(out) -> dh (written) = d(loss)/d(h entering block 0), for loss = (the loss whose
   // gradient is dout) + aux_scale * last_aux(); parameter gradients are accumulated. Releases the activations.
   void backward(const View2<const T>& dout, const View2<R>& dh, double aux_scale = 1.0);
+  // Called by backward() after block l's backward has been issued, with the flat offset (in the store) of block
+  // l's first parameter: from there to the end of the backbone's parameters every gradient of this backward is
+  // final (block l's, the later blocks', norm_f's). For the data-parallel exchange that overlaps the backward.
+  void set_grads_ready_hook(std::function<void(index_t)> hook) { grads_ready_ = std::move(hook); }
 
   // Once per optimizer step, after it: updates the expert biases from the load of the step's training forwards,
   // returns the step's routing statistics (one entry per MoE layer) and starts a new accumulation.
@@ -156,6 +161,7 @@ class MambaBackbone {
   std::uint64_t step_seed_ = 0, step_ = 0;
   double last_aux_ = 0;
   std::vector<MoELayerStats> moe_acc_;
+  std::function<void(index_t)> grads_ready_;
   // saved by a training forward
   index_t batch_ = 0, seqlen_ = 0;
   SeqIdxView seq_;

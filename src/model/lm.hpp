@@ -71,6 +71,10 @@ class MambaLM {
   const View2<T>& logits() const { return logits_; }
 
   MambaBackbone<T>& backbone() { return *backbone_; }
+  // During forward_backward's backward, hook(offset) says that every gradient from flat offset `offset` of
+  // params() to its end is final (the store holds the embedding, the backbone's blocks in order, norm_f, then
+  // lm_head, whose backward runs before the backbone's; the embedding's runs last). See MambaBackbone.
+  void set_grads_ready_hook(std::function<void(index_t)> hook) { backbone_->set_grads_ready_hook(std::move(hook)); }
   // Parameters: all, and those used per token (MoE layers: router, top_k experts, shared expert).
   index_t param_count() const;
   index_t active_param_count() const;

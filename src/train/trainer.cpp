@@ -91,11 +91,15 @@ Trainer<Model>::Trainer(Model& model, const TrainConfig& cfg, std::string deck_t
           " ranks (make grad_accum a multiple of ep * dp)");
   const index_t n = model_.params().grads().extent(0);
   grad_sum_ = View1<P>("trainer::grad_sum", n);
+  if constexpr (kGradsReadyHook) overlap_ = cfg_.overlap_grad_reduce && dp_size_ > 1;
   if (dp_size_ > 1) {  // the all-gather runs in buckets, so its buffer is at most cfg.gather_buffer_bytes
+    const index_t slots = overlap_ ? TrainConfig::kOverlapSlots : 1;
     gather_bucket_ = std::min<index_t>(
-        n, std::max<index_t>(1, index_t(cfg_.gather_buffer_bytes / sizeof(P)) / index_t(dp_size_)));
-    gathered_ = View1<P>("trainer::gathered_grads", gather_bucket_ * index_t(dp_size_));
+        n, std::max<index_t>(1, index_t(cfg_.gather_buffer_bytes / sizeof(P)) / index_t(dp_size_) / slots));
+    gathered_ = View1<P>("trainer::gathered_grads", slots * gather_bucket_ * index_t(dp_size_));
   }
+  if constexpr (kGradsReadyHook)
+    if (overlap_) model_.set_grads_ready_hook([this](index_t lo) { buckets_in_backward_ += start_ready_buckets(lo); });
   // which gradient elements are slices (for the global norm and the reduction over the data ranks)
   split_ = Kokkos::View<std::uint8_t*, Layout, Mem>("trainer::split", n);
   auto hs = Kokkos::create_mirror_view(split_);
@@ -113,6 +117,13 @@ Trainer<Model>::Trainer(Model& model, const TrainConfig& cfg, std::string deck_t
     zero_recv_ = View1<P>("trainer::zero1_recv", S * zero_->size());
   }
   if (!cfg_.resume.empty()) load(cfg_.resume);
+}
+
+template <class Model>
+Trainer<Model>::~Trainer() {
+  if constexpr (kGradsReadyHook)
+    if (overlap_) model_.set_grads_ready_hook(nullptr);
+  in_flight_.clear();  // (after an exception inside a round) each waits for its transfer
 }
 
 template <class Model>
@@ -279,7 +290,60 @@ bool reduce_scatter_bucket(const parallel::Comm& data, const View1<P>& g, const 
 }  // namespace
 
 template <class Model>
+void Trainer<Model>::add_gathered(const View1<P>& sum, const View1<P>& recv, index_t off, index_t len) const {
+  const auto split = split_;
+  const int parts = dp_size_, ep = ep_size_, me = ep_rank_;
+  par_for("trainer::sum_gathered_grads", len, KOKKOS_LAMBDA(index_t k) {
+    const index_t i = off + k;
+    P s = sum(i);
+    const bool expert = split(i) == 2;
+    for (int q = 0; q < parts; ++q)
+      if (!expert || q % ep == me) s = s + recv(index_t(q) * len + k);
+    sum(i) = s;
+  });
+}
+
+template <class Model>
+index_t Trainer<Model>::start_ready_buckets(index_t lo) {
+  if (!in_round_) return 0;  // a backward outside run()'s rounds (tests, tools)
+  const View1<P> g = model_.params().grads();
+  const index_t n = g.extent(0), B = gather_bucket_, parts = dp_size_;
+  using Kokkos::make_pair;
+  using Kokkos::subview;
+  index_t started = 0;
+  for (; next_bucket_ >= 0 && next_bucket_ * B >= lo; --next_bucket_, ++started) {
+    if (index_t(in_flight_.size()) == TrainConfig::kOverlapSlots) finish_oldest_bucket();
+    InFlight f;
+    f.off = next_bucket_ * B, f.len = std::min(B, n - f.off), f.slot = next_slot_;
+    next_slot_ = (next_slot_ + 1) % TrainConfig::kOverlapSlots;  // the slot of the bucket just finished, if any
+    const View1<P> send = subview(g, make_pair(f.off, f.off + f.len));
+    if (cp_->size() > 1) cp_->allreduce_sum(send);  // the cp ranks hold partial gradients of the micro-batch
+    const index_t at = index_t(f.slot) * B * parts;
+    f.op = data_->start_allgather(send, View1<P>(subview(gathered_, make_pair(at, at + f.len * parts))));
+    in_flight_.push_back(std::move(f));
+  }
+  for (auto& f : in_flight_) f.op->poll();
+  return started;
+}
+
+template <class Model>
+void Trainer<Model>::finish_oldest_bucket() {
+  InFlight f = std::move(in_flight_.front());
+  in_flight_.pop_front();
+  f.op->wait();
+  const index_t at = index_t(f.slot) * gather_bucket_ * index_t(dp_size_);
+  add_gathered(grad_sum_, Kokkos::subview(gathered_, Kokkos::make_pair(at, at + f.len * index_t(dp_size_))), f.off, f.len);
+}
+
+template <class Model>
 void Trainer<Model>::reduce_round_gradients(const View1<P>& sum) {
+  if (overlap_) {  // what the backward's hook did not start, then everything in flight
+    require(sum.data() == grad_sum_.data(), "train", "the overlapped exchange sums into the step's gradient");
+    buckets_after_backward_ += start_ready_buckets(0);
+    while (!in_flight_.empty()) finish_oldest_bucket();
+    in_round_ = false;
+    return;
+  }
   auto& ps = model_.params();
   // the cp ranks hold partial gradients of the same micro-batch
   if (cp_->size() > 1) cp_->allreduce_sum(ps.grads());
@@ -291,24 +355,14 @@ void Trainer<Model>::reduce_round_gradients(const View1<P>& sum) {
   // one gradient per data rank, in rank order = global micro-batch order; an expert slice (split 2) adds only the
   // data ranks of its own ep coordinate (data rank q = ep_rank + ep * dp_rank). Bucket by bucket: the sums are
   // the same as from one all-gather of everything.
-  const auto gathered = gathered_;
-  const auto split = split_;
-  const index_t n = sum.extent(0);
-  const int parts = dp_size_, ep = ep_size_, me = ep_rank_;
+  const index_t n = sum.extent(0), parts = dp_size_;
   for (index_t off = 0; off < n; off += gather_bucket_) {
     const index_t len = std::min(gather_bucket_, n - off);
-    if (ep == 1 && parts >= 4 && reduce_scatter_bucket<P>(*data_, g, sum, gathered, off, len)) continue;
+    if (ep_size_ == 1 && parts >= 4 && reduce_scatter_bucket<P>(*data_, g, sum, gathered_, off, len)) continue;
     const View1<P> send = Kokkos::subview(g, Kokkos::make_pair(off, off + len));
-    const View1<P> recv = Kokkos::subview(gathered, Kokkos::make_pair(index_t(0), len * index_t(parts)));
+    const View1<P> recv = Kokkos::subview(gathered_, Kokkos::make_pair(index_t(0), len * parts));
     data_->allgather(send, recv);
-    par_for("trainer::sum_gathered_grads", len, KOKKOS_LAMBDA(index_t k) {
-      const index_t i = off + k;
-      P s = sum(i);
-      const bool expert = split(i) == 2;
-      for (int q = 0; q < parts; ++q)
-        if (!expert || q % ep == me) s = s + recv(index_t(q) * len + k);
-      sum(i) = s;
-    });
+    add_gathered(sum, recv, off, len);
   }
 }
 
@@ -395,6 +449,10 @@ std::int64_t Trainer<Model>::run(const NextBatch& next, const Evaluate& eval) {
     std::vector<double> losses(4 * rounds);  // (nats, aux, count, weighted aux) per local micro-batch
     for (std::int64_t j = 0; j < rounds; ++j) {
       ps.zero_grads();
+      if (overlap_) {  // every bucket of this round's gradient is to be exchanged, the last first
+        in_round_ = true, next_slot_ = 0;
+        next_bucket_ = (index_t(ps.grads().extent(0)) + gather_bucket_ - 1) / gather_bucket_ - 1;
+      }
       const LossSum l = model_.forward_backward(micro[j], 1.0 / double(scored), cfg_.recompute);
       losses[4 * j] = l.nats, losses[4 * j + 1] = l.aux, losses[4 * j + 2] = double(l.count);
       // the MoE auxiliary term of the objective (each micro-batch weighted by its scored share)

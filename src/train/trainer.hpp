@@ -8,6 +8,7 @@
 // SIGUSR1 (what batch schedulers send before the wall-clock limit).
 #pragma once
 
+#include <deque>
 #include <functional>
 #include <string>
 #include <vector>
@@ -56,6 +57,15 @@ struct TrainConfig {
   // a bucket is a reduce-scatter (each rank sums one part of every rank's bucket, in rank order) and an all-gather
   // of the sums: about 2 buckets received per rank instead of (ranks - 1), with bit-identical sums.
   std::size_t gather_buffer_bytes = std::size_t(64) << 20;
+  // With ep * dp > 1 and a model that reports when its gradients are final during the backward (MambaLM): each
+  // bucket's exchange starts as soon as the backward has passed its parameters (the last blocks' first), on its
+  // own stream with NCCL (MPI_Iallgather on the CPU), and is summed as the next buckets start; what is left is
+  // finished after the backward. Up to kOverlapSlots buckets are in flight, so a bucket is a quarter of the above
+  // buffer (more, smaller buckets). The sums are the same (bit for bit) as without it. With cp > 1 each bucket's
+  // cp all-reduce runs (blocking) just before its exchange starts. Off: the exchange of all buckets after the
+  // backward (and, with ep = 1 and 4 or more data ranks, the reduce-scatter form above).
+  bool overlap_grad_reduce = true;
+  static constexpr int kOverlapSlots = 4;
 };
 
 struct StepRecord {
@@ -86,6 +96,9 @@ class Trainer {
   using Evaluate = std::function<LossSum()>;
 
   Trainer(Model& model, const TrainConfig& cfg, std::string deck_text);
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
 
   // Train from the current step to cfg.steps (or until stopped). Returns the number of steps run in this call.
   std::int64_t run(const NextBatch& next, const Evaluate& eval);
@@ -105,6 +118,16 @@ class Trainer {
   void reduce_round_gradients(const View1<P>& sum);
   double grad_norm() const;
   void allgather_parameters();
+  // The gathered bucket `recv` (every data rank's [off, off + len) of its round gradient, rank order) added to
+  // sum[off, off + len) in rank order (an expert slice: only the ranks of its own ep coordinate).
+  void add_gathered(const View1<P>& sum, const View1<P>& recv, index_t off, index_t len) const;
+  // Overlap (TrainConfig::overlap_grad_reduce): start the exchange of every bucket within [lo, n) not yet started
+  // this round (the model's hook during the backward; lo = 0 after it), and finish the oldest one in flight
+  // (wait, then add it to grad_sum_).
+  index_t start_ready_buckets(index_t lo);  // returns how many it started
+  void finish_oldest_bucket();
+  // Overlap: the buckets whose exchange started during the backward and those started after it, since construction.
+  std::pair<std::int64_t, std::int64_t> overlap_counts() const { return {buckets_in_backward_, buckets_after_backward_}; }
 
  private:
   // ZeRO-1: the flat-buffer range of dp rank q, and the moments of the whole buffer (collective)
@@ -114,6 +137,7 @@ class Trainer {
  private:
   void log_eval(const LossSum& l, double seconds);
   static constexpr bool kHasBackbone = requires(Model& m) { m.backbone().end_step(); };
+  static constexpr bool kGradsReadyHook = requires(Model& m) { m.set_grads_ready_hook(nullptr); };
   bool has_moe() const {
     if constexpr (kHasBackbone) return model_.backbone().has_moe();
     else return false;
@@ -138,6 +162,18 @@ class Trainer {
   View1<P> grad_sum_;     // the step's gradient: per-micro-batch gradients summed in global micro-batch order
   View1<P> gathered_;     // dp > 1: one bucket of a round's per-micro-batch gradients of every dp rank, rank order
   index_t gather_bucket_ = 0;  // gradient elements per all-gather
+  // overlap: whether it is on, inside a round (between zeroing the gradients and their reduction), the highest
+  // bucket not started yet this round (-1: all), the next slot of gathered_ and the buckets in flight (oldest first)
+  struct InFlight {
+    index_t off = 0, len = 0;
+    int slot = 0;
+    std::unique_ptr<parallel::Pending> op;
+  };
+  bool overlap_ = false, in_round_ = false;
+  index_t next_bucket_ = -1;
+  int next_slot_ = 0;
+  std::deque<InFlight> in_flight_;
+  std::int64_t buckets_in_backward_ = 0, buckets_after_backward_ = 0;
 };
 
 // Read a checkpoint's parameters into `params` (names and shapes must match), and the deck it was written with.
