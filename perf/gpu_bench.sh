@@ -27,6 +27,13 @@
 # --stages ecoli: inputs/genomics/ecoli.in as committed (needs data/ecoli_mg1655.fa.gz: scripts/fetch_data.sh ecoli),
 #   metrics under DIR/ecoli; it prints the held-out bits/base against the order-6 Markov baseline (1.934).
 # --stages cp (2 GPUs): the LM step at 131,072 tokens on one GPU against cp = 2 at 262,144 tokens over two.
+# --stages dp (2 GPUs; needs data/ecoli_mg1655.fa.gz): training steps of the 24-layer d_model 768 Mamba-2 LM through
+#   the driver on one GPU (one micro-batch per step) and at dp = 2 (two, one per GPU), with the gradient exchange
+#   overlapped with the backward and after it, at 2,048 and 8,192 tokens per micro-batch.
+# --stages scale (2 GPUs; same data): issue 8's runs 2 and 3 at one and two GPUs: the MoE-Mamba model (M2 E x 12,
+#   8 experts, d_ff 2,048, top-1) at ep = 1 / ep = 2 / dp = 2, and the d_model 2,048 Mamba-2 model at tp = 1 / 2.
+#   Both stages take tokens/s from the metrics file's last train row (steps 5-8, after the warm-up steps) and the
+#   peak device memory from nvidia-smi sampled every 100 ms (it includes the CUDA context); scale.csv / dp.csv.
 # Writes under DIR: build.log, ctest.log, ours.csv, peers.csv, bench.log, and summary.txt (the table, also printed).
 set -uo pipefail
 
@@ -138,5 +145,51 @@ import csv, sys
 t = [next(float(r["value"]) for r in csv.DictReader(open(f)) if r["metric"] == "throughput") for f in sys.argv[1:]]
 print(f"cp=2 at 262,144 tokens / 1 GPU at 131,072: {t[1] / t[0]:.3f}x tokens/s")
 PY
+fi
+# Training runs through the driver (stages dp and scale): run_driver NAME RANKS ARGS... appends NAME, ranks,
+# tokens/s, peak MiB to $out/$csv and keeps the log and metrics under $out/runs/NAME.
+run_driver() {
+  local name=$1 np=$2; shift 2
+  local dir="$out/runs/$name" cmd=("$root/build/cuda/physics_style_drivers/mambamoe")
+  mkdir -p "$dir"
+  if [[ $np -gt 1 ]]; then
+    cmd=(mpirun -np "$np" --bind-to none -x OMPI_ALLOW_RUN_AS_ROOT -x OMPI_ALLOW_RUN_AS_ROOT_CONFIRM "${cmd[@]}")
+    set -- "$@" --parallel.backend=nccl --kokkos-map-device-id-by=mpi_rank
+  fi
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$dir/mem.txt" 2>/dev/null &
+  local smi=$!
+  OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "${cmd[@]}" "$root/inputs/genomics/ecoli.in" \
+    --run.output_dir="$dir" --train.steps=8 --train.log_interval=4 --train.warmup_steps=2 --train.eval_interval=0 \
+    --data.holdout_fraction=0.01 --train.time_limit_minutes=0 --checkpoint.path= "$@" > "$dir/log.txt" 2>&1 || rc=1
+  kill $smi 2>/dev/null; wait $smi 2>/dev/null
+  local tps peak
+  tps=$(awk -F, '$1 == "train" { t = $7 } END { print t }' "$dir/metrics.csv" 2>/dev/null)
+  peak=$(sort -n "$dir/mem.txt" 2>/dev/null | tail -1)
+  echo "$name,$np,${tps:-NA},${peak:-NA}" | tee -a "$out/$csv"
+  grep -E "error|imbalance|layout|parameters" "$dir/log.txt" | head -12
+}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+if has dp; then
+  csv=dp.csv; echo "run,ranks,tokens_per_s,peak_mib" > "$out/$csv"
+  lm=(--model.d_model=768 --model.n_layer=24 --model.d_state=128 --model.headdim=64 --model.expand=2
+      --model.chunk_size=256 --train.batch_size=1)
+  for L in 2048 8192; do
+    run_driver "lm${L}_1gpu" 1 "${lm[@]}" --train.seq_len=$L --train.grad_accum=1
+    run_driver "lm${L}_dp2_after" 2 "${lm[@]}" --train.seq_len=$L --train.grad_accum=2 --parallel.overlap_grad_reduce=false
+    run_driver "lm${L}_dp2_overlap" 2 "${lm[@]}" --train.seq_len=$L --train.grad_accum=2 --parallel.overlap_grad_reduce=true
+  done
+fi
+if has scale; then
+  csv=scale.csv; echo "run,ranks,tokens_per_s,peak_mib" > "$out/$csv"
+  moe=(--model.d_model=768 --model.n_layer=24 --model.d_state=128 --model.headdim=64 --model.chunk_size=256
+       "--model.pattern=$(printf 'M2 E %.0s' {1..12})" --moe.n_experts=8 --moe.top_k=1 --moe.d_ff=2048
+       --train.seq_len=8192 --train.batch_size=1 --train.grad_accum=4)
+  run_driver moe_1gpu 1 "${moe[@]}"
+  run_driver moe_ep2 2 "${moe[@]}" --parallel.ep=2
+  run_driver moe_dp2 2 "${moe[@]}" --parallel.dp=2
+  wide=(--model.d_model=2048 --model.n_layer=24 --model.d_state=128 --model.headdim=64 --model.ngroups=8
+        --model.chunk_size=256 --train.seq_len=8192 --train.batch_size=1 --train.grad_accum=1 --train.recompute=mixer)
+  run_driver wide_tp1 1 "${wide[@]}"
+  run_driver wide_tp2 2 "${wide[@]}" --parallel.tp=2
 fi
 exit $rc
