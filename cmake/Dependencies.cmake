@@ -2,13 +2,20 @@
 # given by path (MAMBAMOE_HTSLIB_ROOT, MAMBAMOE_BOOST_PO_LIBRARY) for machines that have no packaged build.
 
 # ---------------------------------------------------------------- Kokkos and Kokkos Kernels (same major.minor)
+# Kokkos Kernels provides the host GEMMs (KokkosBlas); a CUDA build calls cuBLAS instead and uses it only if found.
 find_package(Kokkos 4.6 REQUIRED CONFIG)
-find_package(KokkosKernels REQUIRED CONFIG HINTS ${Kokkos_ROOT} ${Kokkos_DIR}/../../..)
-string(REGEX MATCH "^[0-9]+\\.[0-9]+" _kk_mm "${KokkosKernels_VERSION}")
-string(REGEX MATCH "^[0-9]+\\.[0-9]+" _k_mm "${Kokkos_VERSION}")
-if(NOT _kk_mm STREQUAL _k_mm)
-  message(FATAL_ERROR "Kokkos ${Kokkos_VERSION} and Kokkos Kernels ${KokkosKernels_VERSION} differ in version: "
-                      "install matching releases (spack install kokkos@X kokkos-kernels@X)")
+if(Kokkos_ENABLE_CUDA)
+  find_package(KokkosKernels CONFIG QUIET HINTS ${Kokkos_ROOT} ${Kokkos_DIR}/../../..)
+else()
+  find_package(KokkosKernels REQUIRED CONFIG HINTS ${Kokkos_ROOT} ${Kokkos_DIR}/../../..)
+endif()
+if(KokkosKernels_FOUND)
+  string(REGEX MATCH "^[0-9]+\\.[0-9]+" _kk_mm "${KokkosKernels_VERSION}")
+  string(REGEX MATCH "^[0-9]+\\.[0-9]+" _k_mm "${Kokkos_VERSION}")
+  if(NOT _kk_mm STREQUAL _k_mm)
+    message(FATAL_ERROR "Kokkos ${Kokkos_VERSION} and Kokkos Kernels ${KokkosKernels_VERSION} differ in version: "
+                        "install matching releases (spack install kokkos@X kokkos-kernels@X)")
+  endif()
 endif()
 
 set(MAMBAMOE_HAVE_CUDA OFF)
