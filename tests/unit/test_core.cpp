@@ -123,7 +123,7 @@ TEST_CASE("Workspace cache: blocks come back at scope end, are reused, reported 
     float sum = 0;
     Kokkos::parallel_reduce(
         "test::pool_sum", Range(0, 300 * 70), KOKKOS_LAMBDA(index_t i, float& acc) { acc += a(i / 70, i % 70); }, sum);
-    CHECK(sum == Catch::Approx(2.5 * 300 * 70));
+    CHECK(sum == Approx(2.5 * 300 * 70));
     first = a.data();
     CHECK(takes == 1);
     CHECK(returns == 0);

@@ -14,7 +14,6 @@
 using namespace mm;
 using mmtest::rel_err;
 using mmtest::to_vec;
-using Catch::Matchers::ContainsSubstring;
 
 namespace {
 

@@ -306,7 +306,7 @@ TEST_CASE("Mamba-3 scan rejects seq_idx of the wrong shape", "[mamba3]") {
   in.seq_idx = bad;
   View2<double> y("y", c.B * c.L, c.H * c.R * c.P);
   CHECK_THROWS_WITH(mamba3_scan_forward<double>(d.shape, in, y, Mamba3Carry<double>{}),
-                    Catch::Matchers::ContainsSubstring("seq_idx is (2, 22), expected (batch, seqlen) = (2, 23)"));
+                    ContainsSubstring("seq_idx is (2, 22), expected (batch, seqlen) = (2, 23)"));
 }
 
 TEST_CASE("Mamba-3 chunked scan in float stays close to the double recurrence", "[mamba3]") {
