@@ -60,7 +60,7 @@ int train(const io::Deck& d, const io::GenomeDataset& data, const LMConfig& lm, 
   }();
   model.initialize(tc.seed);
   auto& bb = model.backbone();
-  const index_t total = model.params().count() - bb.buffer_count();
+  const index_t total = model.params().global_count() - bb.buffer_count();  // the model's, not this rank's slice
   const index_t active = total - (bb.param_count() - bb.active_param_count());
   std::printf("model: %s, %lld layers, d_model %lld, d_state %lld, %lld heads of %lld, %lld parameters\n", what,
               (long long)lm.n_layer, (long long)lm.mixer.d_model, (long long)lm.mixer.d_state,

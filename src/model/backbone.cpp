@@ -188,10 +188,11 @@ bool MambaBackbone<T>::has_moe() const {
 
 template <class T>
 index_t MambaBackbone<T>::param_count() const {
-  // the constructor registers the backbone's parameters one after the other: norms, layers, final norm
+  // the constructor registers the backbone's parameters one after the other: norms, layers, final norm (the
+  // unsharded sizes: the model's parameters, whatever slice of them this rank holds)
   const auto& e = store_->entries();
   index_t n = 0;
-  for (std::size_t i = norm_.front(); i <= norm_f_; ++i) n += e[i].size;
+  for (std::size_t i = norm_.front(); i <= norm_f_; ++i) n += e[i].global_size();
   return n - buffer_count();
 }
 

@@ -128,7 +128,7 @@ LossSum MambaLM<T>::forward_backward(const Batch& full, double grad_scale, Recom
 template <class T>
 index_t MambaLM<T>::param_count() const {
   // the expert-bias buffers are in the store (checkpoints carry them) but are not trained parameters
-  return params_.count() - backbone_->buffer_count();
+  return params_.global_count() - backbone_->buffer_count();
 }
 
 template <class T>

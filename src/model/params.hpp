@@ -123,6 +123,12 @@ class ParamStore {
     for (const auto& e : entries_) n += e.size;
     return n;
   }
+  // The unsharded model's elements (count() is this rank's slices under tp / ep).
+  index_t global_count() const {
+    index_t n = 0;
+    for (const auto& e : entries_) n += e.global_size();
+    return n;
+  }
 
   const View1<P>& values() const { return values_; }
   const View1<P>& grads() const { return grads_; }

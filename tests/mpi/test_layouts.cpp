@@ -102,6 +102,9 @@ void check_layouts(const LMConfig& cfg, std::int64_t max_tp, const char* label) 
     auto grid = std::make_shared<parallel::ProcessGrid>(l, MPI_COMM_WORLD, backend);
     MambaLM<float> model(cfg, grid->model_comms());
     model.initialize(7);
+    // the model's parameter counts, not this rank's slice (the driver prints them)
+    CHECK(model.param_count() == ref.param_count());
+    CHECK(model.active_param_count() == ref.active_param_count());
     TrainConfig tc = one_step();
     tc.grid = grid;
     Trainer<MambaLM<float>> t(model, tc, "deck");
