@@ -152,13 +152,11 @@ View2<T> MoELayer<T>::exchange(const View2<T>& src, const std::vector<std::size_
   std::size_t total = 0;
   for (std::size_t c : recv) total += c;
   View2<T> dst = make_uninit<View2<T>>("moe::ep_exchange", total, d);
-  auto hs = Kokkos::create_mirror_view_and_copy(HostMem(), src);
-  auto hd = Kokkos::create_mirror_view(HostMem(), dst);
   std::vector<std::size_t> sc(send), rc(recv);
   for (auto& c : sc) c *= std::size_t(d);
   for (auto& c : rc) c *= std::size_t(d);
-  comms_.ep->alltoallv(hs.data(), sc, hd.data(), rc, parallel::dtype_of<T>());
-  Kokkos::deep_copy(dst, hd);
+  // NCCL takes the device rows as they are (they went through two pageable host copies each way before)
+  comms_.ep->alltoallv_view(src, sc, dst, rc);
   return dst;
 }
 

@@ -105,6 +105,11 @@ class Comm {
   // [q count, (q + 1) count), and what rank q sent here lands at the same place in `recv`.
   template <class T>
   void alltoall(const View1<T>& send, const View1<T>& recv, std::size_t count) const;
+  // Contiguous Views of any rank (any memory space): alltoallv of their elements, counts in elements (see the
+  // pointer version). A backend that takes device buffers gets the Views' memory as it is.
+  template <class V>
+  void alltoallv_view(const V& send, const std::vector<std::size_t>& send_counts, const V& recv,
+                      const std::vector<std::size_t>& recv_counts) const;
   template <class T>
   void allreduce_sum(const View1<T>& buf) const;
   template <class T>
@@ -214,13 +219,21 @@ void Comm::alltoall(const View1<T>& send, const View1<T>& recv, std::size_t coun
   require(send.extent(0) >= total && recv.extent(0) >= total, "Comm::alltoall", "buffers of ", send.extent(0),
           " and ", recv.extent(0), " elements for ", size(), " ranks x ", count);
   const std::vector<std::size_t> counts(std::size_t(size()), count);
+  alltoallv_view(send, counts, recv, counts);
+}
+
+template <class V>
+void Comm::alltoallv_view(const V& send, const std::vector<std::size_t>& send_counts, const V& recv,
+                          const std::vector<std::size_t>& recv_counts) const {
+  using T = typename V::non_const_value_type;
+  require(send.span_is_contiguous() && recv.span_is_contiguous(), "Comm::alltoallv_view", "non-contiguous View");
   if (device_buffers()) {
-    alltoallv(send.data(), counts, recv.data(), counts, dtype_of<T>());
+    alltoallv(send.data(), send_counts, recv.data(), recv_counts, dtype_of<T>());
     return;
   }
   auto hs = Kokkos::create_mirror_view_and_copy(HostMem(), send);
   auto hr = Kokkos::create_mirror_view(HostMem(), recv);
-  alltoallv(hs.data(), counts, hr.data(), counts, dtype_of<T>());
+  alltoallv(hs.data(), send_counts, hr.data(), recv_counts, dtype_of<T>());
   Kokkos::deep_copy(recv, hr);
 }
 
