@@ -15,6 +15,7 @@
 #                     [--peer-args "ARGS"]    (passed to perf/peers.py, e.g. "--ssd-dtypes bf16")
 #                     [--bench-args "ARGS"]   (passed to mambamoe_bench, e.g. "--ssd gemm-tf32,portable --lm-ssd gemm-bf16")
 #                     [--cp-args "ARGS"]      (passed to the cp stage's three runs, e.g. "--profile")
+#                     [--runs NAME1,NAME2]    (stages dp and scale: only these runs, e.g. moe_1gpu,moe_ep2)
 #
 # --mamba-ssm DIR is the folder that holds the mamba_ssm package (e.g. $PWD/.peers); --causal-conv1d DIR holds the
 # built causal_conv1d_cuda*.so and the causal_conv1d package (perf/build_causal_conv1d.py makes it), without which
@@ -37,7 +38,7 @@
 # Writes under DIR: build.log, ctest.log, ours.csv, peers.csv, bench.log, and summary.txt (the table, also printed).
 set -uo pipefail
 
-commit="" kokkos="" out="" mamba="" cc1d="" po="" hts="" stages="build,test,bench" test_timeout=300 test_regex='' peer_timeout=0 build_targets='' bench_only="copy,gemm,ssd,lm" bench_args="" peer_args="" cp_args=""
+commit="" kokkos="" out="" mamba="" cc1d="" po="" hts="" stages="build,test,bench" test_timeout=300 test_regex='' peer_timeout=0 build_targets='' bench_only="copy,gemm,ssd,lm" bench_args="" peer_args="" cp_args="" runs=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --kokkos) kokkos=$2; shift 2 ;;
@@ -56,6 +57,7 @@ while [[ $# -gt 0 ]]; do
     --bench-args) bench_args=$2; shift 2 ;;
     --peer-args) peer_args=$2; shift 2 ;;
     --cp-args) cp_args=$2; shift 2 ;;
+    --runs) runs=$2; shift 2 ;;
     *) echo "gpu_bench.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -150,6 +152,7 @@ fi
 # tokens/s, peak MiB to $out/$csv and keeps the log and metrics under $out/runs/NAME.
 run_driver() {
   local name=$1 np=$2; shift 2
+  [[ -z $runs || ",$runs," == *",$name,"* ]] || return 0
   local dir="$out/runs/$name" cmd=("$root/build/cuda/physics_style_drivers/mambamoe")
   mkdir -p "$dir"
   if [[ $np -gt 1 ]]; then
