@@ -348,6 +348,12 @@ void MambaBackbone<T>::backward(const View2<const T>& dout, const View2<R>& dh, 
 }
 
 template <class T>
+void MambaBackbone<T>::set_step(std::uint64_t seed, std::uint64_t step) {
+  step_seed_ = seed, step_ = step;
+  for (const auto& s : moe_acc_) layers_[s.layer]->moe->take_exchange_seconds();
+}
+
+template <class T>
 std::vector<MoELayerStats> MambaBackbone<T>::end_step(const parallel::Comm* reduce) {
   if (reduce && reduce->size() > 1)
     for (auto& s : moe_acc_) {
@@ -361,6 +367,7 @@ std::vector<MoELayerStats> MambaBackbone<T>::end_step(const parallel::Comm* redu
       std::copy(buf.begin() + E, buf.begin() + 2 * E, s.kept.begin());
       s.assignments = buf[2 * E], s.dropped = buf[2 * E + 1];
     }
+  for (auto& s : moe_acc_) s.exchange_seconds = layers_[s.layer]->moe->take_exchange_seconds();
   std::vector<MoELayerStats> out = moe_acc_;
   for (auto& s : moe_acc_) {
     layers_[s.layer]->moe->update_expert_bias(s.routed);

@@ -81,6 +81,7 @@ struct MoELayerStats {
   index_t layer = 0;
   std::vector<double> routed, kept;  // per expert
   double assignments = 0, dropped = 0;
+  double exchange_seconds = 0;       // this rank's wall seconds in the layer's all-to-alls during the step (ep > 1)
   double imbalance() const;          // max / mean of routed (1 = balanced)
 };
 
@@ -108,7 +109,8 @@ class MambaBackbone {
   index_t buffer_count() const;  // the expert-bias buffers' entries
 
   // Router-jitter context of the next training forwards (the step of the optimizer).
-  void set_step(std::uint64_t seed, std::uint64_t step) { step_seed_ = seed, step_ = step; }
+  // Also the start of the step's all-to-all timing (what evaluations in between spent is dropped).
+  void set_step(std::uint64_t seed, std::uint64_t step);
 
   // h (batch * seqlen, d_model): the residual stream entering block 0 (kept when training, overwritten otherwise);
   // out: the final-norm output. seq (batch, seqlen) record ids, or empty: every mixer resets its state at a record

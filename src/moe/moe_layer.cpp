@@ -1,6 +1,7 @@
 #include "moe/moe_layer.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <sstream>
 
@@ -145,6 +146,17 @@ typename MoELayer<T>::CpRows MoELayer<T>::cp_rows(index_t n, const MoEStep& step
   return c;
 }
 
+namespace {
+// Runs `f` (an all-to-all) after the device work already issued, adding its wall seconds to `acc`.
+template <class F>
+void timed_exchange(double& acc, F&& f) {
+  Kokkos::fence("moe::exchange");
+  const auto t0 = std::chrono::steady_clock::now();
+  f();
+  acc += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
 template <class T>
 View2<T> MoELayer<T>::exchange(const View2<T>& src, const std::vector<std::size_t>& send,
                                const std::vector<std::size_t>& recv) const {
@@ -156,7 +168,7 @@ View2<T> MoELayer<T>::exchange(const View2<T>& src, const std::vector<std::size_
   for (auto& c : sc) c *= std::size_t(d);
   for (auto& c : rc) c *= std::size_t(d);
   // NCCL takes the device rows as they are (they went through two pageable host copies each way before)
-  comms_.ep->alltoallv_view(src, sc, dst, rc);
+  timed_exchange(exchange_s_, [&] { comms_.ep->alltoallv_view(src, sc, dst, rc); });
   return dst;
 }
 
@@ -211,7 +223,7 @@ View2<T> MoELayer<T>::experts_forward(MoEActs<T>& a) const {
     }
     // all-to-all of the counts: rk[s * El + e] = rows source s sends for local expert e
     const std::vector<std::size_t> per(static_cast<std::size_t>(R), static_cast<std::size_t>(El));
-    comms_.ep->alltoallv(kept.data(), per, rk.data(), per, parallel::DType::i64);
+    timed_exchange(exchange_s_, [&] { comms_.ep->alltoallv(kept.data(), per, rk.data(), per, parallel::DType::i64); });
     X.send_rows.assign(R, 0);
     X.recv_rows.assign(R, 0);
     for (int q = 0; q < R; ++q)

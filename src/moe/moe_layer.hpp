@@ -51,6 +51,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/kokkos_types.hpp"
@@ -168,6 +169,11 @@ class MoELayer {
   index_t param_count() const { return cfg_.param_count(); }
   index_t active_param_count() const { return cfg_.active_param_count(); }
 
+  // Expert parallelism: wall seconds this rank spent in the layer's all-to-alls (counts and token rows, forward
+  // and backward) since the last take, device work issued before each one excluded (it is fenced first). Reading
+  // it starts a new count.
+  double take_exchange_seconds() const { return std::exchange(exchange_s_, 0.0); }
+
   // Experts this rank holds: [first_expert(), first_expert() + local_experts()).
   index_t local_experts() const { return cfg_.n_experts / ep_size_; }
   index_t first_expert() const { return local_experts() * ep_rank_; }
@@ -210,6 +216,7 @@ class MoELayer {
   MoEConfig cfg_;
   parallel::ModelComms comms_;
   int ep_size_ = 1, ep_rank_ = 0, cp_size_ = 1, cp_rank_ = 0;
+  mutable double exchange_s_ = 0;  // see take_exchange_seconds()
   ParamStore<P>* store_;
   std::string prefix_;
   std::size_t router_w_, bias_ = 0, w1_, w3_, w2_, s1_ = 0, s3_ = 0, s2_ = 0;

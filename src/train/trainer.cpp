@@ -50,6 +50,12 @@ double moe_dropped_fraction(const std::vector<MoELayerStats>& moe) {
   return a > 0 ? d / a : 0.0;
 }
 
+double moe_exchange_seconds(const std::vector<MoELayerStats>& moe) {
+  double t = 0;
+  for (const auto& m : moe) t += m.exchange_seconds;
+  return t;
+}
+
 double moe_max_imbalance(const std::vector<MoELayerStats>& moe) {
   double x = 0;
   for (const auto& m : moe) x = std::max(x, m.imbalance());
@@ -420,6 +426,7 @@ std::int64_t Trainer<Model>::run(const NextBatch& next, const Evaluate& eval) {
   const auto t_start = Clock::now();
   const std::int64_t first = step_;
   std::int64_t tokens_since_log = 0;
+  double exchange_since_log = 0;  // expert parallelism: this rank's seconds in the MoE all-to-alls
   auto t_log = Clock::now();
   std::string stop_reason;
   if (eval && step_ == 0 && cfg_.eval_interval > 0) {  // the untrained model: where the held-out curve starts
@@ -475,7 +482,9 @@ std::int64_t Trainer<Model>::run(const NextBatch& next, const Evaluate& eval) {
     const double gnorm = opt_.step(model_.params(), lr, step_ + 1, grad_norm());
     if (zero_) allgather_parameters();
     std::vector<MoELayerStats> moe;
-    if constexpr (kHasBackbone) moe = model_.backbone().end_step(data_.get());  // MoE statistics are cp-wide already  // expert-bias update, once per step
+    // the expert-bias update, once per step (the MoE statistics are cp-wide already)
+    if constexpr (kHasBackbone) moe = model_.backbone().end_step(data_.get());
+    exchange_since_log += moe_exchange_seconds(moe);
     ++step_;
     history_.push_back({step_, total.mean_nats(), gnorm, lr, aux, moe});
 
@@ -499,8 +508,11 @@ std::int64_t Trainer<Model>::run(const NextBatch& next, const Evaluate& eval) {
                     Model::metric(total), lr, gnorm, si(tps).c_str(), format_duration(elapsed).c_str(),
                     format_duration(eta).c_str());
       if (cfg_.verbose && !moe.empty()) {
-        std::printf("       moe: aux loss %.5f | dropped %.2f%% of assignments\n", aux,
-                    100.0 * moe_dropped_fraction(moe));
+        std::printf("       moe: aux loss %.5f | dropped %.2f%% of assignments", aux, 100.0 * moe_dropped_fraction(moe));
+        if (ep_size_ > 1)  // rank 0's share of the interval in the expert all-to-alls
+          std::printf(" | expert all-to-all %.3f s, %.1f%% of the time", exchange_since_log,
+                      100.0 * exchange_since_log / dt);
+        std::printf("\n");
         for (const auto& m : moe) {
           std::printf("       moe layer %lld: imbalance %.3f, dropped %.0f/%.0f, tokens per expert [",
                       (long long)m.layer, m.imbalance(), m.dropped, m.assignments);
@@ -519,6 +531,7 @@ std::int64_t Trainer<Model>::run(const NextBatch& next, const Evaluate& eval) {
       }
       std::fflush(stdout);
       tokens_since_log = 0;
+      exchange_since_log = 0;
       t_log = Clock::now();
     }
     if (eval && ((cfg_.eval_interval > 0 && step_ % cfg_.eval_interval == 0) || last || !stop_reason.empty())) {

@@ -190,8 +190,13 @@ void check_layout(const parallel::Layout& layout, const EpCase& c, bool save, do
   MoEStep step = step0;
   step.batch = B;
   comms.ep->reset_bytes_sent();
+  par.take_exchange_seconds();
   Run got = run(par, pps, mine, step, save);
   if (R > 1) CHECK(comms.ep->bytes_sent() > 0);  // the experts' tokens did travel
+  // the all-to-all time is counted under ep > 1 only, and reading it starts a new count
+  const double exchange = par.take_exchange_seconds();
+  CHECK((R > 1 ? exchange > 0 : exchange == 0));
+  CHECK(par.take_exchange_seconds() == 0);
   // parameter gradients: the sum over the cp ranks (each holds its tokens' part)
   comms.cp->allreduce_sum(got.grads.data(), got.grads.size());
 
