@@ -59,6 +59,9 @@ parallel::PlanInput plan_input(const io::Deck& d, I gpus) {
   in.seqlen = d.get<I>("train.seq_len");
   in.global_batch = d.get<I>("train.batch_size") * d.get<I>("train.grad_accum");
   in.gpus = gpus;
+  // the held-out evaluation that the run does at least once, at the end
+  in.eval_batch = d.get<I>("train.eval_batch_size");
+  in.eval_seqlen = d.get<I>("train.eval_seq_len");
   in.gpu_memory_bytes = d.get<double>("parallel.gpu_memory_gb") * 1e9;
   require(in.gpu_memory_bytes > 0, "[parallel] gpu_memory_gb", "the planner needs the device memory per rank");
   return in;

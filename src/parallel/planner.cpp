@@ -450,6 +450,52 @@ std::string check_layout(const PlanInput& in, const Layout& layout_in) {
   return "";
 }
 
+// The activation dimensions of one rank under layout l for `rows` sequences of the training (or, with eval, the
+// evaluation) length, its cp slice.
+Dims lm_dims(const PlanInput& in, const Layout& l, index_t rows, bool eval) {
+  Dims d;
+  d.t = double(in.dtype_bytes);
+  d.a = in.dtype_bytes == 8 ? 8.0 : 4.0;
+  d.b = double(rows);
+  d.L = double((eval && in.eval_seqlen > 0 ? in.eval_seqlen : in.seqlen) / l.cp);
+  d.n = d.b * d.L;
+  d.tp = l.tp;
+  d.ep = l.ep;
+  d.cp = l.cp;
+  d.concurrency_teams = std::max(1.0, std::floor(double(in.gpu_concurrency) / 256.0));
+  return d;
+}
+
+// Every layer's activation terms, in pattern order.
+std::vector<LayerMem> layer_mems(const PlanInput& in, const Dims& d, Recompute policy) {
+  const PlanModel& M = in.model;
+  std::vector<LayerMem> lm;
+  for (LayerKind k : kinds_of(M)) {
+    switch (k) {
+      case LayerKind::mamba2: lm.push_back(mem_mamba2(M.mixer, d, policy)); break;
+      case LayerKind::mamba1: lm.push_back(mem_mamba1(m1_cfg(M), d, policy)); break;
+      case LayerKind::mamba3: lm.push_back(mem_mamba3(m3_cfg(M), d, policy)); break;
+      case LayerKind::moe: lm.push_back(mem_moe(moe_cfg(M), d, policy, in.moe_load_factor)); break;
+      case LayerKind::dense: lm.push_back(mem_dense(dense_ff(M), d, double(M.mixer.d_model), policy)); break;
+    }
+  }
+  return lm;
+}
+
+// The evaluation forward (MambaLM::forward, no training) on d.n tokens: lm::h (updated in place) and the batch, the
+// final-norm output hf and the backbone's layer output m, each block's rstd (kept until the next forward), the
+// current block's xn and its layer's activations and transients; after the blocks, rstd_f and the logits.
+double eval_activations(const PlanInput& in, const Dims& d) {
+  const double D = double(in.model.mixer.d_model), V = double(in.model.vocab_size);
+  const double base = d.n * (d.a * D + 12) + d.n * 2 * d.t * D;
+  double peak = 0, rstd = 0;
+  for (const LayerMem& x : layer_mems(in, d, Recompute::mixer)) {
+    rstd += d.a * d.n;
+    peak = std::max(peak, base + rstd + d.n * d.t * D + x.full + x.fwd_extra);
+  }
+  return std::max(peak, base - d.n * d.t * D + rstd + d.a * d.n + d.n * d.t * V);
+}
+
 Plan estimate(const PlanInput& in, const Layout& layout_in, index_t micro_batch, Recompute policy) {
   require(in.seqlen >= 1 && in.global_batch >= 1 && in.gpus >= 1, kWhere,
           "seqlen, global batch and GPU count must be positive (got ", in.seqlen, ", ", in.global_batch, ", ",
@@ -466,18 +512,9 @@ Plan estimate(const PlanInput& in, const Layout& layout_in, index_t micro_batch,
           " / (ep * dp = ", l.ep * l.dp, "))");
 
   const PlanModel& M = in.model;
-  const double t = double(in.dtype_bytes), a = in.dtype_bytes == 8 ? 8.0 : 4.0;
+  const Dims d = lm_dims(in, l, micro_batch, false);
+  const double t = d.t, a = d.a;
   const double D = double(M.mixer.d_model), V = double(M.vocab_size);
-  Dims d;
-  d.t = t;
-  d.a = a;
-  d.b = double(micro_batch);
-  d.L = double(in.seqlen / l.cp);
-  d.n = d.b * d.L;
-  d.tp = l.tp;
-  d.ep = l.ep;
-  d.cp = l.cp;
-  d.concurrency_teams = std::max(1.0, std::floor(double(in.gpu_concurrency) / 256.0));
 
   Plan p;
   p.layout = l;
@@ -491,17 +528,7 @@ Plan estimate(const PlanInput& in, const Layout& layout_in, index_t micro_batch,
   p.bytes_grads = a * double(pc.padded);
   p.bytes_optimizer = (2 * a + 1) * double(pc.padded);
 
-  // per-layer terms
-  std::vector<LayerMem> lm;
-  for (LayerKind k : kinds_of(M)) {
-    switch (k) {
-      case LayerKind::mamba2: lm.push_back(mem_mamba2(M.mixer, d, policy)); break;
-      case LayerKind::mamba1: lm.push_back(mem_mamba1(m1_cfg(M), d, policy)); break;
-      case LayerKind::mamba3: lm.push_back(mem_mamba3(m3_cfg(M), d, policy)); break;
-      case LayerKind::moe: lm.push_back(mem_moe(moe_cfg(M), d, policy, in.moe_load_factor)); break;
-      case LayerKind::dense: lm.push_back(mem_dense(dense_ff(M), d, D, policy)); break;
-    }
-  }
+  const std::vector<LayerMem> lm = layer_mems(in, d, policy);
   // kept per block: h_{l+1}, rstd_l and, under policy none only, xn_l (under mixer the backbone drops xn_l after the
   // block's forward and recomputes it just before the layer's backward)
   const double xn = d.n * t * D;
@@ -529,7 +556,9 @@ Plan estimate(const PlanInput& in, const Layout& layout_in, index_t micro_batch,
     bwd_peak = std::max(bwd_peak, base + below + xn_live + (x.full - x.keep) + std::max(rec, x.bwd_extra));
     scratch = std::max(scratch, x.scratch);
   }
-  p.bytes_activations = std::max(fwd_peak, bwd_peak);
+  p.bytes_train_activations = std::max(fwd_peak, bwd_peak);
+  p.bytes_eval_activations = in.eval_batch > 0 ? eval_activations(in, lm_dims(in, l, in.eval_batch, true)) : 0.0;
+  p.bytes_activations = std::max(p.bytes_train_activations, p.bytes_eval_activations);
   // with ep * dp > 1 the trainer's all-gather buffer of per-micro-batch gradients (TrainConfig::gather_buffer_bytes,
   // 64 MiB, or all data ranks' gradients when smaller)
   const double data_ranks = double(l.ep * l.dp);
@@ -619,8 +648,12 @@ std::string describe(const Plan& p) {
     << " accumulation), recompute " << recompute_name(p.policy) << ", " << p.tokens_per_rank
     << " tokens per rank per micro-batch\n";
   s << "memory per GPU: params " << gb(p.bytes_params) << ", grads " << gb(p.bytes_grads) << ", optimizer "
-    << gb(p.bytes_optimizer) << ", activations " << gb(p.bytes_activations) << ", workspace "
-    << gb(p.bytes_workspace) << "; total " << gb(p.bytes_total) << " of " << gb(p.bytes_available) << " usable\n";
+    << gb(p.bytes_optimizer) << ", activations " << gb(p.bytes_activations);
+  if (p.bytes_eval_activations > 0)
+    s << " (the larger of training " << gb(p.bytes_train_activations) << " and evaluation "
+      << gb(p.bytes_eval_activations) << ")";
+  s << ", workspace " << gb(p.bytes_workspace) << "; total " << gb(p.bytes_total) << " of " << gb(p.bytes_available)
+    << " usable\n";
   return s.str();
 }
 

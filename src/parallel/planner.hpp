@@ -62,6 +62,9 @@
 //   activations and its xn_l are released after its backward, the blocks' h and rstd only at the end).
 //   Checked: tests/unit/test_planner.cpp compares this with the peak of the bytes a real training step allocates
 //   (Kokkos allocation callbacks, host backend): within 0.3 % for M2 stacks and a M2 M1 M3 E D stack, both policies.
+//   With PlanInput::eval_batch, the activations are the larger of that and the held-out evaluation's forward (no
+//   training: the residual stream updated in place, each block's rstd kept to the end, one layer's activations and
+//   transients at a time, then the logits), checked the same way.
 //   Not modelled: GEMM library internals (cuBLAS workspace: in the reserve), the M1 and M3 scans' team scratch,
 //   and the communication buffers of tp / cp (not implemented yet; cp's are O(b H P N) per layer, tp's all-reduce
 //   works in place on the n D layer output).
@@ -122,6 +125,11 @@ struct PlanInput {
   double runtime_reserve_bytes = 1e9;   // CUDA context, cuBLAS workspace, communication buffers (not modelled)
   index_t gpu_concurrency = 132 * 2048; // resident threads (H200: 132 SMs x 2048): sizes Kokkos' scratch pool
   double moe_load_factor = 1.0;     // assignments per rank relative to the balanced n k (router imbalance)
+  // Held-out evaluation between steps (the drivers' [train] eval_batch_size and eval_seq_len): every rank runs
+  // forward passes of eval_batch sequences of eval_seqlen tokens (0: seqlen; its cp slice under cp) while the
+  // parameters, gradients and optimizer state stay. 0: not counted.
+  index_t eval_batch = 0;
+  index_t eval_seqlen = 0;
 };
 
 struct Plan {
@@ -132,6 +140,8 @@ struct Plan {
   index_t tokens_per_rank = 0;      // micro_batch * seqlen / cp
   index_t param_elements = 0;       // per rank, padded (ParamStore::total())
   double bytes_params = 0, bytes_grads = 0, bytes_optimizer = 0, bytes_activations = 0, bytes_workspace = 0;
+  double bytes_train_activations = 0;  // the training step's peak; bytes_activations is the larger of it and
+  double bytes_eval_activations = 0;   // the evaluation forward's peak (0 without PlanInput::eval_batch)
   double bytes_total = 0;           // the sum of the five above
   double bytes_available = 0;       // memory_fraction * gpu_memory_bytes
   std::string reasoning;            // one line per candidate considered (rejected and why, or accepted)
