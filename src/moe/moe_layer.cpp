@@ -159,11 +159,11 @@ void timed_exchange(double& acc, F&& f) {
 
 template <class T>
 View2<T> MoELayer<T>::exchange(const View2<T>& src, const std::vector<std::size_t>& send,
-                               const std::vector<std::size_t>& recv) const {
+                               const std::vector<std::size_t>& recv, PoolScope& ws) const {
   const index_t d = cfg_.d_model;
   std::size_t total = 0;
   for (std::size_t c : recv) total += c;
-  View2<T> dst = make_uninit<View2<T>>("moe::ep_exchange", total, d);
+  View2<T> dst = ws.take<View2<T>>("moe::ep_exchange", index_t(total), d);
   std::vector<std::size_t> sc(send), rc(recv);
   for (auto& c : sc) c *= std::size_t(d);
   for (auto& c : rc) c *= std::size_t(d);
@@ -204,7 +204,12 @@ View2<T> MoELayer<T>::experts_forward(MoEActs<T>& a) const {
     const index_t El = local_experts();
     MoEExchange& X = a.ep;
     const index_t E = cfg_.n_experts, cap = r.capacity;
-    View2<T> xs = make_uninit<View2<T>>("moe::xp_local", m, d);
+    // what the backward reads (xp, y, the expert intermediates, the index maps) from expert_ws, as on one rank; the
+    // rest from `local`, returned at the end
+    a.expert_ws = std::make_shared<PoolScope>();
+    PoolScope* ws = a.expert_ws.get();
+    PoolScope local;
+    View2<T> xs = local.take<View2<T>>("moe::xp_local", m, d);
     moe_permute<T>(a.x, r.perm_token, xs);
     // rows sent per expert: the kept ones (dropless), or `capacity` (capacity mode: static shapes, each expert's
     // block zero-padded to the capacity, so the buffers have the same shape at every step)
@@ -212,12 +217,13 @@ View2<T> MoELayer<T>::experts_forward(MoEActs<T>& a) const {
     for (index_t e = 0; e < E; ++e) kept[e] = cap >= 0 ? cap : r.offsets[e + 1] - r.offsets[e];
     X.to_pad = View1<index_t>();
     if (cap >= 0) {
-      X.to_pad = make_uninit<View1<index_t>>("moe::ep_to_pad", m);
+      X.to_pad = ws->template take<View1<index_t>>("moe::ep_to_pad", m);
       auto hp = Kokkos::create_mirror_view(HostMem(), X.to_pad);
       for (index_t e = 0; e < E; ++e)
         for (index_t i = r.offsets[e]; i < r.offsets[e + 1]; ++i) hp(i) = e * cap + (i - r.offsets[e]);
       Kokkos::deep_copy(X.to_pad, hp);
-      View2<T> padded("moe::xp_padded", E * cap, d);
+      View2<T> padded = local.take<View2<T>>("moe::xp_padded", E * cap, d);
+      Kokkos::deep_copy(padded, T(0));  // the padding rows go through the experts too
       scatter_rows<T>(xs, X.to_pad, padded);
       xs = padded;
     }
@@ -231,13 +237,13 @@ View2<T> MoELayer<T>::experts_forward(MoEActs<T>& a) const {
         X.send_rows[q] += std::size_t(kept[q * El + e]);
         X.recv_rows[q] += std::size_t(rk[q * El + e]);
       }
-    View2<T> xr = exchange(xs, X.send_rows, X.recv_rows);
+    View2<T> xr = exchange(xs, X.send_rows, X.recv_rows, local);
     // expert-major order of the received rows: local expert, then source rank, then the source's order
     const index_t mr = xr.extent(0);
     std::vector<index_t> src_base(std::size_t(R) + 1, 0);
     for (int q = 0; q < R; ++q) src_base[q + 1] = src_base[q] + index_t(X.recv_rows[q]);
-    X.to_expert = make_uninit<View1<index_t>>("moe::ep_to_expert", mr);
-    X.to_recv = make_uninit<View1<index_t>>("moe::ep_to_recv", mr);
+    X.to_expert = ws->template take<View1<index_t>>("moe::ep_to_expert", mr);
+    X.to_recv = ws->template take<View1<index_t>>("moe::ep_to_recv", mr);
     auto hte = Kokkos::create_mirror_view(HostMem(), X.to_expert);
     auto htr = Kokkos::create_mirror_view(HostMem(), X.to_recv);
     X.offsets.assign(std::size_t(El) + 1, 0);
@@ -256,15 +262,15 @@ View2<T> MoELayer<T>::experts_forward(MoEActs<T>& a) const {
     X.offsets[El] = pos;
     Kokkos::deep_copy(X.to_expert, hte);
     Kokkos::deep_copy(X.to_recv, htr);
-    a.xp = make_uninit<View2<T>>("moe::xp", mr, d);
+    a.xp = ws->template take<View2<T>>("moe::xp", mr, d);
     moe_permute<T>(xr, X.to_expert, a.xp);
-    View2<T> ye = make_uninit<View2<T>>("moe::y_experts", mr, d);
-    swiglu_experts_forward<T>(expert_weights(), a.xp, X.offsets, a.ex, ye);
-    View2<T> yr = make_uninit<View2<T>>("moe::y_recv", mr, d);
+    View2<T> ye = local.take<View2<T>>("moe::y_experts", mr, d);
+    swiglu_experts_forward<T>(expert_weights(), a.xp, X.offsets, a.ex, ye, ws);
+    View2<T> yr = local.take<View2<T>>("moe::y_recv", mr, d);
     moe_permute<T>(ye, X.to_recv, yr);
-    a.y = exchange(yr, X.recv_rows, X.send_rows);
+    a.y = exchange(yr, X.recv_rows, X.send_rows, cap >= 0 ? local : *ws);
     if (cap >= 0) {  // drop the padding
-      View2<T> y = make_uninit<View2<T>>("moe::y", m, d);
+      View2<T> y = ws->template take<View2<T>>("moe::y", m, d);
       moe_permute<T>(a.y, X.to_pad, y);
       a.y = y;
     }
@@ -443,19 +449,20 @@ void MoELayer<T>::backward(MoEActs<T>& a, const View2<const T>& dout, const View
     const bool padded = r.capacity >= 0;  // capacity mode: the static-shape (padded) exchange
     View2<T> dys = dy;
     if (padded) {
-      dys = View2<T>("moe::dy_padded", cfg_.n_experts * r.capacity, d);
+      dys = ws.take<View2<T>>("moe::dy_padded", cfg_.n_experts * r.capacity, d);
+      Kokkos::deep_copy(dys, T(0));
       scatter_rows<T>(dy, X.to_pad, dys);
     }
-    View2<T> dyr = exchange(dys, X.send_rows, X.recv_rows);
-    View2<T> dye = make_uninit<View2<T>>("moe::dy_experts", mr, d);
+    View2<T> dyr = exchange(dys, X.send_rows, X.recv_rows, ws);
+    View2<T> dye = ws.take<View2<T>>("moe::dy_experts", mr, d);
     moe_permute<T>(dyr, X.to_expert, dye);
-    View2<T> dxe = make_uninit<View2<T>>("moe::dx_experts", mr, d);
+    View2<T> dxe = ws.take<View2<T>>("moe::dx_experts", mr, d);
     swiglu_experts_backward<T>(expert_weights(), a.xp, a.ex, dye, X.offsets, dxe, false, eg);
-    View2<T> dxr = make_uninit<View2<T>>("moe::dx_recv", mr, d);
+    View2<T> dxr = ws.take<View2<T>>("moe::dx_recv", mr, d);
     moe_permute<T>(dxe, X.to_recv, dxr);
-    dxp = exchange(dxr, X.recv_rows, X.send_rows);
+    dxp = exchange(dxr, X.recv_rows, X.send_rows, ws);
     if (padded) {
-      View2<T> g = make_uninit<View2<T>>("moe::dxp", m, d);
+      View2<T> g = ws.take<View2<T>>("moe::dxp", m, d);
       moe_permute<T>(dxp, X.to_pad, g);
       dxp = g;
     }

@@ -145,7 +145,7 @@ struct MoEActs {
   SwiGLUActs<T> sh;       // shared expert intermediates  }
   bool expert_acts_kept = false;
   // Cached device blocks (core/pool.hpp) behind the views above: `ws` for the router's, `expert_ws` for xp, ex and
-  // y (single-rank experts), dropped with them under recompute.
+  // y (and, under ep, the exchange's index maps), dropped with them under recompute.
   std::shared_ptr<PoolScope> ws, expert_ws;
   MoEExchange ep;         // expert parallelism only: xp is then the received rows in expert-major order,
                           // y the outputs of this rank's m permuted rows after the reverse exchange
@@ -204,9 +204,10 @@ class MoELayer {
   View2<T> experts_forward(MoEActs<T>& a) const;
   SwiGLUWeights<T> expert_weights() const;
   SwiGLUWeights<T> shared_weights() const;
-  // expert parallelism: rows (n_rows, d) sent by the counts `send` to the ep ranks, received by `recv`
-  View2<T> exchange(const View2<T>& src, const std::vector<std::size_t>& send,
-                    const std::vector<std::size_t>& recv) const;
+  // expert parallelism: rows (n_rows, d) sent by the counts `send` to the ep ranks, received by `recv` into a
+  // block of `ws`
+  View2<T> exchange(const View2<T>& src, const std::vector<std::size_t>& send, const std::vector<std::size_t>& recv,
+                    PoolScope& ws) const;
   // context parallelism: the global capacity decision, statistics and loss sums (see the header)
   struct CpRows {
     index_t L = 0, Lr = 0, c0 = 0;  // whole and local sequence length, first token of this rank
