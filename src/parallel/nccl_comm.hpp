@@ -3,12 +3,13 @@
 //
 // NcclComm runs every collective on Kokkos' CUDA stream (Kokkos::Cuda().cuda_stream()) and synchronises that stream
 // before it returns: the interface stays blocking, as with MpiComm (start_allgather alone runs on a side stream
-// and returns at once, for the data-parallel gradient exchange that overlaps the backward). Each call first fences Kokkos, so device data
-// that any Kokkos kernel wrote is complete. Every method takes device pointers (device or managed memory, passed
-// to NCCL as they are) and host pointers (pageable or pinned: staged through a device scratch buffer that the
-// communicator keeps and grows), so the callers written for MpiComm's host buffers work unchanged, and the View
-// helpers of Comm hand it view.data() directly (device_buffers() is true). bytes_sent() counts exactly what MpiComm
-// counts. NCCL and CUDA failures throw mm::Error naming the call and the library's error string.
+// and returns at once, for the data-parallel gradient exchange that overlaps the backward). Each call first fences
+// Kokkos, so device data that any Kokkos kernel wrote is complete. Every method takes device pointers (device or
+// managed memory, passed to NCCL as they are) and host pointers (pageable or pinned: staged through a device
+// scratch buffer that the communicator keeps and grows), so the callers written for MpiComm's host buffers work
+// unchanged, and the View helpers of Comm hand it view.data() directly (device_buffers() is true). bytes_sent()
+// counts exactly what MpiComm counts. NCCL and CUDA failures throw mm::Error naming the call and the library's
+// error string.
 #pragma once
 
 #include <memory>

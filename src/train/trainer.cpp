@@ -105,7 +105,8 @@ Trainer<Model>::Trainer(Model& model, const TrainConfig& cfg, std::string deck_t
     gathered_ = View1<P>("trainer::gathered_grads", slots * gather_bucket_ * index_t(dp_size_));
   }
   if constexpr (kGradsReadyHook)
-    if (overlap_) model_.set_grads_ready_hook([this](index_t lo) { buckets_in_backward_ += start_ready_buckets(lo); });
+    if (overlap_)
+      model_.set_grads_ready_hook([this](index_t lo) { buckets_in_backward_ += start_ready_buckets(lo); });
   // which gradient elements are slices (for the global norm and the reduction over the data ranks)
   split_ = Kokkos::View<std::uint8_t*, Layout, Mem>("trainer::split", n);
   auto hs = Kokkos::create_mirror_view(split_);
@@ -338,7 +339,8 @@ void Trainer<Model>::finish_oldest_bucket() {
   in_flight_.pop_front();
   f.op->wait();
   const index_t at = index_t(f.slot) * gather_bucket_ * index_t(dp_size_);
-  add_gathered(grad_sum_, Kokkos::subview(gathered_, Kokkos::make_pair(at, at + f.len * index_t(dp_size_))), f.off, f.len);
+  const View1<P> recv = Kokkos::subview(gathered_, Kokkos::make_pair(at, at + f.len * index_t(dp_size_)));
+  add_gathered(grad_sum_, recv, f.off, f.len);
 }
 
 template <class Model>
@@ -508,7 +510,8 @@ std::int64_t Trainer<Model>::run(const NextBatch& next, const Evaluate& eval) {
                     Model::metric(total), lr, gnorm, si(tps).c_str(), format_duration(elapsed).c_str(),
                     format_duration(eta).c_str());
       if (cfg_.verbose && !moe.empty()) {
-        std::printf("       moe: aux loss %.5f | dropped %.2f%% of assignments", aux, 100.0 * moe_dropped_fraction(moe));
+        std::printf("       moe: aux loss %.5f | dropped %.2f%% of assignments", aux,
+                    100.0 * moe_dropped_fraction(moe));
         if (ep_size_ > 1)  // rank 0's share of the interval in the expert all-to-alls
           std::printf(" | expert all-to-all %.3f s, %.1f%% of the time", exchange_since_log,
                       100.0 * exchange_since_log / dt);

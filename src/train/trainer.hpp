@@ -127,7 +127,9 @@ class Trainer {
   index_t start_ready_buckets(index_t lo);  // returns how many it started
   void finish_oldest_bucket();
   // Overlap: the buckets whose exchange started during the backward and those started after it, since construction.
-  std::pair<std::int64_t, std::int64_t> overlap_counts() const { return {buckets_in_backward_, buckets_after_backward_}; }
+  std::pair<std::int64_t, std::int64_t> overlap_counts() const {
+    return {buckets_in_backward_, buckets_after_backward_};
+  }
 
  private:
   // ZeRO-1: the flat-buffer range of dp rank q, and the moments of the whole buffer (collective)
