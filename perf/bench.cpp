@@ -33,6 +33,7 @@
 
 #include "core/error.hpp"
 #include "core/kokkos_types.hpp"
+#include "core/mem_sampler.hpp"
 #include "core/pool.hpp"
 #include "core/rng.hpp"
 #include "model/lm.hpp"
@@ -224,48 +225,14 @@ void fill(const V& v, std::uint64_t stream, double lo = -1, double hi = 1) {
   Kokkos::fence();
 }
 
-// Device memory in use, sampled by a background thread (peak of the samples; CUDA only).
-class MemSampler {
- public:
-  MemSampler() {
-#if defined(KOKKOS_ENABLE_CUDA)
-    th_ = std::thread([this] {
-      cudaSetDevice(0);
-      while (!stop_) {
-        const double u = used();
-        if (u > peak_) peak_ = u;
-        std::this_thread::sleep_for(std::chrono::microseconds(500));
-      }
-    });
-#endif
-  }
-  ~MemSampler() {
-    stop_ = true;
-    if (th_.joinable()) th_.join();
-  }
-  double peak_gib() const { return peak_ / double(1 << 30); }
-
- private:
-#if defined(KOKKOS_ENABLE_CUDA)
-  static double used() {
-    std::size_t f = 0, t = 0;
-    cudaMemGetInfo(&f, &t);
-    return double(t - f);
-  }
-#endif
-  std::atomic<bool> stop_{false};
-  std::atomic<double> peak_{0};
-  std::thread th_;
-};
-
 // Times `one` (median of reps after a warm-up) while sampling device memory; records the peak memory and the time
 // under `name`, and with --profile the per-kernel profile of one more run. Returns the median in seconds.
 double time_with_memory(const std::string& name, int reps, const std::function<void()>& one) {
   double t = 0;
   {
-    MemSampler mem;
+    DeviceMemorySampler mem;
     t = time_median(1, reps, one);
-    record(name, "peak device memory", mem.peak_gib(), "GiB");
+    record(name, "peak device memory", mem.peak_bytes() / double(1 << 30), "GiB");
   }
   record(name, "time", t * 1e3, "ms");
   if (g_profile) kprof::report(name, one);

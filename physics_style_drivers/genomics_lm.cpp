@@ -2,9 +2,11 @@
 // 1 - holdout_fraction of each record) and report bits per base on the rest. [model] objective chooses the model:
 //   causal              next-base prediction (MambaLM); held-out bits per base
 //   rc_equivariant_mlm  the reverse-complement-equivariant masked LM (RCPSMaskedLM); held-out bits per masked base
+#include <algorithm>
 #include <cstdio>
 
 #include "core/error.hpp"
+#include "core/mem_sampler.hpp"
 #include "io/fasta.hpp"
 #include "io/dataset_h5.hpp"
 #include "io/genome_dataset.hpp"
@@ -72,7 +74,16 @@ int train(const io::Deck& d, const io::GenomeDataset& data, const LMConfig& lm, 
               (long long)tc.steps, (long long)tc.grad_accum, (long long)batch, (long long)seqlen, tc.schedule.lr,
               tc.schedule.min_lr, (long long)tc.schedule.warmup,
               tc.recompute == Recompute::mixer ? "mixer" : "none");
+  const int ranks = tc.grid->world_comm()->size();
+  if constexpr (std::is_same_v<Model, MambaLM<float>>) {  // the planner's view of this run, to compare with the peak
+    try {
+      std::printf("planner (%d GPUs): %s", ranks, parallel::describe(deck_plan(d, ranks)).c_str());
+    } catch (const Error& e) {
+      std::printf("planner: no estimate for this run (%s)\n", e.what());
+    }
+  }
   std::fflush(stdout);
+  DeviceMemorySampler memory(std::chrono::milliseconds(20));
 
   const auto windows = data.heldout_windows(eval_len);
   auto evaluate = [&]() {
@@ -95,6 +106,12 @@ int train(const io::Deck& d, const io::GenomeDataset& data, const LMConfig& lm, 
                                       rate);
       },
       evaluate);
+  if (DeviceMemorySampler::sampling()) {  // collective: every rank's peak, the largest printed
+    const auto peaks = tc.grid->world_comm()->allgather(std::vector<double>{memory.peak_bytes()});
+    std::printf("memory: peak %.2f GB on the fullest of %d GPUs (device-wide, sampled every 20 ms: the CUDA context, "
+                "libraries and the workspace cache included)\n",
+                *std::max_element(peaks.begin(), peaks.end()) / 1e9, ranks);
+  }
   if (!trainer.evals().empty()) {
     const auto& e = trainer.evals().back();
     std::printf("result: held-out %.4f %s over %lld bases at step %lld\n", e.loss.bits_per_token(),

@@ -121,9 +121,7 @@ std::shared_ptr<const parallel::ProcessGrid> make_process_grid(const io::Deck& d
   return grid;
 }
 
-bool print_plan_only(const io::Deck& d) {
-  const I gpus = d.get<I>("parallel.plan_gpus");
-  if (gpus <= 0) return false;
+parallel::Plan deck_plan(const io::Deck& d, std::int64_t gpus) {
   const parallel::PlanInput in = plan_input(d, gpus);
   parallel::Plan p;
   if (d.get<std::string>("parallel.layout") == "auto") {
@@ -143,6 +141,14 @@ bool print_plan_only(const io::Deck& d) {
     require(rc == "none" || rc == "mixer", "[train] recompute", "unknown policy '", rc, "'; valid: none mixer");
     p = parallel::estimate(in, l, d.get<I>("train.batch_size"), rc == "none" ? Recompute::none : Recompute::mixer);
   }
+  return p;
+}
+
+bool print_plan_only(const io::Deck& d) {
+  const I gpus = d.get<I>("parallel.plan_gpus");
+  if (gpus <= 0) return false;
+  const parallel::PlanInput in = plan_input(d, gpus);
+  const parallel::Plan p = deck_plan(d, gpus);
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   if (rank == 0)

@@ -5,6 +5,7 @@
 #include "io/deck.hpp"
 #include "model/lm.hpp"
 #include "parallel/grid.hpp"
+#include "parallel/planner.hpp"
 #include "train/trainer.hpp"
 
 namespace mm::drivers {
@@ -19,6 +20,9 @@ void require_data_parallel_only(const io::Deck& deck, const std::string& what);
 // [parallel] plan_gpus = N > 0: prints the planner's layout and memory for N GPUs (rank 0) and returns true: the
 // driver then exits without reading data or training.
 bool print_plan_only(const io::Deck& deck);
+// The planner's plan for `gpus` ranks: layout = auto: its choice; manual: the deck's tp, cp, ep (dp the rest) with
+// its micro-batch and recompute policy, and their memory estimate. Throws on a layout that does not fit the count.
+parallel::Plan deck_plan(const io::Deck& deck, std::int64_t gpus);
 // [model]: the backbone (Mamba-2 keys, the layer pattern, model.dense_d_ff), [mamba1], [mamba3], [moe]
 void declare_backbone_options(io::Deck& deck);
 void declare_train_options(io::Deck& deck);     // [train] (model-independent keys) and [checkpoint]
