@@ -77,7 +77,8 @@ int train(const io::Deck& d, const io::GenomeDataset& data, const LMConfig& lm, 
   const int ranks = tc.grid->world_comm()->size();
   if constexpr (std::is_same_v<Model, MambaLM<float>>) {  // the planner's view of this run, to compare with the peak
     try {
-      std::printf("planner (%d GPUs): %s", ranks, parallel::describe(deck_plan(d, ranks)).c_str());
+      const std::string plan = parallel::describe(deck_plan(d, ranks));
+      std::printf("planner, %d rank%s: %s", ranks, ranks == 1 ? "" : "s", plan.c_str());
     } catch (const Error& e) {
       std::printf("planner: no estimate for this run (%s)\n", e.what());
     }
