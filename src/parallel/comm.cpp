@@ -33,12 +33,16 @@ int as_count(std::size_t n, const char* what) {
 
 std::size_t dtype_size(DType t) { return t == DType::f32 ? 4 : 8; }
 
-std::unique_ptr<Pending> Comm::start_allgather(const void* send, void* recv, std::size_t count, DType t) const {
-  allgather(send, recv, count, t);
+std::unique_ptr<Pending> Comm::finished() {
   struct Done final : Pending {
     void wait() override {}
   };
   return std::make_unique<Done>();
+}
+
+std::unique_ptr<Pending> Comm::start_allgather(const void* send, void* recv, std::size_t count, DType t) const {
+  allgather(send, recv, count, t);
+  return finished();
 }
 
 namespace {

@@ -120,6 +120,8 @@ class Comm {
   std::unique_ptr<Pending> start_allgather(const View1<T>& send, const View1<T>& recv) const;
 
  protected:
+  // The Pending of a collective that already ran to completion (the blocking fallbacks of start_allgather).
+  static std::unique_ptr<Pending> finished();
   mutable std::uint64_t bytes_sent_ = 0;
 };
 
@@ -267,10 +269,7 @@ std::unique_ptr<Pending> Comm::start_allgather(const View1<T>& send, const View1
   constexpr bool host = Kokkos::SpaceAccessibility<Kokkos::HostSpace, typename View1<T>::memory_space>::accessible;
   if (device_buffers() != host) return start_allgather(send.data(), recv.data(), n, dtype_of<T>());
   allgather(send, recv);
-  struct Done final : Pending {
-    void wait() override {}
-  };
-  return std::make_unique<Done>();
+  return finished();
 }
 
 }  // namespace mm::parallel

@@ -162,7 +162,7 @@ class Trainer {
   std::shared_ptr<const parallel::Comm> zero_;  // ZeRO-1: the dp communicator (null: off)
   View1<P> zero_send_, zero_recv_;  // per gradient element: 0 replicated, 1 tp slice, 2 ep slice
   View1<P> grad_sum_;     // the step's gradient: per-micro-batch gradients summed in global micro-batch order
-  View1<P> gathered_;     // dp > 1: one bucket of a round's per-micro-batch gradients of every dp rank, rank order
+  View1<P> gathered_;     // dp > 1: one bucket (overlap: kOverlapSlots) of every dp rank's round gradient, rank order
   index_t gather_bucket_ = 0;  // gradient elements per all-gather
   // overlap: whether it is on, inside a round (between zeroing the gradients and their reduction), the highest
   // bucket not started yet this round (-1: all), the next slot of gathered_ and the buckets in flight (oldest first)
