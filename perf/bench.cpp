@@ -40,6 +40,7 @@
 #include "moe/experts.hpp"
 #include "moe/moe_layer.hpp"
 #include "parallel/grid.hpp"
+#include "ssm/mamba1/scan_cuda.hpp"
 #include "ssm/mamba1/selective_scan.hpp"
 #include "ssm/mamba2/ssd.hpp"
 #include "ssm/mamba3/mixer.hpp"
@@ -445,6 +446,15 @@ void bench_mamba1(int reps, index_t batch, index_t seqlen) {
   record(nf, "time", t_f * 1e3, "ms");
   record_rates(nf, fwd_bytes, 0, t_f);
   if (selective_scan_native_forward<T>(s, in)) {  // the portable passes on the same inputs, side by side
+    for (int v = 1; v <= mamba1_cuda::kVariants; ++v) {  // and each variant of the native kernel
+      SelScanShape sv = s;
+      sv.native_variant = v;
+      const std::string nv = "mamba1 scan fwd native " + std::string(mamba1_cuda::variant_name(v)) + " " + shape +
+                             " E1536 N16";
+      const double t_v = time_median(1, reps, [&] { selective_scan_forward<T>(sv, in, out, View3<float>(), ck); });
+      record(nv, "time", t_v * 1e3, "ms");
+      record_rates(nv, fwd_bytes, 0, t_v);
+    }
     SelScanShape sp = s;
     sp.native = false;
     const std::string np = "mamba1 scan fwd portable " + shape + " E1536 N16";

@@ -219,20 +219,20 @@ TEST_CASE("selective scan in float stays close to the double recurrence", "[mamb
 
 TEST_CASE("selective scan: the native CUDA forward equals the double recurrence and the portable passes",
           "[mamba1]") {
-  // Shapes the native kernel takes (fp32, d_state 16 and 8, blocks of 16 channels inside a group), at lengths that
-  // are not multiples of its 64-token tiles or 4-token groups, with records, an initial state and chunk sizes that
+  // Shapes the native kernel takes (fp32, d_state 16 and 8, blocks of 8 channels inside a group), at lengths that
+  // are not multiples of its 128-token iterations or a lane's tokens, with records, an initial state and chunk sizes that
   // do not divide the length. Builds without the kernel (or inputs it cannot take) run the portable passes: there
   // the comparisons hold trivially, and the routing checks below say which path ran.
   double worst_ref = 0, worst_out = 0, worst_grad = 0;
-  for (int variant = 0; variant < 5; ++variant) {
+  for (int variant = 0; variant < 6; ++variant) {
     Case c;
     c.aligned = true;
     c.B = 2;
-    c.E = 32;
-    c.G = variant == 1 ? 1 : 2;
+    c.E = variant == 5 ? 24 : 32;  // variant 5: three groups of 8 channels, three 128-token iterations
+    c.G = variant == 1 ? 1 : variant == 5 ? 3 : 2;
     c.N = variant == 2 ? 8 : 16;
-    c.L = variant == 3 ? 1 : variant == 4 ? 64 : 203;
-    c.Q = variant == 0 ? 50 : variant == 4 ? 16 : 64;
+    c.L = variant == 3 ? 1 : variant == 4 ? 64 : variant == 5 ? 300 : 203;
+    c.Q = variant == 0 ? 50 : variant == 4 ? 16 : variant == 5 ? 128 : 64;
     c.z = variant != 1;
     c.init = variant != 2;
     c.records = variant != 3;
@@ -255,7 +255,20 @@ TEST_CASE("selective scan: the native CUDA forward equals the double recurrence 
       fins[k] = to_vec(fin);
       cks[k] = to_vec(ck);
     }
-    const double e_out = std::max({rel_err(outs[0], outs[1]), rel_err(fins[0], fins[1]), rel_err(cks[0], cks[1])});
+    double e_out = std::max({rel_err(outs[0], outs[1]), rel_err(fins[0], fins[1]), rel_err(cks[0], cks[1])});
+    // Every variant of the native kernel (the default ran above) against the portable passes.
+    for (int v = 1; v <= mamba1_cuda::kVariants && mamba1_cuda::compiled(); ++v) {
+      Data<float> other(c);
+      other.shape.native_variant = v;
+      View2<float> out("out", n, c.E);
+      View3<float> fin("fin", c.B, c.E, c.N);
+      const View3<float> ck = selective_scan_alloc_checkpoints<float>(other.shape);
+      selective_scan_forward<float>(other.shape, other.in(), out, fin, ck);
+      INFO("native variant " << mamba1_cuda::variant_name(v));
+      const double e = std::max({rel_err(to_vec(out), outs[1]), rel_err(to_vec(fin), fins[1]), rel_err(to_vec(ck), cks[1])});
+      CHECK(e < 2e-5);
+      e_out = std::max(e_out, e);
+    }
     CHECK(e_out < 2e-5);
     // The backward from each forward's checkpoints.
     View2<float> dout("dout", n, c.E);

@@ -12,25 +12,37 @@ bool shape_fits(index_t E, index_t N, index_t cpg) {
   return (N == 8 || N == 16) && E % kChannels == 0 && cpg % kChannels == 0;
 }
 
+namespace {
+// (slots per channel, tokens per slot, states per group) of variants 1..kVariants; variant 0 is kDefault.
+struct Shape {
+  int S, K, G;
+  const char* name;
+};
+constexpr Shape kShapes[kVariants] = {
+    {16, 8, 2, "S16 K8 G2"}, {8, 16, 2, "S8 K16 G2"}, {16, 8, 4, "S16 K8 G4"}, {8, 8, 4, "S8 K8 G4"}};
+constexpr int kDefault = 1;
+}  // namespace
+
+const char* variant_name(int v) { return v >= 1 && v <= kVariants ? kShapes[v - 1].name : kShapes[kDefault - 1].name; }
+
 #if defined(KOKKOS_ENABLE_CUDA)
 bool compiled() { return true; }
 
 namespace {
 
-constexpr int kTile = 32;    // tokens per shared-memory stage
-constexpr int kStages = 3;   // stages in flight (two tiles load while one is computed)
+constexpr int kCB = int(kChannels);  // channels per block
+constexpr float kLog2e = 1.4426950408889634f;
+// Blocks each SM must hold (the register cap follows): 4 x 1,536 channels make 768 blocks, 5.8 per SM on an H200,
+// and every block walks the whole sequence, so they should all be resident at once.
+constexpr int kMinBlocks = 6;
 
-// Shared-memory floats of one stage: u, delta and z for the block's channels, then B and C (N each) per token.
-__host__ __device__ constexpr int stage_floats(int N) { return kTile * (3 * int(kChannels) + 2 * N); }
-
-__device__ __forceinline__ void cp_async16(float* smem, const float* gmem) {
+// 16-byte asynchronous copy; src_bytes 0 fills the destination with zeros (rows past the sequence's end).
+__device__ __forceinline__ void cp_async16(float* smem, const float* gmem, int src_bytes) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_stages() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2));
-}
+__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::); }
 // 2^x for x <= 0 (the decays): one MUFU.EX2, flushing results below the normal range to zero.
 __device__ __forceinline__ float ex2(float x) {
   float y;
@@ -38,178 +50,238 @@ __device__ __forceinline__ float ex2(float x) {
   return y;
 }
 
-// Issues the asynchronous copies of the tile starting at token t0 into stage `s` (rows past L are left as they
-// are; the compute never reads them).
-template <int N>
-__device__ void load_tile(const FwdArgs& a, float* s, index_t b, index_t t0, index_t d0, index_t g) {
-  constexpr int C = int(kChannels), per_row = 3 * C / 4 + 2 * N / 4;  // 16-byte pieces per token
-  float* su = s;
-  float* sd = su + kTile * C;
-  float* sz = sd + kTile * C;
-  float* sB = sz + kTile * C;
-  float* sC = sB + kTile * N;
-  const int rows = int(a.L - t0 < kTile ? a.L - t0 : kTile);
-  for (int i = threadIdx.x; i < rows * per_row; i += blockDim.x) {
-    const int r = i / per_row, k = i % per_row;
-    const index_t row = b * a.L + t0 + r;
-    if (k < C / 4) {
-      cp_async16(su + r * C + 4 * k, a.u + row * a.ld_u + d0 + 4 * k);
-    } else if (k < C / 2) {
-      const int j = k - C / 4;
-      cp_async16(sd + r * C + 4 * j, a.delta + row * a.ld_delta + d0 + 4 * j);
-    } else if (k < 3 * C / 4) {
-      const int j = k - C / 2;
-      if (a.z) cp_async16(sz + r * C + 4 * j, a.z + row * a.ld_z + d0 + 4 * j);
-    } else if (k < 3 * C / 4 + N / 4) {
-      const int j = k - 3 * C / 4;
-      cp_async16(sB + r * N + 4 * j, a.B + row * a.ld_bc + g * N + 4 * j);
-    } else {
-      const int j = k - 3 * C / 4 - N / 4;
-      cp_async16(sC + r * N + 4 * j, a.C + row * a.ld_bc + g * N + 4 * j);
-    }
+// G consecutive floats from shared memory (G = 2 or 4, aligned to G floats).
+template <int G>
+struct Vec {
+  float v[G];
+};
+template <int G>
+__device__ __forceinline__ Vec<G> lds(const float* p) {
+  Vec<G> r;
+  if constexpr (G == 4) {
+    const float4 x = *reinterpret_cast<const float4*>(p);
+    r.v[0] = x.x, r.v[1] = x.y, r.v[2] = x.z, r.v[3] = x.w;
+  } else {
+    const float2 x = *reinterpret_cast<const float2*>(p);
+    r.v[0] = x.x, r.v[1] = x.y;
+  }
+  return r;
+}
+
+// One B|C tile: TI rows (tokens) of 2N floats (B then C), row r's 16-byte chunk j stored at chunk (j + r / K) % NC.
+template <int N, int S, int K>
+__device__ void load_bc(const FwdArgs& a, float* tile, index_t b, index_t t0, index_t g) {
+  constexpr int TI = S * K, NC = 2 * N / 4, NT = kCB * S;
+  for (int i = threadIdx.x; i < TI * NC; i += NT) {
+    const int r = i / NC, j = i % NC;
+    const index_t t = t0 + r;
+    const bool in = t < a.L;
+    const index_t row = b * a.L + (in ? t : 0);
+    const float* src = j < N / 4 ? a.B + row * a.ld_bc + g * N + 4 * j : a.C + row * a.ld_bc + g * N + 4 * (j - N / 4);
+    cp_async16(tile + r * 2 * N + ((j + r / K) % NC) * 4, src, in ? 16 : 0);
   }
 }
 
-// Shared memory beside the stages: Delta and Delta u per (token, channel), the record starts per token, and the
-// per-lane partial outputs per (token, channel, lane of the channel).
-template <int N>
-__host__ __device__ constexpr int extra_floats() {
-  return 2 * kTile * int(kChannels) + kTile + kTile * int(kChannels) * (N / 4);
-}
-
-// One block per (16 channels, batch row), LPC = N / 4 lanes per channel, 4 states each. Per tile, three phases
-// separated by barriers, so that the sequential part does nothing but the recurrence:
-//   1. every thread: softplus and Delta u for (token, channel) elements, the record starts per token;
-//   2. each lane: its 4 states through the tile's tokens (one exp2 per state and token), the partial y per token;
-//   3. every thread: the partials summed per (token, channel), D skip, z gate, the store.
-template <int N>
-__global__ void __launch_bounds__(int(kChannels) * N / 4) forward_kernel(const FwdArgs a) {
-  constexpr int LPC = N / 4, C = int(kChannels), NT = C * LPC;
+template <int N, int S, int K, int G, bool kSeq>
+__global__ void __launch_bounds__(kCB * S, kMinBlocks) forward_kernel(const FwdArgs a) {
+  constexpr int TI = S * K, NC = 2 * N / 4, CPW = 32 / S, NT = kCB * S;
+  constexpr unsigned kFull = 0xffffffffu;
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
-  float* sdl = smem + kStages * stage_floats(N);  // (kTile, C)
-  float* sdu = sdl + kTile * C;                    // (kTile, C)
-  float* srs = sdu + kTile * C;                    // (kTile): 1 where a record starts at the token
-  float* spart = srs + kTile;                      // (kTile, C, LPC)
-  const index_t b = blockIdx.y, d0 = index_t(blockIdx.x) * C, g = d0 / a.cpg;
-  const int tid = threadIdx.x, q = tid % LPC;
-  const int c = tid / LPC;  // the block's channel of this lane in phase 2
-  const int ce = tid % C;   // the channel of this thread's elements in phases 1 and 3 (NT is a multiple of C)
-  const index_t d = d0 + c, bd = b * a.E + d;
-  constexpr float kLog2e = 1.4426950408889634f;
-
-  float h[4], a2[4];
-#pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    a2[s] = a.A[d * N + 4 * q + s] * kLog2e;
-    h[s] = a.init ? a.init[bd * N + 4 * q + s] : 0.f;
+  float* sbc = smem;                  // 2 stages of (TI, 2N)
+  float* sa2 = sbc + 2 * TI * 2 * N;  // (kCB, N): A log2(e)
+  float* scarry = sa2 + kCB * N;      // (kCB, N): the state carried into the iteration, per channel
+  const index_t b = blockIdx.y, d0 = index_t(blockIdx.x) * kCB, g = d0 / a.cpg, L = a.L, BE = a.batch * a.E;
+  const int lane = threadIdx.x % 32, s = lane % S, cl = (threadIdx.x / 32) * CPW + lane / S;
+  const index_t d = d0 + cl, bd = b * a.E + d;
+  for (int i = threadIdx.x; i < kCB * N; i += NT) sa2[i] = a.A[d0 * N + i] * kLog2e;
+  if (s == 0) {
+    for (int n = 0; n < N; ++n) {
+      const float h0 = a.init ? a.init[bd * N + n] : 0.f;
+      scarry[cl * N + n] = h0;
+      a.ckpt[index_t(n) * BE + bd] = h0;  // the state entering chunk 0
+    }
   }
-  const float De = a.D[d0 + ce], biase = a.bias[d0 + ce];
-  const index_t ntiles = (a.L + kTile - 1) / kTile, BE = a.batch * a.E;
-  const std::int32_t* seq = a.seq ? a.seq + b * a.ld_seq : nullptr;
-  index_t next_ck = 0;  // the next chunk start, where the state entering it is saved
+  const float De = a.D[d], bias = a.bias[d];
+  const std::int32_t* seq = kSeq ? a.seq + b * a.ld_seq : nullptr;
+  const index_t niter = (L + TI - 1) / TI;
+  load_bc<N, S, K>(a, sbc, b, 0, g);
+  cp_async_commit();
 
+  for (index_t it = 0; it < niter; ++it) {
+    const index_t t0 = it * TI, tb = t0 + index_t(s) * K;  // the iteration's and this lane's first token
+    // This lane's K tokens of u and delta, straight from device memory (issued before the barriers).
+    float dl[K], du[K], y[K];
 #pragma unroll
-  for (int k = 0; k < kStages - 1; ++k) {
-    if (k < ntiles) load_tile<N>(a, smem + k * stage_floats(N), b, k * kTile, d0, g);
+    for (int k = 0; k < K; ++k) {
+      const index_t t = tb + k;
+      if (t < L) {
+        const index_t row = b * L + t;
+        const float uu = __ldg(a.u + row * a.ld_u + d);
+        dl[k] = __ldg(a.delta + row * a.ld_delta + d);
+        du[k] = uu;
+      } else {
+        dl[k] = -1e30f;  // softplus -> 0: the state passes unchanged
+        du[k] = 0.f;
+      }
+    }
+    __syncthreads();  // every lane is done with the stage the next tile goes to
+    if (it + 1 < niter) load_bc<N, S, K>(a, sbc + ((it + 1) & 1) * TI * 2 * N, b, t0 + TI, g);
     cp_async_commit();
-  }
-  for (index_t tile = 0; tile < ntiles; ++tile) {
-    cp_async_wait_stages();
-    __syncthreads();  // the tile has landed for every thread; the stage loaded below is no longer read
-    {
-      const index_t nt = tile + kStages - 1;
-      if (nt < ntiles) load_tile<N>(a, smem + (nt % kStages) * stage_floats(N), b, nt * kTile, d0, g);
-      cp_async_commit();
-    }
-    const float* su = smem + (tile % kStages) * stage_floats(N);
-    const float* sd = su + kTile * C;
-    const float* sz = sd + kTile * C;
-    const float* sB = sz + kTile * C;
-    const float* sC = sB + kTile * N;
-    const index_t t0 = tile * kTile;
-    const int rows = int(a.L - t0 < kTile ? a.L - t0 : kTile);
-
-    // phase 1
-    for (int e = tid; e < rows * C; e += NT) {
-      const float dl = softplus(sd[e] + biase);
-      sdl[e] = dl;
-      sdu[e] = dl * su[e];
-    }
-    if (seq)
-      for (int t = tid; t < rows; t += NT) srs[t] = (t0 + t > 0 && seq[t0 + t] != seq[t0 + t - 1]) ? 1.f : 0.f;
-    __syncthreads();
-
-    // phase 2
-    int ck = next_ck - t0 < kTile ? int(next_ck - t0) : kTile;  // the tile's next chunk start
-#pragma unroll 4
-    for (int t = 0; t < rows; ++t) {
-      if (t == ck) {  // the state entering chunk (t0 + t) / Q
-        const index_t ch = (t0 + t) / a.Q;
+    unsigned rst = 0, ckm = 0;  // per token: a record starts here; a chunk starts after it
+    float sdl = 0.f;
 #pragma unroll
-        for (int s = 0; s < 4; ++s) a.ckpt[(ch * N + 4 * q + s) * BE + bd] = h[s];
-        next_ck += a.Q;
-        ck = next_ck - t0 < kTile ? int(next_ck - t0) : kTile;
+    for (int k = 0; k < K; ++k) {
+      const float dlk = softplus(dl[k] + bias);
+      y[k] = De * du[k];
+      du[k] *= dlk;
+      dl[k] = dlk;
+      sdl += dlk;
+      if constexpr (kSeq) {
+        const index_t t = tb + k;
+        if (t > 0 && t < L && seq[t] != seq[t - 1]) rst |= 1u << k;
       }
-      if (seq && srs[t] != 0.f) {  // a record starts here (the same for the whole block)
-#pragma unroll
-        for (int s = 0; s < 4; ++s) h[s] = 0.f;
-      }
-      const float dl = sdl[t * C + c], du = sdu[t * C + c];
-      const float4 Bv = *reinterpret_cast<const float4*>(sB + t * N + 4 * q);
-      const float4 Cv = *reinterpret_cast<const float4*>(sC + t * N + 4 * q);
-      h[0] = fmaf(ex2(dl * a2[0]), h[0], du * Bv.x);
-      h[1] = fmaf(ex2(dl * a2[1]), h[1], du * Bv.y);
-      h[2] = fmaf(ex2(dl * a2[2]), h[2], du * Bv.z);
-      h[3] = fmaf(ex2(dl * a2[3]), h[3], du * Bv.w);
-      spart[(t * C + c) * LPC + q] = fmaf(Cv.x, h[0], fmaf(Cv.y, h[1], fmaf(Cv.z, h[2], Cv.w * h[3])));
     }
-    __syncthreads();
+    // Chunk starts t + 1 = j Q inside this lane's tokens (j >= 1, j Q < L): the state after t enters chunk j.
+    index_t ck0 = (tb + 1 + a.Q - 1) / a.Q;  // the first chunk starting at or after token tb + 1
+    if (ck0 == 0) ck0 = 1;
+    for (index_t j = ck0; j * a.Q <= tb + K && j * a.Q < L; ++j) ckm |= 1u << int(j * a.Q - 1 - tb);
+    cp_async_wait_one();
+    __syncthreads();  // this iteration's tile has landed for every lane
+    const float* tile = sbc + (it & 1) * TI * 2 * N;
+    const float* rows = tile + s * K * 2 * N;  // this lane's K rows
 
-    // phase 3
-    for (int e = tid; e < rows * C; e += NT) {
-      const float* p = spart + e * LPC;
-      float y = De * su[e];
+#pragma unroll 1
+    for (int n0 = 0; n0 < N; n0 += G) {  // (not unrolled: the groups would share registers)
+      const int pb = (((n0 / 4) + s) % NC) * 4 + n0 % 4, pc = (((N / 4 + n0 / 4) + s) % NC) * 4 + n0 % 4;
+      const Vec<G> a2 = lds<G>(sa2 + cl * N + n0);
+      float dA[G][K], hl[G], P[G];
 #pragma unroll
-      for (int k = 0; k < LPC; ++k) y += p[k];
-      if (a.z) y *= silu(sz[e]);
-      a.out[(b * a.L + t0 + e / C) * a.ld_out + d0 + ce] = y;
+      for (int q = 0; q < G; ++q) hl[q] = 0.f;
+      // 1. this lane's tokens from a zero state; the decays kept
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const Vec<G> Bv = lds<G>(rows + k * 2 * N + pb);
+#pragma unroll
+        for (int q = 0; q < G; ++q) {
+          float e = ex2(dl[k] * a2.v[q]);
+          if constexpr (kSeq) e = (rst >> k) & 1u ? 0.f : e;
+          dA[q][k] = e;
+          hl[q] = fmaf(e, hl[q], du[k] * Bv.v[q]);
+        }
+      }
+      // 2. the slots' aggregates composed in token order (inclusive), then the carried state enters
+#pragma unroll
+      for (int q = 0; q < G; ++q) P[q] = (kSeq && rst) ? 0.f : ex2(a2.v[q] * sdl);
+#pragma unroll
+      for (int off = 1; off < S; off <<= 1) {
+#pragma unroll
+        for (int q = 0; q < G; ++q) {
+          const float Pp = __shfl_up_sync(kFull, P[q], off, S), hp = __shfl_up_sync(kFull, hl[q], off, S);
+          if (s >= off) {
+            hl[q] = fmaf(P[q], hp, hl[q]);
+            P[q] *= Pp;
+          }
+        }
+      }
+      float h[G];
+      const Vec<G> cr = lds<G>(scarry + cl * N + n0);
+      __syncwarp();  // every lane of the channel has read the carry before its last slot replaces it
+#pragma unroll
+      for (int q = 0; q < G; ++q) {
+        const float Pe = __shfl_up_sync(kFull, P[q], 1, S), he = __shfl_up_sync(kFull, hl[q], 1, S);
+        if (s == S - 1) scarry[cl * N + n0 + q] = fmaf(P[q], cr.v[q], hl[q]);
+        h[q] = s == 0 ? cr.v[q] : fmaf(Pe, cr.v[q], he);
+      }
+      // 3. this lane's tokens again from its entering state: outputs and checkpoints
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const Vec<G> Bv = lds<G>(rows + k * 2 * N + pb), Cv = lds<G>(rows + k * 2 * N + pc);
+#pragma unroll
+        for (int q = 0; q < G; ++q) {
+          h[q] = fmaf(dA[q][k], h[q], du[k] * Bv.v[q]);
+          y[k] = fmaf(Cv.v[q], h[q], y[k]);
+        }
+        if ((ckm >> k) & 1u) {
+          const index_t ch = (tb + k + 1) / a.Q;
+#pragma unroll
+          for (int q = 0; q < G; ++q) a.ckpt[(ch * N + n0 + q) * BE + bd] = h[q];
+        }
+      }
+    }
+    // D skip (in y already), the gate, the store
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const index_t t = tb + k;
+      if (t < L) {
+        const index_t row = b * L + t;
+        float o = y[k];
+        if (a.z) o *= silu(__ldg(a.z + row * a.ld_z + d));
+        a.out[row * a.ld_out + d] = o;
+      }
     }
   }
   asm volatile("cp.async.wait_all;\n" ::);
-  if (a.final_state) {
-#pragma unroll
-    for (int s = 0; s < 4; ++s) a.final_state[bd * N + 4 * q + s] = h[s];
-  }
+  __syncwarp();
+  if (a.final_state && s == 0)
+    for (int n = 0; n < N; ++n) a.final_state[bd * N + n] = scarry[cl * N + n];
 }
 
-template <int N>
-void launch(const FwdArgs& a) {
-  const std::size_t bytes = sizeof(float) * (std::size_t(kStages) * stage_floats(N) + extra_floats<N>());
-  static bool raised = false;  // once per kernel: the dynamic shared-memory limit, and the largest shared-memory
-  if (!raised) {               // carveout (else the driver may leave room for one block per SM)
-    cudaError_t e = cudaFuncSetAttribute(forward_kernel<N>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+template <int N, int S, int K, int G, bool kSeq>
+void launch_one(const FwdArgs& a) {
+  constexpr int TI = S * K;
+  const std::size_t bytes = sizeof(float) * (std::size_t(2) * TI * 2 * N + 2 * std::size_t(kCB) * N);
+  static bool raised = false;  // once per kernel: the largest shared-memory carveout (room for many blocks)
+  if (!raised) {
+    cudaError_t e = cudaFuncSetAttribute(forward_kernel<N, S, K, G, kSeq>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         int(bytes));
     if (e == cudaSuccess)
-      e = cudaFuncSetAttribute(forward_kernel<N>, cudaFuncAttributePreferredSharedMemoryCarveout,
+      e = cudaFuncSetAttribute(forward_kernel<N, S, K, G, kSeq>, cudaFuncAttributePreferredSharedMemoryCarveout,
                                int(cudaSharedmemCarveoutMaxShared));
     require(e == cudaSuccess, "selective_scan_forward (CUDA)", bytes, " bytes of shared memory: ",
             cudaGetErrorString(e));
     raised = true;
   }
   const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
-  forward_kernel<N><<<dim3(unsigned(a.E / kChannels), unsigned(a.batch)), unsigned(kChannels * N / 4), bytes, st>>>(a);
+  forward_kernel<N, S, K, G, kSeq>
+      <<<dim3(unsigned(a.E / kChannels), unsigned(a.batch)), unsigned(kCB * S), bytes, st>>>(a);
   const cudaError_t e = cudaGetLastError();
   require(e == cudaSuccess, "selective_scan_forward (CUDA)", "the kernel failed to launch: ", cudaGetErrorString(e));
+}
+
+template <int N, int S, int K, int G>
+void launch(const FwdArgs& a) {
+  if (a.seq)
+    launch_one<N, S, K, G, true>(a);
+  else
+    launch_one<N, S, K, G, false>(a);
+}
+
+template <int N>
+void launch_n(const FwdArgs& a, int v) {
+  static_assert(kShapes[0].S == 16 && kShapes[0].K == 8 && kShapes[0].G == 2);
+  static_assert(kShapes[1].S == 8 && kShapes[1].K == 16 && kShapes[1].G == 2);
+  static_assert(kShapes[2].S == 16 && kShapes[2].K == 8 && kShapes[2].G == 4);
+  static_assert(kShapes[3].S == 8 && kShapes[3].K == 8 && kShapes[3].G == 4);
+  switch (v) {
+    case 1: launch<N, 16, 8, 2>(a); break;
+    case 2: launch<N, 8, 16, 2>(a); break;
+    case 3: launch<N, 16, 8, 4>(a); break;
+    default: launch<N, 8, 8, 4>(a); break;
+  }
 }
 
 }  // namespace
 
 void forward(const FwdArgs& a) {
   Kokkos::Profiling::ScopedRegion region("selective_scan::forward_cuda");
+  require(a.variant >= 0 && a.variant <= kVariants, "selective_scan_forward (CUDA)", "kernel variant ", a.variant,
+          " is not one of 0..", kVariants);
+  const int v = a.variant == 0 ? kDefault : a.variant;
   if (a.N == 16)
-    launch<16>(a);
+    launch_n<16>(a, v);
   else
-    launch<8>(a);
+    launch_n<8>(a, v);
 }
 
 #else

@@ -2,17 +2,23 @@
 // the portable Kokkos passes stay the fallback and the reference for every other case (double, other d_state,
 // misaligned column windows, non-CUDA builds).
 //
-// Why a native kernel: the portable chunk-parallel forward walks each chunk twice (its end state, then again from
-// the carried state for the outputs), so every decay exp(Delta A) is computed twice, and its per-token loads wait
-// on device memory. The GPU's exp unit (16 results per clock per SM on an H200) then bounds it at twice the time of
-// one pass. This kernel makes one pass over the sequence: a block owns 16 channels of one batch row and walks all
-// tokens, with tiles of 32 tokens of u, delta, z, B and C brought into shared memory by asynchronous copies two
-// tiles ahead. Per tile, three phases: every thread computes softplus and Delta u for (token, channel) elements;
-// then each channel's 16 states, spread over 4 lanes (4 each), run through the tile's tokens, one exp2 per state
-// and token, writing partial outputs; then every thread sums the partials of (token, channel) elements, adds the D
-// skip, applies the z gate and stores. The sequential phase does nothing but the recurrence, and the elementwise
-// work is spread over all threads. The checkpoints (the state entering every chunk of `chunk` tokens) and the
-// final state are written on the way.
+// Why a native kernel, and why this shape. The recurrence h_t = exp(Delta_t A) h_{t-1} + Delta_t B_t u_t is a
+// scan of affine maps; walking each channel's sequence in one thread leaves the GPU batch x d_inner threads
+// (6,144 for 4 x 1,536: far too few to hide the latency of the exp unit and the recurrence) and the portable
+// chunk-parallel passes compute every decay twice (the exp unit, 16 results per clock per SM on an H200, is then
+// the bound). This kernel parallelises over time inside a block, with one exp per (token, state):
+//   - a block owns 8 channels (32-byte rows of u, delta, z: whole sectors) of one batch row and walks the sequence
+//     in iterations of S x K tokens; within a warp, S lanes ("slots") share a channel, each owning K consecutive
+//     tokens (32 / S channels per warp);
+//   - per group of G states, each lane runs its K tokens from a zero state (keeping the K decays in registers)
+//     and forms its aggregate (decay product = exp2(A log2e sum Delta), local end state); an inclusive shuffle scan
+//     over the S slots composes the aggregates, the channel's carried state enters, and each lane reruns its K
+//     tokens from its true entering state, adding C h to its outputs (the decays reused, not recomputed);
+//   - B and C (shared by the block's channels) arrive by asynchronous 16-byte copies one iteration ahead, their
+//     16-byte chunks rotated by slot so that the S slots reading the same state hit different banks;
+//   - u and delta are read straight into registers (the 8 channels of a block share each 32-byte sector).
+// The checkpoints (the state entering every chunk of `chunk` tokens) and the final state are written on the way.
+// Variants (S, K, G) trade warps for registers and shuffles; `variant` picks one (0: the default).
 #pragma once
 
 #include <cstdint>
@@ -33,16 +39,21 @@ struct FwdArgs {
   float* final_state = nullptr;  // (batch, E, N) or null
   float* ckpt = nullptr;         // (nchunks, N, batch * E)
   index_t batch = 0, L = 0, E = 0, N = 0, cpg = 0, Q = 0;
+  int variant = 0;               // 0: the default; 1..kVariants: (S, K, G) as listed in variant_name
 };
 
 // Channels per block; d_inner and the channels per group must be multiples of it.
-constexpr index_t kChannels = 16;
+constexpr index_t kChannels = 8;
+// The kernel variants one may ask for by number (1..kVariants).
+constexpr int kVariants = 4;
 
 // Whether this build has the kernel (CUDA as Kokkos' default execution space).
 bool compiled();
 // The shape rules the kernel needs besides 16-byte alignment (which the caller checks on the pointers): N of 8 or
 // 16, E and cpg multiples of kChannels.
 bool shape_fits(index_t E, index_t N, index_t cpg);
+// "S16 K8 G4" etc. for variant v (0: the default's name).
+const char* variant_name(int v);
 // Launches on Kokkos' default execution space instance (asynchronous, like the Kokkos kernels around it).
 void forward(const FwdArgs& a);
 

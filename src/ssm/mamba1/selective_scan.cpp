@@ -16,6 +16,8 @@ void SelScanShape::validate(const char* where) const {
           ") and chunk (", chunk, ") must be positive");
   require(ngroups > 0 && dinner % ngroups == 0, where, "d_inner (", dinner, ") is not divisible by ngroups (",
           ngroups, ")");
+  require(native_variant >= 0 && native_variant <= mamba1_cuda::kVariants, where, "native kernel variant ",
+          native_variant, " is not one of 0..", mamba1_cuda::kVariants);
 }
 
 namespace {
@@ -388,6 +390,7 @@ bool native_fits(const SelScanShape& s, const SelScanIn<T>& in, mamba1_cuda::Fwd
     x.N = s.dstate;
     x.cpg = s.dinner / s.ngroups;
     x.Q = s.chunk;
+    x.variant = s.native_variant;
     if (a) *a = x;
     return true;
   }

@@ -32,6 +32,8 @@ struct SelScanShape {
   // Let the forward take the native CUDA kernel (ssm/mamba1/scan_cuda.hpp) where it fits; false: always the
   // portable passes (to compare the two).
   bool native = true;
+  // Which variant of the native kernel (mamba1_cuda::variant_name; 0: the default). For measurements.
+  int native_variant = 0;
   index_t nchunks() const { return (seqlen + chunk - 1) / chunk; }
   void validate(const char* where) const;
 };
