@@ -13,13 +13,17 @@ bool shape_fits(index_t E, index_t N, index_t cpg) {
 }
 
 namespace {
-// (slots per channel, tokens per slot, states per group) of variants 1..kVariants; variant 0 is kDefault.
+// (slots per channel, tokens per slot, states per group, u and delta staged in shared memory) of variants
+// 1..kVariants; variant 0 is kDefault.
 struct Shape {
   int S, K, G;
+  bool stage;
   const char* name;
 };
-constexpr Shape kShapes[kVariants] = {
-    {16, 8, 2, "S16 K8 G2"}, {8, 16, 2, "S8 K16 G2"}, {16, 8, 4, "S16 K8 G4"}, {8, 8, 4, "S8 K8 G4"}};
+constexpr Shape kShapes[kVariants] = {{16, 8, 2, false, "S16 K8 G2"},
+                                      {8, 8, 2, true, "S8 K8 G2 staged"},
+                                      {8, 8, 2, false, "S8 K8 G2"},
+                                      {8, 8, 4, true, "S8 K8 G4 staged"}};
 constexpr int kDefault = 1;
 }  // namespace
 
@@ -36,13 +40,16 @@ constexpr float kLog2e = 1.4426950408889634f;
 // and every block walks the whole sequence, so they should all be resident at once.
 constexpr int kMinBlocks = 6;
 
-// 16-byte asynchronous copy; src_bytes 0 fills the destination with zeros (rows past the sequence's end).
-__device__ __forceinline__ void cp_async16(float* smem, const float* gmem, int src_bytes) {
+// Asynchronous copy of BYTES (8 or 16); src_bytes 0 fills the destination with zeros (rows past the sequence's end).
+template <int BYTES>
+__device__ __forceinline__ void cp_async(float* smem, const float* gmem, int src_bytes) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+  if constexpr (BYTES == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::); }
 // 2^x for x <= 0 (the decays): one MUFU.EX2, flushing results below the normal range to zero.
 __device__ __forceinline__ float ex2(float x) {
   float y;
@@ -68,28 +75,58 @@ __device__ __forceinline__ Vec<G> lds(const float* p) {
   return r;
 }
 
-// One B|C tile: TI rows (tokens) of 2N floats (B then C), row r's 16-byte chunk j stored at chunk (j + r / K) % NC.
-template <int N, int S, int K>
+// One B|C tile: TI rows (tokens) of 2N floats (B then C) in units of G floats (what a lane reads at once); unit j of
+// row r is stored at unit (j + r / K) % (2N / G), so that the S slots, reading the same state of different rows,
+// find it in different banks (for G = 2 and S <= N: conflict-free).
+template <int N, int S, int K, int G>
 __device__ void load_bc(const FwdArgs& a, float* tile, index_t b, index_t t0, index_t g) {
-  constexpr int TI = S * K, NC = 2 * N / 4, NT = kCB * S;
-  for (int i = threadIdx.x; i < TI * NC; i += NT) {
-    const int r = i / NC, j = i % NC;
+  constexpr int TI = S * K, NU = 2 * N / G, NT = kCB * S;
+  for (int i = threadIdx.x; i < TI * NU; i += NT) {
+    const int r = i / NU, j = i % NU;
     const index_t t = t0 + r;
     const bool in = t < a.L;
     const index_t row = b * a.L + (in ? t : 0);
-    const float* src = j < N / 4 ? a.B + row * a.ld_bc + g * N + 4 * j : a.C + row * a.ld_bc + g * N + 4 * (j - N / 4);
-    cp_async16(tile + r * 2 * N + ((j + r / K) % NC) * 4, src, in ? 16 : 0);
+    const float* src = j < N / G ? a.B + row * a.ld_bc + g * N + G * j : a.C + row * a.ld_bc + g * N + G * (j - N / G);
+    cp_async<4 * G>(tile + r * 2 * N + ((j + r / K) % NU) * G, src, in ? 4 * G : 0);
   }
 }
 
-template <int N, int S, int K, int G, bool kSeq>
+// Floats of one staged array of u or delta: TI rows of the block's kCB channels, row r at r kCB + 4 (r / K) (a skew
+// of 4 floats per slot, so that the slots reading the same token of their own rows spread over the banks).
+template <int S, int K>
+__host__ __device__ constexpr int ud_floats() {
+  return S * K * kCB + 4 * S;
+}
+__device__ __forceinline__ int ud_at(int r, int K) { return r * kCB + 4 * (r / K); }
+
+// u and delta of TI tokens for the block's channels into `ud` (u, then delta at ud_floats), 16 bytes at a time.
+template <int S, int K>
+__device__ void load_ud(const FwdArgs& a, float* ud, index_t b, index_t t0, index_t d0) {
+  constexpr int TI = S * K, NT = kCB * S, CH = kCB / 4;  // 16-byte pieces per row
+  for (int i = threadIdx.x; i < 2 * TI * CH; i += NT) {
+    const int arr = i / (TI * CH), r = (i / CH) % TI, j = i % CH;
+    const index_t t = t0 + r;
+    const bool in = t < a.L;
+    const index_t row = b * a.L + (in ? t : 0);
+    const float* src = arr == 0 ? a.u + row * a.ld_u + d0 + 4 * j : a.delta + row * a.ld_delta + d0 + 4 * j;
+    cp_async<16>(ud + arr * ud_floats<S, K>() + ud_at(r, K) + 4 * j, src, in ? 16 : 0);
+  }
+}
+
+template <int N, int S, int K, int G, bool kStage>
+__host__ __device__ constexpr int stage_floats() {
+  return S * K * 2 * N + (kStage ? 2 * ud_floats<S, K>() : 0);
+}
+
+template <int N, int S, int K, int G, bool kStage, bool kSeq>
 __global__ void __launch_bounds__(kCB * S, kMinBlocks) forward_kernel(const FwdArgs a) {
-  constexpr int TI = S * K, NC = 2 * N / 4, CPW = 32 / S, NT = kCB * S;
+  constexpr int TI = S * K, NU = 2 * N / G, CPW = 32 / S, NT = kCB * S;
   constexpr unsigned kFull = 0xffffffffu;
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
-  float* sbc = smem;                  // 2 stages of (TI, 2N)
-  float* sa2 = sbc + 2 * TI * 2 * N;  // (kCB, N): A log2(e)
+  constexpr int SF = stage_floats<N, S, K, G, kStage>();
+  float* sbc = smem;                  // 2 stages of B|C (TI, 2N), then (kStage) u and delta
+  float* sa2 = sbc + 2 * SF;          // (kCB, N): A log2(e)
   float* scarry = sa2 + kCB * N;      // (kCB, N): the state carried into the iteration, per channel
   const index_t b = blockIdx.y, d0 = index_t(blockIdx.x) * kCB, g = d0 / a.cpg, L = a.L, BE = a.batch * a.E;
   const int lane = threadIdx.x % 32, s = lane % S, cl = (threadIdx.x / 32) * CPW + lane / S;
@@ -105,29 +142,42 @@ __global__ void __launch_bounds__(kCB * S, kMinBlocks) forward_kernel(const FwdA
   const float De = a.D[d], bias = a.bias[d];
   const std::int32_t* seq = kSeq ? a.seq + b * a.ld_seq : nullptr;
   const index_t niter = (L + TI - 1) / TI;
-  load_bc<N, S, K>(a, sbc, b, 0, g);
+  load_bc<N, S, K, G>(a, sbc, b, 0, g);
+  if constexpr (kStage) load_ud<S, K>(a, sbc + TI * 2 * N, b, 0, d0);
   cp_async_commit();
 
   for (index_t it = 0; it < niter; ++it) {
     const index_t t0 = it * TI, tb = t0 + index_t(s) * K;  // the iteration's and this lane's first token
-    // This lane's K tokens of u and delta, straight from device memory (issued before the barriers).
     float dl[K], du[K], y[K];
+    if constexpr (!kStage) {  // this lane's K tokens of u and delta straight from device memory, before the wait
 #pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const index_t t = tb + k;
-      if (t < L) {
-        const index_t row = b * L + t;
-        const float uu = __ldg(a.u + row * a.ld_u + d);
+      for (int k = 0; k < K; ++k) {
+        const index_t t = tb + k;
+        const index_t row = b * L + (t < L ? t : 0);
+        du[k] = __ldg(a.u + row * a.ld_u + d);
         dl[k] = __ldg(a.delta + row * a.ld_delta + d);
-        du[k] = uu;
-      } else {
-        dl[k] = -1e30f;  // softplus -> 0: the state passes unchanged
-        du[k] = 0.f;
       }
     }
-    __syncthreads();  // every lane is done with the stage the next tile goes to
-    if (it + 1 < niter) load_bc<N, S, K>(a, sbc + ((it + 1) & 1) * TI * 2 * N, b, t0 + TI, g);
+    asm volatile("cp.async.wait_all;\n" ::);
+    __syncthreads();  // this iteration's tile has landed for every lane, and the other stage is no longer read
+    if (it + 1 < niter) {
+      float* next = sbc + ((it + 1) & 1) * SF;
+      load_bc<N, S, K, G>(a, next, b, t0 + TI, g);
+      if constexpr (kStage) load_ud<S, K>(a, next + TI * 2 * N, b, t0 + TI, d0);
+    }
     cp_async_commit();
+    const float* tile = sbc + (it & 1) * SF;
+    if constexpr (kStage) {
+      const float* su = tile + TI * 2 * N;
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        du[k] = su[ud_at(s * K + k, K) + cl];
+        dl[k] = su[ud_floats<S, K>() + ud_at(s * K + k, K) + cl];
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+      if (tb + k >= L) dl[k] = -1e30f, du[k] = 0.f;  // softplus -> 0: the state passes unchanged
     unsigned rst = 0, ckm = 0;  // per token: a record starts here; a chunk starts after it
     float sdl = 0.f;
 #pragma unroll
@@ -146,14 +196,11 @@ __global__ void __launch_bounds__(kCB * S, kMinBlocks) forward_kernel(const FwdA
     index_t ck0 = (tb + 1 + a.Q - 1) / a.Q;  // the first chunk starting at or after token tb + 1
     if (ck0 == 0) ck0 = 1;
     for (index_t j = ck0; j * a.Q <= tb + K && j * a.Q < L; ++j) ckm |= 1u << int(j * a.Q - 1 - tb);
-    cp_async_wait_one();
-    __syncthreads();  // this iteration's tile has landed for every lane
-    const float* tile = sbc + (it & 1) * TI * 2 * N;
     const float* rows = tile + s * K * 2 * N;  // this lane's K rows
 
 #pragma unroll 1
     for (int n0 = 0; n0 < N; n0 += G) {  // (not unrolled: the groups would share registers)
-      const int pb = (((n0 / 4) + s) % NC) * 4 + n0 % 4, pc = (((N / 4 + n0 / 4) + s) % NC) * 4 + n0 % 4;
+      const int pb = ((n0 / G + s) % NU) * G, pc = ((N / G + n0 / G + s) % NU) * G;
       const Vec<G> a2 = lds<G>(sa2 + cl * N + n0);
       float dA[G][K], hl[G], P[G];
 #pragma unroll
@@ -227,47 +274,46 @@ __global__ void __launch_bounds__(kCB * S, kMinBlocks) forward_kernel(const FwdA
     for (int n = 0; n < N; ++n) a.final_state[bd * N + n] = scarry[cl * N + n];
 }
 
-template <int N, int S, int K, int G, bool kSeq>
+template <int N, int S, int K, int G, bool kStage, bool kSeq>
 void launch_one(const FwdArgs& a) {
-  constexpr int TI = S * K;
-  const std::size_t bytes = sizeof(float) * (std::size_t(2) * TI * 2 * N + 2 * std::size_t(kCB) * N);
+  const std::size_t bytes = sizeof(float) * (std::size_t(2) * stage_floats<N, S, K, G, kStage>() + 2 * std::size_t(kCB) * N);
   static bool raised = false;  // once per kernel: the largest shared-memory carveout (room for many blocks)
   if (!raised) {
-    cudaError_t e = cudaFuncSetAttribute(forward_kernel<N, S, K, G, kSeq>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    cudaError_t e = cudaFuncSetAttribute(forward_kernel<N, S, K, G, kStage, kSeq>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          int(bytes));
     if (e == cudaSuccess)
-      e = cudaFuncSetAttribute(forward_kernel<N, S, K, G, kSeq>, cudaFuncAttributePreferredSharedMemoryCarveout,
+      e = cudaFuncSetAttribute(forward_kernel<N, S, K, G, kStage, kSeq>, cudaFuncAttributePreferredSharedMemoryCarveout,
                                int(cudaSharedmemCarveoutMaxShared));
     require(e == cudaSuccess, "selective_scan_forward (CUDA)", bytes, " bytes of shared memory: ",
             cudaGetErrorString(e));
     raised = true;
   }
   const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
-  forward_kernel<N, S, K, G, kSeq>
+  forward_kernel<N, S, K, G, kStage, kSeq>
       <<<dim3(unsigned(a.E / kChannels), unsigned(a.batch)), unsigned(kCB * S), bytes, st>>>(a);
   const cudaError_t e = cudaGetLastError();
   require(e == cudaSuccess, "selective_scan_forward (CUDA)", "the kernel failed to launch: ", cudaGetErrorString(e));
 }
 
-template <int N, int S, int K, int G>
+template <int N, int S, int K, int G, bool kStage>
 void launch(const FwdArgs& a) {
   if (a.seq)
-    launch_one<N, S, K, G, true>(a);
+    launch_one<N, S, K, G, kStage, true>(a);
   else
-    launch_one<N, S, K, G, false>(a);
+    launch_one<N, S, K, G, kStage, false>(a);
 }
 
 template <int N>
 void launch_n(const FwdArgs& a, int v) {
-  static_assert(kShapes[0].S == 16 && kShapes[0].K == 8 && kShapes[0].G == 2);
-  static_assert(kShapes[1].S == 8 && kShapes[1].K == 16 && kShapes[1].G == 2);
-  static_assert(kShapes[2].S == 16 && kShapes[2].K == 8 && kShapes[2].G == 4);
-  static_assert(kShapes[3].S == 8 && kShapes[3].K == 8 && kShapes[3].G == 4);
+  static_assert(kShapes[0].S == 16 && kShapes[0].K == 8 && kShapes[0].G == 2 && !kShapes[0].stage);
+  static_assert(kShapes[1].S == 8 && kShapes[1].K == 8 && kShapes[1].G == 2 && kShapes[1].stage);
+  static_assert(kShapes[2].S == 8 && kShapes[2].K == 8 && kShapes[2].G == 2 && !kShapes[2].stage);
+  static_assert(kShapes[3].S == 8 && kShapes[3].K == 8 && kShapes[3].G == 4 && kShapes[3].stage);
   switch (v) {
-    case 1: launch<N, 16, 8, 2>(a); break;
-    case 2: launch<N, 8, 16, 2>(a); break;
-    case 3: launch<N, 16, 8, 4>(a); break;
-    default: launch<N, 8, 8, 4>(a); break;
+    case 1: launch<N, 16, 8, 2, false>(a); break;
+    case 2: launch<N, 8, 8, 2, true>(a); break;
+    case 3: launch<N, 8, 8, 2, false>(a); break;
+    default: launch<N, 8, 8, 4, true>(a); break;
   }
 }
 

@@ -14,8 +14,8 @@
 //     and forms its aggregate (decay product = exp2(A log2e sum Delta), local end state); an inclusive shuffle scan
 //     over the S slots composes the aggregates, the channel's carried state enters, and each lane reruns its K
 //     tokens from its true entering state, adding C h to its outputs (the decays reused, not recomputed);
-//   - B and C (shared by the block's channels) arrive by asynchronous 16-byte copies one iteration ahead, their
-//     16-byte chunks rotated by slot so that the S slots reading the same state hit different banks;
+//   - B and C (shared by the block's channels) arrive by asynchronous copies one iteration ahead, in units of the
+//     G states a lane reads at once, rotated by slot so that the S slots reading the same state hit different banks;
 //   - u and delta are read straight into registers (the 8 channels of a block share each 32-byte sector).
 // The checkpoints (the state entering every chunk of `chunk` tokens) and the final state are written on the way.
 // Variants (S, K, G) trade warps for registers and shuffles; `variant` picks one (0: the default).
