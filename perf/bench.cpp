@@ -511,13 +511,17 @@ void bench_mamba3(int reps, const SSDVariant& var, index_t batch, index_t seqlen
 }
 
 // MoE layer (issue 5): 65,536 tokens, d_model 768, 8 SwiGLU experts of d_ff 2,048, top-1 and top-2, softmax
-// router, dropless; fp32 activations with every GEMM (router excluded: fp32 logits) under `compute`. Times the
-// layer's forward and forward + backward, and the expert GEMMs alone: W1 (x W1^T per expert) as our grouped GEMM
-// over 8 equal groups against one dense GEMM of the same total size (both on the same fp32 data and arithmetic),
-// the issue's "at least 70 % of the dense rate".
+// router, dropless; fp32 activations with every GEMM (router excluded: fp32 logits) under `compute`; under bf16 the
+// layer takes its bf16 expert path (moe/experts.hpp: bf16 expert inputs, weights and intermediates, fp32
+// accumulation). Times the layer's forward and forward + backward, and the expert GEMMs alone, each as our grouped
+// GEMM over 8 equal groups against one dense GEMM of the same total size in the same arithmetic (the issue's "at
+// least 70 % of the dense rate"): fp32 / tf32: W1 (x W1^T per expert) on fp32 data; bf16: the bf16 path's two
+// forward products, h13 = xp W13^T (bf16 operands and output, n = 2 d_ff) and y = a W2^T (fp32 output), against a
+// dense GEMM with bf16 operands and the same output type.
 void bench_moe(int reps, GemmCompute compute, index_t tokens) {
   set_float_gemm_compute(compute);
-  const std::string cname = gemm_compute_name(compute);
+  const bool b16 = compute == GemmCompute::bf16;
+  const std::string cname = std::string(gemm_compute_name(compute)) + (b16 ? " (bf16 expert path)" : "");
   for (index_t k : {1, 2}) {
     MoEConfig cfg;
     cfg.d_model = 768;
@@ -544,23 +548,65 @@ void bench_moe(int reps, GemmCompute compute, index_t tokens) {
     const std::string name = "moe layer fwd+bwd " + shape;
     time_with_memory(name, reps, one);
   }
-  // the expert GEMM rate: k = 1's 65,536 rows in 8 equal groups against one GEMM of the same total size
+  // the expert GEMM rate: k = 1's rows in 8 equal groups against one GEMM of the same total size
   const index_t E = 8, D = 768, F = 2048;
-  View2<float> xp("xp", tokens, D), h("h", tokens, F), w("w", E * F, D);
-  fill(xp, 43);
-  fill(w, 44);
   std::vector<index_t> off(E + 1);
   for (index_t e = 0; e <= E; ++e) off[e] = tokens * e / E;
-  const double flops = 2.0 * double(tokens) * double(D) * double(F);
-  const double t_g = time_median(3, reps, [&] {
-    grouped_gemm<float>(Trans::T, 1.0f, xp, w.data(), F, D, 0.0f, h, off);
-  });
-  const UView2<const float> w0(w.data(), F, D);
-  const double t_d = time_median(3, reps, [&] { gemm(Trans::N, Trans::T, 1.0f, xp, w0, 0.0f, h); });
-  const std::string gname = "moe expert GEMM " + std::to_string(tokens) + "x768x2048 in 8 groups, " + cname;
-  record(gname, "rate", flops / t_g / 1e12, "TFLOP/s");
-  record(gname, "dense rate, same size", flops / t_d / 1e12, "TFLOP/s");
-  record(gname, "of the dense rate", 100.0 * t_d / t_g, "%");
+  auto rates = [&](const std::string& gname, double flops, double t_g, double t_d) {
+    record(gname, "rate", flops / t_g / 1e12, "TFLOP/s");
+    record(gname, "dense rate, same size", flops / t_d / 1e12, "TFLOP/s");
+    record(gname, "of the dense rate", 100.0 * t_d / t_g, "%");
+  };
+  if (!b16) {
+    View2<float> xp("xp", tokens, D), h("h", tokens, F), w("w", E * F, D);
+    fill(xp, 43);
+    fill(w, 44);
+    const double flops = 2.0 * double(tokens) * double(D) * double(F);
+    const double t_g = time_median(3, reps, [&] {
+      grouped_gemm<float>(Trans::T, 1.0f, xp, w.data(), F, D, 0.0f, h, off);
+    });
+    const UView2<const float> w0(w.data(), F, D);
+    const double t_d = time_median(3, reps, [&] { gemm(Trans::N, Trans::T, 1.0f, xp, w0, 0.0f, h); });
+    rates("moe expert GEMM " + std::to_string(tokens) + "x768x2048 in 8 groups, " + cname, flops, t_g, t_d);
+    return;
+  }
+  // bf16 path: operands in bf16 storage, filled from uniform fp32 values
+  View1<bf16_op_t> xp("xp16", tokens * D), w13("w13_16", E * 2 * F * D), h13("h13_16", tokens * 2 * F),
+      a("a16", tokens * F), w2("w2_16", E * D * F);
+  auto fill16 = [](const View1<bf16_op_t>& v, std::uint64_t stream) {
+    View1<float> f32("bench::fill16", v.extent(0));
+    fill(f32, stream);
+    auto vv = v;
+    par_for("bench::to_bf16", index_t(v.extent(0)), KOKKOS_LAMBDA(index_t i) { vv(i) = to_bf16_op(f32(i)); });
+    Kokkos::fence();
+  };
+  fill16(xp, 43);
+  fill16(w13, 44);
+  fill16(a, 45);
+  fill16(w2, 46);
+  View2<float> y("y", tokens, D);
+  {  // h13 = xp W13_g^T: (tokens, 2F, D), bf16 out
+    const double flops = 2.0 * double(tokens) * double(D) * double(2 * F);
+    const double t_g = time_median(3, reps, [&] {
+      grouped_gemm_bf16_b16(Trans::T, 1.0f, xp.data(), D, w13.data(), 2 * F, D, 0.0f, h13.data(), 2 * F, off);
+    });
+    const double t_d = time_median(3, reps, [&] {
+      gemm_bf16_b16(Trans::N, Trans::T, tokens, 2 * F, D, 1.0f, xp.data(), D, w13.data(), D, 0.0f, h13.data(), 2 * F);
+    });
+    rates("moe expert GEMM h13 " + std::to_string(tokens) + "x768x4096 in 8 groups, bf16 op, bf16 out", flops, t_g,
+          t_d);
+  }
+  {  // y = a W2_g^T: (tokens, D, F), fp32 out
+    const double flops = 2.0 * double(tokens) * double(D) * double(F);
+    const double t_g = time_median(3, reps, [&] {
+      grouped_gemm_bf16_f32(Trans::T, 1.0f, a.data(), F, w2.data(), D, F, 0.0f, y.data(), D, off);
+    });
+    const double t_d = time_median(3, reps, [&] {
+      gemm_bf16_f32(Trans::N, Trans::T, tokens, D, F, 1.0f, a.data(), F, w2.data(), F, 0.0f, y.data(), D);
+    });
+    rates("moe expert GEMM y " + std::to_string(tokens) + "x2048x768 in 8 groups, bf16 op, fp32 out", flops, t_g,
+          t_d);
+  }
 }
 
 // Training step of the issue-3 LM: 24 layers, d_model 768, d_state 128, headdim 64, expand 2, vocab 16, AdamW.

@@ -20,7 +20,8 @@ void declare_run(io::Deck& d) {
       .add<std::string>("run.output_dir", "runs/default", "directory for metrics and checkpoints (created)")
       .add<std::string>("run.gemm_precision", "fp32",
                         "CUDA: arithmetic of the layers' float weight GEMMs: fp32, tf32 or bf16 (tensor cores, fp32 "
-                        "accumulation); CPU builds always compute in fp32");
+                        "accumulation); CPU builds compute in fp32. bf16 also puts the MoE experts on their bf16 "
+                        "path (bf16 expert inputs, weights and intermediates; emulated on CPU builds)");
   d.add<I>("parallel.tp", 1,
            "tensor-parallel ranks: heads, groups and feed-forward widths are split over them (they divide by tp)")
       .add<I>("parallel.cp", 1,

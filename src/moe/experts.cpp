@@ -98,6 +98,120 @@ void swiglu_experts_backward(const SwiGLUWeights<T>& w, const View2<const T>& xp
   grouped_gemm_wgrad<T>(P(1), dh3, xp, P(1), g.w3, off);
 }
 
+// ---------------------------------------------------------------- bf16 expert path
+
+namespace {
+
+template <class C, class G>
+void grouped_bf16(G gemm_fn, Trans tw, float alpha, const bf16_op_t* A, index_t lda, const bf16_op_t* W,
+                  index_t wr, index_t wc, float beta, C* out, index_t ldc, const std::vector<index_t>& off) {
+  require(!off.empty() && off.front() == 0, "moe::grouped_gemm_bf16", "group offsets must start at 0");
+  const index_t G_ = index_t(off.size()) - 1, n = tw == Trans::T ? wr : wc, k = tw == Trans::T ? wc : wr;
+  for (index_t g = 0; g < G_; ++g) {
+    const index_t r0 = off[g], mg = off[g + 1] - off[g];
+    require(mg >= 0, "moe::grouped_gemm_bf16", "group offsets decrease at group ", g);
+    if (mg == 0) continue;
+    gemm_fn(Trans::N, tw, mg, n, k, alpha, A + r0 * lda, lda, W + g * wr * wc, wc, beta,
+            out + r0 * ldc, ldc);
+  }
+}
+
+}  // namespace
+
+void grouped_gemm_bf16_f32(Trans tw, float alpha, const bf16_op_t* A, index_t lda, const bf16_op_t* W, index_t wr,
+                           index_t wc, float beta, float* C, index_t ldc, const std::vector<index_t>& off) {
+  grouped_bf16<float>(gemm_bf16_f32, tw, alpha, A, lda, W, wr, wc, beta, C, ldc, off);
+}
+
+void grouped_gemm_bf16_b16(Trans tw, float alpha, const bf16_op_t* A, index_t lda, const bf16_op_t* W, index_t wr,
+                           index_t wc, float beta, bf16_op_t* C, index_t ldc, const std::vector<index_t>& off) {
+  grouped_bf16<bf16_op_t>(gemm_bf16_b16, tw, alpha, A, lda, W, wr, wc, beta, C, ldc, off);
+}
+
+void swiglu_weights_to_bf16(const SwiGLUWeights<float>& w, index_t G, SwiGLUBF16& acts, PoolScope* ws) {
+  const index_t F = w.F, d = w.d;
+  acts.w13 = take_or_alloc<View1<bf16_op_t>>(ws, "moe::w13_bf16", G * 2 * F * d);
+  acts.w2 = take_or_alloc<View1<bf16_op_t>>(ws, "moe::w2_bf16", G * d * F);
+  const float* w1 = w.w1;
+  const float* w3 = w.w3;
+  const float* w2 = w.w2;
+  auto w13 = acts.w13;
+  auto w2b = acts.w2;
+  const index_t Fd = F * d;
+  // W13_g = [W1_g; W3_g]: row block g of 2F rows
+  par_for("moe::w13_to_bf16", G * 2, Fd, KOKKOS_LAMBDA(index_t gh, index_t i) {
+    const index_t g = gh / 2;
+    w13(gh * Fd + i) = to_bf16_op(gh % 2 == 0 ? w1[g * Fd + i] : w3[g * Fd + i]);
+  });
+  par_for("moe::w2_to_bf16", G, Fd, KOKKOS_LAMBDA(index_t g, index_t i) { w2b(g * Fd + i) = to_bf16_op(w2[g * Fd + i]); });
+}
+
+void swiglu_experts_forward_bf16(const SwiGLUWeights<float>& w, const View2<const bf16_op_t>& xp,
+                                 const std::vector<index_t>& off, SwiGLUBF16& acts, const View2<float>& y,
+                                 PoolScope* ws) {
+  const index_t m = xp.extent(0), F = w.F, d = w.d, G = index_t(off.size()) - 1;
+  require(index_t(xp.extent(1)) == d && index_t(y.extent(1)) == d && index_t(y.extent(0)) == m,
+          "moe::swiglu_experts_bf16", "xp is (", xp.extent(0), ", ", xp.extent(1), "), y is (", y.extent(0), ", ",
+          y.extent(1), "), d_model = ", d);
+  check_offsets(off, m, "moe::swiglu_experts_bf16");
+  require(index_t(acts.w13.extent(0)) == G * 2 * F * d && index_t(acts.w2.extent(0)) == G * d * F,
+          "moe::swiglu_experts_bf16", "the bf16 weights are not converted for ", G, " experts");
+  acts.h13 = take_or_alloc<View2<bf16_op_t>>(ws, "moe::h13_bf16", m, 2 * F);
+  acts.a = take_or_alloc<View2<bf16_op_t>>(ws, "moe::a_bf16", m, F);
+  // h13 = xp W13_g^T (one GEMM per expert)
+  grouped_gemm_bf16_b16(Trans::T, 1.0f, xp.data(), d, acts.w13.data(), 2 * F, d, 0.0f, acts.h13.data(), 2 * F, off);
+  auto h13 = acts.h13;
+  auto a = acts.a;
+  par_for("moe::swiglu_bf16", m, F, KOKKOS_LAMBDA(index_t r, index_t f) {
+    const float u = from_bf16_op(h13(r, f)), v = from_bf16_op(h13(r, F + f));
+    a(r, f) = to_bf16_op(silu(u) * v);
+  });
+  // y = a W2_g^T, fp32 out
+  grouped_gemm_bf16_f32(Trans::T, 1.0f, acts.a.data(), F, acts.w2.data(), d, F, 0.0f, y.data(), d, off);
+}
+
+void swiglu_experts_backward_bf16(const SwiGLUWeights<float>& w, const View2<const bf16_op_t>& xp,
+                                  const SwiGLUBF16& acts, const View2<const bf16_op_t>& dy,
+                                  const std::vector<index_t>& off, const View2<float>& dxp, bool accumulate,
+                                  const SwiGLUGrads<float>& g) {
+  const index_t m = xp.extent(0), F = w.F, d = w.d, G = index_t(off.size()) - 1;
+  require(index_t(dy.extent(0)) == m && index_t(dxp.extent(0)) == m && index_t(acts.h13.extent(0)) == m,
+          "moe::swiglu_experts_backward_bf16", "xp has ", m, " rows, dy ", dy.extent(0), ", dxp ", dxp.extent(0),
+          ", the saved activations ", acts.h13.extent(0));
+  check_offsets(off, m, "moe::swiglu_experts_backward_bf16");
+  PoolScope ws;  // cached device blocks, returned at the end
+  View2<bf16_op_t> da = ws.take<View2<bf16_op_t>>("moe::da_bf16", m, F);
+  View2<bf16_op_t> dh13 = ws.take<View2<bf16_op_t>>("moe::dh13_bf16", m, 2 * F);
+  const bf16_op_t* w13 = acts.w13.data();
+  const bf16_op_t* w2 = acts.w2.data();
+  // da = dy W2_g (bf16 out); dW2_g += dy_g^T a_g (fp32)
+  grouped_gemm_bf16_b16(Trans::N, 1.0f, dy.data(), d, w2, d, F, 0.0f, da.data(), F, off);
+  for (index_t e = 0; e < G; ++e) {
+    const index_t r0 = off[e], mg = off[e + 1] - off[e];
+    if (mg == 0) continue;
+    gemm_bf16_f32(Trans::T, Trans::N, d, F, mg, 1.0f, dy.data() + r0 * d, d, acts.a.data() + r0 * F, F, 1.0f,
+                  g.w2 + e * d * F, F);
+  }
+  auto h13 = acts.h13;
+  par_for("moe::swiglu_backward_bf16", m, F, KOKKOS_LAMBDA(index_t r, index_t f) {
+    const float dav = from_bf16_op(da(r, f)), u = from_bf16_op(h13(r, f)), v = from_bf16_op(h13(r, F + f));
+    dh13(r, f) = to_bf16_op(dav * v * dsilu(u));
+    dh13(r, F + f) = to_bf16_op(dav * silu(u));
+  });
+  // dxp = dh13 W13_g (fp32 out, one GEMM per expert)
+  grouped_gemm_bf16_f32(Trans::N, 1.0f, dh13.data(), 2 * F, w13, 2 * F, d, accumulate ? 1.0f : 0.0f, dxp.data(), d,
+                        off);
+  // dW1_g += dh13_g[:, :F]^T xp_g, dW3_g += dh13_g[:, F:]^T xp_g (fp32)
+  for (index_t e = 0; e < G; ++e) {
+    const index_t r0 = off[e], mg = off[e + 1] - off[e];
+    if (mg == 0) continue;
+    const bf16_op_t* dh = dh13.data() + r0 * 2 * F;
+    const bf16_op_t* xg = xp.data() + r0 * d;
+    gemm_bf16_f32(Trans::T, Trans::N, F, d, mg, 1.0f, dh, 2 * F, xg, d, 1.0f, g.w1 + e * F * d, d);
+    gemm_bf16_f32(Trans::T, Trans::N, F, d, mg, 1.0f, dh + F, 2 * F, xg, d, 1.0f, g.w3 + e * F * d, d);
+  }
+}
+
 template <class T>
 void moe_permute(const View2<const T>& x, const View1<const index_t>& perm_token, const View2<T>& xp) {
   const index_t m = xp.extent(0), d = xp.extent(1);
@@ -119,23 +233,64 @@ void moe_unpermute_combine(const View2<const T>& y, const View2<const index_t>& 
   });
 }
 
+namespace {
+
+template <class T>
+struct CastTo {
+  KOKKOS_INLINE_FUNCTION T operator()(acc_t<T> v) const { return static_cast<T>(v); }
+};
+struct ToBF16Op {
+  KOKKOS_INLINE_FUNCTION bf16_op_t operator()(float v) const { return to_bf16_op(v); }
+};
+
+// dy[r] = conv(gate(tok, slot) * dout[tok]) in dy's storage type; dgate as documented
+template <class T, class D, class Conv>
+void combine_backward_impl(const View2<const T>& dout, const View2<const T>& y, const View2<const index_t>& row,
+                           const View2<const acc_t<T>>& gate, const View1<const index_t>& perm_token,
+                           const View1<const std::int32_t>& perm_slot, const View2<D>& dy,
+                           const View2<acc_t<T>>& dgate, Conv conv) {
+  using P = acc_t<T>;
+  const index_t m = dy.extent(0), d = dy.extent(1), n = row.extent(0), k = row.extent(1);
+  par_for("moe::combine_backward_dy", m, d, KOKKOS_LAMBDA(index_t r, index_t c) {
+    const index_t x = perm_token(r);
+    dy(r, c) = conv(gate(x, perm_slot(r)) * P(dout(x, c)));
+  });
+  // one row per vector-lane group (coalesced reads of dout and y rows on GPUs; on host backends one lane, the
+  // columns summed in order)
+  par_for_rows("moe::combine_backward_dgate", n, KOKKOS_LAMBDA(const Team& tm, index_t x) {
+    for (index_t j = 0; j < k; ++j) {
+      const index_t r = row(x, j);
+      P s = 0;
+      if (r >= 0)
+        Kokkos::parallel_reduce(
+            Kokkos::ThreadVectorRange(tm, d), [&](index_t c, P& acc) { acc += P(dout(x, c)) * P(y(r, c)); }, s);
+      Kokkos::single(Kokkos::PerThread(tm), [&]() { dgate(x, j) = s; });
+    }
+  });
+}
+
+}  // namespace
+
 template <class T>
 void moe_combine_backward(const View2<const T>& dout, const View2<const T>& y, const View2<const index_t>& row,
                           const View2<const acc_t<T>>& gate, const View1<const index_t>& perm_token,
                           const View1<const std::int32_t>& perm_slot, const View2<T>& dy,
                           const View2<acc_t<T>>& dgate) {
-  using P = acc_t<T>;
-  const index_t m = dy.extent(0), d = dy.extent(1), n = row.extent(0), k = row.extent(1);
-  par_for("moe::combine_backward_dy", m, d, KOKKOS_LAMBDA(index_t r, index_t c) {
-    const index_t x = perm_token(r);
-    dy(r, c) = static_cast<T>(gate(x, perm_slot(r)) * P(dout(x, c)));
-  });
-  par_for("moe::combine_backward_dgate", n, k, KOKKOS_LAMBDA(index_t x, index_t j) {
-    const index_t r = row(x, j);
-    P s = 0;
-    if (r >= 0)
-      for (index_t c = 0; c < d; ++c) s += P(dout(x, c)) * P(y(r, c));
-    dgate(x, j) = s;
+  combine_backward_impl<T>(dout, y, row, gate, perm_token, perm_slot, dy, dgate, CastTo<T>{});
+}
+
+void moe_combine_backward_bf16(const View2<const float>& dout, const View2<const float>& y,
+                               const View2<const index_t>& row, const View2<const float>& gate,
+                               const View1<const index_t>& perm_token, const View1<const std::int32_t>& perm_slot,
+                               const View2<bf16_op_t>& dy, const View2<float>& dgate) {
+  combine_backward_impl<float>(dout, y, row, gate, perm_token, perm_slot, dy, dgate, ToBF16Op{});
+}
+
+void moe_permute_bf16(const View2<const float>& x, const View1<const index_t>& perm_token,
+                      const View2<bf16_op_t>& xp) {
+  const index_t m = xp.extent(0), d = xp.extent(1);
+  par_for("moe::permute_bf16", m, d, KOKKOS_LAMBDA(index_t r, index_t c) {
+    xp(r, c) = to_bf16_op(x(perm_token(r), c));
   });
 }
 

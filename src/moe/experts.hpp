@@ -66,6 +66,54 @@ void swiglu_experts_backward(const SwiGLUWeights<T>& w, const View2<const T>& xp
                              const View2<const T>& dy, const std::vector<index_t>& off, const View2<T>& dxp,
                              bool accumulate, const SwiGLUGrads<T>& g);
 
+// ---------------------------------------------------------------- bf16 expert path (float layers)
+//
+// The experts of a float layer whose float GEMM arithmetic is bf16 (set_float_gemm_compute(GemmCompute::bf16),
+// the deck's [run] gemm_precision = bf16): bf16 operands and fp32 accumulation throughout, fp32 master weights and
+// fp32 weight gradients.
+//
+//   forward:  W13_g = [W1_g; W3_g] and W2_g converted to bf16 once per forward (swiglu_weights_to_bf16);
+//             xp in bf16 (written so by the permute: moe_permute_bf16);
+//             h13 = xp W13_g^T    one GEMM per expert, (m_g, 2F), bf16 out
+//             a   = silu(h1) h3   one elementwise kernel, bf16 out
+//             y   = a W2_g^T      fp32 out (it feeds the fp32 combine)
+//   backward: dy in bf16 (written so by the combine's backward: moe_combine_backward_bf16);
+//             da = dy W2_g (bf16 out), dW2_g += dy^T a (fp32, beta = 1);
+//             dh13 = [da h3 silu'(h1) | da silu(h1)] (bf16, one elementwise kernel);
+//             dxp = dh13 W13_g (fp32 out, one GEMM per expert);
+//             dW1_g += dh13[:, :F]^T xp, dW3_g += dh13[:, F:]^T xp (fp32, beta = 1).
+//
+// Storage type bf16_op_t (tensor/gemm.hpp): bf16 on CUDA; bf16-rounded floats on host builds, where the same code
+// runs on the host BLAS with the same roundings (the CPU emulation that the tests check).
+struct SwiGLUBF16 {
+  View1<bf16_op_t> w13;      // (G, 2F, d): W1_g rows, then W3_g rows
+  View1<bf16_op_t> w2;       // (G, d, F)
+  View2<bf16_op_t> h13, a;   // (m, 2F), (m, F)
+};
+
+// acts.w13, acts.w2 = the bf16 weights of the G experts (from `ws` when given, else allocated).
+void swiglu_weights_to_bf16(const SwiGLUWeights<float>& w, index_t G, SwiGLUBF16& acts, PoolScope* ws = nullptr);
+
+// y (m, d, fp32) = expert outputs of xp (m, d, bf16); needs acts.w13, acts.w2 (swiglu_weights_to_bf16); acts
+// receives h13 and a.
+void swiglu_experts_forward_bf16(const SwiGLUWeights<float>& w, const View2<const bf16_op_t>& xp,
+                                 const std::vector<index_t>& off, SwiGLUBF16& acts, const View2<float>& y,
+                                 PoolScope* ws = nullptr);
+
+// dxp (m, d, fp32) = (accumulate ? dxp : 0) + d/dxp from dy (m, d, bf16); fp32 weight gradients accumulated into g.
+void swiglu_experts_backward_bf16(const SwiGLUWeights<float>& w, const View2<const bf16_op_t>& xp,
+                                  const SwiGLUBF16& acts, const View2<const bf16_op_t>& dy,
+                                  const std::vector<index_t>& off, const View2<float>& dxp, bool accumulate,
+                                  const SwiGLUGrads<float>& g);
+
+// For every group g with rows [off[g], off[g+1]): C_g = alpha A_g op(W_g) + beta C_g, A (m, k) and C (m, n) with row
+// strides lda and ldc, W_g = W + g wr wc of shape (wr, wc); bf16 operands, C in fp32 (the _b16 form: bf16). Empty
+// groups are skipped (C_g has no rows).
+void grouped_gemm_bf16_f32(Trans tw, float alpha, const bf16_op_t* A, index_t lda, const bf16_op_t* W, index_t wr,
+                           index_t wc, float beta, float* C, index_t ldc, const std::vector<index_t>& off);
+void grouped_gemm_bf16_b16(Trans tw, float alpha, const bf16_op_t* A, index_t lda, const bf16_op_t* W, index_t wr,
+                           index_t wc, float beta, bf16_op_t* C, index_t ldc, const std::vector<index_t>& off);
+
 // ---------------------------------------------------------------- dispatch
 
 // xp[r] = x[perm_token[r]]
@@ -84,6 +132,15 @@ void moe_combine_backward(const View2<const T>& dout, const View2<const T>& y, c
                           const View2<const acc_t<T>>& gate, const View1<const index_t>& perm_token,
                           const View1<const std::int32_t>& perm_slot, const View2<T>& dy,
                           const View2<acc_t<T>>& dgate);
+
+// bf16 forms for the bf16 expert path: xp[r] = bf16(x[perm_token[r]]), and the combine's backward with dy written
+// in bf16 (dgate from the fp32 dout and y as above).
+void moe_permute_bf16(const View2<const float>& x, const View1<const index_t>& perm_token,
+                      const View2<bf16_op_t>& xp);
+void moe_combine_backward_bf16(const View2<const float>& dout, const View2<const float>& y,
+                               const View2<const index_t>& row, const View2<const float>& gate,
+                               const View1<const index_t>& perm_token, const View1<const std::int32_t>& perm_slot,
+                               const View2<bf16_op_t>& dy, const View2<float>& dgate);
 
 // Backward of the permute: dx[x] = (accumulate ? dx[x] : 0) + sum_j dxp[row(x, j)], slots in increasing order.
 template <class T>

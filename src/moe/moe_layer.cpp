@@ -191,13 +191,28 @@ template <class T>
 View2<T> MoELayer<T>::experts_forward(MoEActs<T>& a) const {
   const Routing<P>& r = a.routing;
   const index_t n = a.x.extent(0), m = r.rows(), d = cfg_.d_model;
+  // the routed experts on rows `src` in the order `perm` (xp[i] = src[perm[i]]), groups `off`, into y
+  auto run_experts = [&](const View2<T>& src, const View1<index_t>& perm, const std::vector<index_t>& off,
+                         const View2<T>& y, PoolScope* ws) {
+    const index_t rows = perm.extent(0);
+    if constexpr (std::is_same_v<T, float>) {
+      if (a.bf16_experts) {
+        a.xp16 = ws->template take<View2<bf16_op_t>>("moe::xp_bf16", rows, d);
+        moe_permute_bf16(src, perm, a.xp16);
+        swiglu_weights_to_bf16(expert_weights(), local_experts(), a.ex16, ws);
+        swiglu_experts_forward_bf16(expert_weights(), a.xp16, off, a.ex16, y, ws);
+        return;
+      }
+    }
+    a.xp = ws->template take<View2<T>>("moe::xp", rows, d);
+    moe_permute<T>(src, perm, a.xp);
+    swiglu_experts_forward<T>(expert_weights(), a.xp, off, a.ex, y, ws);
+  };
   if (ep_size_ == 1) {
     a.expert_ws = std::make_shared<PoolScope>();
     PoolScope* ws = a.expert_ws.get();
-    a.xp = ws->template take<View2<T>>("moe::xp", m, d);
-    moe_permute<T>(a.x, r.perm_token, a.xp);
     a.y = ws->template take<View2<T>>("moe::y", m, d);
-    swiglu_experts_forward<T>(expert_weights(), a.xp, r.offsets, a.ex, a.y, ws);
+    run_experts(a.x, r.perm_token, r.offsets, a.y, ws);
   } else {
     // expert parallelism: the permuted rows are expert-major, so the rows of owner q are one contiguous block
     const int R = ep_size_;
@@ -262,10 +277,8 @@ View2<T> MoELayer<T>::experts_forward(MoEActs<T>& a) const {
     X.offsets[El] = pos;
     Kokkos::deep_copy(X.to_expert, hte);
     Kokkos::deep_copy(X.to_recv, htr);
-    a.xp = ws->template take<View2<T>>("moe::xp", mr, d);
-    moe_permute<T>(xr, X.to_expert, a.xp);
     View2<T> ye = local.take<View2<T>>("moe::y_experts", mr, d);
-    swiglu_experts_forward<T>(expert_weights(), a.xp, X.offsets, a.ex, ye, ws);
+    run_experts(xr, X.to_expert, X.offsets, ye, ws);
     View2<T> yr = local.take<View2<T>>("moe::y_recv", mr, d);
     moe_permute<T>(ye, X.to_recv, yr);
     a.y = exchange(yr, X.recv_rows, X.send_rows, cap >= 0 ? local : *ws);
@@ -301,6 +314,7 @@ MoELosses MoELayer<T>::forward(const View2<T>& x, const View2<T>& out, MoEActs<T
   acts.x = x;
   acts.state = cfg_.state_aware ? state : View2<T>();
   acts.step = step;
+  acts.bf16_experts = std::is_same_v<T, float> && float_gemm_compute() == GemmCompute::bf16;
   const bool cpx = cp_size_ > 1;
   const CpRows cr = cpx ? cp_rows(n, step, ctx) : CpRows{};
 
@@ -396,8 +410,10 @@ MoELosses MoELayer<T>::forward(const View2<T>& x, const View2<T>& out, MoEActs<T
   moe_unpermute_combine<T>(acts.y, r.row, r.gate, out, ys.extent(0) > 0);
   if (!save || cfg_.recompute) {
     acts.xp = View2<T>();
+    acts.xp16 = View2<bf16_op_t>();
     acts.y = View2<T>();
     acts.ex = SwiGLUActs<T>{};
+    acts.ex16 = SwiGLUBF16{};
     acts.sh = SwiGLUActs<T>{};
     acts.expert_ws.reset();
     acts.expert_acts_kept = false;
@@ -435,17 +451,48 @@ void MoELayer<T>::backward(MoEActs<T>& a, const View2<const T>& dout, const View
 
   // combine -> experts -> tokens (the buffers below: cached device blocks, returned at the end)
   PoolScope ws;
-  View2<T> dy = ws.take<View2<T>>("moe::dy", m, d);
-  View2<P> dgate = ws.take<View2<P>>("moe::dgate", n, k);
-  moe_combine_backward<T>(dout, a.y, r.row, r.gate, r.perm_token, r.perm_slot, dy, dgate);
   const SwiGLUGrads<T> eg{store_->g1(w1_).data(), store_->g1(w3_).data(), store_->g1(w2_).data()};
+  bool b16 = false;  // the bf16 expert path (float layers only)
+  if constexpr (std::is_same_v<T, float>) b16 = a.bf16_experts;
+  // the experts' backward on dy rows `src` in the order `perm` (dy_e[i] = src[perm[i]]; perm empty: src itself,
+  // already in expert order), groups `off`, into dxe
+  auto experts_backward = [&](const View2<T>& src, const View1<index_t>& perm, const std::vector<index_t>& off,
+                              const View2<T>& dxe) {
+    if constexpr (std::is_same_v<T, float>) {
+      if (b16) {
+        View2<bf16_op_t> d16 = ws.take<View2<bf16_op_t>>("moe::dy_experts_bf16", index_t(perm.extent(0)), d);
+        moe_permute_bf16(src, perm, d16);
+        swiglu_experts_backward_bf16(expert_weights(), a.xp16, a.ex16, d16, off, dxe, false, eg);
+        return;
+      }
+    }
+    View2<T> dye = src;
+    if (perm.data() != nullptr) {
+      dye = ws.take<View2<T>>("moe::dy_experts", index_t(perm.extent(0)), d);
+      moe_permute<T>(src, perm, dye);
+    }
+    swiglu_experts_backward<T>(expert_weights(), a.xp, a.ex, dye, off, dxe, false, eg);
+  };
+  View2<P> dgate = ws.take<View2<P>>("moe::dgate", n, k);
   View2<T> dxp;
-  if (ep_size_ == 1) {
+  if (ep_size_ == 1 && b16) {  // dy written in bf16 by the combine's backward
+    if constexpr (std::is_same_v<T, float>) {
+      View2<bf16_op_t> dy16 = ws.take<View2<bf16_op_t>>("moe::dy_bf16", m, d);
+      moe_combine_backward_bf16(dout, a.y, r.row, r.gate, r.perm_token, r.perm_slot, dy16, dgate);
+      dxp = ws.take<View2<T>>("moe::dxp", m, d);
+      swiglu_experts_backward_bf16(expert_weights(), a.xp16, a.ex16, dy16, r.offsets, dxp, false, eg);
+    }
+  } else if (ep_size_ == 1) {
+    View2<T> dy = ws.take<View2<T>>("moe::dy", m, d);
+    moe_combine_backward<T>(dout, a.y, r.row, r.gate, r.perm_token, r.perm_slot, dy, dgate);
     dxp = ws.take<View2<T>>("moe::dxp", m, d);
-    swiglu_experts_backward<T>(expert_weights(), a.xp, a.ex, dy, r.offsets, dxp, false, eg);
-  } else {  // mirror of the forward exchange: dy to the owners, the input gradients back to the sources
+    experts_backward(dy, View1<index_t>(), r.offsets, dxp);
+  } else {
+    View2<T> dy = ws.take<View2<T>>("moe::dy", m, d);
+    moe_combine_backward<T>(dout, a.y, r.row, r.gate, r.perm_token, r.perm_slot, dy, dgate);
+    // mirror of the forward exchange: dy to the owners, the input gradients back to the sources
     const MoEExchange& X = a.ep;
-    const index_t mr = a.xp.extent(0);
+    const index_t mr = X.to_expert.extent(0);
     const bool padded = r.capacity >= 0;  // capacity mode: the static-shape (padded) exchange
     View2<T> dys = dy;
     if (padded) {
@@ -454,10 +501,8 @@ void MoELayer<T>::backward(MoEActs<T>& a, const View2<const T>& dout, const View
       scatter_rows<T>(dy, X.to_pad, dys);
     }
     View2<T> dyr = exchange(dys, X.send_rows, X.recv_rows, ws);
-    View2<T> dye = ws.take<View2<T>>("moe::dy_experts", mr, d);
-    moe_permute<T>(dyr, X.to_expert, dye);
     View2<T> dxe = ws.take<View2<T>>("moe::dx_experts", mr, d);
-    swiglu_experts_backward<T>(expert_weights(), a.xp, a.ex, dye, X.offsets, dxe, false, eg);
+    experts_backward(dyr, X.to_expert, X.offsets, dxe);
     View2<T> dxr = ws.take<View2<T>>("moe::dx_recv", mr, d);
     moe_permute<T>(dxe, X.to_recv, dxr);
     dxp = exchange(dxr, X.recv_rows, X.send_rows, ws);

@@ -35,6 +35,13 @@
 // owner's expert-weight gradient is the sum over the ep ranks of the single-rank gradients of those experts.
 // backward() (and a forward) is collective over comms.ep.
 //
+// Arithmetic of the routed experts: a float layer whose float GEMMs compute in bf16 (set_float_gemm_compute(
+// GemmCompute::bf16), i.e. the deck's [run] gemm_precision = bf16) takes the bf16 expert path of moe/experts.hpp
+// (bf16 expert inputs, weights and intermediates, fp32 accumulation, fp32 expert outputs, master weights and
+// gradients); host builds emulate it (bf16-rounded floats). The choice is made at each forward and kept for its
+// backward. Otherwise (fp32, tf32, and double layers) the experts run the float GEMMs of gemm(). The router and the
+// shared expert always use gemm() (in its float arithmetic).
+//
 // Context parallelism (comms.cp of size C > 1). The cp ranks hold consecutive slices of the same sequences: with
 // MoEStep::batch = B sequences, the rows are b * Lr + t (Lr = rows / B), rank c holding tokens [c Lr, (c+1) Lr) of
 // every sequence, i.e. rows b * L + c * Lr + t of the single-rank layer on the whole sequences (L = C Lr). The
@@ -143,6 +150,12 @@ struct MoEActs {
   SwiGLUActs<T> ex;       // expert intermediates          } rebuilt by backward()
   View2<T> y;             // expert outputs (m, d)         }
   SwiGLUActs<T> sh;       // shared expert intermediates  }
+  // The bf16 expert path (float layers under set_float_gemm_compute(GemmCompute::bf16), decided at the forward;
+  // see moe/experts.hpp): the experts' input rows in bf16 instead of xp, the bf16 weights and intermediates
+  // instead of ex (same lifetime rules as xp and ex). y stays fp32.
+  bool bf16_experts = false;
+  View2<bf16_op_t> xp16;
+  SwiGLUBF16 ex16;
   bool expert_acts_kept = false;
   // Cached device blocks (core/pool.hpp) behind the views above: `ws` for the router's, `expert_ws` for xp, ex and
   // y (and, under ep, the exchange's index maps), dropped with them under recompute.

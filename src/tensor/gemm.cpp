@@ -11,6 +11,10 @@
 #include <cuda_runtime.h>
 #else
 #include <KokkosBlas3_gemm.hpp>
+#include <KokkosKernels_config.h>
+#if defined(KOKKOSKERNELS_ENABLE_TPL_BLAS)
+#include <KokkosBlas_Host_tpl.hpp>
+#endif
 #endif
 
 namespace mm {
@@ -78,6 +82,17 @@ void gemm_cublas(Trans ta, Trans tb, S alpha, GemmIn<T> A, GemmIn<T> B, S beta, 
                      int(B.stride(0)), A.data(), dtype, int(A.stride(0)), &beta, C.data(), dtype, int(C.stride(0)),
                      compute, CUBLAS_GEMM_DEFAULT),
         "cublasGemmEx");
+}
+
+// Row-major raw-pointer GEMM with bf16 operands and fp32 accumulation; C of type ctype (fp32 or bf16).
+void gemm_bf16_cublas(Trans ta, Trans tb, index_t m, index_t n, index_t k, float alpha, const void* A, index_t lda,
+                      const void* B, index_t ldb, float beta, void* C, cudaDataType_t ctype, index_t ldc) {
+  if (m == 0 || n == 0) return;
+  require(std::max({m, n, k, lda, ldb, ldc}) < (1ll << 31), "gemm_bf16", "dimension exceeds int32");
+  Kokkos::Profiling::ScopedRegion region("gemm::cublas_bf16");
+  check(cublasGemmEx(handle(), op(tb), op(ta), int(n), int(m), int(k), &alpha, B, CUDA_R_16BF, int(ldb), A,
+                     CUDA_R_16BF, int(lda), &beta, C, ctype, int(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+        "cublasGemmEx (bf16 operands)");
 }
 
 // cuBLAS compute type of a float GEMM: tensor cores with tf32 or bf16 operand rounding, or plain fp32.
@@ -169,6 +184,28 @@ void batched2d_host(Trans ta, Trans tb, index_t m, index_t n, index_t k, T alpha
   });
 }
 
+// Row-major raw-pointer float GEMM on the host: the BLAS TPL (column-major: C^T = op(B)^T op(A)^T, operands
+// swapped), or the loop kernel above when Kokkos Kernels has no BLAS.
+void gemm_host_raw(Trans ta, Trans tb, index_t m, index_t n, index_t k, float alpha, const float* A, index_t lda,
+                   const float* B, index_t ldb, float beta, float* C, index_t ldc) {
+  if (m == 0 || n == 0) return;
+  if (k == 0) {  // C = beta C
+    par_for("gemm::scale_k0", m, n, KOKKOS_LAMBDA(index_t i, index_t j) {
+      C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
+    });
+    return;
+  }
+#if defined(KOKKOSKERNELS_ENABLE_TPL_BLAS)
+  require(std::max({m, n, k, lda, ldb, ldc}) < (1ll << 31), "gemm_bf16", "dimension exceeds int32");
+  Kokkos::Profiling::ScopedRegion region("gemm::host_blas");
+  Exec().fence("gemm::host_blas");  // the BLAS runs outside Kokkos: earlier kernels first
+  KokkosBlas::Impl::HostBlas<float>::gemm(tb == Trans::N ? 'N' : 'T', ta == Trans::N ? 'N' : 'T', int(n), int(m),
+                                          int(k), alpha, B, int(ldb), A, int(lda), beta, C, int(ldc));
+#else
+  batched2d_host<float>(ta, tb, m, n, k, alpha, A, lda, 0, 0, B, ldb, 0, 0, beta, C, ldc, 0, 0, 1, 1);
+#endif
+}
+
 template <class T>
 void gemm_kokkosblas(Trans ta, Trans tb, T alpha, GemmIn<T> A, GemmIn<T> B, T beta, GemmOut<T> C) {
   const Shape s = check_shapes(ta, tb, A, B, C);
@@ -238,6 +275,14 @@ void gemm_batched_2d(Trans ta, Trans tb, index_t m, index_t n, index_t k, double
   batched2d_cublas<double>(ta, tb, m, n, k, alpha, A, lda, sAj, sAi, B, ldb, sBj, sBi, beta, C, ldc, sCj, sCi, nj,
                            ni, CUDA_R_64F, CUBLAS_COMPUTE_64F, pointers);
 }
+void gemm_bf16_f32(Trans ta, Trans tb, index_t m, index_t n, index_t k, float alpha, const bf16_op_t* A,
+                   index_t lda, const bf16_op_t* B, index_t ldb, float beta, float* C, index_t ldc) {
+  gemm_bf16_cublas(ta, tb, m, n, k, alpha, A, lda, B, ldb, beta, C, CUDA_R_32F, ldc);
+}
+void gemm_bf16_b16(Trans ta, Trans tb, index_t m, index_t n, index_t k, float alpha, const bf16_op_t* A,
+                   index_t lda, const bf16_op_t* B, index_t ldb, float beta, bf16_op_t* C, index_t ldc) {
+  gemm_bf16_cublas(ta, tb, m, n, k, alpha, A, lda, B, ldb, beta, C, CUDA_R_16BF, ldc);
+}
 const char* gemm_backend_name() { return "cuBLAS (bf16: cublasGemmEx, CUBLAS_COMPUTE_32F)"; }
 #else
 void gemm(Trans ta, Trans tb, float alpha, GemmIn<float> A, GemmIn<float> B, float beta, GemmOut<float> C) {
@@ -269,6 +314,18 @@ void gemm_batched_2d(Trans ta, Trans tb, index_t m, index_t n, index_t k, double
                      GemmCompute, std::uintptr_t*) {
   batched2d_host<double>(ta, tb, m, n, k, alpha, A, lda, sAj, sAi, B, ldb, sBj, sBi, beta, C, ldc, sCj, sCi, nj,
                          ni);
+}
+void gemm_bf16_f32(Trans ta, Trans tb, index_t m, index_t n, index_t k, float alpha, const bf16_op_t* A,
+                   index_t lda, const bf16_op_t* B, index_t ldb, float beta, float* C, index_t ldc) {
+  gemm_host_raw(ta, tb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+void gemm_bf16_b16(Trans ta, Trans tb, index_t m, index_t n, index_t k, float alpha, const bf16_op_t* A,
+                   index_t lda, const bf16_op_t* B, index_t ldb, float beta, bf16_op_t* C, index_t ldc) {
+  gemm_host_raw(ta, tb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc);
+  if (m == 0 || n == 0) return;
+  par_for("gemm::bf16_round_output", m, n, KOKKOS_LAMBDA(index_t i, index_t j) {
+    C[i * ldc + j] = bf16_round(C[i * ldc + j]);
+  });
 }
 const char* gemm_backend_name() { return "KokkosBlas::gemm (host BLAS TPL)"; }
 #endif

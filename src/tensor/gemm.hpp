@@ -69,6 +69,45 @@ void gemm_batched_2d(Trans ta, Trans tb, index_t m, index_t n, index_t k, double
                      double beta, double* C, index_t ldc, index_t sCj, index_t sCi, index_t nj, index_t ni,
                      GemmCompute compute = GemmCompute::fp32, std::uintptr_t* pointers = nullptr);
 
+// ---------------------------------------------------------------- bf16 operands with fp32 accumulation
+//
+// Storage of bf16 GEMM operands: bf16 on CUDA; on host builds float arrays that hold bf16-rounded values, so that
+// a host build runs the same code with the same roundings (operands rounded to bf16, fp32 accumulation, a bf16
+// output rounded again) on the host BLAS: the CPU emulation that CI tests.
+#if defined(KOKKOS_ENABLE_CUDA)
+using bf16_op_t = bf16;
+#else
+using bf16_op_t = float;
+#endif
+
+// v rounded to the nearest bf16 (ties to even), as a float; infinities and NaNs unchanged.
+KOKKOS_INLINE_FUNCTION float bf16_round(float v) {
+  std::uint32_t u = Kokkos::bit_cast<std::uint32_t>(v);
+  if ((u & 0x7f800000u) == 0x7f800000u) return v;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return Kokkos::bit_cast<float>(u & 0xffff0000u);
+}
+
+// float -> bf16 operand storage (round to nearest even) and back.
+KOKKOS_INLINE_FUNCTION bf16_op_t to_bf16_op(float v) {
+#if defined(KOKKOS_ENABLE_CUDA)
+  return bf16_op_t(v);
+#else
+  return bf16_round(v);
+#endif
+}
+KOKKOS_INLINE_FUNCTION float from_bf16_op(bf16_op_t v) { return float(v); }
+
+// Row-major C (m x n) = alpha op(A) op(B) + beta C on raw pointers into the default memory space, op(A) m x k,
+// op(B) k x n, row strides lda, ldb, ldc (so a column block of a wider matrix is an operand): bf16 operands, fp32
+// accumulation. gemm_bf16_f32 writes C in fp32, gemm_bf16_b16 in bf16 (rounded). CUDA: cublasGemmEx (CUDA_R_16BF
+// operands, CUBLAS_COMPUTE_32F) on the default stream; host: the host BLAS on the bf16-rounded floats, the bf16
+// output rounded after the product.
+void gemm_bf16_f32(Trans ta, Trans tb, index_t m, index_t n, index_t k, float alpha, const bf16_op_t* A,
+                   index_t lda, const bf16_op_t* B, index_t ldb, float beta, float* C, index_t ldc);
+void gemm_bf16_b16(Trans ta, Trans tb, index_t m, index_t n, index_t k, float alpha, const bf16_op_t* A,
+                   index_t lda, const bf16_op_t* B, index_t ldb, float beta, bf16_op_t* C, index_t ldc);
+
 // Name of the backend that serves gemm<T> in this build (for logs and benchmark tables).
 const char* gemm_backend_name();
 

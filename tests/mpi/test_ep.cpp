@@ -274,7 +274,100 @@ class SizeOnlyComm final : public parallel::Comm {
   int n_;
 };
 
+// The bf16 expert path (float layers under set_float_gemm_compute(bf16)) under ep = world size: the parallel
+// layer against the single-rank bf16 layer on every ep rank's rows. Both round the same values to bf16, but the
+// owner's GEMMs see other row counts (the rows of all source ranks), so fp32 sums may differ in the last bit and a
+// rounding may land one bf16 step apart: the tolerance is 1e-2 of the largest magnitude.
+void check_ep_bf16(const EpCase& c, bool save, double& worst) {
+  const int R = mmtest::world_size();
+  parallel::ProcessGrid grid(parallel::resolve_layout({1, 1, R, 1}, R), MPI_COMM_WORLD);
+  const parallel::ModelComms comms = grid.model_comms();
+  const int er = grid.ep_rank();
+  const MoEConfig cfg = make_cfg(c);
+  const index_t El = cfg.n_experts / R, d = cfg.d_model;
+  const MoEStep step{true, 77, 3, 0};
+  auto init = [](ParamStore<float>& ps) {
+    ps.allocate();
+    ps.initialize(11);
+    fill_uniform(ps.v1(ps.index("moe.router.weight")), 41, -1.0, 1.0);
+    if (ps.has("moe.router.expert_bias")) fill_uniform(ps.v1(ps.index("moe.router.expert_bias")), 43, -0.1, 0.1);
+  };
+  struct RunF {
+    std::vector<double> out, dx, ds, grads;
+    bool bf16 = false;
+  };
+  auto go = [&](const MoELayer<float>& layer, ParamStore<float>& ps, int set) {
+    const index_t n = 2 * (5 + set);
+    View2<float> x("x", n, d), st("st", cfg.state_aware ? n : 0, d), dout("dout", n, d);
+    fill_uniform(x, 100 + set, -1.5, 1.5);
+    if (cfg.state_aware) fill_uniform(st, 300 + set);
+    fill_uniform(dout, 200 + set);
+    View2<float> out("out", n, d), dx("dx", n, d), ds("ds", st.extent(0), d);
+    MoEActs<float> acts;
+    RunF r;
+    layer.forward(x, out, acts, save, step, st);
+    r.bf16 = acts.bf16_experts;
+    ps.zero_grads();
+    layer.backward(acts, dout, dx, 0.7, ds);
+    r.out = to_vec(out);
+    r.dx = to_vec(dx);
+    r.ds = to_vec(ds);
+    r.grads = to_vec(ps.grads());
+    return r;
+  };
+  const GemmCompute old = float_gemm_compute();
+  set_float_gemm_compute(GemmCompute::bf16);
+  ParamStore<float> rps, pps;
+  MoELayer<float> ref(cfg, rps, "moe.", 2), par(cfg, pps, "moe.", 2, comms);
+  init(rps);
+  init(pps);
+  std::vector<RunF> refs;
+  for (int e = 0; e < R; ++e) refs.push_back(go(ref, rps, e));
+  comms.ep->reset_bytes_sent();
+  const RunF got = go(par, pps, er);
+  set_float_gemm_compute(old);
+  if (R > 1) CHECK(comms.ep->bytes_sent() > 0);
+  CHECK(got.bf16);
+  CHECK(refs[er].bf16);
+  auto chk = [&](const std::string& what, const std::vector<double>& a, const std::vector<double>& b) {
+    const double err = rel_err(a, b);
+    worst = std::max(worst, err);
+    INFO(what << " rel err " << err);
+    CHECK(err <= 1e-2);
+  };
+  const RunF& want = refs[er];
+  chk("out", got.out, want.out);
+  chk("dx", got.dx, want.dx);
+  if (cfg.state_aware) chk("dstate", got.ds, want.ds);
+  for (const auto& pe : pps.entries()) {
+    const ParamEntry& re = rps.entry(pe.name);
+    const auto g = part(got.grads, pe.offset, pe.size);
+    if (pe.name.find("experts.") == std::string::npos) {
+      chk(pe.name, g, part(want.grads, re.offset, re.size));
+    } else {  // the owner's block: the sum over the ep ranks' rows
+      const index_t per = pe.size / El;
+      std::vector<double> sum(std::size_t(pe.size), 0.0);
+      for (int e = 0; e < R; ++e) {
+        const auto r = part(refs[e].grads, re.offset + er * El * per, El * per);
+        for (std::size_t i = 0; i < sum.size(); ++i) sum[i] += r[i];
+      }
+      chk(pe.name, g, sum);
+    }
+  }
+}
+
 }  // namespace
+
+TEST_CASE("MoE expert parallelism with the bf16 expert path equals the single-rank bf16 layer per rank", "[ep]") {
+  double worst = 0;
+  for (const EpCase& c : kCases)
+    for (bool save : {true, false}) {
+      INFO(c.name << ", save " << save);
+      check_ep_bf16(c, save, worst);
+    }
+  if (mmtest::world_rank() == 0)
+    std::printf("[ep] bf16 expert path, ep at %d ranks: worst relative error %.3g\n", mmtest::world_size(), worst);
+}
 
 TEST_CASE("MoE expert parallelism (ep = world size) equals the single-rank layer per rank", "[ep]") {
   sweep({1, 1, mmtest::world_size(), 1});

@@ -454,3 +454,170 @@ TEST_CASE("MoE bad configs and shapes are errors naming the values", "[moe]") {
   View2<double> x6("x6", 4, 6);
   CHECK_THROWS_WITH(layer.forward(x6, out, acts, true), ContainsSubstring("needs a state input of shape (4, 6)"));
 }
+
+// ------------------------------------------------------------------ bf16 expert path
+
+namespace {
+
+// The process-wide float GEMM arithmetic for one scope (a float MoE layer takes its bf16 expert path under bf16).
+struct GemmComputeScope {
+  GemmCompute old;
+  explicit GemmComputeScope(GemmCompute c) : old(float_gemm_compute()) { set_float_gemm_compute(c); }
+  ~GemmComputeScope() { set_float_gemm_compute(old); }
+  GemmComputeScope(const GemmComputeScope&) = delete;
+  GemmComputeScope& operator=(const GemmComputeScope&) = delete;
+};
+
+// bf16 operand storage <-> doubles (host values, rounded to bf16 on the way in)
+View1<bf16_op_t> bf16_from(const std::vector<double>& v) {
+  View1<bf16_op_t> d("bf16_from", v.size());
+  auto h = Kokkos::create_mirror_view(d);
+  for (std::size_t i = 0; i < v.size(); ++i) h(i) = to_bf16_op(float(v[i]));
+  Kokkos::deep_copy(d, h);
+  return d;
+}
+std::vector<double> bf16_to_vec(const View1<bf16_op_t>& d) {
+  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), d);
+  std::vector<double> v(h.extent(0));
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = double(from_bf16_op(h(i)));
+  return v;
+}
+std::vector<double> uniform_vec(std::size_t n, std::uint64_t stream) {
+  View1<double> v("u", n);
+  fill_uniform(v, stream);
+  return to_vec(v);
+}
+double round_bf16(double v) { return double(bf16_round(float(v))); }
+
+}  // namespace
+
+TEST_CASE("bf16 rounding is to the nearest bf16, ties to even", "[moe][gemm]") {
+  CHECK(bf16_round(1.0f) == 1.0f);
+  CHECK(bf16_round(1.0f + 0x1p-8f) == 1.0f);                     // tie: to the even mantissa 0
+  CHECK(bf16_round(1.0f + 3 * 0x1p-8f) == 1.0f + 0x1p-6f);       // tie: to the even mantissa 2
+  CHECK(bf16_round(1.0f + 0x1p-8f + 0x1p-12f) == 1.0f + 0x1p-7f);  // above the tie: up
+  CHECK(bf16_round(-3.14159f) == -3.140625f);
+  CHECK(std::isinf(bf16_round(INFINITY)));
+  CHECK(std::isnan(bf16_round(NAN)));
+  CHECK(float(from_bf16_op(to_bf16_op(1.0f + 3 * 0x1p-8f))) == 1.0f + 0x1p-6f);
+}
+
+TEST_CASE("bf16 GEMMs: rounded operands, fp32 accumulation, fp32 or bf16 output, column-block operands", "[moe][gemm]") {
+  // C (m x n) = alpha op(A) op(B) + beta C with A a column block (lda > its columns) of a wider matrix
+  const index_t m = 7, n = 5, k = 9, lda = 13, ldc = 6;
+  for (Trans ta : {Trans::N, Trans::T})
+    for (Trans tb : {Trans::N, Trans::T}) {
+      INFO("ta " << (ta == Trans::T) << " tb " << (tb == Trans::T));
+      const index_t arows = ta == Trans::N ? m : k, brows = tb == Trans::N ? k : n, bcols = tb == Trans::N ? n : k;
+      const auto av = uniform_vec(arows * lda, 21), bv = uniform_vec(brows * bcols, 22), cv = uniform_vec(m * ldc, 23);
+      const auto A = bf16_from(av), B = bf16_from(bv);
+      View1<float> C32("C32", m * ldc);
+      mmtest::from_vec(C32, cv);
+      const auto Cb = bf16_from(cv);
+      const float alpha = 0.75f, beta = 1.0f;
+      gemm_bf16_f32(ta, tb, m, n, k, alpha, A.data() + 2, lda, B.data(), bcols, beta, C32.data(), ldc);
+      gemm_bf16_b16(ta, tb, m, n, k, alpha, A.data() + 2, lda, B.data(), bcols, beta, Cb.data(), ldc);
+      const auto c32 = to_vec(C32), cb = bf16_to_vec(Cb);
+      double err32 = 0, errb = 0, scale = 0;
+      bool representable = true;
+      for (index_t i = 0; i < m; ++i)
+        for (index_t j = 0; j < n; ++j) {
+          double s = 0;  // double product of the bf16-rounded operands
+          for (index_t l = 0; l < k; ++l)
+            s += round_bf16(ta == Trans::N ? av[i * lda + 2 + l] : av[l * lda + 2 + i]) *
+                 round_bf16(tb == Trans::N ? bv[l * bcols + j] : bv[j * bcols + l]);
+          const double ref32 = alpha * s + beta * cv[i * ldc + j];
+          const double refb = alpha * s + beta * round_bf16(cv[i * ldc + j]);
+          err32 = std::max(err32, std::abs(c32[i * ldc + j] - ref32));
+          errb = std::max(errb, std::abs(cb[i * ldc + j] - refb));
+          scale = std::max(scale, std::abs(ref32));
+          representable = representable && round_bf16(cb[i * ldc + j]) == cb[i * ldc + j];
+        }
+      INFO("fp32-out err " << err32 << ", bf16-out err " << errb << ", scale " << scale);
+      CHECK(scale > 0.5);
+      CHECK(err32 <= 1e-5 * scale);  // fp32 accumulation of exactly representable products
+      CHECK(errb <= 0x1p-8 * scale);  // plus one bf16 rounding of the output
+      CHECK(representable);
+      // the padding columns of C (ldc > n) are untouched
+      for (index_t i = 0; i < m; ++i) CHECK(c32[i * ldc + n] == float(cv[i * ldc + n]));
+    }
+}
+
+TEST_CASE("MoE bf16 expert path: output, dx and gradients against the fp32 path and the double reference",
+          "[moe]") {
+  // top-1 and top-2, softmax and sigmoid, with a shared expert and the state-aware / bias / jitter router; dropless
+  // and capacity mode. The float layer has the double fixture's parameters and inputs.
+  for (int ci : {0, 1, 3, 4})
+    for (double cf : {0.0, 0.75}) {
+      const Case& c = kCases[ci];
+      INFO(c.name << ", capacity_factor " << cf);
+      MoEConfig cfg = make_cfg(c, cf);
+      cfg.d_model = 32;
+      cfg.d_ff = 40;
+      Fixture f(cfg, 61);
+      const auto ref = f.reference(true);
+      ParamStore<float> ps;
+      MoELayer<float> layer(cfg, ps, "moe.", 2);
+      ps.allocate();
+      REQUIRE(ps.total() == f.ps.total());
+      mmtest::from_vec(ps.values(), to_vec(f.ps.values()));
+      const index_t n = f.n, d = cfg.d_model;
+      View2<float> x("x", n, d), s("s", cfg.state_aware ? n : 0, d), dout("dout", n, d);
+      mmtest::from_vec(x, to_vec(f.x));
+      if (cfg.state_aware) mmtest::from_vec(s, to_vec(f.state));
+      mmtest::from_vec(dout, to_vec(f.dout));
+      struct Run {
+        std::vector<double> out, dx, ds;
+        std::vector<double> expert;
+        std::vector<double> g[7];
+        double aux = 0;
+      };
+      const char* names[7] = {"router.weight", "experts.w1", "experts.w3", "experts.w2",
+                              "shared.w1",     "shared.w3",  "shared.w2"};
+      auto run = [&](GemmCompute comp, bool save) {
+        GemmComputeScope scope(comp);
+        View2<float> out("out", n, d), dx("dx", n, d), ds("ds", cfg.state_aware ? n : 0, d);
+        MoEActs<float> acts;
+        Run r;
+        r.aux = layer.forward(x, out, acts, save, f.step, s).total();
+        CHECK(acts.bf16_experts == (comp == GemmCompute::bf16));
+        ps.zero_grads();
+        layer.backward(acts, dout, dx, 1.0, ds);
+        r.out = to_vec(out);
+        r.dx = to_vec(dx);
+        r.ds = to_vec(ds);
+        r.expert = to_vec(acts.routing.expert);
+        for (int i = 0; i < 7; ++i)
+          if (ps.has(std::string("moe.") + names[i])) r.g[i] = to_vec(ps.g1(ps.index(std::string("moe.") + names[i])));
+        return r;
+      };
+      const Run r32 = run(GemmCompute::fp32, true);
+      const Run r16 = run(GemmCompute::bf16, true);
+      const Run r16rc = run(GemmCompute::bf16, false);  // the backward recomputes the bf16 experts
+      // same routing as the reference (the router is fp32 in both paths)
+      std::vector<int> e16;
+      for (double v : r16.expert) e16.push_back(int(v));
+      REQUIRE(e16 == ref.expert);
+      const std::vector<double>* refg[7] = {&ref.dwr, &ref.dw1, &ref.dw3, &ref.dw2, &ref.ds1, &ref.ds3, &ref.ds2};
+      auto chk = [&](const std::string& what, const std::vector<double>& a32, const std::vector<double>& a16,
+                     const std::vector<double>& a16rc, const std::vector<double>& b) {
+        const double e32 = rel_err(a32, b), e16 = rel_err(a16, b), d16 = rel_err(a16, a32);
+        INFO(what << ": fp32 path rel err " << e32 << ", bf16 path rel err " << e16 << ", bf16 vs fp32 " << d16);
+        CHECK(e32 < 1e-5);
+        CHECK(e16 < 2e-2);
+        CHECK(a16rc == a16);  // recompute: bit-identical
+        return d16;
+      };
+      // the bf16 rounding is really there: the routed experts' output and every expert weight gradient differ
+      // from the fp32 path by far more than fp32 rounding
+      CHECK(chk("out", r32.out, r16.out, r16rc.out, ref.out) > 1e-4);
+      CHECK(chk("dx", r32.dx, r16.dx, r16rc.dx, ref.dx) > 1e-4);
+      if (cfg.state_aware) chk("dstate", r32.ds, r16.ds, r16rc.ds, ref.dstate);
+      for (int i = 0; i < 7; ++i) {
+        if (i >= 4 && cfg.shared_d_ff == 0) continue;
+        const double dd = chk(names[i], r32.g[i], r16.g[i], r16rc.g[i], *refg[i]);
+        if (i >= 1 && i <= 3) CHECK(dd > 1e-4);
+      }
+      CHECK(r16.aux == r32.aux);  // the router and its losses do not depend on the expert arithmetic
+    }
+}
