@@ -342,7 +342,10 @@ MoELosses MoELayer<T>::forward(const View2<T>& x, const View2<T>& out, MoEActs<T
   const RouterOptions opt = cfg_.router_options();
   Routing<P>& r = acts.routing;
   r.logits = acts.ws->template take<View2<P>>("moe::logits", n, cfg_.n_experts);
-  linear_forward<T>(xr, store_->v2(router_w_), View1<const P>(), r.logits);
+  {
+    const FloatGemmComputeScope fp32_logits(GemmCompute::fp32);  // the router's logits in fp32 arithmetic
+    linear_forward<T>(xr, store_->v2(router_w_), View1<const P>(), r.logits);
+  }
   router_select<P>(opt, has_expert_bias() ? View1<const P>(store_->v1(bias_)) : View1<const P>(), r, acts.ws.get());
   RouterLosses L;
   std::vector<index_t> kept_all;  // cp: kept assignments per expert over all cp ranks
@@ -520,6 +523,7 @@ void MoELayer<T>::backward(MoEActs<T>& a, const View2<const T>& dout, const View
   // router: gates, load-balancing loss, z-loss -> logits -> router weight and input
   View2<P> dl = ws.take<View2<P>>("moe::dlogits", n, E);
   router_backward<P>(cfg_.router_options(), r, dgate, aux_scale, dl);
+  const FloatGemmComputeScope fp32_router(GemmCompute::fp32);  // as the forward's logits
   if (a.xr.extent(0) == 0 && a.xr.data() == nullptr) {
     linear_backward<T>(a.x, store_->v2(router_w_), dl, dx, true, store_->g2(router_w_), View1<P>());
   } else {

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "core/error.hpp"
+#include "ssm/mamba1/scan_cuda.hpp"
 #include "ssm/mamba2/ssd_fused.hpp"
 
 namespace mm::parallel {
@@ -225,9 +226,12 @@ LayerMem mem_mamba1(const Mamba1Config& c, const Dims& d, Recompute pol) {
   const double ckpt = d.a * nc * N * d.b * E;
   m.full = d.n * d.t * (2 * E + E + R + 2 * N + E + E) + ckpt;
   m.keep = pol == Recompute::none ? m.full : 0.0;
-  // selective_scan: the chunk-parallel forward's chunk-local end states and decay factors (d_state <= 64), or the
-  // running state of the per-channel one
-  m.fwd_extra = N <= 64 ? 2 * d.a * nc * N * d.b * E : d.a * N * d.b * E;
+  // selective_scan: the native CUDA forward (fp32, ssm/mamba1/scan_cuda.hpp) needs nothing beyond the checkpoints;
+  // the chunk-parallel forward keeps chunk-local end states and decay factors (d_state <= 64), the per-channel one
+  // its running state
+  const bool native =
+      mamba1_cuda::compiled() && d.t == 4 && mamba1_cuda::shape_fits(index_t(E), index_t(N), index_t(E));
+  m.fwd_extra = native ? 0.0 : N <= 64 ? 2 * d.a * nc * N * d.b * E : d.a * N * d.b * E;
   // dy, dxz, dxc, ddelta, dbc, and A = -exp(A_log) and dA (E' x N); ddt_low comes after the scan's buffers are freed
   const double grads = d.n * d.t * (E + 2 * E + E + E + 2 * N) + 2 * d.a * E * N;
   // pass 2's parts of dB and dC: one per block of 32 channels (one group), as many at a time as 256 MiB holds

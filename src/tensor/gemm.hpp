@@ -41,6 +41,19 @@ const char* gemm_compute_name(GemmCompute c);
 void set_float_gemm_compute(GemmCompute c);
 GemmCompute float_gemm_compute();
 
+// The float GEMM arithmetic set to `c` for the scope's lifetime, the previous one restored after (the MoE router
+// computes its logits in fp32 under any setting).
+class FloatGemmComputeScope {
+ public:
+  explicit FloatGemmComputeScope(GemmCompute c) : prev_(float_gemm_compute()) { set_float_gemm_compute(c); }
+  ~FloatGemmComputeScope() { set_float_gemm_compute(prev_); }
+  FloatGemmComputeScope(const FloatGemmComputeScope&) = delete;
+  FloatGemmComputeScope& operator=(const FloatGemmComputeScope&) = delete;
+
+ private:
+  GemmCompute prev_;
+};
+
 // A strided batch of row-major GEMMs on raw pointers into the default memory space: for i in [0, count),
 //   C_i = alpha op(A_i) op(B_i) + beta C_i,   X_i = X + i * sX,
 // op(A_i) m x k, op(B_i) k x n, C_i m x n, leading dimensions (row strides) lda, ldb, ldc. CUDA:
