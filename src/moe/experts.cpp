@@ -126,6 +126,23 @@ __global__ void combine_rows(const float* y, long long ldy, const index_t* row, 
   }
 }
 
+// bf16 copies of fp32 weights, 8 values per thread: with w3, out = [w1_g; w3_g] for g < G (blocks of Fd8 pieces
+// each); without, out = w1 (G Fd8 pieces)
+__global__ void weights_to_bf16(const float* w1, const float* w3, uint4* out, long long G, long long Fd8) {
+  MM_GRID_LOOP(i, (w3 ? 2 : 1) * G * Fd8) {
+    const float* src;
+    if (w3) {
+      const long long gh = i / Fd8, c = i - gh * Fd8;
+      src = ((gh & 1) ? w3 : w1) + ((gh >> 1) * Fd8 + c) * 8;
+    } else {
+      src = w1 + i * 8;
+    }
+    const float4 p = reinterpret_cast<const float4*>(src)[0], q = reinterpret_cast<const float4*>(src)[1];
+    const float f[8] = {p.x, p.y, p.z, p.w, q.x, q.y, q.z, q.w};
+    out[i] = pack8(f);
+  }
+}
+
 #undef MM_GRID_LOOP
 
 inline unsigned grid_for(long long items) {
@@ -260,6 +277,18 @@ void swiglu_weights_to_bf16(const SwiGLUWeights<float>& w, index_t G, SwiGLUBF16
   auto w13 = acts.w13;
   auto w2b = acts.w2;
   const index_t Fd = F * d;
+#if defined(KOKKOS_ENABLE_CUDA)
+  if (Fd % 8 == 0 && cuda_k::aligned16(w1) && cuda_k::aligned16(w3) && cuda_k::aligned16(w2) &&
+      cuda_k::aligned16(w13.data()) && cuda_k::aligned16(w2b.data())) {
+    Kokkos::Profiling::ScopedRegion region("moe::weights_to_bf16");
+    cuda_k::weights_to_bf16<<<cuda_k::grid_for(2 * G * (Fd / 8)), 256, 0, cuda_k::stream()>>>(
+        w1, w3, reinterpret_cast<uint4*>(w13.data()), G, Fd / 8);
+    cuda_k::weights_to_bf16<<<cuda_k::grid_for(G * (Fd / 8)), 256, 0, cuda_k::stream()>>>(
+        w2, nullptr, reinterpret_cast<uint4*>(w2b.data()), G, Fd / 8);
+    cuda_k::launched("moe::weights_to_bf16");
+    return;
+  }
+#endif
   // W13_g = [W1_g; W3_g]: row block g of 2F rows
   par_for("moe::w13_to_bf16", G * 2, Fd, KOKKOS_LAMBDA(index_t gh, index_t i) {
     const index_t g = gh / 2;
@@ -355,8 +384,13 @@ void swiglu_experts_backward_bf16(const SwiGLUWeights<float>& w, const View2<con
     if (mg == 0) continue;
     const bf16_op_t* dh = dh13.data() + r0 * 2 * F;
     const bf16_op_t* xg = xp.data() + r0 * d;
-    gemm_bf16_f32(Trans::T, Trans::N, F, d, mg, 1.0f, dh, 2 * F, xg, d, 1.0f, g.w1 + e * F * d, d);
-    gemm_bf16_f32(Trans::T, Trans::N, F, d, mg, 1.0f, dh + F, 2 * F, xg, d, 1.0f, g.w3 + e * F * d, d);
+    if (g.w3 > g.w1) {  // both in one call (the two column halves of dh13_g against the same xp_g)
+      gemm_bf16_f32_batched(Trans::T, Trans::N, F, d, mg, 1.0f, dh, 2 * F, F, xg, d, 0, 1.0f, g.w1 + e * F * d, d,
+                            index_t(g.w3 - g.w1), 2);
+    } else {
+      gemm_bf16_f32(Trans::T, Trans::N, F, d, mg, 1.0f, dh, 2 * F, xg, d, 1.0f, g.w1 + e * F * d, d);
+      gemm_bf16_f32(Trans::T, Trans::N, F, d, mg, 1.0f, dh + F, 2 * F, xg, d, 1.0f, g.w3 + e * F * d, d);
+    }
   }
 }
 

@@ -283,6 +283,19 @@ void gemm_bf16_b16(Trans ta, Trans tb, index_t m, index_t n, index_t k, float al
                    index_t lda, const bf16_op_t* B, index_t ldb, float beta, bf16_op_t* C, index_t ldc) {
   gemm_bf16_cublas(ta, tb, m, n, k, alpha, A, lda, B, ldb, beta, C, CUDA_R_16BF, ldc);
 }
+void gemm_bf16_f32_batched(Trans ta, Trans tb, index_t m, index_t n, index_t k, float alpha, const bf16_op_t* A,
+                           index_t lda, index_t sA, const bf16_op_t* B, index_t ldb, index_t sB, float beta,
+                           float* C, index_t ldc, index_t sC, index_t count) {
+  if (m == 0 || n == 0 || count == 0) return;
+  require(sA >= 0 && sB >= 0 && sC >= 0, "gemm_bf16_f32_batched", "negative batch stride");
+  require_int32_dims("gemm_bf16_f32_batched", m, n, k, lda, ldb, ldc, count);
+  Kokkos::Profiling::ScopedRegion region("gemm::cublas_bf16");
+  check(cublasGemmStridedBatchedEx(handle(), op(tb), op(ta), int(n), int(m), int(k), &alpha, B, CUDA_R_16BF,
+                                   int(ldb), (long long)sB, A, CUDA_R_16BF, int(lda), (long long)sA, &beta, C,
+                                   CUDA_R_32F, int(ldc), (long long)sC, int(count), CUBLAS_COMPUTE_32F,
+                                   CUBLAS_GEMM_DEFAULT),
+        "cublasGemmStridedBatchedEx (bf16 operands)");
+}
 const char* gemm_backend_name() { return "cuBLAS (bf16: cublasGemmEx, CUBLAS_COMPUTE_32F)"; }
 #else
 void gemm(Trans ta, Trans tb, float alpha, GemmIn<float> A, GemmIn<float> B, float beta, GemmOut<float> C) {
@@ -326,6 +339,13 @@ void gemm_bf16_b16(Trans ta, Trans tb, index_t m, index_t n, index_t k, float al
   par_for("gemm::bf16_round_output", m, n, KOKKOS_LAMBDA(index_t i, index_t j) {
     C[i * ldc + j] = bf16_round(C[i * ldc + j]);
   });
+}
+void gemm_bf16_f32_batched(Trans ta, Trans tb, index_t m, index_t n, index_t k, float alpha, const bf16_op_t* A,
+                           index_t lda, index_t sA, const bf16_op_t* B, index_t ldb, index_t sB, float beta,
+                           float* C, index_t ldc, index_t sC, index_t count) {
+  require(sA >= 0 && sB >= 0 && sC >= 0, "gemm_bf16_f32_batched", "negative batch stride");
+  for (index_t i = 0; i < count; ++i)
+    gemm_host_raw(ta, tb, m, n, k, alpha, A + i * sA, lda, B + i * sB, ldb, beta, C + i * sC, ldc);
 }
 const char* gemm_backend_name() { return "KokkosBlas::gemm (host BLAS TPL)"; }
 #endif

@@ -120,6 +120,11 @@ void gemm_bf16_f32(Trans ta, Trans tb, index_t m, index_t n, index_t k, float al
                    index_t lda, const bf16_op_t* B, index_t ldb, float beta, float* C, index_t ldc);
 void gemm_bf16_b16(Trans ta, Trans tb, index_t m, index_t n, index_t k, float alpha, const bf16_op_t* A,
                    index_t lda, const bf16_op_t* B, index_t ldb, float beta, bf16_op_t* C, index_t ldc);
+// `count` GEMMs of gemm_bf16_f32's form with X_i = X + i sX (strides >= 0; sB = 0 shares B): one cuBLAS call
+// (cublasGemmStridedBatchedEx) on CUDA, so that small products fill the GPU together; a loop on host builds.
+void gemm_bf16_f32_batched(Trans ta, Trans tb, index_t m, index_t n, index_t k, float alpha, const bf16_op_t* A,
+                           index_t lda, index_t sA, const bf16_op_t* B, index_t ldb, index_t sB, float beta,
+                           float* C, index_t ldc, index_t sC, index_t count);
 
 // Name of the backend that serves gemm<T> in this build (for logs and benchmark tables).
 const char* gemm_backend_name();
