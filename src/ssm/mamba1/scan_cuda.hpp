@@ -16,9 +16,12 @@
 //     tokens from its true entering state, adding C h to its outputs (the decays reused, not recomputed);
 //   - B and C (shared by the block's channels) arrive by asynchronous copies one iteration ahead, in units of the
 //     G states a lane reads at once, rotated by slot so that the S slots reading the same state hit different banks;
-//   - u and delta are read straight into registers (the 8 channels of a block share each 32-byte sector).
+//   - u and delta arrive with them in shared memory (staged variants: 16-byte copies of whole 32-byte rows, rows
+//     skewed by slot), or are read by each lane straight into registers (the others: a warp load then touches 16
+//     sectors for 8 useful bytes each, which ncu showed keeping L1 79 % busy).
 // The checkpoints (the state entering every chunk of `chunk` tokens) and the final state are written on the way.
-// Variants (S, K, G) trade warps for registers and shuffles; `variant` picks one (0: the default).
+// Variants (S, K, G, staged) trade warps for registers and shuffles; `variant` picks one (0: the default, the
+// fastest measured on an H200: S8 K8 G4 staged, perf/RESULTS.md).
 #pragma once
 
 #include <cstdint>
