@@ -6,6 +6,7 @@
 
 #include "core/error.hpp"
 #include "moe/router.hpp"
+#include "tensor/gemm.hpp"
 
 namespace mm::drivers {
 
@@ -65,6 +66,9 @@ parallel::PlanInput plan_input(const io::Deck& d, I gpus) {
   in.eval_seqlen = d.get<I>("train.eval_seq_len");
   in.gpu_memory_bytes = d.get<double>("parallel.gpu_memory_gb") * 1e9;
   require(in.gpu_memory_bytes > 0, "[parallel] gpu_memory_gb", "the planner needs the device memory per rank");
+  // the MoE layers' bf16 expert path (its activations and weight copies)
+  in.moe_bf16 = parse_gemm_compute(d.get<std::string>("run.gemm_precision"), "[run] gemm_precision") ==
+                GemmCompute::bf16;
   return in;
 }
 

@@ -10,6 +10,7 @@
 #include "core/error.hpp"
 #include "ssm/mamba1/scan_cuda.hpp"
 #include "ssm/mamba2/ssd_fused.hpp"
+#include "tensor/gemm.hpp"  // bf16_op_t
 
 namespace mm::parallel {
 
@@ -99,6 +100,7 @@ struct Dims {
   double b, L, n;        // rows, tokens per row (the rank's slice), tokens
   index_t tp, ep, cp = 1;
   double concurrency_teams;
+  double moe_b16 = 0;    // bytes of a bf16 operand on the MoE bf16 expert path (0: the path is off)
 };
 
 // A mixer run in windows of W tokens (ssm/windows.hpp), from the terms `x` of one window of W tokens
@@ -303,7 +305,12 @@ LayerMem mem_moe(const MoEConfig& c, const Dims& d, Recompute pol, double load) 
   const double mrows = d.n * k * load;  // assignments this rank's experts compute
   const double routing = d.n * (2 * d.a * ne + 2 * d.a + 4 * k + d.a * k + 8 * k) + mrows * (8 + 4) + 8 * ne;
   const double xr = (c.jitter > 0 || c.state_aware) ? d.n * d.t * dr : 0.0;
-  const double experts = mrows * d.t * (2 * D + 3 * F) + d.n * d.t * 3 * Fs;
+  const double bb = d.moe_b16, ne_l = ne / double(d.ep);
+  // xp, y and h1, h3, a; on the bf16 path xp, [h1 | h3] and a in bf16 (y stays fp32) and the bf16 copies of the
+  // local experts' weights, kept with them
+  const double routed = bb > 0 ? mrows * (d.t * D + bb * (D + 3 * F)) + bb * 3 * ne_l * F * D
+                               : mrows * d.t * (2 * D + 3 * F);
+  const double experts = routed + d.n * d.t * 3 * Fs;
   const double a2a = d.ep > 1 ? 2 * mrows * d.t * D : 0.0;
   LayerMem m;
   m.full = routing + xr + experts;
@@ -311,8 +318,10 @@ LayerMem mem_moe(const MoEConfig& c, const Dims& d, Recompute pol, double load) 
   m.fwd_extra = (Fs > 0 ? d.n * d.t * D : 0.0) + a2a;
   // dy, dgate, dxp stay through the backward; then, one after the other: the experts' dh1, dh3; the shared
   // expert's; the router's dlogits (with d(router input) when the input is a copy)
-  m.bwd_extra = mrows * d.t * 2 * D + d.n * d.a * k +
-                std::max({2 * mrows * d.t * F, 2 * d.n * d.t * Fs, d.n * d.a * ne + xr}) + a2a;
+  // (bf16 path: dy in bf16, and the experts' da and [dh1 | dh3] in bf16)
+  const double dy_dxp = bb > 0 ? mrows * (bb + d.t) * D : mrows * d.t * 2 * D;
+  const double dh = bb > 0 ? 3 * mrows * bb * F : 2 * mrows * d.t * F;
+  m.bwd_extra = dy_dxp + d.n * d.a * k + std::max({dh, 2 * d.n * d.t * Fs, d.n * d.a * ne + xr}) + a2a;
   return m;
 }
 
@@ -467,6 +476,7 @@ Dims lm_dims(const PlanInput& in, const Layout& l, index_t rows, bool eval) {
   d.ep = l.ep;
   d.cp = l.cp;
   d.concurrency_teams = std::max(1.0, std::floor(double(in.gpu_concurrency) / 256.0));
+  d.moe_b16 = in.moe_bf16 && in.dtype_bytes == 4 ? double(sizeof(bf16_op_t)) : 0.0;
   return d;
 }
 
