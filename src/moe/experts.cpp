@@ -1,6 +1,7 @@
 #include "moe/experts.hpp"
 
 #include <Kokkos_Profiling_ScopedRegion.hpp>
+#include <algorithm>
 
 #include "core/error.hpp"
 
@@ -145,16 +146,18 @@ __global__ void weights_to_bf16(const float* w1, const float* w3, uint4* out, lo
 
 #undef MM_GRID_LOOP
 
-inline unsigned grid_for(long long items) {
-  const long long blocks = (items + 255) / 256;
-  return unsigned(blocks < 132LL * 32 ? (blocks > 0 ? blocks : 1) : 132LL * 32);
-}
 inline bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
-inline void launched(const char* what) {
+
+// kernel(args...) over `items` work items (256 threads a block, grid-stride loops past 132 x 32 blocks) on Kokkos'
+// stream, under the profiling region `name`; a failed launch is an error naming it.
+template <class... P, class... A>
+void launch(const char* name, long long items, void (*kernel)(P...), const A&... args) {
+  Kokkos::Profiling::ScopedRegion region(name);
+  const long long blocks = std::clamp((items + 255) / 256, 1LL, 132LL * 32);
+  kernel<<<unsigned(blocks), 256, 0, Kokkos::DefaultExecutionSpace().cuda_stream()>>>(args...);
   const cudaError_t e = cudaGetLastError();
-  require(e == cudaSuccess, what, "the kernel failed to launch: ", cudaGetErrorString(e));
+  require(e == cudaSuccess, name, "the kernel failed to launch: ", cudaGetErrorString(e));
 }
-inline cudaStream_t stream() { return Kokkos::DefaultExecutionSpace().cuda_stream(); }
 
 }  // namespace cuda_k
 #endif
@@ -280,12 +283,10 @@ void swiglu_weights_to_bf16(const SwiGLUWeights<float>& w, index_t G, SwiGLUBF16
 #if defined(KOKKOS_ENABLE_CUDA)
   if (Fd % 8 == 0 && cuda_k::aligned16(w1) && cuda_k::aligned16(w3) && cuda_k::aligned16(w2) &&
       cuda_k::aligned16(w13.data()) && cuda_k::aligned16(w2b.data())) {
-    Kokkos::Profiling::ScopedRegion region("moe::weights_to_bf16");
-    cuda_k::weights_to_bf16<<<cuda_k::grid_for(2 * G * (Fd / 8)), 256, 0, cuda_k::stream()>>>(
-        w1, w3, reinterpret_cast<uint4*>(w13.data()), G, Fd / 8);
-    cuda_k::weights_to_bf16<<<cuda_k::grid_for(G * (Fd / 8)), 256, 0, cuda_k::stream()>>>(
-        w2, nullptr, reinterpret_cast<uint4*>(w2b.data()), G, Fd / 8);
-    cuda_k::launched("moe::weights_to_bf16");
+    cuda_k::launch("moe::w13_to_bf16", 2 * G * (Fd / 8), cuda_k::weights_to_bf16, w1, w3,
+                   reinterpret_cast<uint4*>(w13.data()), G, Fd / 8);
+    cuda_k::launch("moe::w2_to_bf16", G * (Fd / 8), cuda_k::weights_to_bf16, w2, nullptr,
+                   reinterpret_cast<uint4*>(w2b.data()), G, Fd / 8);
     return;
   }
 #endif
@@ -317,10 +318,8 @@ void swiglu_experts_forward_bf16(const SwiGLUWeights<float>& w, const View2<cons
 #if defined(KOKKOS_ENABLE_CUDA)
   if (F % 8 == 0 && index_t(h13.stride(0)) == 2 * F && index_t(a.stride(0)) == F && cuda_k::aligned16(h13.data()) &&
       cuda_k::aligned16(a.data())) {
-    Kokkos::Profiling::ScopedRegion region("moe::swiglu_bf16");
-    cuda_k::swiglu_fwd<<<cuda_k::grid_for(m * (F / 8)), 256, 0, cuda_k::stream()>>>(
-        reinterpret_cast<const uint4*>(h13.data()), reinterpret_cast<uint4*>(a.data()), m, int(F / 8));
-    cuda_k::launched("moe::swiglu_bf16");
+    cuda_k::launch("moe::swiglu_bf16", m * (F / 8), cuda_k::swiglu_fwd, reinterpret_cast<const uint4*>(h13.data()),
+                   reinterpret_cast<uint4*>(a.data()), m, int(F / 8));
     native = true;
   }
 #endif
@@ -361,11 +360,9 @@ void swiglu_experts_backward_bf16(const SwiGLUWeights<float>& w, const View2<con
   if (F % 8 == 0 && index_t(h13.stride(0)) == 2 * F && index_t(da.stride(0)) == F &&
       index_t(dh13.stride(0)) == 2 * F && cuda_k::aligned16(h13.data()) && cuda_k::aligned16(da.data()) &&
       cuda_k::aligned16(dh13.data())) {
-    Kokkos::Profiling::ScopedRegion region("moe::swiglu_backward_bf16");
-    cuda_k::swiglu_bwd<<<cuda_k::grid_for(m * (F / 8)), 256, 0, cuda_k::stream()>>>(
-        reinterpret_cast<const uint4*>(da.data()), reinterpret_cast<const uint4*>(h13.data()),
-        reinterpret_cast<uint4*>(dh13.data()), m, int(F / 8));
-    cuda_k::launched("moe::swiglu_backward_bf16");
+    cuda_k::launch("moe::swiglu_backward_bf16", m * (F / 8), cuda_k::swiglu_bwd,
+                   reinterpret_cast<const uint4*>(da.data()), reinterpret_cast<const uint4*>(h13.data()),
+                   reinterpret_cast<uint4*>(dh13.data()), m, int(F / 8));
     native = true;
   }
 #endif
@@ -409,11 +406,8 @@ void moe_unpermute_combine(const View2<const T>& y, const View2<const index_t>& 
   if constexpr (std::is_same_v<T, float>) {
     if (d % 4 == 0 && index_t(y.stride(0)) % 4 == 0 && index_t(out.stride(0)) % 4 == 0 &&
         index_t(row.stride(0)) == k && cuda_k::aligned16(y.data()) && cuda_k::aligned16(out.data())) {
-      Kokkos::Profiling::ScopedRegion region("moe::unpermute_combine");
-      cuda_k::combine_rows<<<cuda_k::grid_for(n * (d / 4)), 256, 0, cuda_k::stream()>>>(
-          y.data(), y.stride(0), row.data(), gate.data(), gate.stride(0), int(k), out.data(), out.stride(0),
-          accumulate, n, int(d / 4));
-      cuda_k::launched("moe::unpermute_combine");
+      cuda_k::launch("moe::unpermute_combine", n * (d / 4), cuda_k::combine_rows, y.data(), y.stride(0), row.data(),
+                     gate.data(), gate.stride(0), int(k), out.data(), out.stride(0), accumulate, n, int(d / 4));
       return;
     }
   }
@@ -451,11 +445,9 @@ void combine_backward_impl(const View2<const T>& dout, const View2<const T>& y, 
   if constexpr (std::is_same_v<T, float> && std::is_same_v<D, bf16_op_t>) {
     if (d % 8 == 0 && index_t(dout.stride(0)) % 4 == 0 && index_t(dy.stride(0)) == d &&
         cuda_k::aligned16(dout.data()) && cuda_k::aligned16(dy.data())) {
-      Kokkos::Profiling::ScopedRegion region("moe::combine_backward_dy");
-      cuda_k::gather_bf16<<<cuda_k::grid_for(m * (d / 8)), 256, 0, cuda_k::stream()>>>(
-          dout.data(), dout.stride(0), perm_token.data(), gate.data(), gate.stride(0), perm_slot.data(),
-          reinterpret_cast<uint4*>(dy.data()), m, int(d / 8));
-      cuda_k::launched("moe::combine_backward_dy");
+      cuda_k::launch("moe::combine_backward_dy", m * (d / 8), cuda_k::gather_bf16, dout.data(), dout.stride(0),
+                     perm_token.data(), gate.data(), gate.stride(0), perm_slot.data(),
+                     reinterpret_cast<uint4*>(dy.data()), m, int(d / 8));
       native = true;
     }
   }
@@ -502,11 +494,8 @@ void moe_permute_bf16(const View2<const float>& x, const View1<const index_t>& p
 #if defined(KOKKOS_ENABLE_CUDA)
   if (d % 8 == 0 && index_t(x.stride(0)) % 4 == 0 && index_t(xp.stride(0)) == d && cuda_k::aligned16(x.data()) &&
       cuda_k::aligned16(xp.data())) {
-    Kokkos::Profiling::ScopedRegion region("moe::permute_bf16");
-    cuda_k::gather_bf16<<<cuda_k::grid_for(m * (d / 8)), 256, 0, cuda_k::stream()>>>(
-        x.data(), x.stride(0), perm_token.data(), nullptr, 0, nullptr, reinterpret_cast<uint4*>(xp.data()), m,
-        int(d / 8));
-    cuda_k::launched("moe::permute_bf16");
+    cuda_k::launch("moe::permute_bf16", m * (d / 8), cuda_k::gather_bf16, x.data(), x.stride(0), perm_token.data(),
+                   nullptr, 0, nullptr, reinterpret_cast<uint4*>(xp.data()), m, int(d / 8));
     return;
   }
 #endif
@@ -524,11 +513,8 @@ void moe_permute_backward(const View2<const T>& dxp, const View2<const index_t>&
   if constexpr (std::is_same_v<T, float>) {
     if (d % 4 == 0 && index_t(dxp.stride(0)) % 4 == 0 && index_t(dx.stride(0)) % 4 == 0 &&
         index_t(row.stride(0)) == k && cuda_k::aligned16(dxp.data()) && cuda_k::aligned16(dx.data())) {
-      Kokkos::Profiling::ScopedRegion region("moe::permute_backward");
-      cuda_k::combine_rows<<<cuda_k::grid_for(n * (d / 4)), 256, 0, cuda_k::stream()>>>(
-          dxp.data(), dxp.stride(0), row.data(), nullptr, 0, int(k), dx.data(), dx.stride(0), accumulate, n,
-          int(d / 4));
-      cuda_k::launched("moe::permute_backward");
+      cuda_k::launch("moe::permute_backward", n * (d / 4), cuda_k::combine_rows, dxp.data(), dxp.stride(0), row.data(),
+                     nullptr, 0, int(k), dx.data(), dx.stride(0), accumulate, n, int(d / 4));
       return;
     }
   }
