@@ -131,6 +131,29 @@ std::vector<double> part(const std::vector<double>& v, index_t off, index_t n) {
 
 // One layout (cp x ep ranks, the others data-parallel copies): ep rank e holds its own B sequences of
 // L_e = cp * (5 + e) tokens, split over the cp ranks.
+// The ep rank's parameter gradients `got` (store `ps`) against the single-rank layer's (store `rs`), one reference
+// run per ep rank: a replicated parameter's against this rank's run, the owner's block of an expert tensor against
+// the sum of that block over every ep rank's run (each rank's rows reach the owner).
+template <class Store, class RunT, class Check>
+void check_ep_grads(const Store& ps, const Store& rs, const std::vector<double>& got, const std::vector<RunT>& refs,
+                    int er, index_t El, const Check& chk) {
+  for (const auto& pe : ps.entries()) {
+    const ParamEntry& re = rs.entry(pe.name);
+    const auto g = part(got, pe.offset, pe.size);
+    if (pe.name.find("experts.") == std::string::npos) {
+      chk(pe.name, g, part(refs[std::size_t(er)].grads, re.offset, re.size));
+    } else {
+      const index_t per = pe.size / El;
+      std::vector<double> sum(std::size_t(pe.size), 0.0);
+      for (const RunT& ref : refs) {
+        const auto r = part(ref.grads, re.offset + er * El * per, El * per);
+        for (std::size_t i = 0; i < sum.size(); ++i) sum[i] += r[i];
+      }
+      chk(pe.name, g, sum);
+    }
+  }
+}
+
 void check_layout(const parallel::Layout& layout, const EpCase& c, bool save, double& worst) {
   const int n = mmtest::world_size();
   const parallel::Layout lay = parallel::resolve_layout(layout, n);
@@ -224,21 +247,7 @@ void check_layout(const parallel::Layout& layout, const EpCase& c, bool save, do
   CHECK(got.stats.dropped == want.stats.dropped);
   CHECK(got.stats.tokens == want.stats.tokens);
   CHECK(got.stats.capacity == want.stats.capacity);
-  for (const auto& pe : pps.entries()) {
-    const ParamEntry& re = rps.entry(pe.name);
-    const auto g = part(got.grads, pe.offset, pe.size);
-    if (pe.name.find("experts.") == std::string::npos) {  // replicated: this rank's sequences
-      chk(pe.name, g, part(want.grads, re.offset, re.size));
-    } else {  // the owner's block: the sum over the ep ranks' sequences
-      const index_t per = pe.size / El;
-      std::vector<double> sum(std::size_t(pe.size), 0.0);
-      for (int e = 0; e < R; ++e) {
-        const auto r = part(refs[e].grads, re.offset + er * El * per, El * per);
-        for (std::size_t i = 0; i < sum.size(); ++i) sum[i] += r[i];
-      }
-      chk(pe.name, g, sum);
-    }
-  }
+  check_ep_grads(pps, rps, got.grads, refs, er, El, chk);
 }
 
 void sweep(const parallel::Layout& layout) {
@@ -315,17 +324,18 @@ void check_ep_bf16(const EpCase& c, bool save, double& worst) {
     r.grads = to_vec(ps.grads());
     return r;
   };
-  const GemmCompute old = float_gemm_compute();
-  set_float_gemm_compute(GemmCompute::bf16);
   ParamStore<float> rps, pps;
   MoELayer<float> ref(cfg, rps, "moe.", 2), par(cfg, pps, "moe.", 2, comms);
   init(rps);
   init(pps);
   std::vector<RunF> refs;
-  for (int e = 0; e < R; ++e) refs.push_back(go(ref, rps, e));
-  comms.ep->reset_bytes_sent();
-  const RunF got = go(par, pps, er);
-  set_float_gemm_compute(old);
+  RunF got;
+  {
+    const FloatGemmComputeScope b16(GemmCompute::bf16);  // the float layers take their bf16 expert path
+    for (int e = 0; e < R; ++e) refs.push_back(go(ref, rps, e));
+    comms.ep->reset_bytes_sent();
+    got = go(par, pps, er);
+  }
   if (R > 1) CHECK(comms.ep->bytes_sent() > 0);
   CHECK(got.bf16);
   CHECK(refs[er].bf16);
@@ -339,21 +349,7 @@ void check_ep_bf16(const EpCase& c, bool save, double& worst) {
   chk("out", got.out, want.out);
   chk("dx", got.dx, want.dx);
   if (cfg.state_aware) chk("dstate", got.ds, want.ds);
-  for (const auto& pe : pps.entries()) {
-    const ParamEntry& re = rps.entry(pe.name);
-    const auto g = part(got.grads, pe.offset, pe.size);
-    if (pe.name.find("experts.") == std::string::npos) {
-      chk(pe.name, g, part(want.grads, re.offset, re.size));
-    } else {  // the owner's block: the sum over the ep ranks' rows
-      const index_t per = pe.size / El;
-      std::vector<double> sum(std::size_t(pe.size), 0.0);
-      for (int e = 0; e < R; ++e) {
-        const auto r = part(refs[e].grads, re.offset + er * El * per, El * per);
-        for (std::size_t i = 0; i < sum.size(); ++i) sum[i] += r[i];
-      }
-      chk(pe.name, g, sum);
-    }
-  }
+  check_ep_grads(pps, rps, got.grads, refs, er, El, chk);
 }
 
 }  // namespace

@@ -459,15 +459,6 @@ TEST_CASE("MoE bad configs and shapes are errors naming the values", "[moe]") {
 
 namespace {
 
-// The process-wide float GEMM arithmetic for one scope (a float MoE layer takes its bf16 expert path under bf16).
-struct GemmComputeScope {
-  GemmCompute old;
-  explicit GemmComputeScope(GemmCompute c) : old(float_gemm_compute()) { set_float_gemm_compute(c); }
-  ~GemmComputeScope() { set_float_gemm_compute(old); }
-  GemmComputeScope(const GemmComputeScope&) = delete;
-  GemmComputeScope& operator=(const GemmComputeScope&) = delete;
-};
-
 // bf16 operand storage <-> doubles (host values, rounded to bf16 on the way in)
 View1<bf16_op_t> bf16_from(const std::vector<double>& v) {
   View1<bf16_op_t> d("bf16_from", v.size());
@@ -575,7 +566,7 @@ TEST_CASE("MoE bf16 expert path: output, dx and gradients against the fp32 path 
       const char* names[7] = {"router.weight", "experts.w1", "experts.w3", "experts.w2",
                               "shared.w1",     "shared.w3",  "shared.w2"};
       auto run = [&](GemmCompute comp, bool save) {
-        GemmComputeScope scope(comp);
+        const FloatGemmComputeScope scope(comp);  // bf16: the layer takes its bf16 expert path
         View2<float> out("out", n, d), dx("dx", n, d), ds("ds", cfg.state_aware ? n : 0, d);
         MoEActs<float> acts;
         Run r;
