@@ -235,6 +235,16 @@ std::vector<PlanModel> activation_models() {
   }
   return models;
 }
+// One GPU with memory to spare (the estimate alone, no layout search): `batch` sequences of `seqlen` tokens.
+PlanInput unbounded_input(const PlanModel& m, index_t seqlen, index_t batch) {
+  PlanInput in;
+  in.model = m;
+  in.seqlen = seqlen;
+  in.global_batch = batch;
+  in.gpu_memory_bytes = 1e12;
+  return in;
+}
+
 }  // namespace
 
 TEST_CASE("planner: activation estimate equals the peak the real training step allocates", "[planner]") {
@@ -244,11 +254,7 @@ TEST_CASE("planner: activation estimate equals the peak the real training step a
     for (Recompute pol : {Recompute::none, Recompute::mixer}) {
       for (index_t L : {64, 200}) {
       const index_t b = 2;
-      PlanInput in;
-      in.model = m;
-      in.seqlen = L;
-      in.global_batch = b;
-      in.gpu_memory_bytes = 1e12;
+      const PlanInput in = unbounded_input(m, L, b);
       const Plan p = estimate(in, Layout{1, 1, 1, 1}, b, pol);
       const double got = measured_peak(m, b, L, pol);
       const double rel = std::abs(p.bytes_activations - got) / got;
@@ -277,11 +283,7 @@ TEST_CASE("planner: the MoE bf16 expert path's activations equal the peak the re
     for (Recompute pol : {Recompute::none, Recompute::mixer})
       for (index_t L : {64, 200}) {
         const index_t b = 2;
-        PlanInput in;
-        in.model = m;
-        in.seqlen = L;
-        in.global_batch = b;
-        in.gpu_memory_bytes = 1e12;
+        PlanInput in = unbounded_input(m, L, b);
         const Plan p32 = estimate(in, Layout{1, 1, 1, 1}, b, pol);
         in.moe_bf16 = true;
         const Plan p = estimate(in, Layout{1, 1, 1, 1}, b, pol);
@@ -303,11 +305,7 @@ TEST_CASE("planner: evaluation estimate matches the peak a held-out forward allo
   for (const PlanModel& m : activation_models())
     for (index_t L : {64, 200}) {
       const index_t b = 3;
-      PlanInput in;
-      in.model = m;
-      in.seqlen = 48;  // training: 2 sequences of 48 tokens (smaller than the evaluation)
-      in.global_batch = 2;
-      in.gpu_memory_bytes = 1e12;
+      PlanInput in = unbounded_input(m, 48, 2);  // training: 2 sequences of 48 tokens (smaller than the evaluation)
       in.eval_batch = b;
       in.eval_seqlen = L;
       const Plan p = estimate(in, Layout{1, 1, 1, 1}, 2, Recompute::mixer);
@@ -325,11 +323,7 @@ TEST_CASE("planner: evaluation estimate matches the peak a held-out forward allo
     }
   WARN("evaluation estimate: worst relative difference " << worst);
   // without an evaluation batch nothing changes
-  PlanInput in;
-  in.model = small_mixed();
-  in.seqlen = 48;
-  in.global_batch = 2;
-  in.gpu_memory_bytes = 1e12;
+  const PlanInput in = unbounded_input(small_mixed(), 48, 2);
   const Plan p = estimate(in, Layout{1, 1, 1, 1}, 2, Recompute::mixer);
   CHECK(p.bytes_eval_activations == 0);
   CHECK(p.bytes_activations == p.bytes_train_activations);
