@@ -30,8 +30,9 @@ void check_offsets(const std::vector<index_t>& off, index_t rows, const char* wh
 #if defined(KOKKOS_ENABLE_CUDA)
 // Native CUDA forms of the expert path's elementwise and gather kernels (one thread per 8 bf16 or 4 fp32 values of
 // a row, 16-byte loads and stores, fast exp and division for the bf16 results): the Kokkos forms, one value per
-// thread with the library's expf and IEEE division, ran at 1.2-1.5 TB/s on an H200 and took 2.5 of the layer's
-// 6.4 ms (top-1). Taken where the rows are 16-byte aligned; the Kokkos forms stay the fallback and the host path.
+// thread with the library's expf and IEEE division, ran at 1.2-2.1 TB/s on an H200 and took 2.4 ms of a 7.85 ms
+// top-1 step (fenced profile, perf/RESULTS.md). Taken where the rows are 16-byte aligned; the Kokkos forms stay the
+// fallback and the host path.
 namespace cuda_k {
 
 using bf2 = __nv_bfloat162;
