@@ -92,17 +92,48 @@ __global__ void swiglu_bwd(const uint4* da, const uint4* h13, uint4* dh13, long 
   }
 }
 
-// xp[r] = bf16(scale_r x[tok(r)]) (scale 1 without gates): 8 values per thread
-__global__ void gather_bf16(const float* x, long long ldx, const index_t* tok, const float* gate, long long ldg,
-                            const std::int32_t* slot, uint4* xp, long long m, int d8) {
+// xp[r] = bf16(x[tok(r)]): 8 values per thread
+__global__ void gather_bf16(const float* x, long long ldx, const index_t* tok, uint4* xp, long long m, int d8) {
   MM_GRID_LOOP(i, m * d8) {
     const long long r = i / d8, c = i - r * d8;
-    const index_t t = tok[r];
-    const float sc = gate ? gate[t * ldg + slot[r]] : 1.f;
-    const float4* src = reinterpret_cast<const float4*>(x + t * ldx) + 2 * c;
+    const float4* src = reinterpret_cast<const float4*>(x + tok[r] * ldx) + 2 * c;
     const float4 p = src[0], q = src[1];
-    const float f[8] = {sc * p.x, sc * p.y, sc * p.z, sc * p.w, sc * q.x, sc * q.y, sc * q.z, sc * q.w};
+    const float f[8] = {p.x, p.y, p.z, p.w, q.x, q.y, q.z, q.w};
     xp[i] = pack8(f);
+  }
+}
+
+// The combine's backward on the bf16 path, one warp per token x and slot j with r = row(x, j) >= 0:
+//   dy[r] = bf16(gate(x, j) dout[x]),  dgate(x, j) = dout[x] . y[r]   (0 for a dropped slot)
+// dout is read once per slot (once in all for top-1) for both; lane sums folded by a fixed butterfly.
+__global__ void __launch_bounds__(256)
+    combine_backward_bf16(const float* __restrict__ dout, long long ldo, const float* __restrict__ y, long long ldy,
+                          const index_t* __restrict__ row, int k, const float* __restrict__ gate, long long ldg,
+                          uint2* __restrict__ dy, float* __restrict__ dgate, long long ldd, long long n, int d4) {
+  const int lane = threadIdx.x & 31;
+  const long long nw = (long long)gridDim.x * (blockDim.x >> 5);
+  for (long long it = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); it < n * k; it += nw) {
+    const long long x = it / k;
+    const int j = int(it - x * k);
+    const index_t r = row[x * k + j];
+    float s = 0.f;
+    if (r >= 0) {
+      const float g = gate[x * ldg + j];
+      const float4* o4 = reinterpret_cast<const float4*>(dout + x * ldo);
+      const float4* y4 = reinterpret_cast<const float4*>(y + r * ldy);
+      for (int c = lane; c < d4; c += 32) {
+        const float4 o = o4[c], v = y4[c];
+        s = fmaf(o.w, v.w, fmaf(o.z, v.z, fmaf(o.y, v.y, fmaf(o.x, v.x, s))));
+        uint2 q;
+        bf2* p = reinterpret_cast<bf2*>(&q);
+        p[0] = __floats2bfloat162_rn(g * o.x, g * o.y);
+        p[1] = __floats2bfloat162_rn(g * o.z, g * o.w);
+        dy[r * d4 + c] = q;
+      }
+#pragma unroll
+      for (int w = 16; w > 0; w >>= 1) s += __shfl_xor_sync(0xffffffffu, s, w);
+    }
+    if (lane == 0) dgate[x * ldd + j] = s;
   }
 }
 
@@ -147,17 +178,134 @@ __global__ void weights_to_bf16(const float* w1, const float* w3, uint4* out, lo
 
 #undef MM_GRID_LOOP
 
+// Router logits in fp32, out (n, E) = x (n, d) W^T (W: (E, d), E <= EP): one warp per R rows, each lane a float4
+// column slice of the rows (x read once, W from L1), lane sums folded by a fixed butterfly (deterministic).
+template <int EP, int R>
+__global__ void __launch_bounds__(256)
+    router_logits(const float* __restrict__ x, long long ldx, const float* __restrict__ W, long long ldw, int E,
+                  float* __restrict__ out, long long ldo, long long n, int d4) {
+  const int lane = threadIdx.x & 31;
+  const long long nw = (long long)gridDim.x * (blockDim.x >> 5);
+  for (long long r0 = ((long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R; r0 < n; r0 += nw * R) {
+    float acc[R][EP];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int e = 0; e < EP; ++e) acc[r][e] = 0.f;
+    for (int c = lane; c < d4; c += 32) {
+      float4 xv[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        xv[r] = r0 + r < n ? __ldg(reinterpret_cast<const float4*>(x + (r0 + r) * ldx) + c)
+                           : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int e = 0; e < EP; ++e) {
+        if (e < E) {
+          const float4 w = __ldg(reinterpret_cast<const float4*>(W + e * ldw) + c);
+#pragma unroll
+          for (int r = 0; r < R; ++r)
+            acc[r][e] = fmaf(xv[r].w, w.w, fmaf(xv[r].z, w.z, fmaf(xv[r].y, w.y, fmaf(xv[r].x, w.x, acc[r][e]))));
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int e = 0; e < EP; ++e)
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc[r][e] += __shfl_xor_sync(0xffffffffu, acc[r][e], o);
+    if (lane == 0)
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int e = 0; e < EP; ++e)
+          if (e < E && r0 + r < n) out[(r0 + r) * ldo + e] = acc[r][e];
+  }
+}
+
+// The router's backward fused with the permute's backward, one thread per column c of a block of rows:
+//   dx[t, c] = (acc ? dx[t, c] : 0) + sum_j dxp[row(t, j), c] + sum_e dl[t, e] W[e, c]   (slots, experts in order)
+//   part[block, e, c] = sum_{t in block} dl[t, e] x[t, c]                                  (rows in order)
+// x, dxp, dl and dx pass once; the block partials are summed in block order by sum_partials (deterministic).
+template <int EP>
+__global__ void __launch_bounds__(256, 3)
+    router_backward(const float* __restrict__ x, long long ldx, const float* __restrict__ W, long long ldw,
+                    const float* __restrict__ dl, long long ldl, int E, const float* __restrict__ dxp, long long ldp,
+                    const index_t* __restrict__ row, int k, float* __restrict__ dx, long long ldd, bool acc,
+                    float* __restrict__ part, long long n, int d, long long rows_per_block) {
+  const int c = blockIdx.y * blockDim.x + threadIdx.x;
+  if (c >= d) return;
+  float w[EP], g[EP];
+#pragma unroll
+  for (int e = 0; e < EP; ++e) {
+    w[e] = e < E ? W[e * ldw + c] : 0.f;
+    g[e] = 0.f;
+  }
+  const long long t0 = blockIdx.x * rows_per_block, t1 = t0 + rows_per_block < n ? t0 + rows_per_block : n;
+  const float* xr = x + t0 * ldx + c;
+  const float* lr = dl + t0 * ldl;
+  const index_t* rr = row + t0 * k;
+  float* dr = dx + t0 * ldd + c;
+  dxp += c;
+#pragma unroll 4
+  for (long long t = t0; t < t1; ++t, xr += ldx, lr += ldl, rr += k, dr += ldd) {
+    const float xv = *xr;
+    float s = acc ? *dr : 0.f;
+    for (int j = 0; j < k; ++j) {
+      const index_t r = rr[j];
+      if (r >= 0) s += dxp[r * ldp];
+    }
+#pragma unroll
+    for (int e = 0; e < EP; ++e) {
+      if (e < E) {
+        const float l = __ldg(lr + e);
+        s = fmaf(l, w[e], s);
+        g[e] = fmaf(l, xv, g[e]);
+      }
+    }
+    *dr = s;
+  }
+#pragma unroll
+  for (int e = 0; e < EP; ++e)
+    if (e < E) part[(blockIdx.x * (long long)E + e) * d + c] = g[e];
+}
+
+// out[i] += sum_b part[b, i], b in order (blocks of 32 x 8 threads: row y sums b = y, y + 8, ..., then the 8 sums
+// in order)
+__global__ void __launch_bounds__(256)
+    sum_partials(const float* __restrict__ part, int nb, long long q, float* __restrict__ out) {
+  __shared__ float sh[8][33];
+  const long long i = blockIdx.x * 32LL + threadIdx.x;
+  float s = 0.f;
+  if (i < q)
+    for (int b = threadIdx.y; b < nb; b += 8) s += part[b * q + i];
+  sh[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && i < q) {
+    float t = out[i];
+#pragma unroll
+    for (int y = 0; y < 8; ++y) t += sh[y][threadIdx.x];
+    out[i] = t;
+  }
+}
+
 inline bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
-// kernel(args...) over `items` work items (256 threads a block, grid-stride loops past 132 x 32 blocks) on Kokkos'
-// stream, under the profiling region `name`; a failed launch is an error naming it.
+// kernel(args...) on a grid of blocks on Kokkos' stream, under the profiling region `name`; a failed launch is an
+// error naming it.
 template <class... P, class... A>
-void launch(const char* name, long long items, void (*kernel)(P...), const A&... args) {
+void launch_grid(const char* name, dim3 grid, dim3 block, void (*kernel)(P...), const A&... args) {
   Kokkos::Profiling::ScopedRegion region(name);
-  const long long blocks = std::clamp((items + 255) / 256, 1LL, 132LL * 32);
-  kernel<<<unsigned(blocks), 256, 0, Kokkos::DefaultExecutionSpace().cuda_stream()>>>(args...);
+  kernel<<<grid, block, 0, Kokkos::DefaultExecutionSpace().cuda_stream()>>>(args...);
   const cudaError_t e = cudaGetLastError();
   require(e == cudaSuccess, name, "the kernel failed to launch: ", cudaGetErrorString(e));
+}
+
+// kernel(args...) over `items` work items (256 threads a block, grid-stride loops past 132 x 32 blocks)
+template <class... P, class... A>
+void launch(const char* name, long long items, void (*kernel)(P...), const A&... args) {
+  const long long blocks = std::clamp((items + 255) / 256, 1LL, 132LL * 32);
+  launch_grid(name, dim3(unsigned(blocks)), dim3(256), kernel, args...);
 }
 
 }  // namespace cuda_k
@@ -437,27 +585,30 @@ struct ToBF16Op {
 template <class T, class D, class Conv>
 void combine_backward_impl(const View2<const T>& dout, const View2<const T>& y, const View2<const index_t>& row,
                            const View2<const acc_t<T>>& gate, const View1<const index_t>& perm_token,
-                           const View1<const std::int32_t>& perm_slot, const View2<D>& dy,
-                           const View2<acc_t<T>>& dgate, Conv conv) {
+                           const View1<const std::int32_t>& perm_slot, const View2<D>& dy, const View2<acc_t<T>>& dgate,
+                           Conv conv) {
   using P = acc_t<T>;
   const index_t m = dy.extent(0), d = dy.extent(1), n = row.extent(0), k = row.extent(1);
-  bool native = false;
 #if defined(KOKKOS_ENABLE_CUDA)
-  if constexpr (std::is_same_v<T, float> && std::is_same_v<D, bf16_op_t>) {
-    if (d % 8 == 0 && index_t(dout.stride(0)) % 4 == 0 && index_t(dy.stride(0)) == d &&
-        cuda_k::aligned16(dout.data()) && cuda_k::aligned16(dy.data())) {
-      cuda_k::launch("moe::combine_backward_dy", m * (d / 8), cuda_k::gather_bf16, dout.data(), dout.stride(0),
-                     perm_token.data(), gate.data(), gate.stride(0), perm_slot.data(),
-                     reinterpret_cast<uint4*>(dy.data()), m, int(d / 8));
-      native = true;
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<D, bf16_op_t>) {  // dy and dgate in one pass
+    if (d % 4 == 0 && index_t(dout.stride(0)) % 4 == 0 && index_t(y.stride(0)) % 4 == 0 && index_t(dy.stride(0)) == d &&
+        index_t(row.stride(0)) == k && cuda_k::aligned16(dout.data()) && cuda_k::aligned16(y.data()) &&
+        cuda_k::aligned16(dy.data())) {
+      const long long warps = std::max<long long>(1, n * k);
+      cuda_k::launch_grid("moe::combine_backward_bf16",
+                          dim3(unsigned(std::min<long long>((warps + 7) / 8, 132LL * 16))), dim3(256),
+                          cuda_k::combine_backward_bf16, dout.data(), dout.stride(0), y.data(), y.stride(0), row.data(),
+                          int(k), gate.data(), gate.stride(0), reinterpret_cast<uint2*>(dy.data()), dgate.data(),
+                          dgate.stride(0), n, int(d / 4));
+      return;
     }
   }
 #endif
-  if (!native)
-    par_for("moe::combine_backward_dy", m, d, KOKKOS_LAMBDA(index_t r, index_t c) {
-      const index_t x = perm_token(r);
-      dy(r, c) = conv(gate(x, perm_slot(r)) * P(dout(x, c)));
-    });
+  par_for(
+      "moe::combine_backward_dy", m, d, KOKKOS_LAMBDA(index_t r, index_t c) {
+        const index_t x = perm_token(r);
+        dy(r, c) = conv(gate(x, perm_slot(r)) * P(dout(x, c)));
+      });
   // one row per vector-lane group (coalesced reads of dout and y rows on GPUs; on host backends one lane, the
   // columns summed in order)
   par_for_rows("moe::combine_backward_dgate", n, KOKKOS_LAMBDA(const Team& tm, index_t x) {
@@ -496,7 +647,7 @@ void moe_permute_bf16(const View2<const float>& x, const View1<const index_t>& p
   if (d % 8 == 0 && index_t(x.stride(0)) % 4 == 0 && index_t(xp.stride(0)) == d && cuda_k::aligned16(x.data()) &&
       cuda_k::aligned16(xp.data())) {
     cuda_k::launch("moe::permute_bf16", m * (d / 8), cuda_k::gather_bf16, x.data(), x.stride(0), perm_token.data(),
-                   nullptr, 0, nullptr, reinterpret_cast<uint4*>(xp.data()), m, int(d / 8));
+                   reinterpret_cast<uint4*>(xp.data()), m, int(d / 8));
     return;
   }
 #endif
@@ -528,6 +679,56 @@ void moe_permute_backward(const View2<const T>& dxp, const View2<const index_t>&
     }
     dx(x, c) = static_cast<T>(s);
   });
+}
+
+bool router_logits_fp32(const View2<const float>& x, const View2<const float>& W, const View2<float>& logits) {
+#if defined(KOKKOS_ENABLE_CUDA)
+  const index_t n = x.extent(0), d = x.extent(1), E = W.extent(0);
+  if (n == 0 || E < 1 || E > 16 || d % 4 != 0 || index_t(W.extent(1)) != d || index_t(logits.extent(0)) != n ||
+      index_t(logits.extent(1)) != E || x.stride(0) % 4 != 0 || W.stride(0) % 4 != 0 || !cuda_k::aligned16(x.data()) ||
+      !cuda_k::aligned16(W.data()))
+    return false;
+  constexpr int R = 4;  // rows per warp
+  const long long blocks = std::clamp<long long>((n + 8 * R - 1) / (8 * R), 1, 132LL * 16);
+  auto kernel = E <= 8 ? cuda_k::router_logits<8, R> : cuda_k::router_logits<16, R>;
+  cuda_k::launch_grid("moe::router_logits", dim3(unsigned(blocks)), dim3(256), kernel, x.data(), x.stride(0), W.data(),
+                      W.stride(0), int(E), logits.data(), logits.stride(0), n, int(d / 4));
+  return true;
+#else
+  (void)x, (void)W, (void)logits;
+  return false;
+#endif
+}
+
+bool router_backward_fp32(const View2<const float>& x, const View2<const float>& W, const View2<const float>& dl,
+                          const View2<const float>& dxp, const View2<const index_t>& row, const View2<float>& dx,
+                          bool accumulate, const View2<float>& dW) {
+#if defined(KOKKOS_ENABLE_CUDA)
+  const index_t n = x.extent(0), d = x.extent(1), E = W.extent(0), k = row.extent(1);
+  if (n == 0 || E < 1 || E > 16 || index_t(W.extent(1)) != d || index_t(dl.extent(0)) != n ||
+      index_t(dl.extent(1)) != E || index_t(row.extent(0)) != n || index_t(row.stride(0)) != k ||
+      index_t(dxp.extent(1)) != d || index_t(dx.extent(0)) != n || index_t(dx.extent(1)) != d ||
+      index_t(dW.extent(0)) != E || index_t(dW.extent(1)) != d || index_t(dW.stride(0)) != d)
+    return false;
+  // one thread per column, blocks of rows: about one resident thread per (row block, column) on 132 SMs
+  const index_t bx = std::min<index_t>(256, (d + 31) / 32 * 32), gy = (d + bx - 1) / bx;
+  index_t chunks = std::clamp<index_t>(132 * 2048 / (bx * gy), 1, n);
+  const index_t rpb = (n + chunks - 1) / chunks;
+  chunks = (n + rpb - 1) / rpb;
+  PoolScope ws;
+  View1<float> part = ws.take<View1<float>>("moe::router_wgrad_partials", chunks * E * d);
+  auto kernel = E <= 8 ? cuda_k::router_backward<8> : cuda_k::router_backward<16>;
+  cuda_k::launch_grid("moe::router_backward", dim3(unsigned(chunks), unsigned(gy)), dim3(unsigned(bx)), kernel,
+                      x.data(), x.stride(0), W.data(), W.stride(0), dl.data(), dl.stride(0), int(E), dxp.data(),
+                      dxp.stride(0), row.data(), int(k), dx.data(), dx.stride(0), accumulate, part.data(), n, int(d),
+                      rpb);
+  cuda_k::launch_grid("moe::router_wgrad_sum", dim3(unsigned((E * d + 31) / 32)), dim3(32, 8), cuda_k::sum_partials,
+                      part.data(), int(chunks), E * d, dW.data());
+  return true;
+#else
+  (void)x, (void)W, (void)dl, (void)dxp, (void)row, (void)dx, (void)accumulate, (void)dW;
+  return false;
+#endif
 }
 
 #define MM_INSTANTIATE(T)                                                                                          \

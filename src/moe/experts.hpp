@@ -147,4 +147,16 @@ template <class T>
 void moe_permute_backward(const View2<const T>& dxp, const View2<const index_t>& row, const View2<T>& dx,
                           bool accumulate);
 
+// ---------------------------------------------------------------- router products (fp32)
+
+// Native CUDA forms of the router's fp32 products, taken for float layers with E <= 16 experts; each returns false
+// (and does nothing) where it does not apply (host backends, other shapes): the caller then uses the GEMM path.
+//   logits (n, E) = x (n, d) W^T, W (E, d)
+bool router_logits_fp32(const View2<const float>& x, const View2<const float>& W, const View2<float>& logits);
+//   dx = (accumulate ? dx : 0) + sum_j dxp[row(x, j)] + dl W   (the permute's backward and the router's, one pass)
+//   dW += dl^T x                                               (dW contiguous (E, d); fixed summation order)
+bool router_backward_fp32(const View2<const float>& x, const View2<const float>& W, const View2<const float>& dl,
+                          const View2<const float>& dxp, const View2<const index_t>& row, const View2<float>& dx,
+                          bool accumulate, const View2<float>& dW);
+
 }  // namespace mm

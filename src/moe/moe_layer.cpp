@@ -342,8 +342,10 @@ MoELosses MoELayer<T>::forward(const View2<T>& x, const View2<T>& out, MoEActs<T
   const RouterOptions opt = cfg_.router_options();
   Routing<P>& r = acts.routing;
   r.logits = acts.ws->template take<View2<P>>("moe::logits", n, cfg_.n_experts);
-  {
-    const FloatGemmComputeScope fp32_logits(GemmCompute::fp32);  // the router's logits in fp32 arithmetic
+  bool native_logits = false;  // the router's logits in fp32 arithmetic
+  if constexpr (std::is_same_v<T, float>) native_logits = router_logits_fp32(xr, store_->v2(router_w_), r.logits);
+  if (!native_logits) {
+    const FloatGemmComputeScope fp32_logits(GemmCompute::fp32);
     linear_forward<T>(xr, store_->v2(router_w_), View1<const P>(), r.logits);
   }
   router_select<P>(opt, has_expert_bias() ? View1<const P>(store_->v1(bias_)) : View1<const P>(), r, acts.ws.get());
@@ -515,16 +517,24 @@ void MoELayer<T>::backward(MoEActs<T>& a, const View2<const T>& dout, const View
       dxp = g;
     }
   }
-  moe_permute_backward<T>(dxp, r.row, dx, false);
-  if (cfg_.shared_d_ff > 0)
-    swiglu_experts_backward<T>(shared_weights(), a.x, a.sh, dout, {0, n}, dx, true,
+  // dx = shared expert's + the experts' (back to token order) + the router's
+  const bool shared = cfg_.shared_d_ff > 0;
+  if (shared)
+    swiglu_experts_backward<T>(shared_weights(), a.x, a.sh, dout, {0, n}, dx, false,
                                {store_->g1(s1_).data(), store_->g1(s3_).data(), store_->g1(s2_).data()});
 
   // router: gates, load-balancing loss, z-loss -> logits -> router weight and input
   View2<P> dl = ws.take<View2<P>>("moe::dlogits", n, E);
   router_backward<P>(cfg_.router_options(), r, dgate, aux_scale, dl);
+  const bool plain_input = a.xr.extent(0) == 0 && a.xr.data() == nullptr;
+  if constexpr (std::is_same_v<T, float>) {  // the permute's and the router's backward in one pass
+    if (plain_input && router_backward_fp32(a.x, store_->v2(router_w_), dl, dxp, r.row, dx, shared,
+                                            store_->g2(router_w_)))
+      return;
+  }
+  moe_permute_backward<T>(dxp, r.row, dx, shared);
   const FloatGemmComputeScope fp32_router(GemmCompute::fp32);  // as the forward's logits
-  if (a.xr.extent(0) == 0 && a.xr.data() == nullptr) {
+  if (plain_input) {
     linear_backward<T>(a.x, store_->v2(router_w_), dl, dx, true, store_->g2(router_w_), View1<P>());
   } else {
     View2<T> dxr = ws.take<View2<T>>("moe::drouter_in", n, dr);
