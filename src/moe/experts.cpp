@@ -137,9 +137,12 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-// out[x] = (acc ? out[x] : 0) + sum_j [row(x, j) >= 0] g(x, j) y[row(x, j)], slots in order (g = 1 without gates)
+// out[x] = (acc ? out[x] : 0) + sum_j [row(x, j) >= 0] g(x, j) y[row(x, j)] + sum_e dl(x, e) W[e], slots and
+// experts in order (g = 1 without gates; the last term only with dl: the router's backward, W (E, 4 d4) read
+// through L1)
 __global__ void combine_rows(const float* y, long long ldy, const index_t* row, const float* gate, long long ldg,
-                             int k, float* out, long long ldo, bool acc, long long n, int d4) {
+                             int k, const float* dl, long long ldl, const float* W, long long ldw, int E, float* out,
+                             long long ldo, bool acc, long long n, int d4) {
   MM_GRID_LOOP(i, n * d4) {
     const long long x = i / d4, c = i - x * d4;
     float4* o = reinterpret_cast<float4*>(out + x * ldo) + c;
@@ -155,6 +158,12 @@ __global__ void combine_rows(const float* y, long long ldy, const index_t* row, 
         s.x += v.x, s.y += v.y, s.z += v.z, s.w += v.w;
       }
     }
+    if (dl)
+      for (int e = 0; e < E; ++e) {
+        const float l = __ldg(dl + x * ldl + e);
+        const float4 w = __ldg(reinterpret_cast<const float4*>(W + e * ldw) + c);
+        s.x = fmaf(l, w.x, s.x), s.y = fmaf(l, w.y, s.y), s.z = fmaf(l, w.z, s.z), s.w = fmaf(l, w.w, s.w);
+      }
     *o = s;
   }
 }
@@ -223,51 +232,41 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-// The router's backward fused with the permute's backward, one thread per column c of a block of rows:
-//   dx[t, c] = (acc ? dx[t, c] : 0) + sum_j dxp[row(t, j), c] + sum_e dl[t, e] W[e, c]   (slots, experts in order)
-//   part[block, e, c] = sum_{t in block} dl[t, e] x[t, c]                                  (rows in order)
-// x, dxp, dl and dx pass once; the block partials are summed in block order by sum_partials (deterministic).
+// The router's weight gradient, per block of rows: part[block, e, 4c..4c+3] = sum_{t in block} dl[t, e] x[t, 4c..]
+// (rows in order; one thread per float4 column, rows loaded 8 at a time), summed over the blocks by sum_partials.
 template <int EP>
-__global__ void __launch_bounds__(256, 3)
-    router_backward(const float* __restrict__ x, long long ldx, const float* __restrict__ W, long long ldw,
-                    const float* __restrict__ dl, long long ldl, int E, const float* __restrict__ dxp, long long ldp,
-                    const index_t* __restrict__ row, int k, float* __restrict__ dx, long long ldd, bool acc,
-                    float* __restrict__ part, long long n, int d, long long rows_per_block) {
+__global__ void __launch_bounds__(256) router_wgrad(const float* __restrict__ x, long long ldx,
+                                                    const float* __restrict__ dl, long long ldl, int E,
+                                                    float4* __restrict__ part, long long n, int d4,
+                                                    long long rows_per_block) {
   const int c = blockIdx.y * blockDim.x + threadIdx.x;
-  if (c >= d) return;
-  float w[EP], g[EP];
+  if (c >= d4) return;
+  float4 g[EP];
 #pragma unroll
-  for (int e = 0; e < EP; ++e) {
-    w[e] = e < E ? W[e * ldw + c] : 0.f;
-    g[e] = 0.f;
-  }
+  for (int e = 0; e < EP; ++e) g[e] = make_float4(0.f, 0.f, 0.f, 0.f);
   const long long t0 = blockIdx.x * rows_per_block, t1 = t0 + rows_per_block < n ? t0 + rows_per_block : n;
-  const float* xr = x + t0 * ldx + c;
-  const float* lr = dl + t0 * ldl;
-  const index_t* rr = row + t0 * k;
-  float* dr = dx + t0 * ldd + c;
-  dxp += c;
-#pragma unroll 4
-  for (long long t = t0; t < t1; ++t, xr += ldx, lr += ldl, rr += k, dr += ldd) {
-    const float xv = *xr;
-    float s = acc ? *dr : 0.f;
-    for (int j = 0; j < k; ++j) {
-      const index_t r = rr[j];
-      if (r >= 0) s += dxp[r * ldp];
-    }
+  for (long long t = t0; t < t1; t += 8) {
+    float4 xv[8];
 #pragma unroll
-    for (int e = 0; e < EP; ++e) {
-      if (e < E) {
-        const float l = __ldg(lr + e);
-        s = fmaf(l, w[e], s);
-        g[e] = fmaf(l, xv, g[e]);
+    for (int i = 0; i < 8; ++i)
+      xv[i] = t + i < t1 ? __ldg(reinterpret_cast<const float4*>(x + (t + i) * ldx) + c)
+                         : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if (t + i >= t1) break;
+#pragma unroll
+      for (int e = 0; e < EP; ++e) {
+        if (e < E) {
+          const float l = __ldg(dl + (t + i) * ldl + e);
+          g[e].x = fmaf(l, xv[i].x, g[e].x), g[e].y = fmaf(l, xv[i].y, g[e].y);
+          g[e].z = fmaf(l, xv[i].z, g[e].z), g[e].w = fmaf(l, xv[i].w, g[e].w);
+        }
       }
     }
-    *dr = s;
   }
 #pragma unroll
   for (int e = 0; e < EP; ++e)
-    if (e < E) part[(blockIdx.x * (long long)E + e) * d + c] = g[e];
+    if (e < E) part[(blockIdx.x * (long long)E + e) * d4 + c] = g[e];
 }
 
 // out[i] += sum_b part[b, i], b in order (blocks of 32 x 8 threads: row y sums b = y, y + 8, ..., then the 8 sums
@@ -556,7 +555,8 @@ void moe_unpermute_combine(const View2<const T>& y, const View2<const index_t>& 
     if (d % 4 == 0 && index_t(y.stride(0)) % 4 == 0 && index_t(out.stride(0)) % 4 == 0 &&
         index_t(row.stride(0)) == k && cuda_k::aligned16(y.data()) && cuda_k::aligned16(out.data())) {
       cuda_k::launch("moe::unpermute_combine", n * (d / 4), cuda_k::combine_rows, y.data(), y.stride(0), row.data(),
-                     gate.data(), gate.stride(0), int(k), out.data(), out.stride(0), accumulate, n, int(d / 4));
+                     gate.data(), gate.stride(0), int(k), nullptr, 0, nullptr, 0, 0, out.data(), out.stride(0),
+                     accumulate, n, int(d / 4));
       return;
     }
   }
@@ -666,7 +666,8 @@ void moe_permute_backward(const View2<const T>& dxp, const View2<const index_t>&
     if (d % 4 == 0 && index_t(dxp.stride(0)) % 4 == 0 && index_t(dx.stride(0)) % 4 == 0 &&
         index_t(row.stride(0)) == k && cuda_k::aligned16(dxp.data()) && cuda_k::aligned16(dx.data())) {
       cuda_k::launch("moe::permute_backward", n * (d / 4), cuda_k::combine_rows, dxp.data(), dxp.stride(0), row.data(),
-                     nullptr, 0, int(k), dx.data(), dx.stride(0), accumulate, n, int(d / 4));
+                     nullptr, 0, int(k), nullptr, 0, nullptr, 0, 0, dx.data(), dx.stride(0), accumulate, n,
+                     int(d / 4));
       return;
     }
   }
@@ -705,23 +706,30 @@ bool router_backward_fp32(const View2<const float>& x, const View2<const float>&
                           bool accumulate, const View2<float>& dW) {
 #if defined(KOKKOS_ENABLE_CUDA)
   const index_t n = x.extent(0), d = x.extent(1), E = W.extent(0), k = row.extent(1);
-  if (n == 0 || E < 1 || E > 16 || index_t(W.extent(1)) != d || index_t(dl.extent(0)) != n ||
+  if (n == 0 || E < 1 || E > 16 || d % 4 != 0 || index_t(W.extent(1)) != d || index_t(dl.extent(0)) != n ||
       index_t(dl.extent(1)) != E || index_t(row.extent(0)) != n || index_t(row.stride(0)) != k ||
       index_t(dxp.extent(1)) != d || index_t(dx.extent(0)) != n || index_t(dx.extent(1)) != d ||
-      index_t(dW.extent(0)) != E || index_t(dW.extent(1)) != d || index_t(dW.stride(0)) != d)
+      index_t(dW.extent(0)) != E || index_t(dW.extent(1)) != d || index_t(dW.stride(0)) != d ||
+      x.stride(0) % 4 != 0 || W.stride(0) % 4 != 0 || dxp.stride(0) % 4 != 0 || dx.stride(0) % 4 != 0 ||
+      !cuda_k::aligned16(x.data()) || !cuda_k::aligned16(W.data()) || !cuda_k::aligned16(dxp.data()) ||
+      !cuda_k::aligned16(dx.data()) || !cuda_k::aligned16(dW.data()))
     return false;
-  // one thread per column, blocks of rows: about one resident thread per (row block, column) on 132 SMs
-  const index_t bx = std::min<index_t>(256, (d + 31) / 32 * 32), gy = (d + bx - 1) / bx;
-  index_t chunks = std::clamp<index_t>(132 * 2048 / (bx * gy), 1, n);
-  const index_t rpb = (n + chunks - 1) / chunks;
+  // dx: the permute's backward plus dl W, one float4 of a row per thread
+  cuda_k::launch("moe::permute_router_backward", n * (d / 4), cuda_k::combine_rows, dxp.data(), dxp.stride(0),
+                 row.data(), nullptr, 0, int(k), dl.data(), dl.stride(0), W.data(), W.stride(0), int(E), dx.data(),
+                 dx.stride(0), accumulate, n, int(d / 4));
+  // dW: per-block partials over about 3 blocks of rows per SM (132 SMs; 90 registers a thread for E <= 8), then
+  // their sum in block order
+  const index_t d4 = d / 4, bx = std::min<index_t>(256, (d4 + 31) / 32 * 32), gy = (d4 + bx - 1) / bx;
+  index_t chunks = std::clamp<index_t>(132 * 3 / gy, 1, (n + 7) / 8);
+  const index_t rpb = ((n + chunks - 1) / chunks + 7) / 8 * 8;
   chunks = (n + rpb - 1) / rpb;
   PoolScope ws;
   View1<float> part = ws.take<View1<float>>("moe::router_wgrad_partials", chunks * E * d);
-  auto kernel = E <= 8 ? cuda_k::router_backward<8> : cuda_k::router_backward<16>;
-  cuda_k::launch_grid("moe::router_backward", dim3(unsigned(chunks), unsigned(gy)), dim3(unsigned(bx)), kernel,
-                      x.data(), x.stride(0), W.data(), W.stride(0), dl.data(), dl.stride(0), int(E), dxp.data(),
-                      dxp.stride(0), row.data(), int(k), dx.data(), dx.stride(0), accumulate, part.data(), n, int(d),
-                      rpb);
+  auto kernel = E <= 8 ? cuda_k::router_wgrad<8> : cuda_k::router_wgrad<16>;
+  cuda_k::launch_grid("moe::router_wgrad", dim3(unsigned(chunks), unsigned(gy)), dim3(unsigned(bx)), kernel, x.data(),
+                      x.stride(0), dl.data(), dl.stride(0), int(E), reinterpret_cast<float4*>(part.data()), n,
+                      int(d4), rpb);
   cuda_k::launch_grid("moe::router_wgrad_sum", dim3(unsigned((E * d + 31) / 32)), dim3(32, 8), cuda_k::sum_partials,
                       part.data(), int(chunks), E * d, dW.data());
   return true;
