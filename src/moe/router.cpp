@@ -190,23 +190,25 @@ template <class P>
 RouterLossSums router_loss_sums(const RouterOptions& opt, const Routing<P>& r) {
   RouterLossSums S;
   const index_t n = r.n, E = opt.n_experts;
-  if (opt.aux_loss_coef != 0) {
-    S.colsum.assign(E, 0.0);
-    if (n > 0) {
-      View1<P> colsum("moe::aux_colsum", E);
-      auto probs = r.probs;
-      auto psum = r.psum;
-      const bool softmax = opt.score == ScoreFunc::softmax;
-      column_reduce<P>("moe::aux_probs", n, E, KOKKOS_LAMBDA(index_t x, index_t i) {
-        return softmax ? probs(x, i) : probs(x, i) / psum(x);
-      }, colsum, false);
-      auto hs = Kokkos::create_mirror_view_and_copy(HostMem(), colsum);
-      for (index_t i = 0; i < E; ++i) S.colsum[i] = double(hs(i));
-    }
-  }
-  if (opt.z_loss_coef != 0 && n > 0) {
+  const bool aux = opt.aux_loss_coef != 0, z = opt.z_loss_coef != 0;
+  if (aux) S.colsum.assign(E, 0.0);
+  if (n > 0 && (aux || z)) {
+    // one reduction (and one copy to the host) for both: columns [0, E) the scores' column sums (aux), column E
+    // (or 0 without aux) the squared logsumexp (z)
+    const index_t m = (aux ? E : 0) + (z ? 1 : 0), ze = aux ? E : 0;
+    View1<P> sums("moe::router_loss_sums", m);
+    auto probs = r.probs;
+    auto psum = r.psum;
     auto lse = r.lse;
-    S.zsum = ordered_sum<P>("moe::z_loss", n, KOKKOS_LAMBDA(index_t x) { return lse(x) * lse(x); });
+    const bool softmax = opt.score == ScoreFunc::softmax;
+    column_reduce<P>("moe::router_loss_sums", n, m, KOKKOS_LAMBDA(index_t x, index_t i) {
+      if (i == ze) return lse(x) * lse(x);
+      return softmax ? probs(x, i) : probs(x, i) / psum(x);
+    }, sums, false);
+    auto hs = Kokkos::create_mirror_view_and_copy(HostMem(), sums);
+    if (aux)
+      for (index_t i = 0; i < E; ++i) S.colsum[i] = double(hs(i));
+    if (z) S.zsum = hs(ze);
   }
   return S;
 }
