@@ -1,6 +1,8 @@
 #include "layers/rmsnorm.hpp"
 
+#include "core/cuda_launch.hpp"
 #include "core/error.hpp"
+#include "core/pool.hpp"
 #include "tensor/ops.hpp"
 
 namespace mm {
@@ -72,6 +74,173 @@ void rmsnorm_backward(const View2<const X>& x, const View1<const acc_t<T>>& w, c
                    KOKKOS_LAMBDA(index_t i, index_t j) { return P(dy(i, j)) * P(x(i, j)) * rstd(i); }, dw, true);
 }
 
+#if defined(KOKKOS_ENABLE_CUDA)
+// Native CUDA forms of the gated norm for float data, one warp per (row, group) with the group's x and z in
+// registers (float4 loads), silu from the exp unit and a fast reciprocal, and the backward's weight gradient summed
+// in the same pass (per-warp partials, then their sum in warp order): the Kokkos forms (scalar loads, library expf
+// and IEEE division in each of their passes, the weight gradient as a separate column reduction over x, z and dy
+// again) took 39.9 ms of a 303 ms 24-layer LM step on an H200 (perf/RESULTS.md, fourth session). Taken for groups
+// of up to 2,048 columns in 16-byte aligned windows; the Kokkos forms stay the fallback and the host path.
+namespace cuda_k {
+
+constexpr int kNormWarps = 4;  // warps per block
+
+__device__ __forceinline__ float sigm_f(float u) { return __fdividef(1.f, 1.f + __expf(-u)); }
+__device__ __forceinline__ float& comp(float4& v, int k) { return (&v.x)[k]; }
+__device__ __forceinline__ float comp(const float4& v, int k) { return (&v.x)[k]; }
+
+// y = x silu(z) rstd w (both orders), rstd = 1 / sqrt(mean(v^2) + eps) over the group, v = x silu(z) (gate_first)
+// or x; V float4 per lane (groups of up to 128 V columns, gs4 float4 each).
+template <int V>
+__global__ void __launch_bounds__(32 * kNormWarps)
+    gated_norm_fwd(const float* __restrict__ x, long long ldx, const float* __restrict__ z, long long ldz,
+                   const float* __restrict__ w, float* __restrict__ y, long long ldy, float* __restrict__ rstd,
+                   long long ldr, long long n, int gs4, bool gate_first, float eps) {
+  const int lane = threadIdx.x & 31, g = blockIdx.y;
+  const long long nw = (long long)gridDim.x * kNormWarps;
+  const float4* w4 = reinterpret_cast<const float4*>(w) + g * gs4;
+  for (long long i = blockIdx.x * kNormWarps + (threadIdx.x >> 5); i < n; i += nw) {
+    const float4* x4 = reinterpret_cast<const float4*>(x + i * ldx) + g * gs4;
+    const float4* z4 = reinterpret_cast<const float4*>(z + i * ldz) + g * gs4;
+    float4 xv[V], sv[V];
+#pragma unroll
+    for (int v = 0; v < V; ++v)
+      if (lane + 32 * v < gs4) xv[v] = x4[lane + 32 * v], sv[v] = z4[lane + 32 * v];
+    float ss = 0.f;
+#pragma unroll
+    for (int v = 0; v < V; ++v)
+      if (lane + 32 * v < gs4)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const float zz = comp(sv[v], k), s = zz * sigm_f(zz), xx = comp(xv[v], k);
+          comp(sv[v], k) = s;
+          const float u = gate_first ? xx * s : xx;
+          ss = fmaf(u, u, ss);
+        }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const float r = 1.f / sqrtf(ss / float(4 * gs4) + eps);
+    if (lane == 0) rstd[i * ldr + g] = r;
+    float4* y4 = reinterpret_cast<float4*>(y + i * ldy) + g * gs4;
+#pragma unroll
+    for (int v = 0; v < V; ++v)
+      if (lane + 32 * v < gs4) {
+        float4 wv = w4[lane + 32 * v], o;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) comp(o, k) = comp(xv[v], k) * comp(sv[v], k) * r * comp(wv, k);
+        y4[lane + 32 * v] = o;
+      }
+  }
+}
+
+// dx, dz of the gated norm (formulas as the Kokkos form below); dwpart[warp, col] = this warp's rows' sum of
+// dy x silu(z) rstd (every warp writes its row of partials, zeros when it had no rows).
+template <int V>
+__global__ void __launch_bounds__(32 * kNormWarps)
+    gated_norm_bwd(const float* __restrict__ x, long long ldx, const float* __restrict__ z, long long ldz,
+                   const float* __restrict__ w, const float* __restrict__ rstd, long long ldr,
+                   const float* __restrict__ dy, long long lddy, float* __restrict__ dx, long long lddx,
+                   float* __restrict__ dz, long long lddz, float* __restrict__ dwpart, long long width, long long n,
+                   int gs4, bool gate_first) {
+  const int lane = threadIdx.x & 31, g = blockIdx.y;
+  const long long wid = blockIdx.x * kNormWarps + (threadIdx.x >> 5), nw = (long long)gridDim.x * kNormWarps;
+  const float4* w4 = reinterpret_cast<const float4*>(w) + g * gs4;
+  const float inv_gs = 1.f / float(4 * gs4);
+  float4 acc[V];
+#pragma unroll
+  for (int v = 0; v < V; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (long long i = wid; i < n; i += nw) {
+    const float r = rstd[i * ldr + g];
+    const float4* x4 = reinterpret_cast<const float4*>(x + i * ldx) + g * gs4;
+    const float4* z4 = reinterpret_cast<const float4*>(z + i * ldz) + g * gs4;
+    const float4* d4 = reinterpret_cast<const float4*>(dy + i * lddy) + g * gs4;
+    float4 xv[V], zv[V];
+#pragma unroll
+    for (int v = 0; v < V; ++v)
+      if (lane + 32 * v < gs4) xv[v] = x4[lane + 32 * v], zv[v] = z4[lane + 32 * v];
+    // v = the normalised quantity (x silu(z) if gate_first, x otherwise); dv = dL/d(normalised v)
+    float dot = 0.f;
+#pragma unroll
+    for (int v = 0; v < V; ++v)
+      if (lane + 32 * v < gs4) {
+        const float4 dd = d4[lane + 32 * v], wv = w4[lane + 32 * v];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const float zz = comp(zv[v], k), s = zz * sigm_f(zz), xx = comp(xv[v], k), dk = comp(dd, k);
+          const float vv = gate_first ? xx * s : xx, dv = gate_first ? dk * comp(wv, k) : dk * comp(wv, k) * s;
+          dot = fmaf(dv, vv, dot);
+          comp(acc[v], k) += dk * xx * s * r;
+        }
+      }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    const float c = r * r * dot * inv_gs;
+    float4* dx4 = reinterpret_cast<float4*>(dx + i * lddx) + g * gs4;
+    float4* dz4 = reinterpret_cast<float4*>(dz + i * lddz) + g * gs4;
+#pragma unroll
+    for (int v = 0; v < V; ++v)
+      if (lane + 32 * v < gs4) {
+        const float4 dd = d4[lane + 32 * v], wv = w4[lane + 32 * v];
+        float4 ox, oz;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const float zz = comp(zv[v], k), sg = sigm_f(zz), s = zz * sg, ds = sg * (1.f + zz * (1.f - sg));
+          const float xx = comp(xv[v], k), dk = comp(dd, k), wk = comp(wv, k);
+          if (gate_first) {
+            const float du = r * (dk * wk - xx * s * c);
+            comp(ox, k) = du * s;
+            comp(oz, k) = du * xx * ds;
+          } else {
+            comp(ox, k) = r * (dk * wk * s - xx * c);
+            comp(oz, k) = dk * xx * r * wk * ds;
+          }
+        }
+        dx4[lane + 32 * v] = ox;
+        dz4[lane + 32 * v] = oz;
+      }
+  }
+  float4* p4 = reinterpret_cast<float4*>(dwpart + wid * width) + g * gs4;
+#pragma unroll
+  for (int v = 0; v < V; ++v)
+    if (lane + 32 * v < gs4) p4[lane + 32 * v] = acc[v];
+}
+
+// V (float4 per lane) for groups of gs columns: the smallest of 4, 8, 12, 16 with 128 V >= gs; 0 when gs does not
+// fit (more than 2,048 columns, or not a multiple of 4).
+inline int norm_v(index_t gs) {
+  if (gs % 4 != 0) return 0;
+  for (int v : {4, 8, 12, 16})
+    if (128 * v >= gs) return v;
+  return 0;
+}
+
+// Blocks along the rows for ng groups: one wave of the kernel's resident blocks, at most one warp per row.
+template <class K>
+unsigned norm_row_blocks(K kernel, index_t n, index_t ng) {
+  const index_t resident = resident_blocks(kernel, 32 * kNormWarps);
+  return unsigned(std::clamp<index_t>(resident / ng, 1, (n + kNormWarps - 1) / kNormWarps));
+}
+
+}  // namespace cuda_k
+
+namespace {
+
+// Whether the native kernels take this gated norm: float data, groups the kernels hold, 16-byte aligned windows.
+template <class T>
+bool gated_norm_native(const GatedNormIn<T>& in, index_t group_size, std::initializer_list<std::pair<const void*, index_t>> rows) {
+  if constexpr (!std::is_same_v<T, float>) {
+    return false;
+  } else {
+    if (cuda_k::norm_v(group_size) == 0 || in.x_col % 4 != 0 || in.z_col % 4 != 0) return false;
+    for (const auto& [p, ld] : rows)
+      if (!cuda_k::aligned16(p) || ld % 4 != 0) return false;
+    return true;
+  }
+}
+
+}  // namespace
+#endif
+
 template <class T>
 void gated_rmsnorm_forward(const GatedNormIn<T>& in, index_t width, index_t group_size, GateOrder order,
                            const View1<const acc_t<T>>& w, double eps, const View2<T>& y,
@@ -84,6 +253,24 @@ void gated_rmsnorm_forward(const GatedNormIn<T>& in, index_t width, index_t grou
   const auto z = in.z;
   const index_t xc = in.x_col, zc = in.z_col;
   const bool gate_first = order == GateOrder::gate_first;
+#if defined(KOKKOS_ENABLE_CUDA)
+  if constexpr (std::is_same_v<T, float>) {
+    if (n > 0 && gated_norm_native<T>(in, group_size,
+                                      {{x.data() + xc, x.stride(0)}, {z.data() + zc, z.stride(0)}, {y.data(), y.stride(0)},
+                                       {w.data(), 0}})) {
+      const int V = cuda_k::norm_v(group_size);
+      auto kernel = V == 4    ? cuda_k::gated_norm_fwd<4>
+                    : V == 8  ? cuda_k::gated_norm_fwd<8>
+                    : V == 12 ? cuda_k::gated_norm_fwd<12>
+                              : cuda_k::gated_norm_fwd<16>;
+      cuda_k::launch_grid("gated_rmsnorm::forward", dim3(cuda_k::norm_row_blocks(kernel, n, ng), unsigned(ng)),
+                          dim3(32 * cuda_k::kNormWarps), kernel, x.data() + xc, x.stride(0), z.data() + zc,
+                          z.stride(0), w.data(), y.data(), y.stride(0), rstd.data(), rstd.stride(0), n,
+                          int(group_size / 4), gate_first, float(eps));
+      return;
+    }
+  }
+#endif
   const P e = P(eps);
   par_for_rows("gated_rmsnorm::forward", n * ng, KOKKOS_LAMBDA(const Team& tm, index_t ig) {
     const index_t i = ig / ng, g = ig % ng, j0 = g * group_size;
@@ -116,6 +303,31 @@ void gated_rmsnorm_backward(const GatedNormIn<T>& in, index_t width, index_t gro
   const auto z = in.z;
   const index_t xc = in.x_col, zc = in.z_col;
   const bool gate_first = order == GateOrder::gate_first;
+#if defined(KOKKOS_ENABLE_CUDA)
+  if constexpr (std::is_same_v<T, float>) {
+    if (n > 0 && index_t(dw.extent(0)) == width &&
+        gated_norm_native<T>(in, group_size,
+                             {{x.data() + xc, x.stride(0)}, {z.data() + zc, z.stride(0)}, {dy.data(), dy.stride(0)},
+                              {dx.data() + dx_col, dx.stride(0)}, {dz.data() + dz_col, dz.stride(0)}, {w.data(), 0},
+                              {dw.data(), 0}})) {
+      const int V = cuda_k::norm_v(group_size);
+      auto kernel = V == 4    ? cuda_k::gated_norm_bwd<4>
+                    : V == 8  ? cuda_k::gated_norm_bwd<8>
+                    : V == 12 ? cuda_k::gated_norm_bwd<12>
+                              : cuda_k::gated_norm_bwd<16>;
+      const unsigned rb = cuda_k::norm_row_blocks(kernel, n, ng);
+      const index_t parts = index_t(rb) * cuda_k::kNormWarps;
+      PoolScope ws;
+      View1<P> part = ws.take<View1<P>>("gated_rmsnorm::backward_dw_partials", parts * width);
+      cuda_k::launch_grid("gated_rmsnorm::backward", dim3(rb, unsigned(ng)), dim3(32 * cuda_k::kNormWarps), kernel,
+                          x.data() + xc, x.stride(0), z.data() + zc, z.stride(0), w.data(), rstd.data(),
+                          rstd.stride(0), dy.data(), dy.stride(0), dx.data() + dx_col, dx.stride(0),
+                          dz.data() + dz_col, dz.stride(0), part.data(), width, n, int(group_size / 4), gate_first);
+      cuda_k::add_partials("gated_rmsnorm::backward_dw", part.data(), parts, width, dw.data());
+      return;
+    }
+  }
+#endif
   par_for_rows("gated_rmsnorm::backward_dx", n * ng, KOKKOS_LAMBDA(const Team& tm, index_t ig) {
     const index_t i = ig / ng, g = ig % ng, j0 = g * group_size;
     const P r = rstd(i, g);

@@ -1,8 +1,8 @@
 #include "moe/experts.hpp"
 
-#include <Kokkos_Profiling_ScopedRegion.hpp>
 #include <algorithm>
 
+#include "core/cuda_launch.hpp"
 #include "core/error.hpp"
 
 #if defined(KOKKOS_ENABLE_CUDA)
@@ -267,44 +267,6 @@ __global__ void __launch_bounds__(256) router_wgrad(const float* __restrict__ x,
 #pragma unroll
   for (int e = 0; e < EP; ++e)
     if (e < E) part[(blockIdx.x * (long long)E + e) * d4 + c] = g[e];
-}
-
-// out[i] += sum_b part[b, i], b in order (blocks of 32 x 8 threads: row y sums b = y, y + 8, ..., then the 8 sums
-// in order)
-__global__ void __launch_bounds__(256)
-    sum_partials(const float* __restrict__ part, int nb, long long q, float* __restrict__ out) {
-  __shared__ float sh[8][33];
-  const long long i = blockIdx.x * 32LL + threadIdx.x;
-  float s = 0.f;
-  if (i < q)
-    for (int b = threadIdx.y; b < nb; b += 8) s += part[b * q + i];
-  sh[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y == 0 && i < q) {
-    float t = out[i];
-#pragma unroll
-    for (int y = 0; y < 8; ++y) t += sh[y][threadIdx.x];
-    out[i] = t;
-  }
-}
-
-inline bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
-
-// kernel(args...) on a grid of blocks on Kokkos' stream, under the profiling region `name`; a failed launch is an
-// error naming it.
-template <class... P, class... A>
-void launch_grid(const char* name, dim3 grid, dim3 block, void (*kernel)(P...), const A&... args) {
-  Kokkos::Profiling::ScopedRegion region(name);
-  kernel<<<grid, block, 0, Kokkos::DefaultExecutionSpace().cuda_stream()>>>(args...);
-  const cudaError_t e = cudaGetLastError();
-  require(e == cudaSuccess, name, "the kernel failed to launch: ", cudaGetErrorString(e));
-}
-
-// kernel(args...) over `items` work items (256 threads a block, grid-stride loops past 132 x 32 blocks)
-template <class... P, class... A>
-void launch(const char* name, long long items, void (*kernel)(P...), const A&... args) {
-  const long long blocks = std::clamp((items + 255) / 256, 1LL, 132LL * 32);
-  launch_grid(name, dim3(unsigned(blocks)), dim3(256), kernel, args...);
 }
 
 }  // namespace cuda_k
@@ -730,8 +692,7 @@ bool router_backward_fp32(const View2<const float>& x, const View2<const float>&
   cuda_k::launch_grid("moe::router_wgrad", dim3(unsigned(chunks), unsigned(gy)), dim3(unsigned(bx)), kernel, x.data(),
                       x.stride(0), dl.data(), dl.stride(0), int(E), reinterpret_cast<float4*>(part.data()), n,
                       int(d4), rpb);
-  cuda_k::launch_grid("moe::router_wgrad_sum", dim3(unsigned((E * d + 31) / 32)), dim3(32, 8), cuda_k::sum_partials,
-                      part.data(), int(chunks), E * d, dW.data());
+  cuda_k::add_partials("moe::router_wgrad_sum", part.data(), chunks, E * d, dW.data());
   return true;
 #else
   (void)x, (void)W, (void)dl, (void)dxp, (void)row, (void)dx, (void)accumulate, (void)dW;

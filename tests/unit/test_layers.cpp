@@ -143,6 +143,58 @@ TEST_CASE("gated RMSNorm (group-wise, both gate orders) matches the reference an
                     ContainsSubstring("not divisible"));
 }
 
+TEST_CASE("gated RMSNorm in float equals the double form (the native CUDA kernels' shapes)", "[layers]") {
+  // float data in 16-byte aligned column windows, groups of 128 to 1,536 columns: on CUDA builds the native
+  // kernels take these (one warp per row and group, weight gradient from per-warp partials); on host builds the
+  // Kokkos form. Both against the double form, which the test above checks against the reference.
+  const index_t n = 37;
+  const double eps = 1e-5;
+  for (const auto& [E, gs] : std::vector<std::pair<index_t, index_t>>{{512, 128}, {1536, 1536}, {1024, 256}}) {
+    for (GateOrder order : {GateOrder::gate_first, GateOrder::norm_first}) {
+      INFO("width " << E << " group " << gs << " order " << int(order));
+      const index_t ld = 2 * E + 8, xcol = 4, zcol = E + 8;
+      View2<double> src("src", n, ld), dy("dy", n, E);
+      View1<double> w("w", E);
+      fill_uniform(src, 11);
+      fill_uniform(w, 12, 0.5, 1.5);
+      fill_uniform(dy, 13);
+      View2<float> srcf("srcf", n, ld), dyf("dyf", n, E);
+      View1<float> wf("wf", E);
+      mmtest::from_vec(srcf, to_vec(src));
+      mmtest::from_vec(dyf, to_vec(dy));
+      mmtest::from_vec(wf, to_vec(w));
+      View2<double> y("y", n, E), rstd("rstd", n, E / gs), dsrc("dsrc", n, ld);
+      View1<double> dw("dw", E);
+      gated_rmsnorm_forward<double>(GatedNormIn<double>{src, xcol, src, zcol}, E, gs, order, w, eps, y, rstd);
+      gated_rmsnorm_backward<double>(GatedNormIn<double>{src, xcol, src, zcol}, E, gs, order, w, rstd, dy, dsrc,
+                                     xcol, dsrc, zcol, dw);
+      View2<float> yf("yf", n, E), rstdf("rstdf", n, E / gs), dsrcf("dsrcf", n, ld);
+      View1<float> dwf("dwf", E);
+      Kokkos::deep_copy(dwf, 0.25f);  // the weight gradient accumulates
+      gated_rmsnorm_forward<float>(GatedNormIn<float>{srcf, xcol, srcf, zcol}, E, gs, order, wf, eps, yf, rstdf);
+      gated_rmsnorm_backward<float>(GatedNormIn<float>{srcf, xcol, srcf, zcol}, E, gs, order, wf, rstdf, dyf, dsrcf,
+                                    xcol, dsrcf, zcol, dwf);
+      CHECK(rel_err(to_vec(yf), to_vec(y)) < 1e-5);
+      CHECK(rel_err(to_vec(rstdf), to_vec(rstd)) < 1e-5);
+      // dx and dz land in their windows; the columns outside them stay zero
+      CHECK(rel_err(to_vec(dsrcf), to_vec(dsrc)) < 1e-5);
+      auto dwv = to_vec(dw);
+      for (auto& v : dwv) v += 0.25;
+      CHECK(rel_err(to_vec(dwf), dwv) < 1e-5);
+      // repeatable bit for bit
+      View2<float> yf2("yf2", n, E), rstdf2("rstdf2", n, E / gs), dsrcf2("dsrcf2", n, ld);
+      View1<float> dwf2("dwf2", E);
+      Kokkos::deep_copy(dwf2, 0.25f);
+      gated_rmsnorm_forward<float>(GatedNormIn<float>{srcf, xcol, srcf, zcol}, E, gs, order, wf, eps, yf2, rstdf2);
+      gated_rmsnorm_backward<float>(GatedNormIn<float>{srcf, xcol, srcf, zcol}, E, gs, order, wf, rstdf2, dyf,
+                                    dsrcf2, xcol, dsrcf2, zcol, dwf2);
+      CHECK(to_vec(yf2) == to_vec(yf));
+      CHECK(to_vec(dsrcf2) == to_vec(dsrcf));
+      CHECK(to_vec(dwf2) == to_vec(dwf));
+    }
+  }
+}
+
 TEST_CASE("linear (with and without bias) matches the reference and finite differences", "[layers]") {
   const index_t n = 6, in = 5, out = 4;
   View2<double> x("x", n, in), W("W", out, in), y("y", n, out), dy("dy", n, out), dx("dx", n, in), dW("dW", out, in);

@@ -1,0 +1,73 @@
+// Launch helpers shared by the native CUDA kernels (CUDA builds only; empty otherwise): kernels run on Kokkos'
+// default execution space stream, so they order with the Kokkos kernels around them, each under a profiling
+// region named like the Kokkos kernels' labels, and a failed launch is an error naming the kernel.
+#pragma once
+
+#include <Kokkos_Core.hpp>
+
+#if defined(KOKKOS_ENABLE_CUDA)
+#include <Kokkos_Profiling_ScopedRegion.hpp>
+#include <algorithm>
+#include <cstdint>
+
+#include "core/error.hpp"
+
+namespace mm::cuda_k {
+
+inline bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
+// kernel(args...) on a grid of blocks, on Kokkos' stream, under the profiling region `name`.
+template <class... P, class... A>
+void launch_grid(const char* name, dim3 grid, dim3 block, void (*kernel)(P...), const A&... args) {
+  Kokkos::Profiling::ScopedRegion region(name);
+  kernel<<<grid, block, 0, Kokkos::DefaultExecutionSpace().cuda_stream()>>>(args...);
+  const cudaError_t e = cudaGetLastError();
+  require(e == cudaSuccess, name, "the kernel failed to launch: ", cudaGetErrorString(e));
+}
+
+// kernel(args...) over `items` work items (256 threads a block, grid-stride loops past 132 x 32 blocks).
+template <class... P, class... A>
+void launch(const char* name, long long items, void (*kernel)(P...), const A&... args) {
+  const long long blocks = std::clamp((items + 255) / 256, 1LL, 132LL * 32);
+  launch_grid(name, dim3(unsigned(blocks)), dim3(256), kernel, args...);
+}
+
+// How many blocks of `block` threads of `kernel` the device holds at once (all SMs): a grid of that many blocks
+// runs in one wave.
+template <class... P>
+int resident_blocks(void (*kernel)(P...), int block) {
+  int dev = 0, sms = 0, per_sm = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, block, 0);
+  return std::max(1, sms * per_sm);
+}
+
+// out[i] += sum_b part[b, i] over b < nb, b in order (blocks of 32 x 8 threads: row y sums b = y, y + 8, ...,
+// then the 8 sums in order): the deterministic second stage of a reduction whose first stage wrote one row of
+// partials per block or warp.
+template <class R>
+__global__ void __launch_bounds__(256) sum_partials(const R* __restrict__ part, int nb, long long q,
+                                                    R* __restrict__ out) {
+  __shared__ R sh[8][33];
+  const long long i = blockIdx.x * 32LL + threadIdx.x;
+  R s = R(0);
+  if (i < q)
+    for (int b = threadIdx.y; b < nb; b += 8) s += part[b * q + i];
+  sh[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && i < q) {
+    R t = out[i];
+#pragma unroll
+    for (int y = 0; y < 8; ++y) t += sh[y][threadIdx.x];
+    out[i] = t;
+  }
+}
+
+template <class R>
+void add_partials(const char* name, const R* part, long long nb, long long q, R* out) {
+  launch_grid(name, dim3(unsigned((q + 31) / 32)), dim3(32, 8), sum_partials<R>, part, int(nb), q, out);
+}
+
+}  // namespace mm::cuda_k
+#endif
