@@ -41,46 +41,14 @@ MM_UNROLL
 }
 }  // namespace
 
-template <class X, class T>
-void rmsnorm_forward(const View2<const X>& x, const View1<const acc_t<T>>& w, double eps, const View2<T>& y,
-                     const View1<acc_t<T>>& rstd) {
-  using P = acc_t<T>;
-  const index_t n = x.extent(0), d = x.extent(1);
-  const P e = P(eps);
-  par_for_rows("rmsnorm::forward", n, KOKKOS_LAMBDA(const Team& tm, index_t i) {
-    const P ss = strands_sum<P>(tm, 0, d, [&](index_t j) { return P(x(i, j)) * P(x(i, j)); });
-    const P r = P(1) / Kokkos::sqrt(ss / P(d) + e);
-    Kokkos::single(Kokkos::PerThread(tm), [&]() { rstd(i) = r; });
-    strands_for(tm, 0, d, [&](index_t j) { y(i, j) = static_cast<T>(P(x(i, j)) * r * w(j)); });
-  });
-}
-
-template <class X, class T>
-void rmsnorm_backward(const View2<const X>& x, const View1<const acc_t<T>>& w, const View1<const acc_t<T>>& rstd,
-                      const View2<const T>& dy, const View2<X>& dx, bool accumulate_dx,
-                      const View1<acc_t<T>>& dw) {
-  using P = acc_t<T>;
-  const index_t n = x.extent(0), d = x.extent(1);
-  par_for_rows("rmsnorm::backward_dx", n, KOKKOS_LAMBDA(const Team& tm, index_t i) {
-    const P r = rstd(i);
-    const P dot = strands_sum<P>(tm, 0, d, [&](index_t j) { return P(dy(i, j)) * w(j) * P(x(i, j)); });
-    const P c = r * r * dot / P(d);
-    strands_for(tm, 0, d, [&](index_t j) {
-      const P g = r * (P(dy(i, j)) * w(j) - P(x(i, j)) * c);
-      dx(i, j) = accumulate_dx ? static_cast<X>(P(dx(i, j)) + g) : static_cast<X>(g);
-    });
-  });
-  column_reduce<P>("rmsnorm::backward_dw", n, d,
-                   KOKKOS_LAMBDA(index_t i, index_t j) { return P(dy(i, j)) * P(x(i, j)) * rstd(i); }, dw, true);
-}
-
 #if defined(KOKKOS_ENABLE_CUDA)
-// Native CUDA forms of the gated norm for float data, one warp per (row, group) with the group's x and z in
-// registers (float4 loads), silu from the exp unit and a fast reciprocal, and the backward's weight gradient summed
-// in the same pass (per-warp partials, then their sum in warp order): the Kokkos forms (scalar loads, library expf
-// and IEEE division in each of their passes, the weight gradient as a separate column reduction over x, z and dy
-// again) took 39.9 ms of a 303 ms 24-layer LM step on an H200 (perf/RESULTS.md, fourth session). Taken for groups
-// of up to 2,048 columns in 16-byte aligned windows; the Kokkos forms stay the fallback and the host path.
+// Native CUDA forms of the gated norm and the plain RMSNorm for float data: one warp per (row, group) with the
+// group's x and z in registers (float4 loads), silu from the exp unit and a fast reciprocal, and the backward's
+// weight gradient summed in the same pass (per-warp partials, then their sum in warp order). The Kokkos forms
+// (scalar loads, library expf and IEEE division in each of their passes, the weight gradient as a separate column
+// reduction over x, z and dy again) took 39.9 ms of a 303 ms 24-layer LM step on an H200 (perf/RESULTS.md, fourth
+// session). Taken for groups of up to 2,048 columns in 16-byte aligned windows; the Kokkos forms stay the fallback
+// and the host path.
 namespace cuda_k {
 
 constexpr int kNormWarps = 4;  // warps per block
@@ -90,7 +58,8 @@ __device__ __forceinline__ float& comp(float4& v, int k) { return (&v.x)[k]; }
 __device__ __forceinline__ float comp(const float4& v, int k) { return (&v.x)[k]; }
 
 // y = x silu(z) rstd w (both orders), rstd = 1 / sqrt(mean(v^2) + eps) over the group, v = x silu(z) (gate_first)
-// or x; V float4 per lane (groups of up to 128 V columns, gs4 float4 each).
+// or x; V float4 per lane (groups of up to 128 V columns, gs4 float4 each). z null: the plain RMSNorm (silu(z) = 1,
+// norm_first).
 template <int V>
 __global__ void __launch_bounds__(32 * kNormWarps)
     gated_norm_fwd(const float* __restrict__ x, long long ldx, const float* __restrict__ z, long long ldz,
@@ -105,14 +74,14 @@ __global__ void __launch_bounds__(32 * kNormWarps)
     float4 xv[V], sv[V];
 #pragma unroll
     for (int v = 0; v < V; ++v)
-      if (lane + 32 * v < gs4) xv[v] = x4[lane + 32 * v], sv[v] = z4[lane + 32 * v];
+      if (lane + 32 * v < gs4) xv[v] = x4[lane + 32 * v], sv[v] = z ? z4[lane + 32 * v] : float4{};
     float ss = 0.f;
 #pragma unroll
     for (int v = 0; v < V; ++v)
       if (lane + 32 * v < gs4)
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-          const float zz = comp(sv[v], k), s = zz * sigm_f(zz), xx = comp(xv[v], k);
+          const float zz = comp(sv[v], k), s = z ? zz * sigm_f(zz) : 1.f, xx = comp(xv[v], k);
           comp(sv[v], k) = s;
           const float u = gate_first ? xx * s : xx;
           ss = fmaf(u, u, ss);
@@ -133,15 +102,16 @@ __global__ void __launch_bounds__(32 * kNormWarps)
   }
 }
 
-// dx, dz of the gated norm (formulas as the Kokkos form below); dwpart[warp, col] = this warp's rows' sum of
-// dy x silu(z) rstd (every warp writes its row of partials, zeros when it had no rows).
+// dx (plus the old dx with acc_dx), dz of the gated norm (formulas as the Kokkos form below; z and dz null: the
+// plain RMSNorm); dwpart[warp, col] = this warp's rows' sum of dy x silu(z) rstd (every warp writes its row of
+// partials, zeros when it had no rows).
 template <int V>
 __global__ void __launch_bounds__(32 * kNormWarps)
     gated_norm_bwd(const float* __restrict__ x, long long ldx, const float* __restrict__ z, long long ldz,
                    const float* __restrict__ w, const float* __restrict__ rstd, long long ldr,
                    const float* __restrict__ dy, long long lddy, float* __restrict__ dx, long long lddx,
                    float* __restrict__ dz, long long lddz, float* __restrict__ dwpart, long long width, long long n,
-                   int gs4, bool gate_first) {
+                   int gs4, bool gate_first, bool acc_dx) {
   const int lane = threadIdx.x & 31, g = blockIdx.y;
   const long long wid = blockIdx.x * kNormWarps + (threadIdx.x >> 5), nw = (long long)gridDim.x * kNormWarps;
   const float4* w4 = reinterpret_cast<const float4*>(w) + g * gs4;
@@ -157,7 +127,7 @@ __global__ void __launch_bounds__(32 * kNormWarps)
     float4 xv[V], zv[V];
 #pragma unroll
     for (int v = 0; v < V; ++v)
-      if (lane + 32 * v < gs4) xv[v] = x4[lane + 32 * v], zv[v] = z4[lane + 32 * v];
+      if (lane + 32 * v < gs4) xv[v] = x4[lane + 32 * v], zv[v] = z ? z4[lane + 32 * v] : float4{};
     // v = the normalised quantity (x silu(z) if gate_first, x otherwise); dv = dL/d(normalised v)
     float dot = 0.f;
 #pragma unroll
@@ -166,7 +136,7 @@ __global__ void __launch_bounds__(32 * kNormWarps)
         const float4 dd = d4[lane + 32 * v], wv = w4[lane + 32 * v];
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-          const float zz = comp(zv[v], k), s = zz * sigm_f(zz), xx = comp(xv[v], k), dk = comp(dd, k);
+          const float zz = comp(zv[v], k), s = z ? zz * sigm_f(zz) : 1.f, xx = comp(xv[v], k), dk = comp(dd, k);
           const float vv = gate_first ? xx * s : xx, dv = gate_first ? dk * comp(wv, k) : dk * comp(wv, k) * s;
           dot = fmaf(dv, vv, dot);
           comp(acc[v], k) += dk * xx * s * r;
@@ -184,7 +154,8 @@ __global__ void __launch_bounds__(32 * kNormWarps)
         float4 ox, oz;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-          const float zz = comp(zv[v], k), sg = sigm_f(zz), s = zz * sg, ds = sg * (1.f + zz * (1.f - sg));
+          const float zz = comp(zv[v], k), sg = z ? sigm_f(zz) : 1.f, s = z ? zz * sg : 1.f;
+          const float ds = sg * (1.f + zz * (1.f - sg));
           const float xx = comp(xv[v], k), dk = comp(dd, k), wk = comp(wv, k);
           if (gate_first) {
             const float du = r * (dk * wk - xx * s * c);
@@ -195,8 +166,13 @@ __global__ void __launch_bounds__(32 * kNormWarps)
             comp(oz, k) = dk * xx * r * wk * ds;
           }
         }
+        if (acc_dx) {
+          const float4 o = dx4[lane + 32 * v];
+#pragma unroll
+          for (int k = 0; k < 4; ++k) comp(ox, k) = comp(o, k) + comp(ox, k);
+        }
         dx4[lane + 32 * v] = ox;
-        dz4[lane + 32 * v] = oz;
+        if (dz) dz4[lane + 32 * v] = oz;
       }
   }
   float4* p4 = reinterpret_cast<float4*>(dwpart + wid * width) + g * gs4;
@@ -214,6 +190,15 @@ inline int norm_v(index_t gs) {
   return 0;
 }
 
+// Whether the native kernels take groups of gs columns over these (pointer, row stride) pairs: 16-byte aligned
+// rows, group sizes the kernels hold.
+inline bool norm_fits(index_t gs, std::initializer_list<std::pair<const void*, index_t>> rows) {
+  if (norm_v(gs) == 0) return false;
+  for (const auto& [p, ld] : rows)
+    if (!aligned16(p) || ld % 4 != 0) return false;
+  return true;
+}
+
 // Blocks along the rows for ng groups: one wave of the kernel's resident blocks, at most one warp per row.
 template <class K>
 unsigned norm_row_blocks(K kernel, index_t n, index_t ng) {
@@ -221,25 +206,89 @@ unsigned norm_row_blocks(K kernel, index_t n, index_t ng) {
   return unsigned(std::clamp<index_t>(resident / ng, 1, (n + kNormWarps - 1) / kNormWarps));
 }
 
-}  // namespace cuda_k
-
-namespace {
-
-// Whether the native kernels take this gated norm: float data, groups the kernels hold, 16-byte aligned windows.
-template <class T>
-bool gated_norm_native(const GatedNormIn<T>& in, index_t group_size, std::initializer_list<std::pair<const void*, index_t>> rows) {
-  if constexpr (!std::is_same_v<T, float>) {
-    return false;
-  } else {
-    if (cuda_k::norm_v(group_size) == 0 || in.x_col % 4 != 0 || in.z_col % 4 != 0) return false;
-    for (const auto& [p, ld] : rows)
-      if (!cuda_k::aligned16(p) || ld % 4 != 0) return false;
-    return true;
-  }
+// The launches (norm_fits checked by the caller; z null: the plain RMSNorm).
+void norm_forward(const char* name, const float* x, index_t ldx, const float* z, index_t ldz, const float* w,
+                  float* y, index_t ldy, float* rstd, index_t ldr, index_t n, index_t width, index_t gs,
+                  bool gate_first, double eps) {
+  const int V = norm_v(gs);
+  auto kernel = V == 4 ? gated_norm_fwd<4> : V == 8 ? gated_norm_fwd<8> : V == 12 ? gated_norm_fwd<12> : gated_norm_fwd<16>;
+  const index_t ng = width / gs;
+  launch_grid(name, dim3(norm_row_blocks(kernel, n, ng), unsigned(ng)), dim3(32 * kNormWarps), kernel, x, ldx, z, ldz,
+              w, y, ldy, rstd, ldr, n, int(gs / 4), gate_first, float(eps));
 }
 
-}  // namespace
+void norm_backward(const char* name, const char* name_dw, const float* x, index_t ldx, const float* z, index_t ldz,
+                   const float* w, const float* rstd, index_t ldr, const float* dy, index_t lddy, float* dx,
+                   index_t lddx, bool acc_dx, float* dz, index_t lddz, float* dw, index_t n, index_t width, index_t gs,
+                   bool gate_first) {
+  const int V = norm_v(gs);
+  auto kernel = V == 4 ? gated_norm_bwd<4> : V == 8 ? gated_norm_bwd<8> : V == 12 ? gated_norm_bwd<12> : gated_norm_bwd<16>;
+  const index_t ng = width / gs;
+  const unsigned rb = norm_row_blocks(kernel, n, ng);
+  const index_t parts = index_t(rb) * kNormWarps;
+  PoolScope ws;
+  View1<float> part = ws.take<View1<float>>(std::string(name_dw) + "_partials", parts * width);
+  launch_grid(name, dim3(rb, unsigned(ng)), dim3(32 * kNormWarps), kernel, x, ldx, z, ldz, w, rstd, ldr, dy, lddy, dx,
+              lddx, dz, lddz, part.data(), width, n, int(gs / 4), gate_first, acc_dx);
+  add_partials(name_dw, part.data(), parts, width, dw);
+}
+
+}  // namespace cuda_k
 #endif
+
+template <class X, class T>
+void rmsnorm_forward(const View2<const X>& x, const View1<const acc_t<T>>& w, double eps, const View2<T>& y,
+                     const View1<acc_t<T>>& rstd) {
+  using P = acc_t<T>;
+  const index_t n = x.extent(0), d = x.extent(1);
+#if defined(KOKKOS_ENABLE_CUDA)
+  if constexpr (std::is_same_v<X, float> && std::is_same_v<T, float>) {
+    if (n > 0 && cuda_k::norm_fits(d, {{x.data(), x.stride(0)}, {y.data(), y.stride(0)}, {w.data(), 0}})) {
+      cuda_k::norm_forward("rmsnorm::forward", x.data(), x.stride(0), nullptr, 0, w.data(), y.data(), y.stride(0),
+                           rstd.data(), 1, n, d, d, false, eps);
+      return;
+    }
+  }
+#endif
+  const P e = P(eps);
+  par_for_rows("rmsnorm::forward", n, KOKKOS_LAMBDA(const Team& tm, index_t i) {
+    const P ss = strands_sum<P>(tm, 0, d, [&](index_t j) { return P(x(i, j)) * P(x(i, j)); });
+    const P r = P(1) / Kokkos::sqrt(ss / P(d) + e);
+    Kokkos::single(Kokkos::PerThread(tm), [&]() { rstd(i) = r; });
+    strands_for(tm, 0, d, [&](index_t j) { y(i, j) = static_cast<T>(P(x(i, j)) * r * w(j)); });
+  });
+}
+
+template <class X, class T>
+void rmsnorm_backward(const View2<const X>& x, const View1<const acc_t<T>>& w, const View1<const acc_t<T>>& rstd,
+                      const View2<const T>& dy, const View2<X>& dx, bool accumulate_dx,
+                      const View1<acc_t<T>>& dw) {
+  using P = acc_t<T>;
+  const index_t n = x.extent(0), d = x.extent(1);
+#if defined(KOKKOS_ENABLE_CUDA)
+  if constexpr (std::is_same_v<X, float> && std::is_same_v<T, float>) {
+    if (n > 0 && index_t(dw.extent(0)) == d &&
+        cuda_k::norm_fits(d, {{x.data(), x.stride(0)}, {dy.data(), dy.stride(0)}, {dx.data(), dx.stride(0)},
+                              {w.data(), 0}, {dw.data(), 0}})) {
+      cuda_k::norm_backward("rmsnorm::backward", "rmsnorm::backward_dw", x.data(), x.stride(0), nullptr, 0, w.data(),
+                            rstd.data(), 1, dy.data(), dy.stride(0), dx.data(), dx.stride(0), accumulate_dx, nullptr,
+                            0, dw.data(), n, d, d, false);
+      return;
+    }
+  }
+#endif
+  par_for_rows("rmsnorm::backward_dx", n, KOKKOS_LAMBDA(const Team& tm, index_t i) {
+    const P r = rstd(i);
+    const P dot = strands_sum<P>(tm, 0, d, [&](index_t j) { return P(dy(i, j)) * w(j) * P(x(i, j)); });
+    const P c = r * r * dot / P(d);
+    strands_for(tm, 0, d, [&](index_t j) {
+      const P g = r * (P(dy(i, j)) * w(j) - P(x(i, j)) * c);
+      dx(i, j) = accumulate_dx ? static_cast<X>(P(dx(i, j)) + g) : static_cast<X>(g);
+    });
+  });
+  column_reduce<P>("rmsnorm::backward_dw", n, d,
+                   KOKKOS_LAMBDA(index_t i, index_t j) { return P(dy(i, j)) * P(x(i, j)) * rstd(i); }, dw, true);
+}
 
 template <class T>
 void gated_rmsnorm_forward(const GatedNormIn<T>& in, index_t width, index_t group_size, GateOrder order,
@@ -255,18 +304,11 @@ void gated_rmsnorm_forward(const GatedNormIn<T>& in, index_t width, index_t grou
   const bool gate_first = order == GateOrder::gate_first;
 #if defined(KOKKOS_ENABLE_CUDA)
   if constexpr (std::is_same_v<T, float>) {
-    if (n > 0 && gated_norm_native<T>(in, group_size,
-                                      {{x.data() + xc, x.stride(0)}, {z.data() + zc, z.stride(0)}, {y.data(), y.stride(0)},
-                                       {w.data(), 0}})) {
-      const int V = cuda_k::norm_v(group_size);
-      auto kernel = V == 4    ? cuda_k::gated_norm_fwd<4>
-                    : V == 8  ? cuda_k::gated_norm_fwd<8>
-                    : V == 12 ? cuda_k::gated_norm_fwd<12>
-                              : cuda_k::gated_norm_fwd<16>;
-      cuda_k::launch_grid("gated_rmsnorm::forward", dim3(cuda_k::norm_row_blocks(kernel, n, ng), unsigned(ng)),
-                          dim3(32 * cuda_k::kNormWarps), kernel, x.data() + xc, x.stride(0), z.data() + zc,
-                          z.stride(0), w.data(), y.data(), y.stride(0), rstd.data(), rstd.stride(0), n,
-                          int(group_size / 4), gate_first, float(eps));
+    if (n > 0 && xc % 4 == 0 && zc % 4 == 0 &&
+        cuda_k::norm_fits(group_size, {{x.data() + xc, x.stride(0)}, {z.data() + zc, z.stride(0)},
+                                       {y.data(), y.stride(0)}, {w.data(), 0}})) {
+      cuda_k::norm_forward("gated_rmsnorm::forward", x.data() + xc, x.stride(0), z.data() + zc, z.stride(0), w.data(),
+                           y.data(), y.stride(0), rstd.data(), rstd.stride(0), n, width, group_size, gate_first, eps);
       return;
     }
   }
@@ -305,25 +347,15 @@ void gated_rmsnorm_backward(const GatedNormIn<T>& in, index_t width, index_t gro
   const bool gate_first = order == GateOrder::gate_first;
 #if defined(KOKKOS_ENABLE_CUDA)
   if constexpr (std::is_same_v<T, float>) {
-    if (n > 0 && index_t(dw.extent(0)) == width &&
-        gated_norm_native<T>(in, group_size,
-                             {{x.data() + xc, x.stride(0)}, {z.data() + zc, z.stride(0)}, {dy.data(), dy.stride(0)},
-                              {dx.data() + dx_col, dx.stride(0)}, {dz.data() + dz_col, dz.stride(0)}, {w.data(), 0},
-                              {dw.data(), 0}})) {
-      const int V = cuda_k::norm_v(group_size);
-      auto kernel = V == 4    ? cuda_k::gated_norm_bwd<4>
-                    : V == 8  ? cuda_k::gated_norm_bwd<8>
-                    : V == 12 ? cuda_k::gated_norm_bwd<12>
-                              : cuda_k::gated_norm_bwd<16>;
-      const unsigned rb = cuda_k::norm_row_blocks(kernel, n, ng);
-      const index_t parts = index_t(rb) * cuda_k::kNormWarps;
-      PoolScope ws;
-      View1<P> part = ws.take<View1<P>>("gated_rmsnorm::backward_dw_partials", parts * width);
-      cuda_k::launch_grid("gated_rmsnorm::backward", dim3(rb, unsigned(ng)), dim3(32 * cuda_k::kNormWarps), kernel,
-                          x.data() + xc, x.stride(0), z.data() + zc, z.stride(0), w.data(), rstd.data(),
-                          rstd.stride(0), dy.data(), dy.stride(0), dx.data() + dx_col, dx.stride(0),
-                          dz.data() + dz_col, dz.stride(0), part.data(), width, n, int(group_size / 4), gate_first);
-      cuda_k::add_partials("gated_rmsnorm::backward_dw", part.data(), parts, width, dw.data());
+    if (n > 0 && index_t(dw.extent(0)) == width && xc % 4 == 0 && zc % 4 == 0 && dx_col % 4 == 0 &&
+        dz_col % 4 == 0 &&
+        cuda_k::norm_fits(group_size, {{x.data() + xc, x.stride(0)}, {z.data() + zc, z.stride(0)},
+                                       {dy.data(), dy.stride(0)}, {dx.data() + dx_col, dx.stride(0)},
+                                       {dz.data() + dz_col, dz.stride(0)}, {w.data(), 0}, {dw.data(), 0}})) {
+      cuda_k::norm_backward("gated_rmsnorm::backward", "gated_rmsnorm::backward_dw", x.data() + xc, x.stride(0),
+                            z.data() + zc, z.stride(0), w.data(), rstd.data(), rstd.stride(0), dy.data(),
+                            dy.stride(0), dx.data() + dx_col, dx.stride(0), false, dz.data() + dz_col, dz.stride(0),
+                            dw.data(), n, width, group_size, gate_first);
       return;
     }
   }

@@ -143,6 +143,38 @@ TEST_CASE("gated RMSNorm (group-wise, both gate orders) matches the reference an
                     ContainsSubstring("not divisible"));
 }
 
+TEST_CASE("RMSNorm in float equals the double form (the native CUDA kernels' shapes)", "[layers]") {
+  // on CUDA builds the native kernels take these rows (768 and 2,048 columns); host builds the Kokkos form
+  const index_t n = 37;
+  for (index_t d : {768, 2048})
+    for (bool acc : {false, true}) {
+      INFO("d " << d << " accumulate dx " << acc);
+      View2<double> x("x", n, d), dy("dy", n, d), y("y", n, d), dx("dx", n, d);
+      View1<double> w("w", d), rstd("rstd", n), dw("dw", d);
+      fill_uniform(x, 21);
+      fill_uniform(dy, 22);
+      fill_uniform(w, 23, 0.5, 1.5);
+      View2<float> xf("xf", n, d), dyf("dyf", n, d), yf("yf", n, d), dxf("dxf", n, d);
+      View1<float> wf("wf", d), rstdf("rstdf", n), dwf("dwf", d);
+      mmtest::from_vec(xf, to_vec(x));
+      mmtest::from_vec(dyf, to_vec(dy));
+      mmtest::from_vec(wf, to_vec(w));
+      Kokkos::deep_copy(dx, 0.5);
+      Kokkos::deep_copy(dxf, 0.5f);
+      Kokkos::deep_copy(dwf, 0.25f);
+      rmsnorm_forward<double, double>(x, w, 1e-5, y, rstd);
+      rmsnorm_backward<double, double>(x, w, rstd, dy, dx, acc, dw);
+      rmsnorm_forward<float, float>(xf, wf, 1e-5, yf, rstdf);
+      rmsnorm_backward<float, float>(xf, wf, rstdf, dyf, dxf, acc, dwf);
+      CHECK(rel_err(to_vec(yf), to_vec(y)) < 1e-5);
+      CHECK(rel_err(to_vec(rstdf), to_vec(rstd)) < 1e-5);
+      CHECK(rel_err(to_vec(dxf), to_vec(dx)) < 1e-5);
+      auto dwv = to_vec(dw);
+      for (auto& v : dwv) v += 0.25;
+      CHECK(rel_err(to_vec(dwf), dwv) < 1e-5);
+    }
+}
+
 TEST_CASE("gated RMSNorm in float equals the double form (the native CUDA kernels' shapes)", "[layers]") {
   // float data in 16-byte aligned column windows, groups of 128 to 1,536 columns: on CUDA builds the native
   // kernels take these (one warp per row and group, weight gradient from per-warp partials); on host builds the
