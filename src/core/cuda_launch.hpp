@@ -1,5 +1,5 @@
-// Launch helpers shared by the native CUDA kernels (CUDA builds only; empty otherwise): kernels run on Kokkos'
-// default execution space stream, so they order with the Kokkos kernels around them, each under a profiling
+// Launch helpers and small device functions shared by the native CUDA kernels (CUDA builds only; empty otherwise):
+// kernels run on Kokkos' default execution space stream, so they order with the Kokkos kernels around them, each under a profiling
 // region named like the Kokkos kernels' labels, and a failed launch is an error naming the kernel.
 #pragma once
 
@@ -15,6 +15,15 @@
 namespace mm::cuda_k {
 
 inline bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
+// Device math shared by the kernels: the logistic function from the exp unit with a fast reciprocal, and a warp's
+// sum by a fixed butterfly (every lane gets the same, deterministic, total).
+__device__ __forceinline__ float sigm(float u) { return __fdividef(1.f, 1.f + __expf(-u)); }
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
 
 // kernel(args...) on a grid of blocks, on Kokkos' stream, under the profiling region `name`.
 template <class... P, class... A>
@@ -36,9 +45,13 @@ void launch(const char* name, long long items, void (*kernel)(P...), const A&...
 // runs in one wave.
 template <class... P>
 int resident_blocks(void (*kernel)(P...), int block) {
-  int dev = 0, sms = 0, per_sm = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  static const int sms = [] {  // one device per process (rank)
+    int dev = 0, n = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    return n;
+  }();
+  int per_sm = 0;
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, block, 0);
   return std::max(1, sms * per_sm);
 }

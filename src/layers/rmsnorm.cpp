@@ -53,7 +53,6 @@ namespace cuda_k {
 
 constexpr int kNormWarps = 4;  // warps per block
 
-__device__ __forceinline__ float sigm_f(float u) { return __fdividef(1.f, 1.f + __expf(-u)); }
 __device__ __forceinline__ float& comp(float4& v, int k) { return (&v.x)[k]; }
 __device__ __forceinline__ float comp(const float4& v, int k) { return (&v.x)[k]; }
 
@@ -81,13 +80,12 @@ __global__ void __launch_bounds__(32 * kNormWarps)
       if (lane + 32 * v < gs4)
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-          const float zz = comp(sv[v], k), s = z ? zz * sigm_f(zz) : 1.f, xx = comp(xv[v], k);
+          const float zz = comp(sv[v], k), s = z ? zz * sigm(zz) : 1.f, xx = comp(xv[v], k);
           comp(sv[v], k) = s;
           const float u = gate_first ? xx * s : xx;
           ss = fmaf(u, u, ss);
         }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    ss = warp_sum(ss);
     const float r = 1.f / sqrtf(ss / float(4 * gs4) + eps);
     if (lane == 0) rstd[i * ldr + g] = r;
     float4* y4 = reinterpret_cast<float4*>(y + i * ldy) + g * gs4;
@@ -136,14 +134,13 @@ __global__ void __launch_bounds__(32 * kNormWarps)
         const float4 dd = d4[lane + 32 * v], wv = w4[lane + 32 * v];
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-          const float zz = comp(zv[v], k), s = z ? zz * sigm_f(zz) : 1.f, xx = comp(xv[v], k), dk = comp(dd, k);
+          const float zz = comp(zv[v], k), s = z ? zz * sigm(zz) : 1.f, xx = comp(xv[v], k), dk = comp(dd, k);
           const float vv = gate_first ? xx * s : xx, dv = gate_first ? dk * comp(wv, k) : dk * comp(wv, k) * s;
           dot = fmaf(dv, vv, dot);
           comp(acc[v], k) += dk * xx * s * r;
         }
       }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    dot = warp_sum(dot);
     const float c = r * r * dot * inv_gs;
     float4* dx4 = reinterpret_cast<float4*>(dx + i * lddx) + g * gs4;
     float4* dz4 = reinterpret_cast<float4*>(dz + i * lddz) + g * gs4;
@@ -154,7 +151,7 @@ __global__ void __launch_bounds__(32 * kNormWarps)
         float4 ox, oz;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-          const float zz = comp(zv[v], k), sg = z ? sigm_f(zz) : 1.f, s = z ? zz * sg : 1.f;
+          const float zz = comp(zv[v], k), sg = z ? sigm(zz) : 1.f, s = z ? zz * sg : 1.f;
           const float ds = sg * (1.f + zz * (1.f - sg));
           const float xx = comp(xv[v], k), dk = comp(dd, k), wk = comp(wv, k);
           if (gate_first) {

@@ -37,8 +37,6 @@ namespace cuda_k {
 
 using bf2 = __nv_bfloat162;
 
-__device__ __forceinline__ float sigm(float u) { return __fdividef(1.f, 1.f + __expf(-u)); }
-
 __device__ __forceinline__ void unpack8(const uint4& q, float* f) {
   const bf2* p = reinterpret_cast<const bf2*>(&q);
 #pragma unroll
@@ -130,8 +128,7 @@ __global__ void __launch_bounds__(256)
         p[1] = __floats2bfloat162_rn(g * o.z, g * o.w);
         dy[r * d4 + c] = q;
       }
-#pragma unroll
-      for (int w = 16; w > 0; w >>= 1) s += __shfl_xor_sync(0xffffffffu, s, w);
+      s = warp_sum(s);
     }
     if (lane == 0) dgate[x * ldd + j] = s;
   }
@@ -221,8 +218,7 @@ __global__ void __launch_bounds__(256)
     for (int r = 0; r < R; ++r)
 #pragma unroll
       for (int e = 0; e < EP; ++e)
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) acc[r][e] += __shfl_xor_sync(0xffffffffu, acc[r][e], o);
+        acc[r][e] = warp_sum(acc[r][e]);
     if (lane == 0)
 #pragma unroll
       for (int r = 0; r < R; ++r)
