@@ -527,7 +527,7 @@ void MoELayer<T>::backward(MoEActs<T>& a, const View2<const T>& dout, const View
   View2<P> dl = ws.take<View2<P>>("moe::dlogits", n, E);
   router_backward<P>(cfg_.router_options(), r, dgate, aux_scale, dl);
   const bool plain_input = a.xr.extent(0) == 0 && a.xr.data() == nullptr;
-  if constexpr (std::is_same_v<T, float>) {  // the permute's and the router's backward in one pass
+  if constexpr (std::is_same_v<T, float>) {  // native: dx's permute and router terms in one pass, then dW
     if (plain_input && router_backward_fp32(a.x, store_->v2(router_w_), dl, dxp, r.row, dx, shared,
                                             store_->g2(router_w_)))
       return;
