@@ -56,6 +56,18 @@ constexpr int kNormWarps = 4;  // warps per block
 __device__ __forceinline__ float& comp(float4& v, int k) { return (&v.x)[k]; }
 __device__ __forceinline__ float comp(const float4& v, int k) { return (&v.x)[k]; }
 
+// Row i's group g of x and of z (z null: zeros) into registers: float4 lane + 32 v of the group, where it exists.
+template <int V>
+__device__ __forceinline__ void load_group(const float* __restrict__ x, long long ldx, const float* __restrict__ z,
+                                           long long ldz, long long i, int g, int gs4, int lane, float4 (&xv)[V],
+                                           float4 (&zv)[V]) {
+  const float4* x4 = reinterpret_cast<const float4*>(x + i * ldx) + g * gs4;
+  const float4* z4 = reinterpret_cast<const float4*>(z + i * ldz) + g * gs4;
+#pragma unroll
+  for (int v = 0; v < V; ++v)
+    if (lane + 32 * v < gs4) xv[v] = x4[lane + 32 * v], zv[v] = z ? z4[lane + 32 * v] : float4{};
+}
+
 // y = x silu(z) rstd w (both orders), rstd = 1 / sqrt(mean(v^2) + eps) over the group, v = x silu(z) (gate_first)
 // or x; V float4 per lane (groups of up to 128 V columns, gs4 float4 each). z null: the plain RMSNorm (silu(z) = 1,
 // norm_first).
@@ -68,12 +80,8 @@ __global__ void __launch_bounds__(32 * kNormWarps)
   const long long nw = (long long)gridDim.x * kNormWarps;
   const float4* w4 = reinterpret_cast<const float4*>(w) + g * gs4;
   for (long long i = blockIdx.x * kNormWarps + (threadIdx.x >> 5); i < n; i += nw) {
-    const float4* x4 = reinterpret_cast<const float4*>(x + i * ldx) + g * gs4;
-    const float4* z4 = reinterpret_cast<const float4*>(z + i * ldz) + g * gs4;
     float4 xv[V], sv[V];
-#pragma unroll
-    for (int v = 0; v < V; ++v)
-      if (lane + 32 * v < gs4) xv[v] = x4[lane + 32 * v], sv[v] = z ? z4[lane + 32 * v] : float4{};
+    load_group<V>(x, ldx, z, ldz, i, g, gs4, lane, xv, sv);
     float ss = 0.f;
 #pragma unroll
     for (int v = 0; v < V; ++v)
@@ -119,13 +127,9 @@ __global__ void __launch_bounds__(32 * kNormWarps)
   for (int v = 0; v < V; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
   for (long long i = wid; i < n; i += nw) {
     const float r = rstd[i * ldr + g];
-    const float4* x4 = reinterpret_cast<const float4*>(x + i * ldx) + g * gs4;
-    const float4* z4 = reinterpret_cast<const float4*>(z + i * ldz) + g * gs4;
     const float4* d4 = reinterpret_cast<const float4*>(dy + i * lddy) + g * gs4;
     float4 xv[V], zv[V];
-#pragma unroll
-    for (int v = 0; v < V; ++v)
-      if (lane + 32 * v < gs4) xv[v] = x4[lane + 32 * v], zv[v] = z ? z4[lane + 32 * v] : float4{};
+    load_group<V>(x, ldx, z, ldz, i, g, gs4, lane, xv, zv);
     // v = the normalised quantity (x silu(z) if gate_first, x otherwise); dv = dL/d(normalised v)
     float dot = 0.f;
 #pragma unroll
