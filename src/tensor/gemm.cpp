@@ -37,6 +37,12 @@ Shape check_shapes(Trans ta, Trans tb, const A& a, const B& b, const C& c) {
   return {m, n, k};
 }
 
+// cuBLAS and the host BLAS take int sizes, leading dimensions and batch counts.
+[[maybe_unused]] void require_int32_dims(const char* what, index_t m, index_t n, index_t k, index_t lda, index_t ldb,
+                                         index_t ldc, index_t count) {
+  require(std::max({m, n, k, lda, ldb, ldc, count}) < (1ll << 31), what, "dimension exceeds int32");
+}
+
 #if defined(KOKKOS_ENABLE_CUDA)
 
 const char* cublas_status_name(cublasStatus_t s) {
@@ -88,7 +94,7 @@ void gemm_cublas(Trans ta, Trans tb, S alpha, GemmIn<T> A, GemmIn<T> B, S beta, 
 void gemm_bf16_cublas(Trans ta, Trans tb, index_t m, index_t n, index_t k, float alpha, const void* A, index_t lda,
                       const void* B, index_t ldb, float beta, void* C, cudaDataType_t ctype, index_t ldc) {
   if (m == 0 || n == 0) return;
-  require(std::max({m, n, k, lda, ldb, ldc}) < (1ll << 31), "gemm_bf16", "dimension exceeds int32");
+  require_int32_dims("gemm_bf16", m, n, k, lda, ldb, ldc, 1);
   Kokkos::Profiling::ScopedRegion region("gemm::cublas_bf16");
   check(cublasGemmEx(handle(), op(tb), op(ta), int(n), int(m), int(k), &alpha, B, CUDA_R_16BF, int(ldb), A,
                      CUDA_R_16BF, int(lda), &beta, C, ctype, int(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
@@ -100,12 +106,6 @@ cublasComputeType_t float_compute_type(GemmCompute c) {
   return c == GemmCompute::tf32   ? CUBLAS_COMPUTE_32F_FAST_TF32
          : c == GemmCompute::bf16 ? CUBLAS_COMPUTE_32F_FAST_16BF
                                   : CUBLAS_COMPUTE_32F;
-}
-
-// cuBLAS takes int sizes, leading dimensions and batch counts.
-void require_int32_dims(const char* what, index_t m, index_t n, index_t k, index_t lda, index_t ldb, index_t ldc,
-                        index_t count) {
-  require(std::max({m, n, k, lda, ldb, ldc, count}) < (1ll << 31), what, "dimension exceeds int32");
 }
 
 template <class T>
@@ -196,7 +196,7 @@ void gemm_host_raw(Trans ta, Trans tb, index_t m, index_t n, index_t k, float al
     return;
   }
 #if defined(KOKKOSKERNELS_ENABLE_TPL_BLAS)
-  require(std::max({m, n, k, lda, ldb, ldc}) < (1ll << 31), "gemm_bf16", "dimension exceeds int32");
+  require_int32_dims("gemm_bf16", m, n, k, lda, ldb, ldc, 1);
   Kokkos::Profiling::ScopedRegion region("gemm::host_blas");
   Exec().fence("gemm::host_blas");  // the BLAS runs outside Kokkos: earlier kernels first
   KokkosBlas::Impl::HostBlas<float>::gemm(tb == Trans::N ? 'N' : 'T', ta == Trans::N ? 'N' : 'T', int(n), int(m),
