@@ -9,12 +9,21 @@
 #include <Kokkos_Profiling_ScopedRegion.hpp>
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
+#include <utility>
 
 #include "core/error.hpp"
 
 namespace mm::cuda_k {
 
 inline bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+// Whether rows of floats at these (first row, row stride in floats) pairs can be read as float4: every first row
+// 16-byte aligned and every stride a multiple of 4.
+inline bool float4_rows(std::initializer_list<std::pair<const void*, long long>> rows) {
+  for (const auto& [p, ld] : rows)
+    if (!aligned16(p) || ld % 4 != 0) return false;
+  return true;
+}
 
 // Device math shared by the kernels: the logistic function from the exp unit with a fast reciprocal, and a warp's
 // sum by a fixed butterfly (every lane gets the same, deterministic, total).

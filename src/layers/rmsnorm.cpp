@@ -193,11 +193,8 @@ inline int norm_v(index_t gs) {
 
 // Whether the native kernels take groups of gs columns over these (pointer, row stride) pairs: 16-byte aligned
 // rows, group sizes the kernels hold.
-inline bool norm_fits(index_t gs, std::initializer_list<std::pair<const void*, index_t>> rows) {
-  if (norm_v(gs) == 0) return false;
-  for (const auto& [p, ld] : rows)
-    if (!aligned16(p) || ld % 4 != 0) return false;
-  return true;
+inline bool norm_fits(index_t gs, std::initializer_list<std::pair<const void*, long long>> rows) {
+  return norm_v(gs) != 0 && float4_rows(rows);
 }
 
 // Blocks along the rows for ng groups: one wave of the kernel's resident blocks, at most one warp per row.

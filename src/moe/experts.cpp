@@ -510,8 +510,8 @@ void moe_unpermute_combine(const View2<const T>& y, const View2<const index_t>& 
   const index_t n = out.extent(0), d = out.extent(1), k = row.extent(1);
 #if defined(KOKKOS_ENABLE_CUDA)
   if constexpr (std::is_same_v<T, float>) {
-    if (d % 4 == 0 && index_t(y.stride(0)) % 4 == 0 && index_t(out.stride(0)) % 4 == 0 &&
-        index_t(row.stride(0)) == k && cuda_k::aligned16(y.data()) && cuda_k::aligned16(out.data())) {
+    if (d % 4 == 0 && index_t(row.stride(0)) == k &&
+        cuda_k::float4_rows({{y.data(), y.stride(0)}, {out.data(), out.stride(0)}})) {
       cuda_k::launch("moe::unpermute_combine", n * (d / 4), cuda_k::combine_rows, y.data(), y.stride(0), row.data(),
                      gate.data(), gate.stride(0), int(k), nullptr, 0, nullptr, 0, 0, out.data(), out.stride(0),
                      accumulate, n, int(d / 4));
@@ -621,8 +621,8 @@ void moe_permute_backward(const View2<const T>& dxp, const View2<const index_t>&
   const index_t n = dx.extent(0), d = dx.extent(1), k = row.extent(1);
 #if defined(KOKKOS_ENABLE_CUDA)
   if constexpr (std::is_same_v<T, float>) {
-    if (d % 4 == 0 && index_t(dxp.stride(0)) % 4 == 0 && index_t(dx.stride(0)) % 4 == 0 &&
-        index_t(row.stride(0)) == k && cuda_k::aligned16(dxp.data()) && cuda_k::aligned16(dx.data())) {
+    if (d % 4 == 0 && index_t(row.stride(0)) == k &&
+        cuda_k::float4_rows({{dxp.data(), dxp.stride(0)}, {dx.data(), dx.stride(0)}})) {
       cuda_k::launch("moe::permute_backward", n * (d / 4), cuda_k::combine_rows, dxp.data(), dxp.stride(0), row.data(),
                      nullptr, 0, int(k), nullptr, 0, nullptr, 0, 0, dx.data(), dx.stride(0), accumulate, n,
                      int(d / 4));
@@ -644,8 +644,7 @@ bool router_logits_fp32(const View2<const float>& x, const View2<const float>& W
 #if defined(KOKKOS_ENABLE_CUDA)
   const index_t n = x.extent(0), d = x.extent(1), E = W.extent(0);
   if (n == 0 || E < 1 || E > 16 || d % 4 != 0 || index_t(W.extent(1)) != d || index_t(logits.extent(0)) != n ||
-      index_t(logits.extent(1)) != E || x.stride(0) % 4 != 0 || W.stride(0) % 4 != 0 || !cuda_k::aligned16(x.data()) ||
-      !cuda_k::aligned16(W.data()))
+      index_t(logits.extent(1)) != E || !cuda_k::float4_rows({{x.data(), x.stride(0)}, {W.data(), W.stride(0)}}))
     return false;
   constexpr int R = 4;  // rows per warp
   const long long blocks = std::clamp<long long>((n + 8 * R - 1) / (8 * R), 1, 132LL * 16);
@@ -668,9 +667,8 @@ bool router_backward_fp32(const View2<const float>& x, const View2<const float>&
       index_t(dl.extent(1)) != E || index_t(row.extent(0)) != n || index_t(row.stride(0)) != k ||
       index_t(dxp.extent(1)) != d || index_t(dx.extent(0)) != n || index_t(dx.extent(1)) != d ||
       index_t(dW.extent(0)) != E || index_t(dW.extent(1)) != d || index_t(dW.stride(0)) != d ||
-      x.stride(0) % 4 != 0 || W.stride(0) % 4 != 0 || dxp.stride(0) % 4 != 0 || dx.stride(0) % 4 != 0 ||
-      !cuda_k::aligned16(x.data()) || !cuda_k::aligned16(W.data()) || !cuda_k::aligned16(dxp.data()) ||
-      !cuda_k::aligned16(dx.data()) || !cuda_k::aligned16(dW.data()))
+      !cuda_k::float4_rows({{x.data(), x.stride(0)}, {W.data(), W.stride(0)}, {dxp.data(), dxp.stride(0)},
+                            {dx.data(), dx.stride(0)}, {dW.data(), dW.stride(0)}}))
     return false;
   // dx: the permute's backward plus dl W, one float4 of a row per thread
   cuda_k::launch("moe::permute_router_backward", n * (d / 4), cuda_k::combine_rows, dxp.data(), dxp.stride(0),
