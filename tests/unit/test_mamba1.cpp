@@ -224,15 +224,19 @@ TEST_CASE("selective scan: the native CUDA forward equals the double recurrence 
   // do not divide the length. Builds without the kernel (or inputs it cannot take) run the portable passes: there
   // the comparisons hold trivially, and the routing checks below say which path ran.
   double worst_ref = 0, worst_out = 0, worst_grad = 0;
-  for (int variant = 0; variant < 6; ++variant) {
+  // Cases 1, 2, 3, 6 and 7 fit the state-lanes kernel (the default there); 0, 4 and 5 take the time-parallel kernel
+  // by default, and the loop over variants below runs both kernels on every case that fits them.
+  for (int variant = 0; variant < 8; ++variant) {
     Case c;
     c.aligned = true;
     c.B = 2;
-    c.E = variant == 5 ? 24 : 32;  // variant 5: three groups of 8 channels, three 128-token iterations
-    c.G = variant == 1 ? 1 : variant == 5 ? 3 : 2;
-    c.N = variant == 2 ? 8 : 16;
-    c.L = variant == 3 ? 1 : variant == 4 ? 64 : variant == 5 ? 300 : 203;
-    c.Q = variant == 0 ? 50 : variant == 4 ? 16 : variant == 5 ? 128 : 64;
+    // variant 5: three groups of 8 channels, three 128-token iterations; 6: three groups of 16 channels, a partial
+    // last tile, checkpoints every 3 tiles of 32; 7: d_state 8 in the lanes, one state per thread
+    c.E = variant == 5 ? 24 : variant == 6 ? 48 : 32;
+    c.G = variant == 1 ? 1 : variant == 5 || variant == 6 ? 3 : 2;
+    c.N = variant == 2 || variant == 7 ? 8 : 16;
+    c.L = variant == 3 ? 1 : variant == 4 ? 64 : variant == 5 || variant == 6 ? 300 : 203;
+    c.Q = variant == 0 ? 50 : variant == 4 ? 16 : variant == 5 ? 128 : variant == 6 ? 96 : 64;
     c.z = variant != 1;
     c.init = variant != 2;
     c.records = variant != 3;
@@ -241,6 +245,8 @@ TEST_CASE("selective scan: the native CUDA forward equals the double recurrence 
     portable.shape.native = false;
     CHECK(selective_scan_native_forward<float>(native.shape, native.in()) == mamba1_cuda::compiled());
     CHECK_FALSE(selective_scan_native_forward<float>(portable.shape, portable.in()));
+    CHECK(mamba1_cuda::lanes_fit(c.E, c.N, c.E / c.G, c.Q, 32) ==
+          (variant == 1 || variant == 2 || variant == 3 || variant == 6 || variant == 7));
     const double e_ref = forward_error<float>(c, true);
     CHECK(e_ref < 2e-5);
     const index_t n = c.B * c.L;

@@ -14,20 +14,31 @@ bool shape_fits(index_t E, index_t N, index_t cpg) {
 
 namespace {
 // (slots per channel, tokens per slot, states per group, u and delta staged in shared memory) of variants
-// 1..kVariants; variant 0 is kDefault.
+// 1..4 (kDefault: the fallback of variant 0 where the state lanes do not fit).
 struct Shape {
   int S, K, G;
   bool stage;
   const char* name;
 };
-constexpr Shape kShapes[kVariants] = {{16, 8, 2, false, "S16 K8 G2"},
+constexpr Shape kShapes[4] = {{16, 8, 2, false, "S16 K8 G2"},
                                       {8, 8, 2, true, "S8 K8 G2 staged"},
                                       {8, 8, 2, false, "S8 K8 G2"},
                                       {8, 8, 4, true, "S8 K8 G4 staged"}};
 constexpr int kDefault = 4;  // S8 K8 G4 staged: 1.466 ms against 1.753-1.799 ms for the others on an H200 (16530e6)
 }  // namespace
 
-const char* variant_name(int v) { return v >= 1 && v <= kVariants ? kShapes[v - 1].name : kShapes[kDefault - 1].name; }
+constexpr int kOldVariants = 4;  // variants 1..4 are the time-parallel kernel's shapes, 5 and 6 the state lanes
+static_assert(kVariants == kOldVariants + 2);
+
+bool lanes_fit(index_t E, index_t N, index_t cpg, index_t Q, int T) {
+  return (N == 8 || N == 16) && E % 16 == 0 && cpg % 16 == 0 && Q % T == 0;
+}
+
+const char* variant_name(int v) {
+  if (v == 5) return "lanes T32";
+  if (v == 6) return "lanes T64";
+  return v >= 1 && v <= kOldVariants ? kShapes[v - 1].name : "lanes T32, or S8 K8 G4 staged where T32 does not fit";
+}
 
 #if defined(KOKKOS_ENABLE_CUDA)
 bool compiled() { return true; }
@@ -283,6 +294,212 @@ __global__ void __launch_bounds__(kCB * S, kMinBlocks) forward_kernel(const FwdA
     for (int n = 0; n < N; ++n) a.final_state[bd * N + n] = scarry[cl * N + n];
 }
 
+// ---- The "state lanes" kernel (variants 5 and 6): a thread per (channel, slot of N / 8 states), walking the
+// sequence in order. 4 x 1,536 channels x 16 states are 98,304 independent recurrences: enough threads without
+// parallelising over time, so every (token, state) costs one exp and one pass (the time-parallel kernel above runs
+// its tokens twice). A block owns 16 channels (of one group) and walks tiles of T tokens in three phases:
+//   A. each thread turns its 4 tokens of one channel (u, delta, z, read one tile ahead into registers) into
+//      Delta = softplus(delta + bias) and Delta u, and copies a piece of the tile's B and C, all into shared
+//      memory, transposed so that a thread's 4 consecutive tokens are one 16-byte load;
+//   B. each thread runs its states through the tile (h = exp2(Delta A log2 e) h + Delta u B, y += C h), summing
+//      its own states' C h per token, and leaves those partial outputs in shared memory;
+//   C. each thread sums the 8 slots' partials for its 4 tokens, adds D u, gates with silu(z) and stores.
+// Checkpoints fall on tile starts (T divides Q), so the recurrence has no per-token branch.
+constexpr int kLC = 16;                   // channels per block
+// SL threads ("slots") per channel, each owning N / SL states; a block has 16 SL threads (phases A and C: thread =
+// (channel, 4-token quad)). SL = 8 throughout: 16 slots of one state would double the warps, but their partial
+// outputs (64 KiB a block at T = 64) leave room for only two blocks per SM, two waves for 4 x 1,536 channels.
+
+template <int T>
+__host__ __device__ constexpr int lanes_row() {
+  return T + 4;  // a padded row of T floats: 16-byte aligned, and 8 consecutive rows start in 8 different bank quads
+}
+
+template <int N, int T, int SL>
+__host__ __device__ constexpr int lanes_floats() {
+  return (2 * kLC + 2 * N + SL * kLC) * lanes_row<T>() + T;
+}
+
+template <int N, int T, int SL, bool kSeq>
+__global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
+  constexpr int kLThreads = kLC * SL, kLSlots = SL;
+  constexpr int SP = N / kLSlots, TP = lanes_row<T>(), NQ = T / 4, QPT = NQ * kLC / kLThreads;  // quads per thread
+  constexpr int BQ = N * NQ;  // 16-byte pieces of one tile of B (and of C)
+  static_assert(N % kLSlots == 0 && (NQ * kLC) % kLThreads == 0 && BQ <= kLThreads * QPT);
+  extern __shared__ float4 lsmem4[];  // lanes_floats<N, T, SL>(): Delta, Delta u, B, C, partial outputs, keep flags
+  float* sdt = reinterpret_cast<float*>(lsmem4);
+  float *sdu = sdt + kLC * TP, *sb = sdu + kLC * TP, *sc = sb + N * TP, *sy = sc + N * TP;
+  float* skeep = sy + kLSlots * kLC * TP;
+  const index_t b = blockIdx.y, d0 = index_t(blockIdx.x) * kLC, g = d0 / a.cpg, L = a.L, BE = a.batch * a.E;
+  const int c = threadIdx.x % kLC, r = threadIdx.x / kLC;  // channel; slot (phase B) or first quad (A and C)
+  const index_t d = d0 + c, bd = b * a.E + d;
+  float a2[SP], h[SP];
+#pragma unroll
+  for (int q = 0; q < SP; ++q) {
+    const int n = r + kLSlots * q;
+    a2[q] = a.A[d * a.N + n] * kLog2e;
+    h[q] = a.init ? a.init[bd * a.N + n] : 0.f;
+    a.ckpt[index_t(n) * BE + bd] = h[q];  // the state entering chunk 0
+  }
+  const float De = a.D[d], bias = a.bias[d];
+  const float *Bg = a.B + g * N, *Cg = a.C + g * N;
+  const std::int32_t* seq = kSeq ? a.seq + b * a.ld_seq : nullptr;
+  // The next tile's inputs, in flight during the current tile's recurrence: quad j of this thread covers tokens
+  // 4 (r + 8 j) .. + 3 of channel c; piece j of B and C covers tokens 4 ((tid + 128 j) / N) .. + 3 of state tid % N.
+  float pu[QPT][4], pd[QPT][4], pz[QPT][4], pb[QPT][4], pc[QPT][4];
+  int ps[QPT][5];
+  auto fetch = [&](index_t t0) {
+#pragma unroll
+    for (int j = 0; j < QPT; ++j) {
+      const index_t tq = t0 + 4 * (r + kLSlots * j);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const index_t t = tq + k;
+        const bool in = t < L;
+        const index_t row = b * L + (in ? t : 0);
+        pu[j][k] = in ? __ldg(a.u + row * a.ld_u + d) : 0.f;
+        pd[j][k] = in ? __ldg(a.delta + row * a.ld_delta + d) : 0.f;
+        pz[j][k] = in && a.z ? __ldg(a.z + row * a.ld_z + d) : 0.f;
+        if constexpr (kSeq) ps[j][k + 1] = c == 0 && in ? seq[t] : 0;
+      }
+      if constexpr (kSeq) ps[j][0] = c == 0 && tq > 0 && tq < L ? seq[tq - 1] : 0;
+      const int piece = int(threadIdx.x) + kLThreads * j;
+      if (piece < BQ) {
+        const int n = piece % N;
+        const index_t tb = t0 + 4 * (piece / N);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const index_t t = tb + k;
+          const bool in = t < L;
+          const index_t row = (b * L + (in ? t : 0)) * a.ld_bc + n;
+          pb[j][k] = in ? __ldg(Bg + row) : 0.f;
+          pc[j][k] = in ? __ldg(Cg + row) : 0.f;
+        }
+      }
+    }
+  };
+  fetch(0);
+  index_t next_ck = a.Q;
+  for (index_t t0 = 0; t0 < L; t0 += T) {
+    // A. this tile's inputs into shared memory; u and z stay in registers for phase C
+    float uu[QPT][4], zz[QPT][4];
+#pragma unroll
+    for (int j = 0; j < QPT; ++j) {
+      const int qd = r + kLSlots * j;
+      float4 vdt, vdu;
+      float* pdt = &vdt.x;
+      float* pdu = &vdu.x;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const bool in = t0 + 4 * qd + k < L;
+        const float dl = in ? softplus_fast(pd[j][k] + bias) : 0.f;  // past the end: the state passes unchanged
+        pdt[k] = dl;
+        pdu[k] = dl * pu[j][k];
+        uu[j][k] = pu[j][k];
+        zz[j][k] = pz[j][k];
+      }
+      *reinterpret_cast<float4*>(sdt + c * TP + 4 * qd) = vdt;
+      *reinterpret_cast<float4*>(sdu + c * TP + 4 * qd) = vdu;
+      if constexpr (kSeq) {
+        if (c == 0) {
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const index_t t = t0 + 4 * qd + k;
+            skeep[4 * qd + k] = t > 0 && t < L && ps[j][k + 1] != ps[j][k] ? 0.f : 1.f;  // a record starts at t
+          }
+        }
+      }
+      const int piece = int(threadIdx.x) + kLThreads * j;
+      if (piece < BQ) {
+        const int n = piece % N, at = n * TP + 4 * (piece / N);
+        *reinterpret_cast<float4*>(sb + at) = make_float4(pb[j][0], pb[j][1], pb[j][2], pb[j][3]);
+        *reinterpret_cast<float4*>(sc + at) = make_float4(pc[j][0], pc[j][1], pc[j][2], pc[j][3]);
+      }
+    }
+    __syncthreads();
+    if (t0 + T < L) fetch(t0 + T);
+    if (t0 == next_ck) {  // the state entering chunk t0 / Q
+#pragma unroll
+      for (int q = 0; q < SP; ++q) a.ckpt[((t0 / a.Q) * N + r + kLSlots * q) * BE + bd] = h[q];
+      next_ck += a.Q;
+    }
+    // B. the recurrence over the tile, this thread's states; partial outputs per token
+#pragma unroll 2
+    for (int qd = 0; qd < NQ; ++qd) {
+      const float4 dt4 = *reinterpret_cast<const float4*>(sdt + c * TP + 4 * qd);
+      const float4 du4 = *reinterpret_cast<const float4*>(sdu + c * TP + 4 * qd);
+      const float dtk[4] = {dt4.x, dt4.y, dt4.z, dt4.w}, duk[4] = {du4.x, du4.y, du4.z, du4.w};
+      float keep[4] = {1.f, 1.f, 1.f, 1.f};
+      if constexpr (kSeq) {
+        const float4 k4 = *reinterpret_cast<const float4*>(skeep + 4 * qd);
+        keep[0] = k4.x, keep[1] = k4.y, keep[2] = k4.z, keep[3] = k4.w;
+      }
+      float y[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int q = 0; q < SP; ++q) {
+        const int n = r + kLSlots * q;
+        const float4 b4 = *reinterpret_cast<const float4*>(sb + n * TP + 4 * qd);
+        const float4 c4 = *reinterpret_cast<const float4*>(sc + n * TP + 4 * qd);
+        const float bk[4] = {b4.x, b4.y, b4.z, b4.w}, ck[4] = {c4.x, c4.y, c4.z, c4.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          float e = ex2(dtk[k] * a2[q]);
+          if constexpr (kSeq) e *= keep[k];
+          h[q] = fmaf(e, h[q], duk[k] * bk[k]);
+          y[k] = fmaf(ck[k], h[q], y[k]);
+        }
+      }
+      *reinterpret_cast<float4*>(sy + (r * kLC + c) * TP + 4 * qd) = make_float4(y[0], y[1], y[2], y[3]);
+    }
+    __syncthreads();
+    // C. the slots' partials summed (in slot order), D skip, gate, store
+#pragma unroll
+    for (int j = 0; j < QPT; ++j) {
+      const int qd = r + kLSlots * j;
+      float y[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int sl = 0; sl < kLSlots; ++sl) {
+        const float4 p = *reinterpret_cast<const float4*>(sy + (sl * kLC + c) * TP + 4 * qd);
+        y[0] += p.x, y[1] += p.y, y[2] += p.z, y[3] += p.w;
+      }
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const index_t t = t0 + 4 * qd + k;
+        if (t < L) {
+          float o = fmaf(De, uu[j][k], y[k]);
+          if (a.z) o *= silu_fast(zz[j][k]);
+          a.out[(b * L + t) * a.ld_out + d] = o;
+        }
+      }
+    }
+  }
+  if (a.final_state) {
+#pragma unroll
+    for (int q = 0; q < SP; ++q) a.final_state[bd * N + r + kLSlots * q] = h[q];
+  }
+}
+
+template <int N, int T, int SL, bool kSeq>
+void launch_lanes_one(const FwdArgs& a) {
+  constexpr int bytes = int(sizeof(float)) * lanes_floats<N, T, SL>();
+  static const cudaError_t raised =  // once per kernel: past the default 48 KiB (T = 64, N = 16: 52 KiB)
+      cudaFuncSetAttribute(lanes_kernel<N, T, SL, kSeq>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  require(raised == cudaSuccess, "selective_scan_forward (CUDA)", bytes, " bytes of shared memory: ",
+          cudaGetErrorString(raised));
+  lanes_kernel<N, T, SL, kSeq><<<dim3(unsigned(a.E / kLC), unsigned(a.batch)), kLC * SL, bytes,
+                             Kokkos::DefaultExecutionSpace().cuda_stream()>>>(a);
+  const cudaError_t e = cudaGetLastError();
+  require(e == cudaSuccess, "selective_scan_forward (CUDA)", "the kernel failed to launch: ", cudaGetErrorString(e));
+}
+
+template <int N, int T, int SL>
+void launch_lanes(const FwdArgs& a) {
+  if (a.seq)
+    launch_lanes_one<N, T, SL, true>(a);
+  else
+    launch_lanes_one<N, T, SL, false>(a);
+}
+
 template <int N, int S, int K, int G, bool kStage, bool kSeq>
 void launch_one(const FwdArgs& a) {
   const std::size_t bytes = sizeof(float) * (std::size_t(2) * stage_floats<N, S, K, G, kStage>() + 2 * std::size_t(kCB) * N);
@@ -332,7 +549,19 @@ void forward(const FwdArgs& a) {
   Kokkos::Profiling::ScopedRegion region("selective_scan::forward_cuda");
   require(a.variant >= 0 && a.variant <= kVariants, "selective_scan_forward (CUDA)", "kernel variant ", a.variant,
           " is not one of 0..", kVariants);
-  const int v = a.variant == 0 ? kDefault : a.variant;
+  // variant 0: the state lanes over 32-token tiles where the shape allows (the fastest measured on an H200,
+  // perf/RESULTS.md), else the time-parallel kernel; a lanes variant whose tile does not divide Q falls back alike
+  int v = a.variant;
+  if (v == 0) v = lanes_fit(a.E, a.N, a.cpg, a.Q, 32) ? 5 : kDefault;
+  if (v == 5 && !lanes_fit(a.E, a.N, a.cpg, a.Q, 32)) v = kDefault;
+  if (v == 6 && !lanes_fit(a.E, a.N, a.cpg, a.Q, 64)) v = kDefault;
+  if (v >= 5) {
+    if (a.N == 16)
+      v == 5 ? launch_lanes<16, 32, 8>(a) : launch_lanes<16, 64, 8>(a);
+    else
+      v == 5 ? launch_lanes<8, 32, 8>(a) : launch_lanes<8, 64, 8>(a);  // (8 slots of one state for N = 8)
+    return;
+  }
   if (a.N == 16)
     launch_n<16>(a, v);
   else

@@ -20,8 +20,12 @@
 //     skewed by slot), or are read by each lane straight into registers (the others: a warp load then touches 16
 //     sectors for 8 useful bytes each, which ncu showed keeping L1 79 % busy).
 // The checkpoints (the state entering every chunk of `chunk` tokens) and the final state are written on the way.
-// Variants (S, K, G, staged) trade warps for registers and shuffles; `variant` picks one (0: the default, the
-// fastest measured on an H200: S8 K8 G4 staged, perf/RESULTS.md).
+// Variants (S, K, G, staged) trade warps for registers and shuffles; `variant` picks one (1..4).
+//
+// The second kernel, the "state lanes" (variants 5 and 6; the default where it fits), does not parallelise over time:
+// a thread per (channel, 2 of the 16 states) walks the sequence in tiles of 32 or 64 tokens, so each (token, state)
+// costs one exp and one pass, with the per-(token, channel) work (softplus, Delta u, D skip, gate) done once per
+// tile cooperatively and the per-token sum over states through shared memory (scan_cuda.cpp says more).
 #pragma once
 
 #include <cstdint>
@@ -42,19 +46,23 @@ struct FwdArgs {
   float* final_state = nullptr;  // (batch, E, N) or null
   float* ckpt = nullptr;         // (nchunks, N, batch * E)
   index_t batch = 0, L = 0, E = 0, N = 0, cpg = 0, Q = 0;
-  int variant = 0;               // 0: the default; 1..kVariants: (S, K, G) as listed in variant_name
+  int variant = 0;               // 0: the default; 1..kVariants as listed in variant_name
 };
 
 // Channels per block; d_inner and the channels per group must be multiples of it.
 constexpr index_t kChannels = 8;
 // The kernel variants one may ask for by number (1..kVariants).
-constexpr int kVariants = 4;
+constexpr int kVariants = 6;
 
 // Whether this build has the kernel (CUDA as Kokkos' default execution space).
 bool compiled();
 // The shape rules the kernel needs besides 16-byte alignment (which the caller checks on the pointers): N of 8 or
 // 16, E and cpg multiples of kChannels.
 bool shape_fits(index_t E, index_t N, index_t cpg);
+// Whether the state-lanes kernel (variants 5 and 6: tiles of T = 32 or 64 tokens) takes this shape: N of 8 or 16,
+// E and cpg multiples of 16, T dividing the checkpoint interval Q. Variant 0 (the default) is lanes T32 where it
+// fits and S8 K8 G4 staged elsewhere.
+bool lanes_fit(index_t E, index_t N, index_t cpg, index_t Q, int T);
 // "S16 K8 G4" etc. for variant v (0: the default's name).
 const char* variant_name(int v);
 // Launches on Kokkos' default execution space instance (asynchronous, like the Kokkos kernels around it).
