@@ -2,6 +2,7 @@
 
 #include <Kokkos_Core.hpp>
 #include <Kokkos_Profiling_ScopedRegion.hpp>
+#include <algorithm>
 
 #include "core/error.hpp"
 #include "core/kokkos_types.hpp"
@@ -27,8 +28,8 @@ constexpr Shape kShapes[4] = {{16, 8, 2, false, "S16 K8 G2"},
 constexpr int kDefault = 4;  // S8 K8 G4 staged: 1.466 ms against 1.753-1.799 ms for the others on an H200 (16530e6)
 }  // namespace
 
-constexpr int kOldVariants = 4;  // variants 1..4 are the time-parallel kernel's shapes, 5 and 6 the state lanes
-static_assert(kVariants == kOldVariants + 2);
+constexpr int kOldVariants = 4;  // variants 1..4 are the time-parallel kernel's shapes, 5..8 the state lanes
+static_assert(kVariants == kOldVariants + 4);
 
 bool lanes_fit(index_t E, index_t N, index_t cpg, index_t Q, int T) {
   return (N == 8 || N == 16) && E % 16 == 0 && cpg % 16 == 0 && Q % T == 0;
@@ -37,7 +38,9 @@ bool lanes_fit(index_t E, index_t N, index_t cpg, index_t Q, int T) {
 const char* variant_name(int v) {
   if (v == 5) return "lanes T32";
   if (v == 6) return "lanes T64";
-  return v >= 1 && v <= kOldVariants ? kShapes[v - 1].name : "lanes T32, or S8 K8 G4 staged where T32 does not fit";
+  if (v == 7) return "lanes T32 S4";
+  if (v == 8) return "lanes T64 S4";
+  return v >= 1 && v <= kOldVariants ? kShapes[v - 1].name : "lanes T32 S4, or S8 K8 G4 staged where T32 does not fit";
 }
 
 #if defined(KOKKOS_ENABLE_CUDA)
@@ -73,6 +76,19 @@ __device__ __forceinline__ float ex2(float x) {
 // expf and IEEE division were a visible share of the kernel's instructions.
 __device__ __forceinline__ float softplus_fast(float x) { return x > 20.f ? x : log1pf(__expf(x)); }
 __device__ __forceinline__ float silu_fast(float x) { return __fdividef(x, 1.f + __expf(-x)); }
+
+// softplus for the state lanes: max(x, 0) + log1p(exp(-|x|)), with log1p(v) = 2 atanh(v / (2 + v)) by six terms of
+// its odd series (w = v / (2 + v) <= 1/3: truncation below 1.5e-7 relative); 2 exp-unit operations and 9 others,
+// where log1pf takes about 30 (the lanes do this per (token, channel) for only 16 states).
+__device__ __forceinline__ float softplus_lanes(float x) {
+  const float v = ex2(-fabsf(x) * kLog2e), w = __fdividef(v, 2.f + v), w2 = w * w;
+  float p = fmaf(w2, 1.f / 11.f, 1.f / 9.f);
+  p = fmaf(w2, p, 1.f / 7.f);
+  p = fmaf(w2, p, 1.f / 5.f);
+  p = fmaf(w2, p, 1.f / 3.f);
+  p = fmaf(w2, p, 1.f);
+  return fmaxf(x, 0.f) + 2.f * w * p;
+}
 
 // G consecutive floats from shared memory (G = 2 or 4, aligned to G floats).
 template <int G>
@@ -345,38 +361,47 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
   const float *Bg = a.B + g * N, *Cg = a.C + g * N;
   const std::int32_t* seq = kSeq ? a.seq + b * a.ld_seq : nullptr;
   // The next tile's inputs, in flight during the current tile's recurrence: quad j of this thread covers tokens
-  // 4 (r + 8 j) .. + 3 of channel c; piece j of B and C covers tokens 4 ((tid + 128 j) / N) .. + 3 of state tid % N.
+  // 4 (r + SL j) .. + 3 of channel c; piece j of B and C covers tokens 4 (tid / N + j 16 SL / N) .. + 3 of state
+  // tid % N. Rows are reached from per-thread pointers to the tile's first row and 32-bit row offsets (the caller
+  // checks that T rows of every operand span fewer than 2^31 floats); only the last tile checks the sequence's end.
   float pu[QPT][4], pd[QPT][4], pz[QPT][4], pb[QPT][4], pc[QPT][4];
   int ps[QPT][5];
-  auto fetch = [&](index_t t0) {
+  const int lu = int(a.ld_u), ldl = int(a.ld_delta), lz = int(a.ld_z), lbc = int(a.ld_bc), lo = int(a.ld_out);
+  const float* gu = a.u + (b * L + 4 * r) * a.ld_u + d;
+  const float* gd = a.delta + (b * L + 4 * r) * a.ld_delta + d;
+  const float* gz = a.z ? a.z + (b * L + 4 * r) * a.ld_z + d : nullptr;
+  const index_t bc_row = b * L + 4 * (threadIdx.x / N);
+  const float* gb = Bg + bc_row * a.ld_bc + threadIdx.x % N;
+  const float* gc = Cg + bc_row * a.ld_bc + threadIdx.x % N;
+  float* go = a.out + (b * L + 4 * r) * a.ld_out + d;
+  auto fetch = [&](index_t t0) {  // the tile at t0; the pointers then move on by T rows
+    const bool full = t0 + T <= L;
 #pragma unroll
     for (int j = 0; j < QPT; ++j) {
       const index_t tq = t0 + 4 * (r + kLSlots * j);
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const index_t t = tq + k;
-        const bool in = t < L;
-        const index_t row = b * L + (in ? t : 0);
-        pu[j][k] = in ? __ldg(a.u + row * a.ld_u + d) : 0.f;
-        pd[j][k] = in ? __ldg(a.delta + row * a.ld_delta + d) : 0.f;
-        pz[j][k] = in && a.z ? __ldg(a.z + row * a.ld_z + d) : 0.f;
-        if constexpr (kSeq) ps[j][k + 1] = c == 0 && in ? seq[t] : 0;
+        const int row = 4 * kLSlots * j + k;
+        const bool in = full || tq + k < L;
+        pu[j][k] = in ? __ldg(gu + row * lu) : 0.f;
+        pd[j][k] = in ? __ldg(gd + row * ldl) : 0.f;
+        pz[j][k] = in && gz ? __ldg(gz + row * lz) : 0.f;
+        if constexpr (kSeq) ps[j][k + 1] = c == 0 && tq + k < L ? seq[tq + k] : 0;
       }
       if constexpr (kSeq) ps[j][0] = c == 0 && tq > 0 && tq < L ? seq[tq - 1] : 0;
-      const int piece = int(threadIdx.x) + kLThreads * j;
-      if (piece < BQ) {
-        const int n = piece % N;
-        const index_t tb = t0 + 4 * (piece / N);
+      if (int(threadIdx.x) + kLThreads * j < BQ) {
+        const index_t tb = t0 + 4 * ((int(threadIdx.x) + kLThreads * j) / N);
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-          const index_t t = tb + k;
-          const bool in = t < L;
-          const index_t row = (b * L + (in ? t : 0)) * a.ld_bc + n;
-          pb[j][k] = in ? __ldg(Bg + row) : 0.f;
-          pc[j][k] = in ? __ldg(Cg + row) : 0.f;
+          const int row = 4 * (kLThreads / N) * j + k;
+          const bool in = full || tb + k < L;
+          pb[j][k] = in ? __ldg(gb + row * lbc) : 0.f;
+          pc[j][k] = in ? __ldg(gc + row * lbc) : 0.f;
         }
       }
     }
+    gu += T * index_t(lu), gd += T * index_t(ldl), gb += T * index_t(lbc), gc += T * index_t(lbc);
+    if (gz) gz += T * index_t(lz);
   };
   fetch(0);
   index_t next_ck = a.Q;
@@ -392,7 +417,7 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const bool in = t0 + 4 * qd + k < L;
-        const float dl = in ? softplus_fast(pd[j][k] + bias) : 0.f;  // past the end: the state passes unchanged
+        const float dl = in ? softplus_lanes(pd[j][k] + bias) : 0.f;  // past the end: the state passes unchanged
         pdt[k] = dl;
         pdu[k] = dl * pu[j][k];
         uu[j][k] = pu[j][k];
@@ -456,22 +481,23 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
 #pragma unroll
     for (int j = 0; j < QPT; ++j) {
       const int qd = r + kLSlots * j;
-      float y[4] = {0.f, 0.f, 0.f, 0.f};
+      const float4 p0 = *reinterpret_cast<const float4*>(sy + c * TP + 4 * qd);
+      float y[4] = {p0.x, p0.y, p0.z, p0.w};
 #pragma unroll
-      for (int sl = 0; sl < kLSlots; ++sl) {
+      for (int sl = 1; sl < kLSlots; ++sl) {
         const float4 p = *reinterpret_cast<const float4*>(sy + (sl * kLC + c) * TP + 4 * qd);
         y[0] += p.x, y[1] += p.y, y[2] += p.z, y[3] += p.w;
       }
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const index_t t = t0 + 4 * qd + k;
-        if (t < L) {
+        if (t0 + T <= L || t0 + 4 * qd + k < L) {
           float o = fmaf(De, uu[j][k], y[k]);
           if (a.z) o *= silu_fast(zz[j][k]);
-          a.out[(b * L + t) * a.ld_out + d] = o;
+          go[(4 * kLSlots * j + k) * lo] = o;
         }
       }
     }
+    go += T * index_t(lo);
   }
   if (a.final_state) {
 #pragma unroll
@@ -552,14 +578,19 @@ void forward(const FwdArgs& a) {
   // variant 0: the state lanes over 32-token tiles where the shape allows (the fastest measured on an H200,
   // perf/RESULTS.md), else the time-parallel kernel; a lanes variant whose tile does not divide Q falls back alike
   int v = a.variant;
-  if (v == 0) v = lanes_fit(a.E, a.N, a.cpg, a.Q, 32) ? 5 : kDefault;
-  if (v == 5 && !lanes_fit(a.E, a.N, a.cpg, a.Q, 32)) v = kDefault;
-  if (v == 6 && !lanes_fit(a.E, a.N, a.cpg, a.Q, 64)) v = kDefault;
+  // (the lanes address T rows of each operand with 32-bit offsets)
+  const index_t ld_max = std::max({a.ld_u, a.ld_delta, a.ld_z, a.ld_bc, a.ld_out});
+  auto fits = [&](int T) { return lanes_fit(a.E, a.N, a.cpg, a.Q, T) && ld_max * 2 * T < (index_t(1) << 31); };
+  if (v == 0) v = fits(32) ? 7 : kDefault;
+  if ((v == 5 || v == 7) && !fits(32)) v = kDefault;
+  if ((v == 6 || v == 8) && !fits(64)) v = kDefault;
   if (v >= 5) {
-    if (a.N == 16)
-      v == 5 ? launch_lanes<16, 32, 8>(a) : launch_lanes<16, 64, 8>(a);
-    else
-      v == 5 ? launch_lanes<8, 32, 8>(a) : launch_lanes<8, 64, 8>(a);  // (8 slots of one state for N = 8)
+    switch (v) {  // (N = 8 in 8 slots: one state each)
+      case 5: a.N == 16 ? launch_lanes<16, 32, 8>(a) : launch_lanes<8, 32, 8>(a); break;
+      case 6: a.N == 16 ? launch_lanes<16, 64, 8>(a) : launch_lanes<8, 64, 8>(a); break;
+      case 7: a.N == 16 ? launch_lanes<16, 32, 4>(a) : launch_lanes<8, 32, 4>(a); break;
+      default: a.N == 16 ? launch_lanes<16, 64, 4>(a) : launch_lanes<8, 64, 4>(a); break;
+    }
     return;
   }
   if (a.N == 16)
