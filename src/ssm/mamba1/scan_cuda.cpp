@@ -3,6 +3,7 @@
 #include <Kokkos_Core.hpp>
 #include <Kokkos_Profiling_ScopedRegion.hpp>
 #include <algorithm>
+#include <type_traits>
 
 #include "core/error.hpp"
 #include "core/kokkos_types.hpp"
@@ -37,10 +38,10 @@ bool lanes_fit(index_t E, index_t N, index_t cpg, index_t Q, int T) {
 
 const char* variant_name(int v) {
   if (v == 5) return "lanes T32";
-  if (v == 6) return "lanes T64";
-  if (v == 7) return "lanes T32 S4";
-  if (v == 8) return "lanes T64 S4";
-  return v >= 1 && v <= kOldVariants ? kShapes[v - 1].name : "lanes T32 S4, or S8 K8 G4 staged where T32 does not fit";
+  if (v == 6) return "lanes T32 slot-minor";
+  if (v == 7) return "lanes T32 S4 slot-minor";
+  if (v == 8) return "lanes T64";
+  return v >= 1 && v <= kOldVariants ? kShapes[v - 1].name : "lanes T32, or S8 K8 G4 staged where T32 does not fit";
 }
 
 #if defined(KOKKOS_ENABLE_CUDA)
@@ -310,21 +311,26 @@ __global__ void __launch_bounds__(kCB * S, kMinBlocks) forward_kernel(const FwdA
     for (int n = 0; n < N; ++n) a.final_state[bd * N + n] = scarry[cl * N + n];
 }
 
-// ---- The "state lanes" kernel (variants 5 and 6): a thread per (channel, slot of N / 8 states), walking the
-// sequence in order. 4 x 1,536 channels x 16 states are 98,304 independent recurrences: enough threads without
-// parallelising over time, so every (token, state) costs one exp and one pass (the time-parallel kernel above runs
-// its tokens twice). A block owns 16 channels (of one group) and walks tiles of T tokens in three phases:
-//   A. each thread turns its 4 tokens of one channel (u, delta, z, read one tile ahead into registers) into
+// ---- The "state lanes" kernel (variants 5..8): a thread per (channel, slot of N / SL states), walking the sequence
+// in order. 4 x 1,536 channels x 16 states are 98,304 independent recurrences: enough threads without parallelising
+// over time, so every (token, state) costs one exp and one pass (the time-parallel kernel above runs its tokens
+// twice). A block owns 16 channels (of one group) and walks tiles of T tokens in three phases:
+//   A. each thread turns 4 tokens of one channel (u, delta, z, read one tile ahead into registers) into
 //      Delta = softplus(delta + bias) and Delta u, and copies a piece of the tile's B and C, all into shared
-//      memory, transposed so that a thread's 4 consecutive tokens are one 16-byte load;
+//      memory, transposed so that 4 consecutive tokens are one 16-byte load;
 //   B. each thread runs its states through the tile (h = exp2(Delta A log2 e) h + Delta u B, y += C h), summing
 //      its own states' C h per token, and leaves those partial outputs in shared memory;
-//   C. each thread sums the 8 slots' partials for its 4 tokens, adds D u, gates with silu(z) and stores.
-// Checkpoints fall on tile starts (T divides Q), so the recurrence has no per-token branch.
-constexpr int kLC = 16;                   // channels per block
-// SL threads ("slots") per channel, each owning N / SL states; a block has 16 SL threads (phases A and C: thread =
-// (channel, 4-token quad)). SL = 8 throughout: 16 slots of one state would double the warps, but their partial
-// outputs (64 KiB a block at T = 64) leave room for only two blocks per SM, two waves for 4 x 1,536 channels.
+//   C. each thread sums the SL slots' partials for its 4 tokens, adds D u, gates with silu(z) and stores.
+// Checkpoints fall on tile starts (T divides Q), so the recurrence has no per-token branch; only the last tile
+// checks the sequence's end. What bounds it (ncu on an H200, perf/RESULTS.md): the shared-memory loads of phase B
+// (every (token, state) reads Delta, Delta u, B and C) and the issue rate of 11-12 warps per SM.
+constexpr int kLC = 16;  // channels per block
+// SL threads ("slots") per channel, each owning N / SL states; a block has 16 SL threads. Phases A and C: thread =
+// (channel tid % 16, quads tid / 16 + SL j). Phase B: (channel, slot) = (tid % 16, tid / 16), or with kSlotMinor
+// (tid / 32 * (32 / SL) + tid % 32 / SL, tid % SL): a warp then covers 32 / SL channels and all their slots, so
+// its loads of Delta and Delta u touch fewer distinct addresses and those of B and C more. 16 slots of one state
+// would double the warps, but their partial outputs (64 KiB a block at T = 64) leave room for only two blocks per
+// SM, two waves for 4 x 1,536 channels.
 
 template <int T>
 __host__ __device__ constexpr int lanes_row() {
@@ -336,65 +342,69 @@ __host__ __device__ constexpr int lanes_floats() {
   return (2 * kLC + 2 * N + SL * kLC) * lanes_row<T>() + T;
 }
 
-template <int N, int T, int SL, bool kSeq>
+template <int N, int T, int SL, bool kSlotMinor, bool kSeq>
 __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
-  constexpr int kLThreads = kLC * SL, kLSlots = SL;
-  constexpr int SP = N / kLSlots, TP = lanes_row<T>(), NQ = T / 4, QPT = NQ * kLC / kLThreads;  // quads per thread
+  constexpr int NT = kLC * SL;  // threads
+  constexpr int SP = N / SL, TP = lanes_row<T>(), NQ = T / 4, QPT = NQ * kLC / NT;  // states, quads per thread
   constexpr int BQ = N * NQ;  // 16-byte pieces of one tile of B (and of C)
-  static_assert(N % kLSlots == 0 && (NQ * kLC) % kLThreads == 0 && BQ <= kLThreads * QPT);
+  static_assert(N % SL == 0 && (NQ * kLC) % NT == 0 && BQ <= NT * QPT && NT % N == 0);
   extern __shared__ float4 lsmem4[];  // lanes_floats<N, T, SL>(): Delta, Delta u, B, C, partial outputs, keep flags
   float* sdt = reinterpret_cast<float*>(lsmem4);
   float *sdu = sdt + kLC * TP, *sb = sdu + kLC * TP, *sc = sb + N * TP, *sy = sc + N * TP;
-  float* skeep = sy + kLSlots * kLC * TP;
+  float* skeep = sy + SL * kLC * TP;
+  const int tid = int(threadIdx.x);
   const index_t b = blockIdx.y, d0 = index_t(blockIdx.x) * kLC, g = d0 / a.cpg, L = a.L, BE = a.batch * a.E;
-  const int c = threadIdx.x % kLC, r = threadIdx.x / kLC;  // channel; slot (phase B) or first quad (A and C)
-  const index_t d = d0 + c, bd = b * a.E + d;
+  // phases A and C: channel c, quads r + SL j
+  const int c = tid % kLC, r = tid / kLC;
+  const index_t d = d0 + c;
+  // phase B: channel cb, slot rb (states rb + SL q)
+  const int cb = kSlotMinor ? tid / 32 * (32 / SL) + tid % 32 / SL : c, rb = kSlotMinor ? tid % SL : r;
+  const index_t bdb = b * a.E + d0 + cb;
   float a2[SP], h[SP];
 #pragma unroll
   for (int q = 0; q < SP; ++q) {
-    const int n = r + kLSlots * q;
-    a2[q] = a.A[d * a.N + n] * kLog2e;
-    h[q] = a.init ? a.init[bd * a.N + n] : 0.f;
-    a.ckpt[index_t(n) * BE + bd] = h[q];  // the state entering chunk 0
+    const int n = rb + SL * q;
+    a2[q] = a.A[(d0 + cb) * a.N + n] * kLog2e;
+    h[q] = a.init ? a.init[bdb * a.N + n] : 0.f;
+    a.ckpt[index_t(n) * BE + bdb] = h[q];  // the state entering chunk 0
   }
   const float De = a.D[d], bias = a.bias[d];
-  const float *Bg = a.B + g * N, *Cg = a.C + g * N;
   const std::int32_t* seq = kSeq ? a.seq + b * a.ld_seq : nullptr;
   // The next tile's inputs, in flight during the current tile's recurrence: quad j of this thread covers tokens
-  // 4 (r + SL j) .. + 3 of channel c; piece j of B and C covers tokens 4 (tid / N + j 16 SL / N) .. + 3 of state
+  // 4 (r + SL j) .. + 3 of channel c; piece j of B and C covers tokens 4 (tid / N + j NT / N) .. + 3 of state
   // tid % N. Rows are reached from per-thread pointers to the tile's first row and 32-bit row offsets (the caller
-  // checks that T rows of every operand span fewer than 2^31 floats); only the last tile checks the sequence's end.
+  // checks that 2 T rows of every operand span fewer than 2^31 floats).
   float pu[QPT][4], pd[QPT][4], pz[QPT][4], pb[QPT][4], pc[QPT][4];
   int ps[QPT][5];
   const int lu = int(a.ld_u), ldl = int(a.ld_delta), lz = int(a.ld_z), lbc = int(a.ld_bc), lo = int(a.ld_out);
   const float* gu = a.u + (b * L + 4 * r) * a.ld_u + d;
   const float* gd = a.delta + (b * L + 4 * r) * a.ld_delta + d;
   const float* gz = a.z ? a.z + (b * L + 4 * r) * a.ld_z + d : nullptr;
-  const index_t bc_row = b * L + 4 * (threadIdx.x / N);
-  const float* gb = Bg + bc_row * a.ld_bc + threadIdx.x % N;
-  const float* gc = Cg + bc_row * a.ld_bc + threadIdx.x % N;
+  const index_t bc_off = (b * L + 4 * (tid / N)) * a.ld_bc + g * N + tid % N;
+  const float *gb = a.B + bc_off, *gc = a.C + bc_off;
   float* go = a.out + (b * L + 4 * r) * a.ld_out + d;
-  auto fetch = [&](index_t t0) {  // the tile at t0; the pointers then move on by T rows
-    const bool full = t0 + T <= L;
+  // the tile at t0 (kFull: all T tokens inside the sequence, no checks); the pointers then move on by T rows
+  auto fetch = [&](index_t t0, auto full_tag) {
+    constexpr bool kFull = decltype(full_tag)::value;
 #pragma unroll
     for (int j = 0; j < QPT; ++j) {
-      const index_t tq = t0 + 4 * (r + kLSlots * j);
+      const index_t tq = t0 + 4 * (r + SL * j);
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const int row = 4 * kLSlots * j + k;
-        const bool in = full || tq + k < L;
+        const int row = 4 * SL * j + k;
+        const bool in = kFull || tq + k < L;
         pu[j][k] = in ? __ldg(gu + row * lu) : 0.f;
         pd[j][k] = in ? __ldg(gd + row * ldl) : 0.f;
         pz[j][k] = in && gz ? __ldg(gz + row * lz) : 0.f;
         if constexpr (kSeq) ps[j][k + 1] = c == 0 && tq + k < L ? seq[tq + k] : 0;
       }
       if constexpr (kSeq) ps[j][0] = c == 0 && tq > 0 && tq < L ? seq[tq - 1] : 0;
-      if (int(threadIdx.x) + kLThreads * j < BQ) {
-        const index_t tb = t0 + 4 * ((int(threadIdx.x) + kLThreads * j) / N);
+      if (tid + NT * j < BQ) {
+        const index_t tb = t0 + 4 * ((tid + NT * j) / N);
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-          const int row = 4 * (kLThreads / N) * j + k;
-          const bool in = full || tb + k < L;
+          const int row = 4 * (NT / N) * j + k;
+          const bool in = kFull || tb + k < L;
           pb[j][k] = in ? __ldg(gb + row * lbc) : 0.f;
           pc[j][k] = in ? __ldg(gc + row * lbc) : 0.f;
         }
@@ -403,20 +413,27 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
     gu += T * index_t(lu), gd += T * index_t(ldl), gb += T * index_t(lbc), gc += T * index_t(lbc);
     if (gz) gz += T * index_t(lz);
   };
-  fetch(0);
+  auto fetch_at = [&](index_t t0) {
+    if (t0 + T <= L)
+      fetch(t0, std::true_type{});
+    else
+      fetch(t0, std::false_type{});
+  };
   index_t next_ck = a.Q;
-  for (index_t t0 = 0; t0 < L; t0 += T) {
+  // one tile (kFull: all T tokens inside the sequence)
+  auto tile = [&](index_t t0, auto full_tag) {
+    constexpr bool kFull = decltype(full_tag)::value;
     // A. this tile's inputs into shared memory; u and z stay in registers for phase C
     float uu[QPT][4], zz[QPT][4];
 #pragma unroll
     for (int j = 0; j < QPT; ++j) {
-      const int qd = r + kLSlots * j;
+      const int qd = r + SL * j;
       float4 vdt, vdu;
       float* pdt = &vdt.x;
       float* pdu = &vdu.x;
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const bool in = t0 + 4 * qd + k < L;
+        const bool in = kFull || t0 + 4 * qd + k < L;
         const float dl = in ? softplus_lanes(pd[j][k] + bias) : 0.f;  // past the end: the state passes unchanged
         pdt[k] = dl;
         pdu[k] = dl * pu[j][k];
@@ -434,35 +451,34 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
           }
         }
       }
-      const int piece = int(threadIdx.x) + kLThreads * j;
-      if (piece < BQ) {
-        const int n = piece % N, at = n * TP + 4 * (piece / N);
+      if (tid + NT * j < BQ) {
+        const int piece = tid + NT * j, at = (piece % N) * TP + 4 * (piece / N);
         *reinterpret_cast<float4*>(sb + at) = make_float4(pb[j][0], pb[j][1], pb[j][2], pb[j][3]);
         *reinterpret_cast<float4*>(sc + at) = make_float4(pc[j][0], pc[j][1], pc[j][2], pc[j][3]);
       }
     }
     __syncthreads();
-    if (t0 + T < L) fetch(t0 + T);
+    if (t0 + T < L) fetch_at(t0 + T);
     if (t0 == next_ck) {  // the state entering chunk t0 / Q
 #pragma unroll
-      for (int q = 0; q < SP; ++q) a.ckpt[((t0 / a.Q) * N + r + kLSlots * q) * BE + bd] = h[q];
+      for (int q = 0; q < SP; ++q) a.ckpt[((t0 / a.Q) * N + rb + SL * q) * BE + bdb] = h[q];
       next_ck += a.Q;
     }
     // B. the recurrence over the tile, this thread's states; partial outputs per token
 #pragma unroll 2
     for (int qd = 0; qd < NQ; ++qd) {
-      const float4 dt4 = *reinterpret_cast<const float4*>(sdt + c * TP + 4 * qd);
-      const float4 du4 = *reinterpret_cast<const float4*>(sdu + c * TP + 4 * qd);
+      const float4 dt4 = *reinterpret_cast<const float4*>(sdt + cb * TP + 4 * qd);
+      const float4 du4 = *reinterpret_cast<const float4*>(sdu + cb * TP + 4 * qd);
       const float dtk[4] = {dt4.x, dt4.y, dt4.z, dt4.w}, duk[4] = {du4.x, du4.y, du4.z, du4.w};
-      float keep[4] = {1.f, 1.f, 1.f, 1.f};
+      [[maybe_unused]] float keep[4] = {1.f, 1.f, 1.f, 1.f};
       if constexpr (kSeq) {
         const float4 k4 = *reinterpret_cast<const float4*>(skeep + 4 * qd);
         keep[0] = k4.x, keep[1] = k4.y, keep[2] = k4.z, keep[3] = k4.w;
       }
-      float y[4] = {0.f, 0.f, 0.f, 0.f};
+      float y[4];
 #pragma unroll
       for (int q = 0; q < SP; ++q) {
-        const int n = r + kLSlots * q;
+        const int n = rb + SL * q;
         const float4 b4 = *reinterpret_cast<const float4*>(sb + n * TP + 4 * qd);
         const float4 c4 = *reinterpret_cast<const float4*>(sc + n * TP + 4 * qd);
         const float bk[4] = {b4.x, b4.y, b4.z, b4.w}, ck[4] = {c4.x, c4.y, c4.z, c4.w};
@@ -471,59 +487,63 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
           float e = ex2(dtk[k] * a2[q]);
           if constexpr (kSeq) e *= keep[k];
           h[q] = fmaf(e, h[q], duk[k] * bk[k]);
-          y[k] = fmaf(ck[k], h[q], y[k]);
+          y[k] = q == 0 ? ck[k] * h[q] : fmaf(ck[k], h[q], y[k]);
         }
       }
-      *reinterpret_cast<float4*>(sy + (r * kLC + c) * TP + 4 * qd) = make_float4(y[0], y[1], y[2], y[3]);
+      *reinterpret_cast<float4*>(sy + (rb * kLC + cb) * TP + 4 * qd) = make_float4(y[0], y[1], y[2], y[3]);
     }
     __syncthreads();
     // C. the slots' partials summed (in slot order), D skip, gate, store
 #pragma unroll
     for (int j = 0; j < QPT; ++j) {
-      const int qd = r + kLSlots * j;
+      const int qd = r + SL * j;
       const float4 p0 = *reinterpret_cast<const float4*>(sy + c * TP + 4 * qd);
       float y[4] = {p0.x, p0.y, p0.z, p0.w};
 #pragma unroll
-      for (int sl = 1; sl < kLSlots; ++sl) {
+      for (int sl = 1; sl < SL; ++sl) {
         const float4 p = *reinterpret_cast<const float4*>(sy + (sl * kLC + c) * TP + 4 * qd);
         y[0] += p.x, y[1] += p.y, y[2] += p.z, y[3] += p.w;
       }
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        if (t0 + T <= L || t0 + 4 * qd + k < L) {
+        if (kFull || t0 + 4 * qd + k < L) {
           float o = fmaf(De, uu[j][k], y[k]);
           if (a.z) o *= silu_fast(zz[j][k]);
-          go[(4 * kLSlots * j + k) * lo] = o;
+          go[(4 * SL * j + k) * lo] = o;
         }
       }
     }
     go += T * index_t(lo);
-  }
+  };
+  fetch_at(0);
+  const index_t L_full = L / T * T;
+  for (index_t t0 = 0; t0 < L_full; t0 += T) tile(t0, std::true_type{});
+  if (L_full < L) tile(L_full, std::false_type{});
   if (a.final_state) {
 #pragma unroll
-    for (int q = 0; q < SP; ++q) a.final_state[bd * N + r + kLSlots * q] = h[q];
+    for (int q = 0; q < SP; ++q) a.final_state[bdb * N + rb + SL * q] = h[q];
   }
 }
 
-template <int N, int T, int SL, bool kSeq>
+template <int N, int T, int SL, bool kSlotMinor, bool kSeq>
 void launch_lanes_one(const FwdArgs& a) {
   constexpr int bytes = int(sizeof(float)) * lanes_floats<N, T, SL>();
   static const cudaError_t raised =  // once per kernel: past the default 48 KiB (T = 64, N = 16: 52 KiB)
-      cudaFuncSetAttribute(lanes_kernel<N, T, SL, kSeq>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+      cudaFuncSetAttribute(lanes_kernel<N, T, SL, kSlotMinor, kSeq>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   require(raised == cudaSuccess, "selective_scan_forward (CUDA)", bytes, " bytes of shared memory: ",
           cudaGetErrorString(raised));
-  lanes_kernel<N, T, SL, kSeq><<<dim3(unsigned(a.E / kLC), unsigned(a.batch)), kLC * SL, bytes,
+  lanes_kernel<N, T, SL, kSlotMinor, kSeq><<<dim3(unsigned(a.E / kLC), unsigned(a.batch)), kLC * SL, bytes,
                              Kokkos::DefaultExecutionSpace().cuda_stream()>>>(a);
   const cudaError_t e = cudaGetLastError();
   require(e == cudaSuccess, "selective_scan_forward (CUDA)", "the kernel failed to launch: ", cudaGetErrorString(e));
 }
 
-template <int N, int T, int SL>
+template <int N, int T, int SL, bool kSlotMinor>
 void launch_lanes(const FwdArgs& a) {
   if (a.seq)
-    launch_lanes_one<N, T, SL, true>(a);
+    launch_lanes_one<N, T, SL, kSlotMinor, true>(a);
   else
-    launch_lanes_one<N, T, SL, false>(a);
+    launch_lanes_one<N, T, SL, kSlotMinor, false>(a);
 }
 
 template <int N, int S, int K, int G, bool kStage, bool kSeq>
@@ -581,15 +601,15 @@ void forward(const FwdArgs& a) {
   // (the lanes address T rows of each operand with 32-bit offsets)
   const index_t ld_max = std::max({a.ld_u, a.ld_delta, a.ld_z, a.ld_bc, a.ld_out});
   auto fits = [&](int T) { return lanes_fit(a.E, a.N, a.cpg, a.Q, T) && ld_max * 2 * T < (index_t(1) << 31); };
-  if (v == 0) v = fits(32) ? 7 : kDefault;
-  if ((v == 5 || v == 7) && !fits(32)) v = kDefault;
-  if ((v == 6 || v == 8) && !fits(64)) v = kDefault;
+  if (v == 0) v = fits(32) ? 5 : kDefault;
+  if (v >= 5 && v <= 7 && !fits(32)) v = kDefault;
+  if (v == 8 && !fits(64)) v = kDefault;
   if (v >= 5) {
     switch (v) {  // (N = 8 in 8 slots: one state each)
-      case 5: a.N == 16 ? launch_lanes<16, 32, 8>(a) : launch_lanes<8, 32, 8>(a); break;
-      case 6: a.N == 16 ? launch_lanes<16, 64, 8>(a) : launch_lanes<8, 64, 8>(a); break;
-      case 7: a.N == 16 ? launch_lanes<16, 32, 4>(a) : launch_lanes<8, 32, 4>(a); break;
-      default: a.N == 16 ? launch_lanes<16, 64, 4>(a) : launch_lanes<8, 64, 4>(a); break;
+      case 5: a.N == 16 ? launch_lanes<16, 32, 8, false>(a) : launch_lanes<8, 32, 8, false>(a); break;
+      case 6: a.N == 16 ? launch_lanes<16, 32, 8, true>(a) : launch_lanes<8, 32, 8, true>(a); break;
+      case 7: a.N == 16 ? launch_lanes<16, 32, 4, true>(a) : launch_lanes<8, 32, 4, true>(a); break;
+      default: a.N == 16 ? launch_lanes<16, 64, 8, false>(a) : launch_lanes<8, 64, 8, false>(a); break;
     }
     return;
   }
