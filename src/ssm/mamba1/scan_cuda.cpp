@@ -38,8 +38,8 @@ bool lanes_fit(index_t E, index_t N, index_t cpg, index_t Q, int T) {
 
 const char* variant_name(int v) {
   if (v == 5) return "lanes T32";
-  if (v == 6) return "lanes T32 slot-minor";
-  if (v == 7) return "lanes T32 S4 slot-minor";
+  if (v == 6) return "lanes T32 U8";
+  if (v == 7) return "lanes T32 S4 U8";
   if (v == 8) return "lanes T64";
   return v >= 1 && v <= kOldVariants ? kShapes[v - 1].name : "lanes T32, or S8 K8 G4 staged where T32 does not fit";
 }
@@ -326,11 +326,10 @@ __global__ void __launch_bounds__(kCB * S, kMinBlocks) forward_kernel(const FwdA
 // (every (token, state) reads Delta, Delta u, B and C) and the issue rate of 11-12 warps per SM.
 constexpr int kLC = 16;  // channels per block
 // SL threads ("slots") per channel, each owning N / SL states; a block has 16 SL threads. Phases A and C: thread =
-// (channel tid % 16, quads tid / 16 + SL j). Phase B: (channel, slot) = (tid % 16, tid / 16), or with kSlotMinor
-// (tid / 32 * (32 / SL) + tid % 32 / SL, tid % SL): a warp then covers 32 / SL channels and all their slots, so
-// its loads of Delta and Delta u touch fewer distinct addresses and those of B and C more. 16 slots of one state
-// would double the warps, but their partial outputs (64 KiB a block at T = 64) leave room for only two blocks per
-// SM, two waves for 4 x 1,536 channels.
+// (channel tid % 16, quads tid / 16 + SL j); phase B: (channel, slot) = (tid % 16, tid / 16), its loop over the
+// tile's quads unrolled U times. 16 slots of one state would double the warps, but their partial outputs (64 KiB a
+// block at T = 64) leave room for only two blocks per SM, two waves for 4 x 1,536 channels; a warp of 4 channels x
+// 8 slots in phase B (tried at 05a0208) stored its partial outputs with 8-way bank conflicts and ran 1.65x slower.
 
 template <int T>
 __host__ __device__ constexpr int lanes_row() {
@@ -342,7 +341,7 @@ __host__ __device__ constexpr int lanes_floats() {
   return (2 * kLC + 2 * N + SL * kLC) * lanes_row<T>() + T;
 }
 
-template <int N, int T, int SL, bool kSlotMinor, bool kSeq>
+template <int N, int T, int SL, int U, bool kSeq>
 __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
   constexpr int NT = kLC * SL;  // threads
   constexpr int SP = N / SL, TP = lanes_row<T>(), NQ = T / 4, QPT = NQ * kLC / NT;  // states, quads per thread
@@ -358,7 +357,7 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
   const int c = tid % kLC, r = tid / kLC;
   const index_t d = d0 + c;
   // phase B: channel cb, slot rb (states rb + SL q)
-  const int cb = kSlotMinor ? tid / 32 * (32 / SL) + tid % 32 / SL : c, rb = kSlotMinor ? tid % SL : r;
+  const int cb = c, rb = r;
   const index_t bdb = b * a.E + d0 + cb;
   float a2[SP], h[SP];
 #pragma unroll
@@ -465,7 +464,7 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
       next_ck += a.Q;
     }
     // B. the recurrence over the tile, this thread's states; partial outputs per token
-#pragma unroll 2
+#pragma unroll U
     for (int qd = 0; qd < NQ; ++qd) {
       const float4 dt4 = *reinterpret_cast<const float4*>(sdt + cb * TP + 4 * qd);
       const float4 du4 = *reinterpret_cast<const float4*>(sdu + cb * TP + 4 * qd);
@@ -525,25 +524,25 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
   }
 }
 
-template <int N, int T, int SL, bool kSlotMinor, bool kSeq>
+template <int N, int T, int SL, int U, bool kSeq>
 void launch_lanes_one(const FwdArgs& a) {
   constexpr int bytes = int(sizeof(float)) * lanes_floats<N, T, SL>();
   static const cudaError_t raised =  // once per kernel: past the default 48 KiB (T = 64, N = 16: 52 KiB)
-      cudaFuncSetAttribute(lanes_kernel<N, T, SL, kSlotMinor, kSeq>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+      cudaFuncSetAttribute(lanes_kernel<N, T, SL, U, kSeq>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   require(raised == cudaSuccess, "selective_scan_forward (CUDA)", bytes, " bytes of shared memory: ",
           cudaGetErrorString(raised));
-  lanes_kernel<N, T, SL, kSlotMinor, kSeq><<<dim3(unsigned(a.E / kLC), unsigned(a.batch)), kLC * SL, bytes,
+  lanes_kernel<N, T, SL, U, kSeq><<<dim3(unsigned(a.E / kLC), unsigned(a.batch)), kLC * SL, bytes,
                              Kokkos::DefaultExecutionSpace().cuda_stream()>>>(a);
   const cudaError_t e = cudaGetLastError();
   require(e == cudaSuccess, "selective_scan_forward (CUDA)", "the kernel failed to launch: ", cudaGetErrorString(e));
 }
 
-template <int N, int T, int SL, bool kSlotMinor>
+template <int N, int T, int SL, int U>
 void launch_lanes(const FwdArgs& a) {
   if (a.seq)
-    launch_lanes_one<N, T, SL, kSlotMinor, true>(a);
+    launch_lanes_one<N, T, SL, U, true>(a);
   else
-    launch_lanes_one<N, T, SL, kSlotMinor, false>(a);
+    launch_lanes_one<N, T, SL, U, false>(a);
 }
 
 template <int N, int S, int K, int G, bool kStage, bool kSeq>
@@ -606,10 +605,10 @@ void forward(const FwdArgs& a) {
   if (v == 8 && !fits(64)) v = kDefault;
   if (v >= 5) {
     switch (v) {  // (N = 8 in 8 slots: one state each)
-      case 5: a.N == 16 ? launch_lanes<16, 32, 8, false>(a) : launch_lanes<8, 32, 8, false>(a); break;
-      case 6: a.N == 16 ? launch_lanes<16, 32, 8, true>(a) : launch_lanes<8, 32, 8, true>(a); break;
-      case 7: a.N == 16 ? launch_lanes<16, 32, 4, true>(a) : launch_lanes<8, 32, 4, true>(a); break;
-      default: a.N == 16 ? launch_lanes<16, 64, 8, false>(a) : launch_lanes<8, 64, 8, false>(a); break;
+      case 5: a.N == 16 ? launch_lanes<16, 32, 8, 2>(a) : launch_lanes<8, 32, 8, 2>(a); break;
+      case 6: a.N == 16 ? launch_lanes<16, 32, 8, 8>(a) : launch_lanes<8, 32, 8, 8>(a); break;
+      case 7: a.N == 16 ? launch_lanes<16, 32, 4, 8>(a) : launch_lanes<8, 32, 4, 8>(a); break;
+      default: a.N == 16 ? launch_lanes<16, 64, 8, 2>(a) : launch_lanes<8, 64, 8, 2>(a); break;
     }
     return;
   }
