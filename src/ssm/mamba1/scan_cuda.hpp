@@ -59,8 +59,8 @@ bool compiled();
 // The shape rules the kernel needs besides 16-byte alignment (which the caller checks on the pointers): N of 8 or
 // 16, E and cpg multiples of kChannels.
 bool shape_fits(index_t E, index_t N, index_t cpg);
-// Whether the state-lanes kernel (variants 5..8: tiles of T = 32 or 64 tokens, 8 or 4 threads per channel, the
-// recurrence's loop unrolled 2 or 8 times) takes this shape: N of 8 or 16,
+// Whether the state-lanes kernel (variants 5..8: tiles of T = 32 tokens, two thread layouts, the recurrence's
+// loop unrolled 2 or 8 times) takes this shape: N of 8 or 16,
 // E and cpg multiples of 16, T dividing the checkpoint interval Q. Variant 0 (the default) is lanes T32 where it
 // fits and S8 K8 G4 staged elsewhere.
 bool lanes_fit(index_t E, index_t N, index_t cpg, index_t Q, int T);
