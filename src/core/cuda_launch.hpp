@@ -50,19 +50,24 @@ void launch(const char* name, long long items, void (*kernel)(P...), const A&...
   launch_grid(name, dim3(unsigned(blocks)), dim3(256), kernel, args...);
 }
 
+// The device's SM count (one device per process, i.e. per rank).
+inline int sm_count() {
+  static const int sms = [] {
+    int dev = 0, n = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    return std::max(1, n);
+  }();
+  return sms;
+}
+
 // How many blocks of `block` threads of `kernel` the device holds at once (all SMs): a grid of that many blocks
 // runs in one wave.
 template <class... P>
 int resident_blocks(void (*kernel)(P...), int block) {
-  static const int sms = [] {  // one device per process (rank)
-    int dev = 0, n = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-    return n;
-  }();
   int per_sm = 0;
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, block, 0);
-  return std::max(1, sms * per_sm);
+  return std::max(1, sm_count() * per_sm);
 }
 
 // out[i] += sum_b part[b, i] over b < nb, b in order (blocks of 32 x 8 threads: row y sums b = y, y + 8, ...,

@@ -674,10 +674,10 @@ bool router_backward_fp32(const View2<const float>& x, const View2<const float>&
   cuda_k::launch("moe::permute_router_backward", n * (d / 4), cuda_k::combine_rows, dxp.data(), dxp.stride(0),
                  row.data(), nullptr, 0, int(k), dl.data(), dl.stride(0), W.data(), W.stride(0), int(E), dx.data(),
                  dx.stride(0), accumulate, n, int(d / 4));
-  // dW: per-block partials over about 3 blocks of rows per SM (132 SMs; 90 registers a thread for E <= 8), then
-  // their sum in block order
+  // dW: per-block partials over about 3 blocks of rows per SM (90 registers a thread for E <= 8), then their sum in
+  // block order
   const index_t d4 = d / 4, bx = std::min<index_t>(256, (d4 + 31) / 32 * 32), gy = (d4 + bx - 1) / bx;
-  index_t chunks = std::clamp<index_t>(132 * 3 / gy, 1, (n + 7) / 8);
+  index_t chunks = std::clamp<index_t>(index_t(cuda_k::sm_count()) * 3 / gy, 1, (n + 7) / 8);
   const index_t rpb = ((n + chunks - 1) / chunks + 7) / 8 * 8;
   chunks = (n + rpb - 1) / rpb;
   PoolScope ws;

@@ -29,8 +29,8 @@ constexpr Shape kShapes[4] = {{16, 8, 2, false, "S16 K8 G2"},
 constexpr int kDefault = 4;  // S8 K8 G4 staged: 1.466 ms against 1.753-1.799 ms for the others on an H200 (16530e6)
 }  // namespace
 
-constexpr int kOldVariants = 4;  // variants 1..4 are the time-parallel kernel's shapes, 5..8 the state lanes
-static_assert(kVariants == kOldVariants + 4);
+constexpr int kOldVariants = 4;  // variants 1..4 are the time-parallel kernel's shapes, 5 and 6 the state lanes
+static_assert(kVariants == kOldVariants + 2);
 
 bool lanes_fit(index_t E, index_t N, index_t cpg, index_t Q, int T) {
   return (N == 8 || N == 16) && E % 16 == 0 && cpg % 16 == 0 && Q % T == 0;
@@ -39,9 +39,7 @@ bool lanes_fit(index_t E, index_t N, index_t cpg, index_t Q, int T) {
 const char* variant_name(int v) {
   if (v == 5) return "lanes T32";
   if (v == 6) return "lanes T32 U8";
-  if (v == 7) return "lanes T32 W8x4";
-  if (v == 8) return "lanes T32 W8x4 U8";
-  return v >= 1 && v <= kOldVariants ? kShapes[v - 1].name : "lanes T32, or S8 K8 G4 staged where T32 does not fit";
+  return v >= 1 && v <= kOldVariants ? kShapes[v - 1].name : "lanes T32 U8, or S8 K8 G4 staged where the lanes do not fit";
 }
 
 #if defined(KOKKOS_ENABLE_CUDA)
@@ -326,10 +324,10 @@ __global__ void __launch_bounds__(kCB * S, kMinBlocks) forward_kernel(const FwdA
 // (every (token, state) reads Delta, Delta u, B and C) and the issue rate of 11-12 warps per SM.
 constexpr int kLC = 16;  // channels per block
 // SL threads ("slots") per channel, each owning N / SL states; a block has 16 SL threads. Phases A and C: thread =
-// (channel tid % 16, quads tid / 16 + SL j); phase B: (channel, slot) = (tid % 16, tid / 16), or with kW8 a warp
-// of 8 channels x 4 slots (its 16-byte loads of Delta, Delta u, B and C then touch at most 128 distinct bytes, one
-// shared-memory wavefront), its loop over the tile's quads unrolled U times. Tiles of 64 tokens and 4 slots of 4
-// states (tried at f3cde4f) ran no faster, 1.2x slower (5.5 warps per SM). 16 slots of one state would double the warps, but their partial outputs (64 KiB a
+// (channel tid % 16, quads tid / 16 + SL j); phase B: (channel, slot) = (tid % 16, tid / 16), its loop over the
+// tile's quads unrolled U times (U = 8, the whole tile: 1.5 % faster than U = 2 on an H200). Measured no faster
+// and dropped: tiles of 64 tokens (f3cde4f), 4 slots of 4 states (1.2x slower: 5.5 warps per SM), and a phase-B
+// warp of 8 channels x 4 slots (5a03572: the same time and the same shared-memory wavefronts, 3 per 16-byte load). 16 slots of one state would double the warps, but their partial outputs (64 KiB a
 // block at T = 64) leave room for only two blocks per SM, two waves for 4 x 1,536 channels; a warp of 4 channels x
 // 8 slots in phase B (tried at 05a0208) stored its partial outputs with 8-way bank conflicts and ran 1.65x slower.
 
@@ -343,7 +341,7 @@ __host__ __device__ constexpr int lanes_floats() {
   return (2 * kLC + 2 * N + SL * kLC) * lanes_row<T>() + T;
 }
 
-template <int N, int T, int SL, int U, bool kW8, bool kSeq>
+template <int N, int T, int SL, int U, bool kSeq>
 __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
   constexpr int NT = kLC * SL;  // threads
   constexpr int SP = N / SL, TP = lanes_row<T>(), NQ = T / 4, QPT = NQ * kLC / NT;  // states, quads per thread
@@ -358,9 +356,8 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
   // phases A and C: channel c, quads r + SL j
   const int c = tid % kLC, r = tid / kLC;
   const index_t d = d0 + c;
-  // phase B: channel cb, slot rb (states rb + SL q); kW8: a warp of 8 channels x 4 slots
-  const int cb = kW8 ? 8 * (tid / 32 % 2) + tid % 8 : c, rb = kW8 ? 4 * (tid / 64) + tid % 32 / 8 : r;
-  static_assert(!kW8 || SL % 4 == 0);
+  // phase B: channel cb, slot rb (states rb + SL q)
+  const int cb = c, rb = r;
   const index_t bdb = b * a.E + d0 + cb;
   float a2[SP], h[SP];
 #pragma unroll
@@ -527,25 +524,25 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
   }
 }
 
-template <int N, int T, int SL, int U, bool kW8, bool kSeq>
+template <int N, int T, int SL, int U, bool kSeq>
 void launch_lanes_one(const FwdArgs& a) {
   constexpr int bytes = int(sizeof(float)) * lanes_floats<N, T, SL>();
   static const cudaError_t raised =  // once per kernel: past the default 48 KiB (T = 64, N = 16: 52 KiB)
-      cudaFuncSetAttribute(lanes_kernel<N, T, SL, U, kW8, kSeq>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+      cudaFuncSetAttribute(lanes_kernel<N, T, SL, U, kSeq>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   require(raised == cudaSuccess, "selective_scan_forward (CUDA)", bytes, " bytes of shared memory: ",
           cudaGetErrorString(raised));
-  lanes_kernel<N, T, SL, U, kW8, kSeq><<<dim3(unsigned(a.E / kLC), unsigned(a.batch)), kLC * SL, bytes,
+  lanes_kernel<N, T, SL, U, kSeq><<<dim3(unsigned(a.E / kLC), unsigned(a.batch)), kLC * SL, bytes,
                              Kokkos::DefaultExecutionSpace().cuda_stream()>>>(a);
   const cudaError_t e = cudaGetLastError();
   require(e == cudaSuccess, "selective_scan_forward (CUDA)", "the kernel failed to launch: ", cudaGetErrorString(e));
 }
 
-template <int N, int T, int SL, int U, bool kW8>
+template <int N, int T, int SL, int U>
 void launch_lanes(const FwdArgs& a) {
   if (a.seq)
-    launch_lanes_one<N, T, SL, U, kW8, true>(a);
+    launch_lanes_one<N, T, SL, U, true>(a);
   else
-    launch_lanes_one<N, T, SL, U, kW8, false>(a);
+    launch_lanes_one<N, T, SL, U, false>(a);
 }
 
 template <int N, int S, int K, int G, bool kStage, bool kSeq>
@@ -603,15 +600,13 @@ void forward(const FwdArgs& a) {
   // (the lanes address T rows of each operand with 32-bit offsets)
   const index_t ld_max = std::max({a.ld_u, a.ld_delta, a.ld_z, a.ld_bc, a.ld_out});
   auto fits = [&](int T) { return lanes_fit(a.E, a.N, a.cpg, a.Q, T) && ld_max * 2 * T < (index_t(1) << 31); };
-  if (v == 0) v = fits(32) ? 5 : kDefault;
+  if (v == 0) v = fits(32) ? 6 : kDefault;
   if (v >= 5 && !fits(32)) v = kDefault;
   if (v >= 5) {
-    switch (v) {  // (N = 8 in 8 slots: one state each)
-      case 5: a.N == 16 ? launch_lanes<16, 32, 8, 2, false>(a) : launch_lanes<8, 32, 8, 2, false>(a); break;
-      case 6: a.N == 16 ? launch_lanes<16, 32, 8, 8, false>(a) : launch_lanes<8, 32, 8, 8, false>(a); break;
-      case 7: a.N == 16 ? launch_lanes<16, 32, 8, 2, true>(a) : launch_lanes<8, 32, 8, 2, true>(a); break;
-      default: a.N == 16 ? launch_lanes<16, 32, 8, 8, true>(a) : launch_lanes<8, 32, 8, 8, true>(a); break;
-    }
+    if (v == 5)  // (N = 8 in 8 slots: one state each)
+      a.N == 16 ? launch_lanes<16, 32, 8, 2>(a) : launch_lanes<8, 32, 8, 2>(a);
+    else
+      a.N == 16 ? launch_lanes<16, 32, 8, 8>(a) : launch_lanes<8, 32, 8, 8>(a);
     return;
   }
   if (a.N == 16)
