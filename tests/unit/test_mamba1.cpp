@@ -223,7 +223,7 @@ TEST_CASE("selective scan: the native CUDA forward equals the double recurrence 
   // are not multiples of its 128-token iterations or a lane's tokens, with records, an initial state and chunk sizes that
   // do not divide the length. Builds without the kernel (or inputs it cannot take) run the portable passes: there
   // the comparisons hold trivially, and the routing checks below say which path ran.
-  double worst_ref = 0, worst_out = 0, worst_grad = 0;
+  double worst_ref = 0, worst_out = 0, worst_grad = 0, worst_nbwd = 0;
   // Cases 1, 2, 3, 6 and 7 fit the state-lanes kernel (the default there); 0, 4 and 5 take the time-parallel kernel
   // by default, and the loop over variants below runs both kernels on every case that fits them.
   for (int variant = 0; variant < 8; ++variant) {
@@ -282,11 +282,26 @@ TEST_CASE("selective scan: the native CUDA forward equals the double recurrence 
     fill_uniform(dout, 31);
     fill_uniform(dfin, 32);
     const Grads a = run_backward<float>(native, dout, dfin, true), b = run_backward<float>(portable, dout, dfin, true);
-    double e_grad = 0;
-    for (double e : {rel_err(a.du, b.du), rel_err(a.ddelta, b.ddelta), rel_err(a.dbc, b.dbc), rel_err(a.dA, b.dA),
-                     rel_err(a.dD, b.dD), rel_err(a.dbias, b.dbias)})
-      e_grad = std::max(e_grad, e);
+    auto grad_err = [](const Grads& x, const Grads& y) {
+      double w = 0;
+      for (double e : {rel_err(x.du, y.du), rel_err(x.ddelta, y.ddelta), rel_err(x.dbc, y.dbc), rel_err(x.dz, y.dz),
+                       rel_err(x.dA, y.dA), rel_err(x.dD, y.dD), rel_err(x.dbias, y.dbias), rel_err(x.dinit, y.dinit)})
+        w = std::max(w, e);
+      return w;
+    };
+    const double e_grad = grad_err(a, b);
     CHECK(e_grad < 2e-5);
+    // The backward's chunk passes on the native kernels (SelScanShape::native_backward) against the portable ones.
+    CHECK(mamba1_cuda::backward_fits(c.E, c.N, c.E / c.G, c.Q) ==
+          (variant == 1 || variant == 2 || variant == 3 || variant == 6 || variant == 7));
+    if (mamba1_cuda::compiled()) {
+      Data<float> nb(c);
+      nb.shape.native_backward = true;
+      const double e_nb = grad_err(run_backward<float>(nb, dout, dfin, true), b);
+      INFO("native backward");
+      CHECK(e_nb < 2e-5);
+      worst_nbwd = std::max(worst_nbwd, e_nb);
+    }
     worst_ref = std::max(worst_ref, e_ref);
     worst_out = std::max(worst_out, e_out);
     worst_grad = std::max(worst_grad, e_grad);
@@ -302,7 +317,7 @@ TEST_CASE("selective scan: the native CUDA forward equals the double recurrence 
   CHECK_FALSE(selective_scan_native_forward<float>(Data<float>(off).shape, Data<float>(off).in()));
   WARN("selective scan native (" << (mamba1_cuda::compiled() ? "CUDA" : "not built") << "): vs double reference "
                                  << worst_ref << ", vs portable outputs/states " << worst_out << ", gradients "
-                                 << worst_grad);
+                                 << worst_grad << ", native backward " << worst_nbwd);
 }
 
 TEST_CASE("selective scan results and gradients do not depend on the chunk size", "[mamba1]") {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "core/cuda_launch.hpp"
 #include "core/error.hpp"
 #include "core/kokkos_types.hpp"
 
@@ -31,6 +32,10 @@ constexpr int kDefault = 4;  // S8 K8 G4 staged: 1.466 ms against 1.753-1.799 ms
 
 constexpr int kOldVariants = 4;  // variants 1..4 are the time-parallel kernel's shapes, 5 and 6 the state lanes
 static_assert(kVariants == kOldVariants + 2);
+
+bool backward_fits(index_t E, index_t N, index_t cpg, index_t Q) {
+  return (N == 8 || N == 16) && E % 16 == 0 && cpg % 16 == 0 && Q % 32 == 0 && Q <= 512;
+}
 
 bool lanes_fit(index_t E, index_t N, index_t cpg, index_t Q, int T) {
   return (N == 8 || N == 16) && E % 16 == 0 && cpg % 16 == 0 && Q % T == 0;
@@ -615,9 +620,283 @@ void forward(const FwdArgs& a) {
     launch_n<8>(a, v);
 }
 
+// ---- The native backward's chunk kernels (scan_cuda.hpp): blocks of 16 channels x 8 slots (2 states a thread for
+// N = 16), one per (16 channels, batch row, chunk), tiles of 32 tokens.
+namespace bwd {
+constexpr int kT = 32, kTP = kT + 4, kSL = 8, kNT = kLC * kSL, kMaxTiles = 16;  // kMaxTiles: Q <= 512
+
+__device__ __forceinline__ float dsilu_fast(float x) {
+  const float s = cuda_k::sigm(x);
+  return s * (1.f + x * (1.f - s));
+}
+
+// Shared-memory tile of a chunk's tokens [t0, t0 + 32), tokens at or past `end` (the chunk's end) read as zeros
+// (Delta 0: the state and dh pass unchanged) with keep 1.
+template <int N>
+struct Tile {
+  float dt[kLC * kTP], du[kLC * kTP], g[kLC * kTP], b[N * kTP], c[N * kTP], keep[kT];
+};
+// What a thread keeps of its 4 tokens (channel tid % 16, tokens 4 (tid / 16) ..): u, dout, z and delta + bias.
+struct Quad {
+  float u[4], go[4], z[4], x[4], dt[4], g[4];
+};
+
+template <int N, bool kB, bool kC>
+__device__ void stage(const BwdArgs& a, Tile<N>& tl, Quad& qd, index_t b, index_t d0, index_t t0, index_t end) {
+  const int tid = int(threadIdx.x), c = tid % kLC, r = tid / kLC;
+  const index_t d = d0 + c, g = d0 / a.cpg;
+  const float bias = a.bias[d];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const index_t t = t0 + 4 * r + k;
+    const bool in = t < end;
+    const index_t row = b * a.L + (in ? t : 0);
+    const float x = in ? __ldg(a.delta + row * a.ld_delta + d) + bias : 0.f;
+    const float uu = in ? __ldg(a.u + row * a.ld_u + d) : 0.f;
+    const float go = in ? __ldg(a.dout + row * a.ld_dout + d) : 0.f;
+    const float zz = in && a.z ? __ldg(a.z + row * a.ld_z + d) : 0.f;
+    const float dt = in ? softplus_lanes(x) : 0.f;
+    const float gg = a.z ? go * zz * cuda_k::sigm(zz) : go;
+    qd.u[k] = uu, qd.go[k] = go, qd.z[k] = zz, qd.x[k] = x, qd.dt[k] = dt, qd.g[k] = gg;
+    tl.dt[c * kTP + 4 * r + k] = dt;
+    tl.du[c * kTP + 4 * r + k] = dt * uu;
+    tl.g[c * kTP + 4 * r + k] = gg;
+    if (c == 0) {
+      const bool rs = a.seq && in && t > 0 && a.seq[b * a.ld_seq + t] != a.seq[b * a.ld_seq + t - 1];
+      tl.keep[4 * r + k] = rs ? 0.f : 1.f;
+    }
+  }
+  if (tid < N * (kT / 4)) {  // a piece of 4 tokens of one state of B and C
+    const int n = tid % N, tq = tid / N;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const index_t t = t0 + 4 * tq + k;
+      const bool in = t < end;
+      const index_t at = (b * a.L + (in ? t : 0)) * a.ld_bc + g * N + n;
+      if constexpr (kB) tl.b[n * kTP + 4 * tq + k] = in ? __ldg(a.B + at) : 0.f;
+      if constexpr (kC) tl.c[n * kTP + 4 * tq + k] = in ? __ldg(a.C + at) : 0.f;
+    }
+  }
+}
+
+template <int N>
+__global__ void __launch_bounds__(kNT, 4) local_kernel(const BwdArgs a) {
+  constexpr int SP = N / kSL;
+  __shared__ Tile<N> tl;
+  const int tid = int(threadIdx.x), c = tid % kLC, r = tid / kLC;
+  const index_t b = blockIdx.y, ch = blockIdx.z, d0 = index_t(blockIdx.x) * kLC, BE = a.batch * a.E;
+  const index_t bd = b * a.E + d0 + c, c0 = ch * a.Q, c1 = c0 + a.Q < a.L ? c0 + a.Q : a.L;
+  float a2[SP], dh[SP], m[SP];
+#pragma unroll
+  for (int q = 0; q < SP; ++q) a2[q] = a.A[(d0 + c) * N + r + kSL * q] * kLog2e, dh[q] = 0.f, m[q] = 1.f;
+  Quad qd;
+  for (index_t t0 = c0 + (c1 - c0 - 1) / kT * kT; t0 >= c0; t0 -= kT) {
+    stage<N, false, true>(a, tl, qd, b, d0, t0, c1);
+    __syncthreads();
+#pragma unroll 4
+    for (int t = kT - 1; t >= 0; --t) {
+      const float dt = tl.dt[c * kTP + t], gt = tl.g[c * kTP + t], keep = tl.keep[t];
+#pragma unroll
+      for (int q = 0; q < SP; ++q) {
+        const float e = ex2(dt * a2[q]) * keep;
+        dh[q] = e * fmaf(tl.c[(r + kSL * q) * kTP + t], gt, dh[q]);
+        m[q] *= e;
+      }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int q = 0; q < SP; ++q) {
+    const index_t at = (ch * N + r + kSL * q) * BE + bd;
+    a.dl[at] = dh[q];
+    a.dm[at] = m[q];
+  }
+}
+
+template <int N>
+struct ChunkSmem {
+  Tile<N> tl;
+  float p1[kSL * kLC * kTP];  // partial outputs y (phase B1), then partial sums of dh B (phase B2)
+  float p2[kSL * kLC * kTP];  // partial sums of dh A exp(Delta A) h_{t-1}
+  float hs[kMaxTiles * kNT * (N / kSL)];  // the states entering each tile of the chunk, per thread
+  float red[2 * kNT];
+};
+
+template <int N>
+__global__ void __launch_bounds__(kNT, 2) chunk_kernel(const BwdArgs a) {
+  constexpr int SP = N / kSL;
+  extern __shared__ float4 csmem4[];
+  ChunkSmem<N>& sm = *reinterpret_cast<ChunkSmem<N>*>(csmem4);
+  Tile<N>& tl = sm.tl;
+  const int tid = int(threadIdx.x), c = tid % kLC, r = tid / kLC;
+  const index_t b = blockIdx.y, ch = blockIdx.z, d0 = index_t(blockIdx.x) * kLC, BE = a.batch * a.E;
+  const index_t d = d0 + c, bd = b * a.E + d, c0 = ch * a.Q, c1 = c0 + a.Q < a.L ? c0 + a.Q : a.L;
+  const int nt = int((c1 - c0 + kT - 1) / kT);
+  const float De = a.D[d];
+  float a2[SP], an[SP], h[SP], dh[SP], dA[SP];
+#pragma unroll
+  for (int q = 0; q < SP; ++q) {
+    const int n = r + kSL * q;
+    an[q] = a.A[d * N + n];
+    a2[q] = an[q] * kLog2e;
+    h[q] = a.ckpt[(ch * N + n) * BE + bd];
+    dh[q] = a.dcarry[(ch * N + n) * BE + bd];
+    dA[q] = 0.f;
+  }
+  Quad qd;
+  // the states entering each tile
+  for (int k = 0; k < nt; ++k) {
+    stage<N, true, false>(a, tl, qd, b, d0, c0 + index_t(k) * kT, c1);
+    __syncthreads();
+#pragma unroll
+    for (int q = 0; q < SP; ++q) sm.hs[(k * kNT + tid) * SP + q] = h[q];
+#pragma unroll 4
+    for (int t = 0; t < kT; ++t) {
+      const float dt = tl.dt[c * kTP + t], du = tl.du[c * kTP + t], keep = tl.keep[t];
+#pragma unroll
+      for (int q = 0; q < SP; ++q) h[q] = fmaf(ex2(dt * a2[q]) * keep, h[q], du * tl.b[(r + kSL * q) * kTP + t]);
+    }
+    __syncthreads();
+  }
+  float dD_acc = 0.f, dbias_acc = 0.f;
+  for (int k = nt - 1; k >= 0; --k) {
+    const index_t t0 = c0 + index_t(k) * kT;
+    stage<N, true, true>(a, tl, qd, b, d0, t0, c1);
+    __syncthreads();
+    float hstart[SP], hr[kT][SP];
+#pragma unroll
+    for (int q = 0; q < SP; ++q) hstart[q] = h[q] = sm.hs[(k * kNT + tid) * SP + q];
+    // B1. the tile's states, kept in registers; partial outputs y (for dz)
+#pragma unroll
+    for (int t4 = 0; t4 < kT; t4 += 4) {
+      float y[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int k4 = 0; k4 < 4; ++k4) {
+        const int t = t4 + k4;
+        const float dt = tl.dt[c * kTP + t], du = tl.du[c * kTP + t], keep = tl.keep[t];
+#pragma unroll
+        for (int q = 0; q < SP; ++q) {
+          const int n = r + kSL * q;
+          h[q] = fmaf(ex2(dt * a2[q]) * keep, h[q], du * tl.b[n * kTP + t]);
+          hr[t][q] = h[q];
+          y[k4] = fmaf(tl.c[n * kTP + t], h[q], y[k4]);
+        }
+      }
+      if (a.z) *reinterpret_cast<float4*>(sm.p1 + (r * kLC + c) * kTP + t4) = make_float4(y[0], y[1], y[2], y[3]);
+    }
+    __syncthreads();
+    // C1. dz = dout y silu'(z), y = sum of the slots' partials + D u
+    if (a.z) {
+#pragma unroll
+      for (int k4 = 0; k4 < 4; ++k4) {
+        const index_t t = t0 + 4 * r + k4;
+        float y = De * qd.u[k4];
+#pragma unroll
+        for (int sl = 0; sl < kSL; ++sl) y += sm.p1[(sl * kLC + c) * kTP + 4 * r + k4];
+        if (t < c1) a.dz[(b * a.L + t) * a.ld_dz + d] = qd.go[k4] * y * dsilu_fast(qd.z[k4]);
+      }
+    }
+    __syncthreads();
+    // B2. the reverse scan through the tile
+#pragma unroll
+    for (int t4 = kT - 4; t4 >= 0; t4 -= 4) {
+      float p1[4], p2[4];
+#pragma unroll
+      for (int k4 = 3; k4 >= 0; --k4) {
+        const int t = t4 + k4;
+        const float dt = tl.dt[c * kTP + t], gt = tl.g[c * kTP + t], keep = tl.keep[t];
+        p1[k4] = 0.f, p2[k4] = 0.f;
+#pragma unroll
+        for (int q = 0; q < SP; ++q) {
+          const int n = r + kSL * q;
+          const float e = ex2(dt * a2[q]) * keep, prev = t > 0 ? hr[t - 1][q] : hstart[q];
+          const float dhn = fmaf(tl.c[n * kTP + t], gt, dh[q]);
+          p1[k4] = fmaf(dhn, tl.b[n * kTP + t], p1[k4]);
+          const float w = dhn * e * prev;
+          p2[k4] = fmaf(an[q], w, p2[k4]);
+          dA[q] = fmaf(dt, w, dA[q]);
+          dh[q] = e * dhn;
+        }
+      }
+      *reinterpret_cast<float4*>(sm.p1 + (r * kLC + c) * kTP + t4) = make_float4(p1[0], p1[1], p1[2], p1[3]);
+      *reinterpret_cast<float4*>(sm.p2 + (r * kLC + c) * kTP + t4) = make_float4(p2[0], p2[1], p2[2], p2[3]);
+    }
+    __syncthreads();
+    // C2. du = Delta sum dh B + D g, d(raw delta) = (u sum dh B + sum dh A e h_{t-1}) softplus'(delta + bias)
+#pragma unroll
+    for (int k4 = 0; k4 < 4; ++k4) {
+      const index_t t = t0 + 4 * r + k4;
+      float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+      for (int sl = 0; sl < kSL; ++sl) {
+        s1 += sm.p1[(sl * kLC + c) * kTP + 4 * r + k4];
+        s2 += sm.p2[(sl * kLC + c) * kTP + 4 * r + k4];
+      }
+      if (t < c1) {
+        const index_t row = b * a.L + t;
+        const float draw = fmaf(qd.u[k4], s1, s2) * cuda_k::sigm(qd.x[k4]);
+        a.du[row * a.ld_du + d] = fmaf(qd.dt[k4], s1, De * qd.g[k4]);
+        a.ddelta[row * a.ld_ddelta + d] = draw;
+        a.dlt[row * a.E + d] = qd.dt[k4];
+        a.g[row * a.E + d] = qd.g[k4];
+        dD_acc = fmaf(qd.g[k4], qd.u[k4], dD_acc);
+        dbias_acc += draw;
+      }
+    }
+  }
+  const index_t kk = b * ((a.L + a.Q - 1) / a.Q) + ch;  // the partials' block: b nchunks + ch
+#pragma unroll
+  for (int q = 0; q < SP; ++q) a.dA_part[(kk * a.E + d) * N + r + kSL * q] = dA[q];
+  sm.red[tid] = dD_acc;
+  sm.red[kNT + tid] = dbias_acc;
+  __syncthreads();
+  if (r == 0) {  // the channel's 8 quads summed in order
+    float sd = 0.f, sb = 0.f;
+    for (int rr = 0; rr < kSL; ++rr) sd += sm.red[rr * kLC + c], sb += sm.red[kNT + rr * kLC + c];
+    a.dv_part[(kk * a.E + d) * 2] = sd;
+    a.dv_part[(kk * a.E + d) * 2 + 1] = sb;
+  }
+}
+
+template <int N>
+void launch_local(const BwdArgs& a) {
+  const dim3 grid(unsigned(a.E / kLC), unsigned(a.batch), unsigned((a.L + a.Q - 1) / a.Q));
+  cuda_k::launch_grid("selective_scan::bwd_local_cuda", grid, dim3(kNT), local_kernel<N>, a);
+}
+
+template <int N>
+void launch_chunk(const BwdArgs& a) {
+  constexpr int bytes = int(sizeof(ChunkSmem<N>));
+  static const cudaError_t raised =
+      cudaFuncSetAttribute(chunk_kernel<N>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  require(raised == cudaSuccess, "selective_scan_backward (CUDA)", bytes, " bytes of shared memory: ",
+          cudaGetErrorString(raised));
+  const dim3 grid(unsigned(a.E / kLC), unsigned(a.batch), unsigned((a.L + a.Q - 1) / a.Q));
+  Kokkos::Profiling::ScopedRegion region("selective_scan::bwd_chunk_cuda");
+  chunk_kernel<N><<<grid, kNT, bytes, Kokkos::DefaultExecutionSpace().cuda_stream()>>>(a);
+  const cudaError_t e = cudaGetLastError();
+  require(e == cudaSuccess, "selective_scan_backward (CUDA)", "the kernel failed to launch: ", cudaGetErrorString(e));
+}
+}  // namespace bwd
+
+void backward_local(const BwdArgs& a) {
+  require(backward_fits(a.E, a.N, a.cpg, a.Q), "selective_scan_backward (CUDA)", "shape outside the kernel's rules");
+  a.N == 16 ? bwd::launch_local<16>(a) : bwd::launch_local<8>(a);
+}
+void backward_chunk(const BwdArgs& a) {
+  require(backward_fits(a.E, a.N, a.cpg, a.Q), "selective_scan_backward (CUDA)", "shape outside the kernel's rules");
+  a.N == 16 ? bwd::launch_chunk<16>(a) : bwd::launch_chunk<8>(a);
+}
+
 #else
 bool compiled() { return false; }
 void forward(const FwdArgs&) { require(false, "selective_scan_forward", "the CUDA kernel is not in this build"); }
+void backward_local(const BwdArgs&) {
+  require(false, "selective_scan_backward", "the CUDA kernel is not in this build");
+}
+void backward_chunk(const BwdArgs&) {
+  require(false, "selective_scan_backward", "the CUDA kernel is not in this build");
+}
 #endif
 
 }  // namespace mm::mamba1_cuda

@@ -69,4 +69,35 @@ const char* variant_name(int v);
 // Launches on Kokkos' default execution space instance (asynchronous, like the Kokkos kernels around it).
 void forward(const FwdArgs& a);
 
+// The native backward's two chunk kernels, the same "state lanes" layout as the forward (a block of 16 channels x
+// 8 slots of 2 states per (batch row, chunk), tiles of 32 tokens), replacing the portable backward's per-chunk
+// passes (selective_scan.cpp, backward_chunked: the local reverse scans and the pass that rebuilds each chunk's
+// states in device memory); the carry between chunks, dB/dC and the parameter sums stay portable:
+//   backward_local: per chunk, the reverse scan dh_t = [t same record] exp(Delta_t A) (dh_{t+1} + C_t g_t) from a
+//     zero carry, writing dl (the dh the chunk passes to the left) and dm (the factor the carry from the right
+//     reaches it by), both (nchunks, N, batch E);
+//   backward_chunk: per chunk, from its checkpoint and the carried dcarry: the states rebuilt on chip (the tile
+//     starts in shared memory, a tile's states in registers), then the reverse scan: du, d(raw delta), dz, the
+//     Delta and g buffers of the dB/dC pass, and the chunk's partials of dA (batch nchunks, E, N) and of dD and
+//     d(delta_bias) (batch nchunks, E, 2), in the portable passes' layouts.
+struct BwdArgs {
+  const float *u = nullptr, *delta = nullptr, *B = nullptr, *C = nullptr, *z = nullptr, *dout = nullptr;
+  index_t ld_u = 0, ld_delta = 0, ld_bc = 0, ld_z = 0, ld_dout = 0;
+  const float *A = nullptr, *D = nullptr, *bias = nullptr;
+  const std::int32_t* seq = nullptr;
+  index_t ld_seq = 0;
+  const float *ckpt = nullptr, *dcarry = nullptr;  // (nchunks, N, batch E)
+  float *dl = nullptr, *dm = nullptr;              // backward_local's outputs, (nchunks, N, batch E)
+  float *du = nullptr, *ddelta = nullptr, *dz = nullptr;  // dz only with z
+  index_t ld_du = 0, ld_ddelta = 0, ld_dz = 0;
+  float *dlt = nullptr, *g = nullptr;          // (batch L, E), dense
+  float *dA_part = nullptr, *dv_part = nullptr;  // (batch nchunks, E, N) and (batch nchunks, E, 2)
+  index_t batch = 0, L = 0, E = 0, N = 0, cpg = 0, Q = 0;
+};
+// Whether the native backward takes this shape: N of 8 or 16, E and cpg multiples of 16, Q a multiple of 32 and at
+// most 512 (the tile starts of a chunk in shared memory).
+bool backward_fits(index_t E, index_t N, index_t cpg, index_t Q);
+void backward_local(const BwdArgs& a);
+void backward_chunk(const BwdArgs& a);
+
 }  // namespace mm::mamba1_cuda

@@ -207,6 +207,24 @@ struct BwdPass1 {
   View3<P> dv_part;  // (K, E, 2)
 };
 
+// The carry between chunks, per (state, batch, channel) from the last chunk: the dh entering each chunk from the
+// right (dfinal for the last; dl and dm from each chunk's local reverse scan) and the gradient of the initial state.
+template <class T>
+void chunk_carry(const Ctx<T>& c, const View3<const acc_t<T>>& dfinal, const View3<acc_t<T>>& dl,
+                 const View3<acc_t<T>>& dm, const View3<acc_t<T>>& dcarry, const View3<acc_t<T>>& dinit) {
+  using P = acc_t<T>;
+  const bool has_dfinal = dfinal.extent(0) > 0, has_dinit = dinit.extent(0) > 0;
+  par_for("selective_scan::bwd_chunk_carry", c.N, c.Bsz * c.E, KOKKOS_LAMBDA(index_t n, index_t bd) {
+    const index_t b = bd / c.E, d = bd % c.E;
+    P D = has_dfinal ? dfinal(b, d, n) : P(0);
+    for (index_t ch = c.nc - 1; ch >= 0; --ch) {
+      dcarry(ch, n, bd) = D;
+      D = dm(ch, n, bd) * D + dl(ch, n, bd);
+    }
+    if (has_dinit) dinit(b, d, n) = D;
+  });
+}
+
 // The backward's first pass in three passes over (chunk, batch, channel) work items with the carried dh in
 // registers (NM >= N), as the forward:
 //   1. each chunk's reverse scan dh_t = C_t g_t + [t+1 same record] exp(Delta_{t+1} A) dh_{t+1} from a zero carry,
@@ -222,7 +240,6 @@ void backward_chunked(const Ctx<T>& c, const View2<const T>& dout, const View3<c
                       const View3<const acc_t<T>>& ckpt, const SelScanGrad<T>& gr, const BwdPass1<T>& o) {
   using P = acc_t<T>;
   const index_t BE = c.Bsz * c.E, N = c.N, Q = c.Q;
-  const bool has_dfinal = dfinal.extent(0) > 0, has_dinit = gr.dinit_state.extent(0) > 0;
   // g_t = dout_t silu(z_t) (or dout_t)
   auto gate = [=] KOKKOS_FUNCTION(index_t r, index_t d) {
     const P go = P(dout(r, d));
@@ -253,17 +270,7 @@ void backward_chunked(const Ctx<T>& c, const View2<const T>& dout, const View3<c
       for (int n = 0; n < NM; ++n)
         if (n < N) dl(ch, n, bd) = dh[n], dm(ch, n, bd) = m[n];
     });
-    const auto dcarry = o.dcarry;
-    const auto dinit = gr.dinit_state;
-    par_for("selective_scan::bwd_chunk_carry", N, BE, KOKKOS_LAMBDA(index_t n, index_t bd) {
-      const index_t b = bd / c.E, d = bd % c.E;
-      P D = has_dfinal ? dfinal(b, d, n) : P(0);
-      for (index_t ch = c.nc - 1; ch >= 0; --ch) {
-        dcarry(ch, n, bd) = D;
-        D = dm(ch, n, bd) * D + dl(ch, n, bd);
-      }
-      if (has_dinit) dinit(b, d, n) = D;
-    });
+    chunk_carry(c, dfinal, dl, dm, o.dcarry, gr.dinit_state);
   }
   // pass 3 over slabs of chunks whose rebuilt states fit in 1 GiB
   const index_t q = Q < c.L ? Q : c.L;
@@ -475,6 +482,51 @@ void selective_scan_forward(const SelScanShape& s, const SelScanIn<T>& in, const
   });
 }
 
+namespace {
+// The chunk passes of the backward on the native CUDA kernels (mamba1_cuda::backward_local / backward_chunk, with
+// the portable carry pass between them) where s.native_backward asks for them and they fit: fp32, the kernel's
+// shape rules, dense A and checkpoints. Returns false (nothing done) otherwise.
+template <class T>
+bool backward_native(const SelScanShape& s, const Ctx<T>& c, const View2<const T>& dout,
+                     const View3<const acc_t<T>>& dfinal, const View3<const acc_t<T>>& ckpt,
+                     const SelScanGrad<T>& gr, const BwdPass1<T>& o) {
+  if constexpr (!std::is_same_v<T, float>) {
+    return false;
+  } else {
+    if (!s.native_backward || !mamba1_cuda::compiled() || !mamba1_cuda::backward_fits(c.E, c.N, c.cpg, c.Q))
+      return false;
+    const auto dense = [](const auto& v) { return v.span_is_contiguous(); };
+    if (!dense(c.A) || !dense(c.D) || !dense(c.bias) || !dense(ckpt) || !dense(o.dcarry) || !dense(o.dlt) ||
+        !dense(o.g) || !dense(o.dA_part) || !dense(o.dv_part))
+      return false;
+    mamba1_cuda::BwdArgs a;
+    a.u = c.u.data() + c.u_col, a.ld_u = index_t(c.u.stride(0));
+    a.delta = c.delta.data() + c.delta_col, a.ld_delta = index_t(c.delta.stride(0));
+    a.B = c.bc.data() + c.b_col, a.C = c.bc.data() + c.c_col, a.ld_bc = index_t(c.bc.stride(0));
+    if (c.has_z) a.z = c.z.data() + c.z_col, a.ld_z = index_t(c.z.stride(0));
+    a.dout = dout.data(), a.ld_dout = index_t(dout.stride(0));
+    a.A = c.A.data(), a.D = c.D.data(), a.bias = c.bias.data();
+    if (c.seq.extent(0) > 0) a.seq = c.seq.data(), a.ld_seq = index_t(c.seq.stride(0));
+    a.ckpt = ckpt.data();
+    a.du = gr.du.data() + gr.du_col, a.ld_du = index_t(gr.du.stride(0));
+    a.ddelta = gr.ddelta.data() + gr.ddelta_col, a.ld_ddelta = index_t(gr.ddelta.stride(0));
+    if (c.has_z) a.dz = gr.dz.data() + gr.dz_col, a.ld_dz = index_t(gr.dz.stride(0));
+    a.dlt = o.dlt.data(), a.g = o.g.data(), a.dA_part = o.dA_part.data(), a.dv_part = o.dv_part.data();
+    a.batch = c.Bsz, a.L = c.L, a.E = c.E, a.N = c.N, a.cpg = c.cpg, a.Q = c.Q;
+    PoolScope ws;
+    const index_t BE = c.Bsz * c.E;
+    View3<float> dl = ws.take<View3<float>>("selective_scan::bwd_chunk_carry", c.nc, c.N, BE);
+    View3<float> dm = ws.take<View3<float>>("selective_scan::bwd_chunk_decay", c.nc, c.N, BE);
+    a.dl = dl.data(), a.dm = dm.data();
+    mamba1_cuda::backward_local(a);
+    chunk_carry(c, dfinal, dl, dm, o.dcarry, gr.dinit_state);
+    a.dcarry = o.dcarry.data();
+    mamba1_cuda::backward_chunk(a);
+    return true;
+  }
+}
+}  // namespace
+
 template <class T>
 void selective_scan_backward(const SelScanShape& s, const SelScanIn<T>& in, const View2<const T>& dout,
                              const View3<const acc_t<T>>& dfinal_state, const View3<const acc_t<T>>& checkpoints_in,
@@ -532,7 +584,9 @@ void selective_scan_backward(const SelScanShape& s, const SelScanIn<T>& in, cons
                         2);
   const View2<P> dlt_buf = p1.dlt, g_buf = p1.g;
   const View3<P> dcarry = p1.dcarry, dA_part = p1.dA_part, dv_part = p1.dv_part;
-  if (chunked) {
+  if (chunked && backward_native(s, c, dout, dfinal_state, ckpt, gr, p1)) {
+    // done on the native kernels
+  } else if (chunked) {
     if (c.N <= 16)
       backward_chunked<16, T>(c, dout, dfinal_state, ckpt, gr, p1);
     else if (c.N <= 32)

@@ -34,6 +34,10 @@ struct SelScanShape {
   bool native = true;
   // Which variant of the native kernel (mamba1_cuda::variant_name; 0: the default). For measurements.
   int native_variant = 0;
+  // Let the backward's chunk passes take the native CUDA kernels (mamba1_cuda::backward_local / backward_chunk)
+  // where they fit. Off by default until measured: written and compiled for sm_90 but not yet run on a GPU (the
+  // unit test and the bench turn it on to compare it with the portable passes).
+  bool native_backward = false;
   index_t nchunks() const { return (seqlen + chunk - 1) / chunk; }
   void validate(const char* where) const;
 };
