@@ -314,10 +314,10 @@ __global__ void __launch_bounds__(kCB * S, kMinBlocks) forward_kernel(const FwdA
     for (int n = 0; n < N; ++n) a.final_state[bd * N + n] = scarry[cl * N + n];
 }
 
-// ---- The "state lanes" kernel (variants 5..8): a thread per (channel, slot of N / SL states), walking the sequence
-// in order. 4 x 1,536 channels x 16 states are 98,304 independent recurrences: enough threads without parallelising
-// over time, so every (token, state) costs one exp and one pass (the time-parallel kernel above runs its tokens
-// twice). A block owns 16 channels (of one group) and walks tiles of T tokens in three phases:
+// ---- The "state lanes" kernel (variants 5 and 6): a thread per (channel, slot of N / SL states), walking the
+// sequence in order. 4 x 1,536 channels x 16 states are 98,304 independent recurrences: enough threads without
+// parallelising over time, so every (token, state) costs one exp and one pass (the time-parallel kernel above runs
+// its tokens twice). A block owns 16 channels (of one group) and walks tiles of T tokens in three phases:
 //   A. each thread turns 4 tokens of one channel (u, delta, z, read one tile ahead into registers) into
 //      Delta = softplus(delta + bias) and Delta u, and copies a piece of the tile's B and C, all into shared
 //      memory, transposed so that 4 consecutive tokens are one 16-byte load;
@@ -330,12 +330,12 @@ __global__ void __launch_bounds__(kCB * S, kMinBlocks) forward_kernel(const FwdA
 constexpr int kLC = 16;  // channels per block
 // SL threads ("slots") per channel, each owning N / SL states; a block has 16 SL threads. Phases A and C: thread =
 // (channel tid % 16, quads tid / 16 + SL j); phase B: (channel, slot) = (tid % 16, tid / 16), its loop over the
-// tile's quads unrolled U times (U = 8, the whole tile: 1.5 % faster than U = 2 on an H200). Measured no faster
-// and dropped: tiles of 64 tokens (f3cde4f), 4 slots of 4 states (1.2x slower: 5.5 warps per SM), and a phase-B
-// warp of 8 channels x 4 slots (5a03572: the same time and the same shared-memory wavefronts, 3 per 16-byte load). 16 slots of one state would double the warps, but their partial outputs (64 KiB a
-// block at T = 64) leave room for only two blocks per SM, two waves for 4 x 1,536 channels; a warp of 4 channels x
-// 8 slots in phase B (tried at 05a0208) stored its partial outputs with 8-way bank conflicts and ran 1.65x slower.
-
+// tile's quads unrolled U times (U = 8, the whole tile: 1.5 % faster than U = 2 on an H200). Tried on an H200 and
+// dropped: tiles of 64 tokens (no faster), 4 slots of 4 states (1.2x slower: 5.5 warps per SM), a phase-B warp of
+// 8 channels x 4 slots (the same time and the same shared-memory wavefronts, about 3 per 16-byte load) and of
+// 4 channels x 8 slots (8-way bank conflicts on the partial-output stores, 1.65x slower). 16 slots of one state
+// would double the warps, but their partial outputs (64 KiB a block at T = 64) leave room for only two blocks per
+// SM, two waves for 4 x 1,536 channels.
 template <int T>
 __host__ __device__ constexpr int lanes_row() {
   return T + 4;  // a padded row of T floats: 16-byte aligned, and 8 consecutive rows start in 8 different bank quads
