@@ -641,7 +641,8 @@ struct Quad {
   float u[4], go[4], z[4], x[4], dt[4], g[4];
 };
 
-template <int N, bool kB, bool kC>
+// kB, kC: stage B, C; kG: read dout and z (g = dout silu(z)); without them g reads as 0.
+template <int N, bool kB, bool kC, bool kG>
 __device__ void stage(const BwdArgs& a, Tile<N>& tl, Quad& qd, index_t b, index_t d0, index_t t0, index_t end) {
   const int tid = int(threadIdx.x), c = tid % kLC, r = tid / kLC;
   const index_t d = d0 + c, g = d0 / a.cpg;
@@ -653,8 +654,8 @@ __device__ void stage(const BwdArgs& a, Tile<N>& tl, Quad& qd, index_t b, index_
     const index_t row = b * a.L + (in ? t : 0);
     const float x = in ? __ldg(a.delta + row * a.ld_delta + d) + bias : 0.f;
     const float uu = in ? __ldg(a.u + row * a.ld_u + d) : 0.f;
-    const float go = in ? __ldg(a.dout + row * a.ld_dout + d) : 0.f;
-    const float zz = in && a.z ? __ldg(a.z + row * a.ld_z + d) : 0.f;
+    const float go = kG && in ? __ldg(a.dout + row * a.ld_dout + d) : 0.f;
+    const float zz = kG && in && a.z ? __ldg(a.z + row * a.ld_z + d) : 0.f;
     const float dt = in ? softplus_lanes(x) : 0.f;
     const float gg = a.z ? go * zz * cuda_k::sigm(zz) : go;
     qd.u[k] = uu, qd.go[k] = go, qd.z[k] = zz, qd.x[k] = x, qd.dt[k] = dt, qd.g[k] = gg;
@@ -691,7 +692,7 @@ __global__ void __launch_bounds__(kNT, 4) local_kernel(const BwdArgs a) {
   for (int q = 0; q < SP; ++q) a2[q] = a.A[(d0 + c) * N + r + kSL * q] * kLog2e, dh[q] = 0.f, m[q] = 1.f;
   Quad qd;
   for (index_t t0 = c0 + (c1 - c0 - 1) / kT * kT; t0 >= c0; t0 -= kT) {
-    stage<N, false, true>(a, tl, qd, b, d0, t0, c1);
+    stage<N, false, true, true>(a, tl, qd, b, d0, t0, c1);
     __syncthreads();
 #pragma unroll 4
     for (int t = kT - 1; t >= 0; --t) {
@@ -746,7 +747,7 @@ __global__ void __launch_bounds__(kNT, 2) chunk_kernel(const BwdArgs a) {
   Quad qd;
   // the states entering each tile
   for (int k = 0; k < nt; ++k) {
-    stage<N, true, false>(a, tl, qd, b, d0, c0 + index_t(k) * kT, c1);
+    stage<N, true, false, false>(a, tl, qd, b, d0, c0 + index_t(k) * kT, c1);
     __syncthreads();
 #pragma unroll
     for (int q = 0; q < SP; ++q) sm.hs[(k * kNT + tid) * SP + q] = h[q];
@@ -761,7 +762,7 @@ __global__ void __launch_bounds__(kNT, 2) chunk_kernel(const BwdArgs a) {
   float dD_acc = 0.f, dbias_acc = 0.f;
   for (int k = nt - 1; k >= 0; --k) {
     const index_t t0 = c0 + index_t(k) * kT;
-    stage<N, true, true>(a, tl, qd, b, d0, t0, c1);
+    stage<N, true, true, true>(a, tl, qd, b, d0, t0, c1);
     __syncthreads();
     float hstart[SP], hr[kT][SP];
 #pragma unroll
