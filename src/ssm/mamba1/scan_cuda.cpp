@@ -15,6 +15,9 @@ bool shape_fits(index_t E, index_t N, index_t cpg) {
   return (N == 8 || N == 16) && E % kChannels == 0 && cpg % kChannels == 0;
 }
 
+constexpr int kOldVariants = 4;  // variants 1..4 are the time-parallel kernel's shapes, 5 and 6 the state lanes
+static_assert(kVariants == kOldVariants + 2);
+
 namespace {
 // (slots per channel, tokens per slot, states per group, u and delta staged in shared memory) of variants
 // 1..4 (kDefault: the fallback of variant 0 where the state lanes do not fit).
@@ -23,23 +26,18 @@ struct Shape {
   bool stage;
   const char* name;
 };
-constexpr Shape kShapes[4] = {{16, 8, 2, false, "S16 K8 G2"},
+constexpr Shape kShapes[kOldVariants] = {{16, 8, 2, false, "S16 K8 G2"},
                                       {8, 8, 2, true, "S8 K8 G2 staged"},
                                       {8, 8, 2, false, "S8 K8 G2"},
                                       {8, 8, 4, true, "S8 K8 G4 staged"}};
 constexpr int kDefault = 4;  // S8 K8 G4 staged: 1.466 ms against 1.753-1.799 ms for the others on an H200 (16530e6)
 }  // namespace
 
-constexpr int kOldVariants = 4;  // variants 1..4 are the time-parallel kernel's shapes, 5 and 6 the state lanes
-static_assert(kVariants == kOldVariants + 2);
-
-bool backward_fits(index_t E, index_t N, index_t cpg, index_t Q) {
-  return (N == 8 || N == 16) && E % 16 == 0 && cpg % 16 == 0 && Q % 32 == 0 && Q <= 512;
+bool lanes_fit(index_t E, index_t N, index_t cpg, index_t Q) {
+  return (N == 8 || N == 16) && E % 16 == 0 && cpg % 16 == 0 && Q % 32 == 0;
 }
 
-bool lanes_fit(index_t E, index_t N, index_t cpg, index_t Q, int T) {
-  return (N == 8 || N == 16) && E % 16 == 0 && cpg % 16 == 0 && Q % T == 0;
-}
+bool backward_fits(index_t E, index_t N, index_t cpg, index_t Q) { return lanes_fit(E, N, cpg, Q) && Q <= 512; }
 
 const char* variant_name(int v) {
   if (v == 5) return "lanes T32";
@@ -358,19 +356,16 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
   float* skeep = sy + SL * kLC * TP;
   const int tid = int(threadIdx.x);
   const index_t b = blockIdx.y, d0 = index_t(blockIdx.x) * kLC, g = d0 / a.cpg, L = a.L, BE = a.batch * a.E;
-  // phases A and C: channel c, quads r + SL j
+  // channel c; r: the slot in phase B (states r + SL q), the first quad in phases A and C (quads r + SL j)
   const int c = tid % kLC, r = tid / kLC;
-  const index_t d = d0 + c;
-  // phase B: channel cb, slot rb (states rb + SL q)
-  const int cb = c, rb = r;
-  const index_t bdb = b * a.E + d0 + cb;
+  const index_t d = d0 + c, bd = b * a.E + d;
   float a2[SP], h[SP];
 #pragma unroll
   for (int q = 0; q < SP; ++q) {
-    const int n = rb + SL * q;
-    a2[q] = a.A[(d0 + cb) * a.N + n] * kLog2e;
-    h[q] = a.init ? a.init[bdb * a.N + n] : 0.f;
-    a.ckpt[index_t(n) * BE + bdb] = h[q];  // the state entering chunk 0
+    const int n = r + SL * q;
+    a2[q] = a.A[d * a.N + n] * kLog2e;
+    h[q] = a.init ? a.init[bd * a.N + n] : 0.f;
+    a.ckpt[index_t(n) * BE + bd] = h[q];  // the state entering chunk 0
   }
   const float De = a.D[d], bias = a.bias[d];
   const std::int32_t* seq = kSeq ? a.seq + b * a.ld_seq : nullptr;
@@ -465,14 +460,14 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
     if (t0 + T < L) fetch_at(t0 + T);
     if (t0 == next_ck) {  // the state entering chunk t0 / Q
 #pragma unroll
-      for (int q = 0; q < SP; ++q) a.ckpt[((t0 / a.Q) * N + rb + SL * q) * BE + bdb] = h[q];
+      for (int q = 0; q < SP; ++q) a.ckpt[((t0 / a.Q) * N + r + SL * q) * BE + bd] = h[q];
       next_ck += a.Q;
     }
     // B. the recurrence over the tile, this thread's states; partial outputs per token
 #pragma unroll U
     for (int qd = 0; qd < NQ; ++qd) {
-      const float4 dt4 = *reinterpret_cast<const float4*>(sdt + cb * TP + 4 * qd);
-      const float4 du4 = *reinterpret_cast<const float4*>(sdu + cb * TP + 4 * qd);
+      const float4 dt4 = *reinterpret_cast<const float4*>(sdt + c * TP + 4 * qd);
+      const float4 du4 = *reinterpret_cast<const float4*>(sdu + c * TP + 4 * qd);
       const float dtk[4] = {dt4.x, dt4.y, dt4.z, dt4.w}, duk[4] = {du4.x, du4.y, du4.z, du4.w};
       [[maybe_unused]] float keep[4] = {1.f, 1.f, 1.f, 1.f};
       if constexpr (kSeq) {
@@ -482,7 +477,7 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
       float y[4];
 #pragma unroll
       for (int q = 0; q < SP; ++q) {
-        const int n = rb + SL * q;
+        const int n = r + SL * q;
         const float4 b4 = *reinterpret_cast<const float4*>(sb + n * TP + 4 * qd);
         const float4 c4 = *reinterpret_cast<const float4*>(sc + n * TP + 4 * qd);
         const float bk[4] = {b4.x, b4.y, b4.z, b4.w}, ck[4] = {c4.x, c4.y, c4.z, c4.w};
@@ -494,7 +489,7 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
           y[k] = q == 0 ? ck[k] * h[q] : fmaf(ck[k], h[q], y[k]);
         }
       }
-      *reinterpret_cast<float4*>(sy + (rb * kLC + cb) * TP + 4 * qd) = make_float4(y[0], y[1], y[2], y[3]);
+      *reinterpret_cast<float4*>(sy + (r * kLC + c) * TP + 4 * qd) = make_float4(y[0], y[1], y[2], y[3]);
     }
     __syncthreads();
     // C. the slots' partials summed (in slot order), D skip, gate, store
@@ -525,17 +520,14 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
   if (L_full < L) tile(L_full, std::false_type{});
   if (a.final_state) {
 #pragma unroll
-    for (int q = 0; q < SP; ++q) a.final_state[bdb * N + rb + SL * q] = h[q];
+    for (int q = 0; q < SP; ++q) a.final_state[bd * N + r + SL * q] = h[q];
   }
 }
 
 template <int N, int T, int SL, int U, bool kSeq>
 void launch_lanes_one(const FwdArgs& a) {
   constexpr int bytes = int(sizeof(float)) * lanes_floats<N, T, SL>();
-  static const cudaError_t raised =  // once per kernel: past the default 48 KiB (T = 64, N = 16: 52 KiB)
-      cudaFuncSetAttribute(lanes_kernel<N, T, SL, U, kSeq>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  require(raised == cudaSuccess, "selective_scan_forward (CUDA)", bytes, " bytes of shared memory: ",
-          cudaGetErrorString(raised));
+  static_assert(bytes <= 48 * 1024, "past 48 KiB a launch must first raise cudaFuncAttributeMaxDynamicSharedMemorySize");
   lanes_kernel<N, T, SL, U, kSeq><<<dim3(unsigned(a.E / kLC), unsigned(a.batch)), kLC * SL, bytes,
                              Kokkos::DefaultExecutionSpace().cuda_stream()>>>(a);
   const cudaError_t e = cudaGetLastError();
@@ -602,11 +594,11 @@ void forward(const FwdArgs& a) {
   // variant 0: the state lanes over 32-token tiles where the shape allows (the fastest measured on an H200,
   // perf/RESULTS.md), else the time-parallel kernel; a lanes variant whose tile does not divide Q falls back alike
   int v = a.variant;
-  // (the lanes address T rows of each operand with 32-bit offsets)
+  // (the lanes address 2 x 32 rows of each operand with 32-bit offsets)
   const index_t ld_max = std::max({a.ld_u, a.ld_delta, a.ld_z, a.ld_bc, a.ld_out});
-  auto fits = [&](int T) { return lanes_fit(a.E, a.N, a.cpg, a.Q, T) && ld_max * 2 * T < (index_t(1) << 31); };
-  if (v == 0) v = fits(32) ? 6 : kDefault;
-  if (v >= 5 && !fits(32)) v = kDefault;
+  const bool fits = lanes_fit(a.E, a.N, a.cpg, a.Q) && ld_max * 64 < (index_t(1) << 31);
+  if (v == 0) v = fits ? 6 : kDefault;
+  if (v >= 5 && !fits) v = kDefault;
   if (v >= 5) {
     if (v == 5)  // (N = 8 in 8 slots: one state each)
       a.N == 16 ? launch_lanes<16, 32, 8, 2>(a) : launch_lanes<8, 32, 8, 2>(a);
@@ -657,7 +649,7 @@ __device__ void stage(const BwdArgs& a, Tile<N>& tl, Quad& qd, index_t b, index_
     const float go = kG && in ? __ldg(a.dout + row * a.ld_dout + d) : 0.f;
     const float zz = kG && in && a.z ? __ldg(a.z + row * a.ld_z + d) : 0.f;
     const float dt = in ? softplus_lanes(x) : 0.f;
-    const float gg = a.z ? go * zz * cuda_k::sigm(zz) : go;
+    const float gg = a.z ? go * silu_fast(zz) : go;
     qd.u[k] = uu, qd.go[k] = go, qd.z[k] = zz, qd.x[k] = x, qd.dt[k] = dt, qd.g[k] = gg;
     tl.dt[c * kTP + 4 * r + k] = dt;
     tl.du[c * kTP + 4 * r + k] = dt * uu;

@@ -60,10 +60,10 @@ bool compiled();
 // The shape rules the kernel needs besides 16-byte alignment (which the caller checks on the pointers): N of 8 or
 // 16, E and cpg multiples of kChannels.
 bool shape_fits(index_t E, index_t N, index_t cpg);
-// Whether the state-lanes kernel (variants 5 and 6: tiles of T = 32 tokens, the recurrence's loop unrolled 2 or 8
-// times) takes this shape: N of 8 or 16, E and cpg multiples of 16, T dividing the checkpoint interval Q. Variant 0
-// (the default) is lanes T32 U8 where it fits and S8 K8 G4 staged elsewhere.
-bool lanes_fit(index_t E, index_t N, index_t cpg, index_t Q, int T);
+// Whether the state-lanes kernel (variants 5 and 6: tiles of 32 tokens, the recurrence's loop unrolled 2 or 8
+// times) takes this shape: N of 8 or 16, E and cpg multiples of 16, 32 dividing the checkpoint interval Q. Variant
+// 0 (the default) is lanes T32 U8 where it fits and S8 K8 G4 staged elsewhere.
+bool lanes_fit(index_t E, index_t N, index_t cpg, index_t Q);
 // "S16 K8 G4" etc. for variant v (0: the default's name).
 const char* variant_name(int v);
 // Launches on Kokkos' default execution space instance (asynchronous, like the Kokkos kernels around it).
@@ -94,8 +94,8 @@ struct BwdArgs {
   float *dA_part = nullptr, *dv_part = nullptr;  // (batch nchunks, E, N) and (batch nchunks, E, 2)
   index_t batch = 0, L = 0, E = 0, N = 0, cpg = 0, Q = 0;
 };
-// Whether the native backward takes this shape: N of 8 or 16, E and cpg multiples of 16, Q a multiple of 32 and at
-// most 512 (the tile starts of a chunk in shared memory).
+// Whether the native backward takes this shape: lanes_fit's rules, and Q at most 512 (the tile starts of a chunk in
+// shared memory).
 bool backward_fits(index_t E, index_t N, index_t cpg, index_t Q);
 void backward_local(const BwdArgs& a);
 void backward_chunk(const BwdArgs& a);

@@ -584,15 +584,15 @@ void selective_scan_backward(const SelScanShape& s, const SelScanIn<T>& in, cons
                         2);
   const View2<P> dlt_buf = p1.dlt, g_buf = p1.g;
   const View3<P> dcarry = p1.dcarry, dA_part = p1.dA_part, dv_part = p1.dv_part;
-  if (chunked && backward_native(s, c, dout, dfinal_state, ckpt, gr, p1)) {
-    // done on the native kernels
-  } else if (chunked) {
-    if (c.N <= 16)
-      backward_chunked<16, T>(c, dout, dfinal_state, ckpt, gr, p1);
-    else if (c.N <= 32)
-      backward_chunked<32, T>(c, dout, dfinal_state, ckpt, gr, p1);
-    else
-      backward_chunked<int(kMaxRegStates), T>(c, dout, dfinal_state, ckpt, gr, p1);
+  if (chunked) {
+    if (!backward_native(s, c, dout, dfinal_state, ckpt, gr, p1)) {  // else the native kernels took them
+      if (c.N <= 16)
+        backward_chunked<16, T>(c, dout, dfinal_state, ckpt, gr, p1);
+      else if (c.N <= 32)
+        backward_chunked<32, T>(c, dout, dfinal_state, ckpt, gr, p1);
+      else
+        backward_chunked<int(kMaxRegStates), T>(c, dout, dfinal_state, ckpt, gr, p1);
+    }
   } else {
   // larger d_state: one work item per (batch, channel), the states of a chunk and dh in device memory
   View3<P> hs(Kokkos::view_alloc(Kokkos::WithoutInitializing, "selective_scan::hs"), Q < c.L ? Q : c.L, c.N, BE);
