@@ -469,9 +469,9 @@ void bench_mamba1(int reps, index_t batch, index_t seqlen) {
   record(nb, "time", t_fb * 1e3, "ms");
   record_rates(nb, bwd_bytes, 0, t_fb);
   if (mamba1_cuda::compiled() && mamba1_cuda::backward_fits(s.dinner, s.dstate, s.dinner / s.ngroups, s.chunk)) {
-    SelScanShape sn = s;  // the backward's chunk passes on the native kernels (off by default until measured)
-    sn.native_backward = true;
-    const std::string nn = "mamba1 scan fwd+bwd native bwd " + shape + " E1536 N16";
+    SelScanShape sn = s;  // the backward's chunk passes on the portable kernels, for comparison
+    sn.native_backward = false;
+    const std::string nn = "mamba1 scan fwd+bwd portable bwd " + shape + " E1536 N16";
     const double t_n = time_median(1, reps, [&] {
       selective_scan_forward<T>(sn, in, out, View3<float>(), ck);
       selective_scan_backward<T>(sn, in, dout, View3<const float>(), ck, g);

@@ -246,8 +246,11 @@ LayerMem mem_mamba1(const Mamba1Config& c, const Dims& d, Recompute pol) {
     // the chunk-parallel first pass: Delta and g per token, the carries, the partial sums per (batch, chunk), and
     // one at a time the chunks' local carries and decays, the rebuilt states of a slab of chunks (at most 1 GiB),
     // then pass 2's parts
+    // (the native CUDA chunk passes, fp32 where they fit, rebuild the states in registers: no slab)
     const double q = std::min(Q, d.L), chunk_states = d.a * q * N * d.b * E;
-    const double slab = std::clamp(std::floor(double(1ull << 30) / chunk_states), 1.0, nc);
+    const bool native_bwd = mamba1_cuda::compiled() && d.t == 4 &&
+                            mamba1_cuda::backward_fits(index_t(E), index_t(N), index_t(E), index_t(Q));
+    const double slab = native_bwd ? 0.0 : std::clamp(std::floor(double(1ull << 30) / chunk_states), 1.0, nc);
     scan = d.a * (2 * d.n * E + nc * N * d.b * E + d.b * nc * E * (N + 2)) +
            std::max({2 * d.a * nc * N * d.b * E, slab * chunk_states, nblk * part});
   }

@@ -243,6 +243,9 @@ TEST_CASE("selective scan: the native CUDA forward equals the double recurrence 
     INFO("variant " << variant << ": L=" << c.L << " Q=" << c.Q << " G=" << c.G << " N=" << c.N);
     Data<float> native(c), portable(c);
     portable.shape.native = false;
+    portable.shape.native_backward = false;
+    native.shape.native_backward = false;  // the native forward's checkpoints into the portable backward; the
+                                           // native backward (the default) is checked below
     CHECK(selective_scan_native_forward<float>(native.shape, native.in()) == mamba1_cuda::compiled());
     CHECK_FALSE(selective_scan_native_forward<float>(portable.shape, portable.in()));
     CHECK(mamba1_cuda::lanes_fit(c.E, c.N, c.E / c.G, c.Q) ==
@@ -295,8 +298,7 @@ TEST_CASE("selective scan: the native CUDA forward equals the double recurrence 
     CHECK(mamba1_cuda::backward_fits(c.E, c.N, c.E / c.G, c.Q) ==
           (variant == 1 || variant == 2 || variant == 3 || variant == 6 || variant == 7));
     if (mamba1_cuda::compiled()) {
-      Data<float> nb(c);
-      nb.shape.native_backward = true;
+      Data<float> nb(c);  // the defaults: the native forward and backward where they fit
       const double e_nb = grad_err(run_backward<float>(nb, dout, dfin, true), b);
       INFO("native backward");
       CHECK(e_nb < 2e-5);

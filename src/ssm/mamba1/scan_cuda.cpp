@@ -15,8 +15,8 @@ bool shape_fits(index_t E, index_t N, index_t cpg) {
   return (N == 8 || N == 16) && E % kChannels == 0 && cpg % kChannels == 0;
 }
 
-constexpr int kOldVariants = 4;  // variants 1..4 are the time-parallel kernel's shapes, 5 and 6 the state lanes
-static_assert(kVariants == kOldVariants + 2);
+constexpr int kOldVariants = 4;  // variants 1..4 are the time-parallel kernel's shapes, 5..8 the state lanes
+static_assert(kVariants == kOldVariants + 4);
 
 namespace {
 // (slots per channel, tokens per slot, states per group, u and delta staged in shared memory) of variants
@@ -42,6 +42,8 @@ bool backward_fits(index_t E, index_t N, index_t cpg, index_t Q) { return lanes_
 const char* variant_name(int v) {
   if (v == 5) return "lanes T32";
   if (v == 6) return "lanes T32 U8";
+  if (v == 7) return "lanes T32 U8 late stores";
+  if (v == 8) return "lanes T32 U8 pipelined";
   return v >= 1 && v <= kOldVariants ? kShapes[v - 1].name : "lanes T32 U8, or S8 K8 G4 staged where the lanes do not fit";
 }
 
@@ -344,7 +346,7 @@ __host__ __device__ constexpr int lanes_floats() {
   return (2 * kLC + 2 * N + SL * kLC) * lanes_row<T>() + T;
 }
 
-template <int N, int T, int SL, int U, bool kSeq>
+template <int N, int T, int SL, int U, int M, bool kSeq>
 __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
   constexpr int NT = kLC * SL;  // threads
   constexpr int SP = N / SL, TP = lanes_row<T>(), NQ = T / 4, QPT = NQ * kLC / NT;  // states, quads per thread
@@ -418,6 +420,42 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
     else
       fetch(t0, std::false_type{});
   };
+  // Phase B's terms for quad qd of the tile in shared memory: per state q and token k the decay
+  // e = exp2(Delta A log2 e) (times the record-start flag), the input x = Delta u B and C
+  auto quad_terms = [&](int qd, float (&e)[SP][4], float (&x)[SP][4], float (&cc)[SP][4]) {
+    const float4 dt4 = *reinterpret_cast<const float4*>(sdt + c * TP + 4 * qd);
+    const float4 du4 = *reinterpret_cast<const float4*>(sdu + c * TP + 4 * qd);
+    const float dtk[4] = {dt4.x, dt4.y, dt4.z, dt4.w}, duk[4] = {du4.x, du4.y, du4.z, du4.w};
+    [[maybe_unused]] float keep[4] = {1.f, 1.f, 1.f, 1.f};
+    if constexpr (kSeq) {
+      const float4 k4 = *reinterpret_cast<const float4*>(skeep + 4 * qd);
+      keep[0] = k4.x, keep[1] = k4.y, keep[2] = k4.z, keep[3] = k4.w;
+    }
+#pragma unroll
+    for (int q = 0; q < SP; ++q) {
+      const int n = r + SL * q;
+      const float4 b4 = *reinterpret_cast<const float4*>(sb + n * TP + 4 * qd);
+      const float4 c4 = *reinterpret_cast<const float4*>(sc + n * TP + 4 * qd);
+      const float bk[4] = {b4.x, b4.y, b4.z, b4.w}, ck[4] = {c4.x, c4.y, c4.z, c4.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        e[q][k] = ex2(dtk[k] * a2[q]);
+        if constexpr (kSeq) e[q][k] *= keep[k];
+        x[q][k] = duk[k] * bk[k];
+        cc[q][k] = ck[k];
+      }
+    }
+  };
+  // the recurrence through the quad's 4 tokens, y[k]: the sum of this thread's C h at token k
+  auto quad_chain = [&](const float (&e)[SP][4], const float (&x)[SP][4], const float (&cc)[SP][4], float (&y)[4]) {
+#pragma unroll
+    for (int q = 0; q < SP; ++q)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        h[q] = fmaf(e[q][k], h[q], x[q][k]);
+        y[k] = q == 0 ? cc[q][k] * h[q] : fmaf(cc[q][k], h[q], y[k]);
+      }
+  };
   index_t next_ck = a.Q;
   // one tile (kFull: all T tokens inside the sequence)
   auto tile = [&](index_t t0, auto full_tag) {
@@ -463,33 +501,40 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
       for (int q = 0; q < SP; ++q) a.ckpt[((t0 / a.Q) * N + r + SL * q) * BE + bd] = h[q];
       next_ck += a.Q;
     }
-    // B. the recurrence over the tile, this thread's states; partial outputs per token
+    // B. the recurrence over the tile, this thread's states; partial outputs per token. M = 0 stores each quad's
+    // partials as it goes; M = 1 keeps the tile's partials in registers and stores them after the loop (the
+    // stores otherwise keep the compiler from moving the next quad's shared-memory loads above them); M = 2 also
+    // forms the next quad's decays and inputs (exp2, Delta u B) before this quad's recurrence, in source order.
+    if constexpr (M == 0) {
 #pragma unroll U
-    for (int qd = 0; qd < NQ; ++qd) {
-      const float4 dt4 = *reinterpret_cast<const float4*>(sdt + c * TP + 4 * qd);
-      const float4 du4 = *reinterpret_cast<const float4*>(sdu + c * TP + 4 * qd);
-      const float dtk[4] = {dt4.x, dt4.y, dt4.z, dt4.w}, duk[4] = {du4.x, du4.y, du4.z, du4.w};
-      [[maybe_unused]] float keep[4] = {1.f, 1.f, 1.f, 1.f};
-      if constexpr (kSeq) {
-        const float4 k4 = *reinterpret_cast<const float4*>(skeep + 4 * qd);
-        keep[0] = k4.x, keep[1] = k4.y, keep[2] = k4.z, keep[3] = k4.w;
+      for (int qd = 0; qd < NQ; ++qd) {
+        float e[SP][4], x[SP][4], cc[SP][4], y[4];
+        quad_terms(qd, e, x, cc);
+        quad_chain(e, x, cc, y);
+        *reinterpret_cast<float4*>(sy + (r * kLC + c) * TP + 4 * qd) = make_float4(y[0], y[1], y[2], y[3]);
       }
-      float y[4];
+    } else {
+      float yq[NQ][4];
+      if constexpr (M == 1) {
 #pragma unroll
-      for (int q = 0; q < SP; ++q) {
-        const int n = r + SL * q;
-        const float4 b4 = *reinterpret_cast<const float4*>(sb + n * TP + 4 * qd);
-        const float4 c4 = *reinterpret_cast<const float4*>(sc + n * TP + 4 * qd);
-        const float bk[4] = {b4.x, b4.y, b4.z, b4.w}, ck[4] = {c4.x, c4.y, c4.z, c4.w};
+        for (int qd = 0; qd < NQ; ++qd) {
+          float e[SP][4], x[SP][4], cc[SP][4];
+          quad_terms(qd, e, x, cc);
+          quad_chain(e, x, cc, yq[qd]);
+        }
+      } else {
+        float e[2][SP][4], x[2][SP][4], cc[2][SP][4];
+        quad_terms(0, e[0], x[0], cc[0]);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          float e = ex2(dtk[k] * a2[q]);
-          if constexpr (kSeq) e *= keep[k];
-          h[q] = fmaf(e, h[q], duk[k] * bk[k]);
-          y[k] = q == 0 ? ck[k] * h[q] : fmaf(ck[k], h[q], y[k]);
+        for (int qd = 0; qd < NQ; ++qd) {
+          if (qd + 1 < NQ) quad_terms(qd + 1, e[(qd + 1) & 1], x[(qd + 1) & 1], cc[(qd + 1) & 1]);
+          quad_chain(e[qd & 1], x[qd & 1], cc[qd & 1], yq[qd]);
         }
       }
-      *reinterpret_cast<float4*>(sy + (r * kLC + c) * TP + 4 * qd) = make_float4(y[0], y[1], y[2], y[3]);
+#pragma unroll
+      for (int qd = 0; qd < NQ; ++qd)
+        *reinterpret_cast<float4*>(sy + (r * kLC + c) * TP + 4 * qd) =
+            make_float4(yq[qd][0], yq[qd][1], yq[qd][2], yq[qd][3]);
     }
     __syncthreads();
     // C. the slots' partials summed (in slot order), D skip, gate, store
@@ -524,22 +569,22 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
   }
 }
 
-template <int N, int T, int SL, int U, bool kSeq>
+template <int N, int T, int SL, int U, int M, bool kSeq>
 void launch_lanes_one(const FwdArgs& a) {
   constexpr int bytes = int(sizeof(float)) * lanes_floats<N, T, SL>();
   static_assert(bytes <= 48 * 1024, "past 48 KiB a launch must first raise cudaFuncAttributeMaxDynamicSharedMemorySize");
-  lanes_kernel<N, T, SL, U, kSeq><<<dim3(unsigned(a.E / kLC), unsigned(a.batch)), kLC * SL, bytes,
+  lanes_kernel<N, T, SL, U, M, kSeq><<<dim3(unsigned(a.E / kLC), unsigned(a.batch)), kLC * SL, bytes,
                              Kokkos::DefaultExecutionSpace().cuda_stream()>>>(a);
   const cudaError_t e = cudaGetLastError();
   require(e == cudaSuccess, "selective_scan_forward (CUDA)", "the kernel failed to launch: ", cudaGetErrorString(e));
 }
 
-template <int N, int T, int SL, int U>
+template <int N, int T, int SL, int U, int M>
 void launch_lanes(const FwdArgs& a) {
   if (a.seq)
-    launch_lanes_one<N, T, SL, U, true>(a);
+    launch_lanes_one<N, T, SL, U, M, true>(a);
   else
-    launch_lanes_one<N, T, SL, U, false>(a);
+    launch_lanes_one<N, T, SL, U, M, false>(a);
 }
 
 template <int N, int S, int K, int G, bool kStage, bool kSeq>
@@ -600,10 +645,12 @@ void forward(const FwdArgs& a) {
   if (v == 0) v = fits ? 6 : kDefault;
   if (v >= 5 && !fits) v = kDefault;
   if (v >= 5) {
-    if (v == 5)  // (N = 8 in 8 slots: one state each)
-      a.N == 16 ? launch_lanes<16, 32, 8, 2>(a) : launch_lanes<8, 32, 8, 2>(a);
-    else
-      a.N == 16 ? launch_lanes<16, 32, 8, 8>(a) : launch_lanes<8, 32, 8, 8>(a);
+    switch (v) {  // (N = 8 in 8 slots: one state each)
+      case 5: a.N == 16 ? launch_lanes<16, 32, 8, 2, 0>(a) : launch_lanes<8, 32, 8, 2, 0>(a); break;
+      case 6: a.N == 16 ? launch_lanes<16, 32, 8, 8, 0>(a) : launch_lanes<8, 32, 8, 8, 0>(a); break;
+      case 7: a.N == 16 ? launch_lanes<16, 32, 8, 8, 1>(a) : launch_lanes<8, 32, 8, 8, 1>(a); break;
+      default: a.N == 16 ? launch_lanes<16, 32, 8, 8, 2>(a) : launch_lanes<8, 32, 8, 8, 2>(a); break;
+    }
     return;
   }
   if (a.N == 16)

@@ -35,9 +35,9 @@ struct SelScanShape {
   // Which variant of the native kernel (mamba1_cuda::variant_name; 0: the default). For measurements.
   int native_variant = 0;
   // Let the backward's chunk passes take the native CUDA kernels (mamba1_cuda::backward_local / backward_chunk)
-  // where they fit. Off by default until measured: written and compiled for sm_90 but not yet run on a GPU (the
-  // unit test and the bench turn it on to compare it with the portable passes).
-  bool native_backward = false;
+  // where they fit (2.5x faster fwd+bwd than the portable passes on an H200, perf/RESULTS.md); false: always the
+  // portable passes (to compare the two).
+  bool native_backward = true;
   index_t nchunks() const { return (seqlen + chunk - 1) / chunk; }
   void validate(const char* where) const;
 };
