@@ -788,13 +788,13 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_overlap_kernel(const FwdArg
     stage(0, 0, std::false_type{});
   if (nt > 1) fetch_at(T);
   __syncthreads();
-  const index_t n_full = std::max<index_t>(L / T - 2, 0);  // intervals whose tiles i + 1 and i + 2 are full
+  const index_t n_full = L / T > 2 ? L / T - 2 : 0;  // intervals whose tiles i + 1 and i + 2 are full
   if (n_full > 0)
     interval(0, std::true_type{}, std::true_type{});
   else
     interval(0, std::false_type{}, std::true_type{});
   for (index_t i = 1; i < n_full; ++i) interval(i, std::true_type{}, std::false_type{});
-  for (index_t i = std::max<index_t>(n_full, 1); i < nt; ++i) interval(i, std::false_type{}, std::false_type{});
+  for (index_t i = n_full > 1 ? n_full : 1; i < nt; ++i) interval(i, std::false_type{}, std::false_type{});
   // the last tile's outputs
   if ((nt - 1) * T + T <= L)
     finish((nt - 1) * T, int((nt - 1) & 1), std::true_type{});
