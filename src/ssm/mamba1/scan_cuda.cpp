@@ -572,11 +572,12 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
 
 // ---- Variant 9, "overlapped" state lanes: the same threads and per-token work as lanes_kernel, but the three
 // phases of consecutive tiles share one interval between barriers, on two sets of shared buffers: interval i
-// (i) finishes tile i - 1 (phase C), (ii) runs tile i's recurrence (phase B), (iii) stages tile i + 1 (phase A)
-// and fetches tile i + 2 into registers. Phase B is bound by the exp unit (one exp2 per (token, state)), phases A
-// and C by the other pipes; in one interval without a barrier between them the compiler can interleave them, and
-// a tile costs one barrier instead of two. u and z of a tile wait in shared memory from A to C (the thread that
-// stages a quad is the one that finishes it, so those slots are private to it).
+// (i) finishes tile i - 1 (phase C), (ii) stages tile i + 1 (phase A) and fetches tile i + 2 into registers,
+// (iii) runs tile i's recurrence (phase B). Phase B is bound by the exp unit (one exp2 per (token, state)),
+// phases A and C by the other pipes; in one interval without a barrier between them the compiler can interleave
+// them, and a tile costs one barrier instead of two. u and z of a tile wait in shared memory from A to C (the
+// thread that stages a quad is the one that finishes it, so those slots are private to it). (With the recurrence
+// before the staging, the next tile's loads arrived late: 1.7 cycles of long-scoreboard stall per issue, ncu.)
 template <int N, int SL>
 __host__ __device__ constexpr int overlap_set_floats() {
   return (4 * kLC + 2 * N + SL * kLC) * lanes_row<32>() + 32;  // Delta, Delta u, u, z, B, C, partials, keep
@@ -761,7 +762,6 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_overlap_kernel(const FwdArg
     const int p = int(i & 1);
     const index_t t0 = i * T;
     if constexpr (!kFirst) finish(t0 - T, p ^ 1, std::true_type{});
-    recur(p);
     if constexpr (kFull) {
       stage(t0 + T, p ^ 1, std::true_type{});
       fetch(t0 + 2 * T, std::true_type{});
@@ -774,6 +774,7 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_overlap_kernel(const FwdArg
       }
       if (i + 2 < nt) fetch_at(t0 + 2 * T);
     }
+    recur(p);  // last, so that the loads just issued have the recurrence's time to arrive
     if (t0 + T == next_ck && i + 1 < nt) {  // the state entering chunk (t0 + T) / Q
 #pragma unroll
       for (int q = 0; q < SP; ++q) a.ckpt[(((t0 + T) / a.Q) * N + r + SL * q) * BE + bd] = h[q];
