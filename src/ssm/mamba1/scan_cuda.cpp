@@ -15,8 +15,8 @@ bool shape_fits(index_t E, index_t N, index_t cpg) {
   return (N == 8 || N == 16) && E % kChannels == 0 && cpg % kChannels == 0;
 }
 
-constexpr int kOldVariants = 4;  // variants 1..4 are the time-parallel kernel's shapes, 5..9 the state lanes
-static_assert(kVariants == kOldVariants + 5);
+constexpr int kOldVariants = 4;  // variants 1..4 are the time-parallel kernel's shapes, 5..7 the state lanes
+static_assert(kVariants == kOldVariants + 3);
 
 namespace {
 // (slots per channel, tokens per slot, states per group, u and delta staged in shared memory) of variants
@@ -42,10 +42,8 @@ bool backward_fits(index_t E, index_t N, index_t cpg, index_t Q) { return lanes_
 const char* variant_name(int v) {
   if (v == 5) return "lanes T32";
   if (v == 6) return "lanes T32 U8";
-  if (v == 7) return "lanes T32 U8 late stores";
-  if (v == 8) return "lanes T32 U8 pipelined";
-  if (v == 9) return "lanes T32 overlapped";
-  return v >= 1 && v <= kOldVariants ? kShapes[v - 1].name : "lanes T32 U8, or S8 K8 G4 staged where the lanes do not fit";
+  if (v == 7) return "lanes T32 U8 pipelined";
+  return v >= 1 && v <= kOldVariants ? kShapes[v - 1].name : "lanes T32 U8 pipelined, or S8 K8 G4 staged where the lanes do not fit";
 }
 
 #if defined(KOKKOS_ENABLE_CUDA)
@@ -326,8 +324,11 @@ __global__ void __launch_bounds__(kCB * S, kMinBlocks) forward_kernel(const FwdA
 //      its own states' C h per token, and leaves those partial outputs in shared memory;
 //   C. each thread sums the SL slots' partials for its 4 tokens, adds D u, gates with silu(z) and stores.
 // Checkpoints fall on tile starts (T divides Q), so the recurrence has no per-token branch; only the last tile
-// checks the sequence's end. What bounds it (ncu on an H200, perf/RESULTS.md): the shared-memory loads of phase B
-// (every (token, state) reads Delta, Delta u, B and C) and the issue rate of 11-12 warps per SM.
+// checks the sequence's end. What bounds it (ncu on an H200, perf/RESULTS.md): the exp unit (one exp2 per
+// (token, state) plus four per (token, channel): busy about half the time, as is the issue) and the latency
+// of its and of the shared-memory loads' results, with 11-12 warps per SM (all that 4 x 1,536 channels x 8 slots
+// make). Also tried and dropped: one interval per tile doing C(i - 1), A(i + 1) and B(i) on two sets of shared
+// buffers (one barrier a tile instead of two; 5-10 % slower, more stall on the loads' and stores' registers).
 constexpr int kLC = 16;  // channels per block
 // SL threads ("slots") per channel, each owning N / SL states; a block has 16 SL threads. Phases A and C: thread =
 // (channel tid % 16, quads tid / 16 + SL j); phase B: (channel, slot) = (tid % 16, tid / 16), its loop over the
@@ -503,9 +504,10 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
       next_ck += a.Q;
     }
     // B. the recurrence over the tile, this thread's states; partial outputs per token. M = 0 stores each quad's
-    // partials as it goes; M = 1 keeps the tile's partials in registers and stores them after the loop (the
-    // stores otherwise keep the compiler from moving the next quad's shared-memory loads above them); M = 2 also
-    // forms the next quad's decays and inputs (exp2, Delta u B) before this quad's recurrence, in source order.
+    // partials as it goes; M = 1 (U = NQ) forms the next quad's decays and inputs (exp2, Delta u B) before this
+    // quad's recurrence and stores the tile's partials after the loop (stores between the quads keep the compiler
+    // from moving the next quad's shared-memory loads above them): 1-1.5 % faster on an H200 (perf/RESULTS.md);
+    // keeping the partials in registers alone gained about half of that.
     if constexpr (M == 0) {
 #pragma unroll U
       for (int qd = 0; qd < NQ; ++qd) {
@@ -515,22 +517,13 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
         *reinterpret_cast<float4*>(sy + (r * kLC + c) * TP + 4 * qd) = make_float4(y[0], y[1], y[2], y[3]);
       }
     } else {
-      float yq[NQ][4];
-      if constexpr (M == 1) {
+      static_assert(U == NQ, "the pipelined phase B unrolls the whole tile");
+      float yq[NQ][4], e[2][SP][4], x[2][SP][4], cc[2][SP][4];
+      quad_terms(0, e[0], x[0], cc[0]);
 #pragma unroll
-        for (int qd = 0; qd < NQ; ++qd) {
-          float e[SP][4], x[SP][4], cc[SP][4];
-          quad_terms(qd, e, x, cc);
-          quad_chain(e, x, cc, yq[qd]);
-        }
-      } else {
-        float e[2][SP][4], x[2][SP][4], cc[2][SP][4];
-        quad_terms(0, e[0], x[0], cc[0]);
-#pragma unroll
-        for (int qd = 0; qd < NQ; ++qd) {
-          if (qd + 1 < NQ) quad_terms(qd + 1, e[(qd + 1) & 1], x[(qd + 1) & 1], cc[(qd + 1) & 1]);
-          quad_chain(e[qd & 1], x[qd & 1], cc[qd & 1], yq[qd]);
-        }
+      for (int qd = 0; qd < NQ; ++qd) {
+        if (qd + 1 < NQ) quad_terms(qd + 1, e[(qd + 1) & 1], x[(qd + 1) & 1], cc[(qd + 1) & 1]);
+        quad_chain(e[qd & 1], x[qd & 1], cc[qd & 1], yq[qd]);
       }
 #pragma unroll
       for (int qd = 0; qd < NQ; ++qd)
@@ -568,268 +561,6 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
 #pragma unroll
     for (int q = 0; q < SP; ++q) a.final_state[bd * N + r + SL * q] = h[q];
   }
-}
-
-// ---- Variant 9, "overlapped" state lanes: the same threads and per-token work as lanes_kernel, but the three
-// phases of consecutive tiles share one interval between barriers, on two sets of shared buffers: interval i
-// (i) finishes tile i - 1 (phase C), (ii) stages tile i + 1 (phase A) and fetches tile i + 2 into registers,
-// (iii) runs tile i's recurrence (phase B). Phase B is bound by the exp unit (one exp2 per (token, state)),
-// phases A and C by the other pipes; in one interval without a barrier between them the compiler can interleave
-// them, and a tile costs one barrier instead of two. u and z of a tile wait in shared memory from A to C (the
-// thread that stages a quad is the one that finishes it, so those slots are private to it). (With the recurrence
-// before the staging, the next tile's loads arrived late: 1.7 cycles of long-scoreboard stall per issue, ncu.)
-template <int N, int SL>
-__host__ __device__ constexpr int overlap_set_floats() {
-  return (4 * kLC + 2 * N + SL * kLC) * lanes_row<32>() + 32;  // Delta, Delta u, u, z, B, C, partials, keep
-}
-
-template <int N, int SL, bool kSeq>
-__global__ void __launch_bounds__(kLC * SL, 3) lanes_overlap_kernel(const FwdArgs a) {
-  constexpr int T = 32, NT = kLC * SL, SP = N / SL, TP = lanes_row<T>(), NQ = T / 4, QPT = NQ * kLC / NT;
-  constexpr int BQ = N * NQ, SET = overlap_set_floats<N, SL>();
-  static_assert(N % SL == 0 && (NQ * kLC) % NT == 0 && BQ <= NT * QPT && NT % N == 0);
-  extern __shared__ float4 osmem4[];
-  float* const s0 = reinterpret_cast<float*>(osmem4);
-  // set p's arrays: Delta, Delta u, u, z (kLC rows), B, C (N rows), partial outputs (SL kLC rows), keep flags
-  const auto sdt = [&](int p) { return s0 + p * SET; };
-  const auto sdu = [&](int p) { return s0 + p * SET + kLC * TP; };
-  const auto suu = [&](int p) { return s0 + p * SET + 2 * kLC * TP; };
-  const auto szz = [&](int p) { return s0 + p * SET + 3 * kLC * TP; };
-  const auto sb = [&](int p) { return s0 + p * SET + 4 * kLC * TP; };
-  const auto sc = [&](int p) { return s0 + p * SET + (4 * kLC + N) * TP; };
-  const auto sy = [&](int p) { return s0 + p * SET + (4 * kLC + 2 * N) * TP; };
-  const auto skeep = [&](int p) { return s0 + p * SET + (4 * kLC + 2 * N + SL * kLC) * TP; };
-  const int tid = int(threadIdx.x);
-  const index_t b = blockIdx.y, d0 = index_t(blockIdx.x) * kLC, g = d0 / a.cpg, L = a.L, BE = a.batch * a.E;
-  const int c = tid % kLC, r = tid / kLC;  // channel; slot in phase B, first quad in phases A and C
-  const index_t d = d0 + c, bd = b * a.E + d;
-  float a2[SP], h[SP];
-#pragma unroll
-  for (int q = 0; q < SP; ++q) {
-    const int n = r + SL * q;
-    a2[q] = a.A[d * a.N + n] * kLog2e;
-    h[q] = a.init ? a.init[bd * a.N + n] : 0.f;
-    a.ckpt[index_t(n) * BE + bd] = h[q];
-  }
-  const float De = a.D[d], bias = a.bias[d];
-  const std::int32_t* seq = kSeq ? a.seq + b * a.ld_seq : nullptr;
-  float pu[QPT][4], pd[QPT][4], pz[QPT][4], pb[QPT][4], pc[QPT][4];
-  int ps[QPT][5];
-  const int lu = int(a.ld_u), ldl = int(a.ld_delta), lz = int(a.ld_z), lbc = int(a.ld_bc), lo = int(a.ld_out);
-  const float* gu = a.u + (b * L + 4 * r) * a.ld_u + d;
-  const float* gd = a.delta + (b * L + 4 * r) * a.ld_delta + d;
-  const float* gz = a.z ? a.z + (b * L + 4 * r) * a.ld_z + d : nullptr;
-  const index_t bc_off = (b * L + 4 * (tid / N)) * a.ld_bc + g * N + tid % N;
-  const float *gb = a.B + bc_off, *gc = a.C + bc_off;
-  float* go = a.out + (b * L + 4 * r) * a.ld_out + d;
-  // the tile at t0 into registers (kFull: all T tokens inside the sequence); the pointers move on by T rows
-  const auto fetch = [&](index_t t0, auto full_tag) {
-    constexpr bool kFull = decltype(full_tag)::value;
-#pragma unroll
-    for (int j = 0; j < QPT; ++j) {
-      const index_t tq = t0 + 4 * (r + SL * j);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int row = 4 * SL * j + k;
-        const bool in = kFull || tq + k < L;
-        pu[j][k] = in ? __ldg(gu + row * lu) : 0.f;
-        pd[j][k] = in ? __ldg(gd + row * ldl) : 0.f;
-        pz[j][k] = in && gz ? __ldg(gz + row * lz) : 0.f;
-        if constexpr (kSeq) ps[j][k + 1] = c == 0 && tq + k < L ? seq[tq + k] : 0;
-      }
-      if constexpr (kSeq) ps[j][0] = c == 0 && tq > 0 && tq < L ? seq[tq - 1] : 0;
-      if (tid + NT * j < BQ) {
-        const index_t tb = t0 + 4 * ((tid + NT * j) / N);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const int row = 4 * (NT / N) * j + k;
-          const bool in = kFull || tb + k < L;
-          pb[j][k] = in ? __ldg(gb + row * lbc) : 0.f;
-          pc[j][k] = in ? __ldg(gc + row * lbc) : 0.f;
-        }
-      }
-    }
-    gu += T * index_t(lu), gd += T * index_t(ldl), gb += T * index_t(lbc), gc += T * index_t(lbc);
-    if (gz) gz += T * index_t(lz);
-  };
-  // A: the fetched tile at t0 into set p (Delta, Delta u, u, z, B, C, record starts)
-  const auto stage = [&](index_t t0, int p, auto full_tag) {
-    constexpr bool kFull = decltype(full_tag)::value;
-#pragma unroll
-    for (int j = 0; j < QPT; ++j) {
-      const int qd = r + SL * j;
-      float4 vdt, vdu;
-      float* pdt = &vdt.x;
-      float* pdu = &vdu.x;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const bool in = kFull || t0 + 4 * qd + k < L;
-        const float dl = in ? softplus_lanes(pd[j][k] + bias) : 0.f;  // past the end: the state passes unchanged
-        pdt[k] = dl;
-        pdu[k] = dl * pu[j][k];
-      }
-      *reinterpret_cast<float4*>(sdt(p) + c * TP + 4 * qd) = vdt;
-      *reinterpret_cast<float4*>(sdu(p) + c * TP + 4 * qd) = vdu;
-      *reinterpret_cast<float4*>(suu(p) + c * TP + 4 * qd) = make_float4(pu[j][0], pu[j][1], pu[j][2], pu[j][3]);
-      *reinterpret_cast<float4*>(szz(p) + c * TP + 4 * qd) = make_float4(pz[j][0], pz[j][1], pz[j][2], pz[j][3]);
-      if constexpr (kSeq) {
-        if (c == 0) {
-#pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            const index_t t = t0 + 4 * qd + k;
-            skeep(p)[4 * qd + k] = t > 0 && t < L && ps[j][k + 1] != ps[j][k] ? 0.f : 1.f;
-          }
-        }
-      }
-      if (tid + NT * j < BQ) {
-        const int piece = tid + NT * j, at = (piece % N) * TP + 4 * (piece / N);
-        *reinterpret_cast<float4*>(sb(p) + at) = make_float4(pb[j][0], pb[j][1], pb[j][2], pb[j][3]);
-        *reinterpret_cast<float4*>(sc(p) + at) = make_float4(pc[j][0], pc[j][1], pc[j][2], pc[j][3]);
-      }
-    }
-  };
-  // B: the recurrence over the tile in set p, partial outputs per token into set p
-  const auto recur = [&](int p) {
-    const float *dt_s = sdt(p), *du_s = sdu(p), *b_s = sb(p), *c_s = sc(p), *k_s = skeep(p);
-    float* y_s = sy(p);
-#pragma unroll
-    for (int qd = 0; qd < NQ; ++qd) {
-      const float4 dt4 = *reinterpret_cast<const float4*>(dt_s + c * TP + 4 * qd);
-      const float4 du4 = *reinterpret_cast<const float4*>(du_s + c * TP + 4 * qd);
-      const float dtk[4] = {dt4.x, dt4.y, dt4.z, dt4.w}, duk[4] = {du4.x, du4.y, du4.z, du4.w};
-      [[maybe_unused]] float keep[4] = {1.f, 1.f, 1.f, 1.f};
-      if constexpr (kSeq) {
-        const float4 k4 = *reinterpret_cast<const float4*>(k_s + 4 * qd);
-        keep[0] = k4.x, keep[1] = k4.y, keep[2] = k4.z, keep[3] = k4.w;
-      }
-      float y[4];
-#pragma unroll
-      for (int q = 0; q < SP; ++q) {
-        const int n = r + SL * q;
-        const float4 b4 = *reinterpret_cast<const float4*>(b_s + n * TP + 4 * qd);
-        const float4 c4 = *reinterpret_cast<const float4*>(c_s + n * TP + 4 * qd);
-        const float bk[4] = {b4.x, b4.y, b4.z, b4.w}, ck[4] = {c4.x, c4.y, c4.z, c4.w};
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          float e = ex2(dtk[k] * a2[q]);
-          if constexpr (kSeq) e *= keep[k];
-          h[q] = fmaf(e, h[q], duk[k] * bk[k]);
-          y[k] = q == 0 ? ck[k] * h[q] : fmaf(ck[k], h[q], y[k]);
-        }
-      }
-      *reinterpret_cast<float4*>(y_s + (r * kLC + c) * TP + 4 * qd) = make_float4(y[0], y[1], y[2], y[3]);
-    }
-  };
-  // C: the tile at t0 in set p finished: the slots' partials summed (in slot order), D skip, gate, store
-  const auto finish = [&](index_t t0, int p, auto full_tag) {
-    constexpr bool kFull = decltype(full_tag)::value;
-#pragma unroll
-    for (int j = 0; j < QPT; ++j) {
-      const int qd = r + SL * j;
-      const float* ys = sy(p) + c * TP + 4 * qd;
-      const float4 p0 = *reinterpret_cast<const float4*>(ys);
-      float y[4] = {p0.x, p0.y, p0.z, p0.w};
-#pragma unroll
-      for (int sl = 1; sl < SL; ++sl) {
-        const float4 v = *reinterpret_cast<const float4*>(ys + sl * kLC * TP);
-        y[0] += v.x, y[1] += v.y, y[2] += v.z, y[3] += v.w;
-      }
-      const float4 u4 = *reinterpret_cast<const float4*>(suu(p) + c * TP + 4 * qd);
-      const float4 z4 = *reinterpret_cast<const float4*>(szz(p) + c * TP + 4 * qd);
-      const float uk[4] = {u4.x, u4.y, u4.z, u4.w}, zk[4] = {z4.x, z4.y, z4.z, z4.w};
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        if (kFull || t0 + 4 * qd + k < L) {
-          float o = fmaf(De, uk[k], y[k]);
-          if (a.z) o *= silu_fast(zk[k]);
-          go[(4 * SL * j + k) * lo] = o;
-        }
-      }
-    }
-    go += T * index_t(lo);
-  };
-  const auto fetch_at = [&](index_t t0) {
-    if (t0 + T <= L)
-      fetch(t0, std::true_type{});
-    else
-      fetch(t0, std::false_type{});
-  };
-  const index_t nt = (L + T - 1) / T;
-  index_t next_ck = a.Q;
-  // interval i: C(i - 1), B(i), A(i + 1), fetch(i + 2); kFull: tiles i + 1 and i + 2 lie inside the sequence
-  const auto interval = [&](index_t i, auto full_tag, auto first_tag) {
-    constexpr bool kFull = decltype(full_tag)::value, kFirst = decltype(first_tag)::value;
-    const int p = int(i & 1);
-    const index_t t0 = i * T;
-    if constexpr (!kFirst) finish(t0 - T, p ^ 1, std::true_type{});
-    if constexpr (kFull) {
-      stage(t0 + T, p ^ 1, std::true_type{});
-      fetch(t0 + 2 * T, std::true_type{});
-    } else {
-      if (i + 1 < nt) {
-        if (t0 + 2 * T <= L)
-          stage(t0 + T, p ^ 1, std::true_type{});
-        else
-          stage(t0 + T, p ^ 1, std::false_type{});
-      }
-      if (i + 2 < nt) fetch_at(t0 + 2 * T);
-    }
-    recur(p);  // last, so that the loads just issued have the recurrence's time to arrive
-    if (t0 + T == next_ck && i + 1 < nt) {  // the state entering chunk (t0 + T) / Q
-#pragma unroll
-      for (int q = 0; q < SP; ++q) a.ckpt[(((t0 + T) / a.Q) * N + r + SL * q) * BE + bd] = h[q];
-      next_ck += a.Q;
-    }
-    __syncthreads();
-  };
-  fetch_at(0);
-  if (T <= L)
-    stage(0, 0, std::true_type{});
-  else
-    stage(0, 0, std::false_type{});
-  if (nt > 1) fetch_at(T);
-  __syncthreads();
-  const index_t n_full = L / T > 2 ? L / T - 2 : 0;  // intervals whose tiles i + 1 and i + 2 are full
-  if (n_full > 0)
-    interval(0, std::true_type{}, std::true_type{});
-  else
-    interval(0, std::false_type{}, std::true_type{});
-  for (index_t i = 1; i < n_full; ++i) interval(i, std::true_type{}, std::false_type{});
-  for (index_t i = n_full > 1 ? n_full : 1; i < nt; ++i) interval(i, std::false_type{}, std::false_type{});
-  // the last tile's outputs
-  if ((nt - 1) * T + T <= L)
-    finish((nt - 1) * T, int((nt - 1) & 1), std::true_type{});
-  else
-    finish((nt - 1) * T, int((nt - 1) & 1), std::false_type{});
-  if (a.final_state) {
-#pragma unroll
-    for (int q = 0; q < SP; ++q) a.final_state[bd * N + r + SL * q] = h[q];
-  }
-}
-
-template <int N, int SL, bool kSeq>
-void launch_overlap_one(const FwdArgs& a) {
-  constexpr int bytes = int(sizeof(float)) * 2 * overlap_set_floats<N, SL>();
-  static bool raised = false;  // once per kernel: past 48 KiB a launch must first raise the limit
-  if (!raised) {
-    const cudaError_t e = cudaFuncSetAttribute(lanes_overlap_kernel<N, SL, kSeq>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    require(e == cudaSuccess, "selective_scan_forward (CUDA)", bytes, " bytes of shared memory: ",
-            cudaGetErrorString(e));
-    raised = true;
-  }
-  lanes_overlap_kernel<N, SL, kSeq><<<dim3(unsigned(a.E / kLC), unsigned(a.batch)), kLC * SL, bytes,
-                                      Kokkos::DefaultExecutionSpace().cuda_stream()>>>(a);
-  const cudaError_t e = cudaGetLastError();
-  require(e == cudaSuccess, "selective_scan_forward (CUDA)", "the kernel failed to launch: ", cudaGetErrorString(e));
-}
-
-template <int N>
-void launch_overlap(const FwdArgs& a) {
-  if (a.seq)
-    launch_overlap_one<N, 8, true>(a);
-  else
-    launch_overlap_one<N, 8, false>(a);
 }
 
 template <int N, int T, int SL, int U, int M, bool kSeq>
@@ -905,15 +636,13 @@ void forward(const FwdArgs& a) {
   // (the lanes address 2 x 32 rows of each operand with 32-bit offsets)
   const index_t ld_max = std::max({a.ld_u, a.ld_delta, a.ld_z, a.ld_bc, a.ld_out});
   const bool fits = lanes_fit(a.E, a.N, a.cpg, a.Q) && ld_max * 64 < (index_t(1) << 31);
-  if (v == 0) v = fits ? 6 : kDefault;
+  if (v == 0) v = fits ? 7 : kDefault;
   if (v >= 5 && !fits) v = kDefault;
   if (v >= 5) {
     switch (v) {  // (N = 8 in 8 slots: one state each)
       case 5: a.N == 16 ? launch_lanes<16, 32, 8, 2, 0>(a) : launch_lanes<8, 32, 8, 2, 0>(a); break;
       case 6: a.N == 16 ? launch_lanes<16, 32, 8, 8, 0>(a) : launch_lanes<8, 32, 8, 8, 0>(a); break;
-      case 7: a.N == 16 ? launch_lanes<16, 32, 8, 8, 1>(a) : launch_lanes<8, 32, 8, 8, 1>(a); break;
-      case 8: a.N == 16 ? launch_lanes<16, 32, 8, 8, 2>(a) : launch_lanes<8, 32, 8, 8, 2>(a); break;
-      default: a.N == 16 ? launch_overlap<16>(a) : launch_overlap<8>(a); break;
+      default: a.N == 16 ? launch_lanes<16, 32, 8, 8, 1>(a) : launch_lanes<8, 32, 8, 8, 1>(a); break;
     }
     return;
   }
