@@ -236,9 +236,13 @@ LayerMem mem_mamba1(const Mamba1Config& c, const Dims& d, Recompute pol) {
   m.fwd_extra = native ? 0.0 : N <= 64 ? 2 * d.a * nc * N * d.b * E : d.a * N * d.b * E;
   // dy, dxz, dxc, ddelta, dbc, and A = -exp(A_log) and dA (E' x N); ddt_low comes after the scan's buffers are freed
   const double grads = d.n * d.t * (E + 2 * E + E + E + 2 * N) + 2 * d.a * E * N;
-  // pass 2's parts of dB and dC: one per block of 32 channels (one group), as many at a time as 256 MiB holds
+  // pass 2's parts of dB and dC: one per block of 32 channels (one group; 16 for the native CUDA chunk passes,
+  // fp32 where they fit), as many at a time as 256 MiB holds
+  const bool native_bwd = mamba1_cuda::compiled() && d.t == 4 &&
+                          mamba1_cuda::backward_fits(index_t(E), index_t(N), index_t(E), index_t(Q));
   const double part = d.n * 2 * N * d.a;
-  const double nblk = std::clamp(std::floor(double(256ull << 20) / part), 1.0, std::ceil(E / 32));
+  const double nblk =
+      std::clamp(std::floor(double(256ull << 20) / part), 1.0, std::ceil(E / (native_bwd ? 16.0 : 32.0)));
   double scan = d.a * (std::min(Q, d.L) * N * d.b * E + N * d.b * E + 2 * d.n * E + nc * N * d.b * E +
                        d.b * E * N + 2 * d.b * E) +
                 nblk * part;
@@ -246,13 +250,13 @@ LayerMem mem_mamba1(const Mamba1Config& c, const Dims& d, Recompute pol) {
     // the chunk-parallel first pass: Delta and g per token, the carries, the partial sums per (batch, chunk), and
     // one at a time the chunks' local carries and decays, the rebuilt states of a slab of chunks (at most 1 GiB),
     // then pass 2's parts
-    // (the native CUDA chunk passes, fp32 where they fit, rebuild the states in registers: no slab)
+    // (the native CUDA chunk passes, fp32 where they fit, rebuild the states in registers, no slab, and form the
+    // parts while the local carries and decays are held)
     const double q = std::min(Q, d.L), chunk_states = d.a * q * N * d.b * E;
-    const bool native_bwd = mamba1_cuda::compiled() && d.t == 4 &&
-                            mamba1_cuda::backward_fits(index_t(E), index_t(N), index_t(E), index_t(Q));
-    const double slab = native_bwd ? 0.0 : std::clamp(std::floor(double(1ull << 30) / chunk_states), 1.0, nc);
+    const double slab = std::clamp(std::floor(double(1ull << 30) / chunk_states), 1.0, nc);
     scan = d.a * (2 * d.n * E + nc * N * d.b * E + d.b * nc * E * (N + 2)) +
-           std::max({2 * d.a * nc * N * d.b * E, slab * chunk_states, nblk * part});
+           (native_bwd ? 2 * d.a * nc * N * d.b * E + nblk * part
+                       : std::max({2 * d.a * nc * N * d.b * E, slab * chunk_states, nblk * part}));
   }
   m.bwd_extra = grads + scan;
   return m;

@@ -330,6 +330,7 @@ __global__ void __launch_bounds__(kCB * S, kMinBlocks) forward_kernel(const FwdA
 // make). Also tried and dropped: one interval per tile doing C(i - 1), A(i + 1) and B(i) on two sets of shared
 // buffers (one barrier a tile instead of two; 5-10 % slower, more stall on the loads' and stores' registers).
 constexpr int kLC = 16;  // channels per block
+static_assert(kLC == kBwdBlock);
 // SL threads ("slots") per channel, each owning N / SL states; a block has 16 SL threads. Phases A and C: thread =
 // (channel tid % 16, quads tid / 16 + SL j); phase B: (channel, slot) = (tid % 16, tid / 16), its loop over the
 // tile's quads unrolled U times (U = 8, the whole tile: 1.5 % faster than U = 2 on an H200). Tried on an H200 and
@@ -753,7 +754,29 @@ struct ChunkSmem {
   float p2[kSL * kLC * kTP];  // partial sums of dh A exp(Delta A) h_{t-1}
   float hs[kMaxTiles * kNT * (N / kSL)];  // the states entering each tile of the chunk, per thread
   float red[2 * kNT];
+  float bcp[N * kLC * kTP];  // per (state, channel, token) the terms of dC (phase B1), then of dB (phase B2)
 };
+
+// The tile's part of dB or dC (column `col` + n of the parts) from bcp: thread (state tid / 8, tokens 4 (tid % 8)
+// .. + 3) sums the block's 16 channels in order.
+template <int N>
+__device__ __forceinline__ void bc_part_store(const BwdArgs& a, const float* bcp, float* part_row0, index_t col,
+                                              index_t t0, index_t c1) {
+  const int tid = int(threadIdx.x);
+  if (tid >= N * (kT / 4)) return;
+  const int n = tid / (kT / 4), t4 = 4 * (tid % (kT / 4));
+  float4 s = *reinterpret_cast<const float4*>(bcp + (n * kLC) * kTP + t4);
+#pragma unroll
+  for (int c = 1; c < kLC; ++c) {
+    const float4 v = *reinterpret_cast<const float4*>(bcp + (n * kLC + c) * kTP + t4);
+    s.x += v.x, s.y += v.y, s.z += v.z, s.w += v.w;
+  }
+  const float sv[4] = {s.x, s.y, s.z, s.w};
+  const index_t ld = 2 * (a.E / a.cpg) * N;
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    if (t0 + t4 + k < c1) part_row0[(t0 + t4 + k) * ld + col + n] = sv[k];
+}
 
 template <int N>
 __global__ void __launch_bounds__(kNT, 2) chunk_kernel(const BwdArgs a) {
@@ -762,10 +785,15 @@ __global__ void __launch_bounds__(kNT, 2) chunk_kernel(const BwdArgs a) {
   ChunkSmem<N>& sm = *reinterpret_cast<ChunkSmem<N>*>(csmem4);
   Tile<N>& tl = sm.tl;
   const int tid = int(threadIdx.x), c = tid % kLC, r = tid / kLC;
-  const index_t b = blockIdx.y, ch = blockIdx.z, d0 = index_t(blockIdx.x) * kLC, BE = a.batch * a.E;
+  // block (group gi, its channel block blk0 + j)
+  const index_t gi = index_t(blockIdx.x) / a.nblk, j = index_t(blockIdx.x) % a.nblk;
+  const index_t b = blockIdx.y, ch = blockIdx.z, d0 = gi * a.cpg + (a.blk0 + j) * kLC, BE = a.batch * a.E;
   const index_t d = d0 + c, bd = b * a.E + d, c0 = ch * a.Q, c1 = c0 + a.Q < a.L ? c0 + a.Q : a.L;
   const int nt = int((c1 - c0 + kT - 1) / kT);
   const float De = a.D[d];
+  // this block's part of dB and dC, at the batch row's token 0
+  float* const part_row0 = a.bc_parts + (j * a.batch * a.L + b * a.L) * (2 * (a.E / a.cpg) * N);
+  const index_t colB = gi * N, colC = (a.E / a.cpg) * N + gi * N;
   float a2[SP], an[SP], h[SP], dh[SP], dA[SP];
 #pragma unroll
   for (int q = 0; q < SP; ++q) {
@@ -799,10 +827,12 @@ __global__ void __launch_bounds__(kNT, 2) chunk_kernel(const BwdArgs a) {
     float hstart[SP], hr[kT][SP];
 #pragma unroll
     for (int q = 0; q < SP; ++q) hstart[q] = h[q] = sm.hs[(k * kNT + tid) * SP + q];
-    // B1. the tile's states, kept in registers; partial outputs y (for dz)
+    // B1. the tile's states, kept in registers; partial outputs y (for dz); the terms g h of dC
 #pragma unroll
     for (int t4 = 0; t4 < kT; t4 += 4) {
       float y[4] = {0.f, 0.f, 0.f, 0.f};
+      const float4 g4 = *reinterpret_cast<const float4*>(tl.g + c * kTP + t4);
+      const float gk[4] = {g4.x, g4.y, g4.z, g4.w};
 #pragma unroll
       for (int k4 = 0; k4 < 4; ++k4) {
         const int t = t4 + k4;
@@ -815,9 +845,14 @@ __global__ void __launch_bounds__(kNT, 2) chunk_kernel(const BwdArgs a) {
           y[k4] = fmaf(tl.c[n * kTP + t], h[q], y[k4]);
         }
       }
+#pragma unroll
+      for (int q = 0; q < SP; ++q)
+        *reinterpret_cast<float4*>(sm.bcp + ((r + kSL * q) * kLC + c) * kTP + t4) =
+            make_float4(gk[0] * hr[t4][q], gk[1] * hr[t4 + 1][q], gk[2] * hr[t4 + 2][q], gk[3] * hr[t4 + 3][q]);
       if (a.z) *reinterpret_cast<float4*>(sm.p1 + (r * kLC + c) * kTP + t4) = make_float4(y[0], y[1], y[2], y[3]);
     }
     __syncthreads();
+    bc_part_store<N>(a, sm.bcp, part_row0, colC, t0, c1);
     // C1. dz = dout y silu'(z), y = sum of the slots' partials + D u
     if (a.z) {
 #pragma unroll
@@ -830,20 +865,21 @@ __global__ void __launch_bounds__(kNT, 2) chunk_kernel(const BwdArgs a) {
       }
     }
     __syncthreads();
-    // B2. the reverse scan through the tile
+    // B2. the reverse scan through the tile; the terms dh Delta u of dB
 #pragma unroll
     for (int t4 = kT - 4; t4 >= 0; t4 -= 4) {
-      float p1[4], p2[4];
+      float p1[4], p2[4], p3[SP][4];
 #pragma unroll
       for (int k4 = 3; k4 >= 0; --k4) {
         const int t = t4 + k4;
-        const float dt = tl.dt[c * kTP + t], gt = tl.g[c * kTP + t], keep = tl.keep[t];
+        const float dt = tl.dt[c * kTP + t], gt = tl.g[c * kTP + t], keep = tl.keep[t], du = tl.du[c * kTP + t];
         p1[k4] = 0.f, p2[k4] = 0.f;
 #pragma unroll
         for (int q = 0; q < SP; ++q) {
           const int n = r + kSL * q;
           const float e = ex2(dt * a2[q]) * keep, prev = t > 0 ? hr[t - 1][q] : hstart[q];
           const float dhn = fmaf(tl.c[n * kTP + t], gt, dh[q]);
+          p3[q][k4] = dhn * du;
           p1[k4] = fmaf(dhn, tl.b[n * kTP + t], p1[k4]);
           const float w = dhn * e * prev;
           p2[k4] = fmaf(an[q], w, p2[k4]);
@@ -853,8 +889,13 @@ __global__ void __launch_bounds__(kNT, 2) chunk_kernel(const BwdArgs a) {
       }
       *reinterpret_cast<float4*>(sm.p1 + (r * kLC + c) * kTP + t4) = make_float4(p1[0], p1[1], p1[2], p1[3]);
       *reinterpret_cast<float4*>(sm.p2 + (r * kLC + c) * kTP + t4) = make_float4(p2[0], p2[1], p2[2], p2[3]);
+#pragma unroll
+      for (int q = 0; q < SP; ++q)
+        *reinterpret_cast<float4*>(sm.bcp + ((r + kSL * q) * kLC + c) * kTP + t4) =
+            make_float4(p3[q][0], p3[q][1], p3[q][2], p3[q][3]);
     }
     __syncthreads();
+    bc_part_store<N>(a, sm.bcp, part_row0, colB, t0, c1);
     // C2. du = Delta sum dh B + D g, d(raw delta) = (u sum dh B + sum dh A e h_{t-1}) softplus'(delta + bias)
 #pragma unroll
     for (int k4 = 0; k4 < 4; ++k4) {
@@ -904,7 +945,7 @@ void launch_chunk(const BwdArgs& a) {
       cudaFuncSetAttribute(chunk_kernel<N>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   require(raised == cudaSuccess, "selective_scan_backward (CUDA)", bytes, " bytes of shared memory: ",
           cudaGetErrorString(raised));
-  const dim3 grid(unsigned(a.E / kLC), unsigned(a.batch), unsigned((a.L + a.Q - 1) / a.Q));
+  const dim3 grid(unsigned((a.E / a.cpg) * a.nblk), unsigned(a.batch), unsigned((a.L + a.Q - 1) / a.Q));
   Kokkos::Profiling::ScopedRegion region("selective_scan::bwd_chunk_cuda");
   chunk_kernel<N><<<grid, kNT, bytes, Kokkos::DefaultExecutionSpace().cuda_stream()>>>(a);
   const cudaError_t e = cudaGetLastError();
@@ -918,6 +959,8 @@ void backward_local(const BwdArgs& a) {
 }
 void backward_chunk(const BwdArgs& a) {
   require(backward_fits(a.E, a.N, a.cpg, a.Q), "selective_scan_backward (CUDA)", "shape outside the kernel's rules");
+  require(a.bc_parts && a.nblk > 0 && (a.blk0 + a.nblk) * kLC <= a.cpg, "selective_scan_backward (CUDA)",
+          "channel blocks ", a.blk0, " + ", a.nblk, " outside the group's ", a.cpg / kLC);
   a.N == 16 ? bwd::launch_chunk<16>(a) : bwd::launch_chunk<8>(a);
 }
 

@@ -92,12 +92,20 @@ struct BwdArgs {
   index_t ld_du = 0, ld_ddelta = 0, ld_dz = 0;
   float *dlt = nullptr, *g = nullptr;          // (batch L, E), dense
   float *dA_part = nullptr, *dv_part = nullptr;  // (batch nchunks, E, N) and (batch nchunks, E, 2)
+  // backward_chunk's parts of dB and dC, one per block of kBwdBlock channels: (nblk, batch L, 2 G N), B's at column
+  // g N + n, C's at G N + g N + n. A launch covers the blocks blk0 .. blk0 + nblk - 1 of every group.
+  float* bc_parts = nullptr;
+  index_t blk0 = 0, nblk = 0;
   index_t batch = 0, L = 0, E = 0, N = 0, cpg = 0, Q = 0;
 };
+// Channels per block of the backward's kernels (and per part of dB and dC).
+constexpr index_t kBwdBlock = 16;
 // Whether the native backward takes this shape: lanes_fit's rules, and Q at most 512 (the tile starts of a chunk in
 // shared memory).
 bool backward_fits(index_t E, index_t N, index_t cpg, index_t Q);
 void backward_local(const BwdArgs& a);
+// The chunk pass over the blocks blk0 .. blk0 + nblk - 1 of every group: du, ddelta, dz, Delta and g of their
+// channels, the parameter partials, and their parts of dB and dC.
 void backward_chunk(const BwdArgs& a);
 
 }  // namespace mm::mamba1_cuda

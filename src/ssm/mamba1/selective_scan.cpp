@@ -483,9 +483,28 @@ void selective_scan_forward(const SelScanShape& s, const SelScanIn<T>& in, const
 }
 
 namespace {
+// dB and dC from their parts (round, batch L, 2 G N; B's then C's columns) of ns channel blocks, summed in block
+// order; `first`: the first round (later rounds add to the sums of the earlier ones, waiting in dbc itself).
+template <class T>
+void sum_bc_parts(const View3<acc_t<T>>& pbc, index_t ns, bool first, const View2<T>& dbc, index_t b_col,
+                  index_t c_col) {
+  using P = acc_t<T>;
+  const index_t n_tok = index_t(pbc.extent(1)), GN = index_t(pbc.extent(2)) / 2;
+  par_for("selective_scan::backward_bc_sum", n_tok, GN, KOKKOS_LAMBDA(index_t r, index_t gn) {
+    P sb = first ? P(0) : P(dbc(r, b_col + gn)), sc = first ? P(0) : P(dbc(r, c_col + gn));
+    for (index_t k = 0; k < ns; ++k) {
+      sb += pbc(k, r, gn);
+      sc += pbc(k, r, GN + gn);
+    }
+    dbc(r, b_col + gn) = static_cast<T>(sb);
+    dbc(r, c_col + gn) = static_cast<T>(sc);
+  });
+}
+
 // The chunk passes of the backward on the native CUDA kernels (mamba1_cuda::backward_local / backward_chunk, with
-// the portable carry pass between them) where s.native_backward asks for them and they fit: fp32, the kernel's
-// shape rules, dense A and checkpoints. Returns false (nothing done) otherwise.
+// the portable carry pass between them), dB and dC included (the chunk kernel writes a part per block of 16
+// channels, as many blocks at a time as SelScanShape::bc_parts_bytes holds), where s.native_backward asks for them
+// and they fit: fp32, the kernel's shape rules, dense A and checkpoints. Returns false (nothing done) otherwise.
 template <class T>
 bool backward_native(const SelScanShape& s, const Ctx<T>& c, const View2<const T>& dout,
                      const View3<const acc_t<T>>& dfinal, const View3<const acc_t<T>>& ckpt,
@@ -521,7 +540,16 @@ bool backward_native(const SelScanShape& s, const Ctx<T>& c, const View2<const T
     mamba1_cuda::backward_local(a);
     chunk_carry(c, dfinal, dl, dm, o.dcarry, gr.dinit_state);
     a.dcarry = o.dcarry.data();
-    mamba1_cuda::backward_chunk(a);
+    const index_t n_tok = c.Bsz * c.L, GN = c.G * c.N, nsub = c.cpg / mamba1_cuda::kBwdBlock;
+    const double part_bytes = double(n_tok) * double(2 * GN) * sizeof(float);
+    const index_t round = std::clamp<index_t>(index_t(s.bc_parts_bytes / part_bytes), 1, nsub);
+    View3<float> pbc = ws.take<View3<float>>("selective_scan::dbc_parts", round, n_tok, 2 * GN);
+    a.bc_parts = pbc.data();
+    for (index_t s0 = 0; s0 < nsub; s0 += round) {
+      a.blk0 = s0, a.nblk = std::min(round, nsub - s0);
+      mamba1_cuda::backward_chunk(a);
+      sum_bc_parts<T>(pbc, a.nblk, s0 == 0, gr.dbc, c.b_col, c.c_col);
+    }
     return true;
   }
 }
@@ -584,8 +612,10 @@ void selective_scan_backward(const SelScanShape& s, const SelScanIn<T>& in, cons
                         2);
   const View2<P> dlt_buf = p1.dlt, g_buf = p1.g;
   const View3<P> dcarry = p1.dcarry, dA_part = p1.dA_part, dv_part = p1.dv_part;
+  bool bc_done = false;  // the native kernels formed dB and dC too
   if (chunked) {
-    if (!backward_native(s, c, dout, dfinal_state, ckpt, gr, p1)) {  // else the native kernels took them
+    bc_done = backward_native(s, c, dout, dfinal_state, ckpt, gr, p1);
+    if (!bc_done) {
       if (c.N <= 16)
         backward_chunked<16, T>(c, dout, dfinal_state, ckpt, gr, p1);
       else if (c.N <= 32)
@@ -665,8 +695,9 @@ void selective_scan_backward(const SelScanShape& s, const SelScanIn<T>& in, cons
   // each part written once; then the parts summed in block order. The parts of as many blocks as
   // SelScanShape::bc_parts_bytes (256 MiB) holds are formed at a time (a round); later rounds add to the earlier rounds' sums in the same order. (Blocks that
   // accumulated each channel into device memory, a read and a write per (channel, token, state), took 23 ms of a
-  // 48 ms forward + backward on an H200 at batch 4 x 8,192, d_inner 1,536, d_state 16.)
-  const auto dbc = gr.dbc;
+  // 48 ms forward + backward on an H200 at batch 4 x 8,192, d_inner 1,536, d_state 16.) The native chunk kernel
+  // forms its parts itself (bc_done).
+  if (!bc_done) {
   const index_t GN = c.G * c.N, nsub = (c.cpg + kBCBlock - 1) / kBCBlock;
   const double part_bytes = double(n_tok) * double(2 * GN) * sizeof(P);
   const index_t round = std::clamp<index_t>(index_t(s.bc_parts_bytes / part_bytes), 1, nsub);
@@ -719,17 +750,8 @@ void selective_scan_backward(const SelScanShape& s, const SelScanIn<T>& in, cons
         pbc(slot, r, gn) = sum;
       }
     });
-    const bool first = s0 == 0;
-    par_for("selective_scan::backward_bc_sum", n_tok, GN, KOKKOS_LAMBDA(index_t r, index_t gn) {
-      // the sums of earlier rounds wait in dbc itself
-      P sb = first ? P(0) : P(dbc(r, b_col + gn)), sc = first ? P(0) : P(dbc(r, c_col + gn));
-      for (index_t k = 0; k < ns; ++k) {
-        sb += pbc(k, r, gn);
-        sc += pbc(k, r, GN + gn);
-      }
-      dbc(r, b_col + gn) = static_cast<T>(sb);
-      dbc(r, c_col + gn) = static_cast<T>(sc);
-    });
+    sum_bc_parts<T>(pbc, ns, s0 == 0, gr.dbc, b_col, c_col);
+  }
   }
 
   // Parameter gradients: the partials summed over the batch (and the chunks) in order.
