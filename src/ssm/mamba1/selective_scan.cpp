@@ -483,6 +483,13 @@ void selective_scan_forward(const SelScanShape& s, const SelScanIn<T>& in, const
 }
 
 namespace {
+// Channel blocks per round of dB and dC parts: as many of the nsub blocks as SelScanShape::bc_parts_bytes holds
+// (at least one), each part n_tok x 2 G N values of `elem` bytes.
+index_t bc_parts_round(const SelScanShape& s, index_t n_tok, index_t GN, index_t nsub, std::size_t elem) {
+  const double part_bytes = double(n_tok) * double(2 * GN) * double(elem);
+  return std::clamp<index_t>(index_t(s.bc_parts_bytes / part_bytes), 1, nsub);
+}
+
 // dB and dC from their parts (round, batch L, 2 G N; B's then C's columns) of ns channel blocks, summed in block
 // order; `first`: the first round (later rounds add to the sums of the earlier ones, waiting in dbc itself).
 template <class T>
@@ -541,8 +548,7 @@ bool backward_native(const SelScanShape& s, const Ctx<T>& c, const View2<const T
     chunk_carry(c, dfinal, dl, dm, o.dcarry, gr.dinit_state);
     a.dcarry = o.dcarry.data();
     const index_t n_tok = c.Bsz * c.L, GN = c.G * c.N, nsub = c.cpg / mamba1_cuda::kBwdBlock;
-    const double part_bytes = double(n_tok) * double(2 * GN) * sizeof(float);
-    const index_t round = std::clamp<index_t>(index_t(s.bc_parts_bytes / part_bytes), 1, nsub);
+    const index_t round = bc_parts_round(s, n_tok, GN, nsub, sizeof(float));
     View3<float> pbc = ws.take<View3<float>>("selective_scan::dbc_parts", round, n_tok, 2 * GN);
     a.bc_parts = pbc.data();
     for (index_t s0 = 0; s0 < nsub; s0 += round) {
@@ -698,60 +704,59 @@ void selective_scan_backward(const SelScanShape& s, const SelScanIn<T>& in, cons
   // 48 ms forward + backward on an H200 at batch 4 x 8,192, d_inner 1,536, d_state 16.) The native chunk kernel
   // forms its parts itself (bc_done).
   if (!bc_done) {
-  const index_t GN = c.G * c.N, nsub = (c.cpg + kBCBlock - 1) / kBCBlock;
-  const double part_bytes = double(n_tok) * double(2 * GN) * sizeof(P);
-  const index_t round = std::clamp<index_t>(index_t(s.bc_parts_bytes / part_bytes), 1, nsub);
-  PoolScope ws;
-  View3<P> pbc = ws.take<View3<P>>("selective_scan::dbc_parts", round, n_tok, 2 * GN);
-  const index_t b_col = c.b_col, c_col = c.c_col;
-  for (index_t s0 = 0; s0 < nsub; s0 += round) {
-    const index_t ns = std::min(round, nsub - s0);
-    par_for("selective_scan::backward_bc", c.Bsz * c.nc * ns, GN, KOKKOS_LAMBDA(index_t item, index_t gn) {
-      const index_t slot = item % ns, bc_id = item / ns, b = bc_id / c.nc, ch = bc_id % c.nc;
-      const index_t g = gn / c.N, n = gn % c.N;
-      const index_t t0 = ch * Q, t1 = c.chunk_end(ch);
-      const index_t d0 = g * c.cpg + (s0 + slot) * kBCBlock, bd0 = b * c.E + d0;
-      const index_t nd = (g + 1) * c.cpg - d0 < index_t(kBCBlock) ? (g + 1) * c.cpg - d0 : index_t(kBCBlock);
-      P hj[kBCBlock], aj[kBCBlock];
-  MM_UNROLL
-      for (int j = 0; j < kBCBlock; ++j) {
-        hj[j] = j < nd ? ckpt(ch, n, bd0 + j) : P(0);
-        aj[j] = j < nd ? c.A2(d0 + j, n) : P(0);
-      }
-      for (index_t t = t0; t < t1; ++t) {
-        const index_t r = c.row(b, t);
-        const bool rs = c.reset(b, t);
-        const P Bn = c.Bv(r, g, n);
-        P sum = 0;
+    const index_t GN = c.G * c.N, nsub = (c.cpg + kBCBlock - 1) / kBCBlock;
+    const index_t round = bc_parts_round(s, n_tok, GN, nsub, sizeof(P));
+    PoolScope ws;
+    View3<P> pbc = ws.take<View3<P>>("selective_scan::dbc_parts", round, n_tok, 2 * GN);
+    const index_t b_col = c.b_col, c_col = c.c_col;
+    for (index_t s0 = 0; s0 < nsub; s0 += round) {
+      const index_t ns = std::min(round, nsub - s0);
+      par_for("selective_scan::backward_bc", c.Bsz * c.nc * ns, GN, KOKKOS_LAMBDA(index_t item, index_t gn) {
+        const index_t slot = item % ns, bc_id = item / ns, b = bc_id / c.nc, ch = bc_id % c.nc;
+        const index_t g = gn / c.N, n = gn % c.N;
+        const index_t t0 = ch * Q, t1 = c.chunk_end(ch);
+        const index_t d0 = g * c.cpg + (s0 + slot) * kBCBlock, bd0 = b * c.E + d0;
+        const index_t nd = (g + 1) * c.cpg - d0 < index_t(kBCBlock) ? (g + 1) * c.cpg - d0 : index_t(kBCBlock);
+        P hj[kBCBlock], aj[kBCBlock];
     MM_UNROLL
-        for (int j = 0; j < kBCBlock; ++j)
-          if (j < nd) {
-            const P dlt = dlt_buf(r, d0 + j);
-            hj[j] = (rs ? P(0) : c.decay(dlt, aj[j]) * hj[j]) + dlt * Bn * c.uval(r, d0 + j);
-            sum += g_buf(r, d0 + j) * hj[j];
-          }
-        pbc(slot, r, GN + gn) = sum;
-      }
-  MM_UNROLL
-      for (int j = 0; j < kBCBlock; ++j) hj[j] = j < nd ? dcarry(ch, n, bd0 + j) : P(0);  // now dh
-      for (index_t t = t1 - 1; t >= t0; --t) {
-        const index_t r = c.row(b, t);
-        const bool rs = c.reset(b, t);
-        const P Cn = c.Cv(r, g, n);
-        P sum = 0;
+        for (int j = 0; j < kBCBlock; ++j) {
+          hj[j] = j < nd ? ckpt(ch, n, bd0 + j) : P(0);
+          aj[j] = j < nd ? c.A2(d0 + j, n) : P(0);
+        }
+        for (index_t t = t0; t < t1; ++t) {
+          const index_t r = c.row(b, t);
+          const bool rs = c.reset(b, t);
+          const P Bn = c.Bv(r, g, n);
+          P sum = 0;
+      MM_UNROLL
+          for (int j = 0; j < kBCBlock; ++j)
+            if (j < nd) {
+              const P dlt = dlt_buf(r, d0 + j);
+              hj[j] = (rs ? P(0) : c.decay(dlt, aj[j]) * hj[j]) + dlt * Bn * c.uval(r, d0 + j);
+              sum += g_buf(r, d0 + j) * hj[j];
+            }
+          pbc(slot, r, GN + gn) = sum;
+        }
     MM_UNROLL
-        for (int j = 0; j < kBCBlock; ++j)
-          if (j < nd) {
-            const P dlt = dlt_buf(r, d0 + j);
-            const P dhn = hj[j] + Cn * g_buf(r, d0 + j);
-            sum += dhn * dlt * c.uval(r, d0 + j);
-            hj[j] = rs ? P(0) : c.decay(dlt, aj[j]) * dhn;
-          }
-        pbc(slot, r, gn) = sum;
-      }
-    });
-    sum_bc_parts<T>(pbc, ns, s0 == 0, gr.dbc, b_col, c_col);
-  }
+        for (int j = 0; j < kBCBlock; ++j) hj[j] = j < nd ? dcarry(ch, n, bd0 + j) : P(0);  // now dh
+        for (index_t t = t1 - 1; t >= t0; --t) {
+          const index_t r = c.row(b, t);
+          const bool rs = c.reset(b, t);
+          const P Cn = c.Cv(r, g, n);
+          P sum = 0;
+      MM_UNROLL
+          for (int j = 0; j < kBCBlock; ++j)
+            if (j < nd) {
+              const P dlt = dlt_buf(r, d0 + j);
+              const P dhn = hj[j] + Cn * g_buf(r, d0 + j);
+              sum += dhn * dlt * c.uval(r, d0 + j);
+              hj[j] = rs ? P(0) : c.decay(dlt, aj[j]) * dhn;
+            }
+          pbc(slot, r, gn) = sum;
+        }
+      });
+      sum_bc_parts<T>(pbc, ns, s0 == 0, gr.dbc, b_col, c_col);
+    }
   }
 
   // Parameter gradients: the partials summed over the batch (and the chunks) in order.

@@ -27,7 +27,8 @@ namespace mm {
 
 struct SelScanShape {
   index_t batch = 1, seqlen = 0, dinner = 1, ngroups = 1, dstate = 1, chunk = 256;
-  // The backward forms dB and dC as parts over blocks of 32 channels, as many at a time as this many bytes hold.
+  // The backward forms dB and dC as parts over blocks of 32 channels (16 on the native CUDA backward), as many at a
+  // time as this many bytes hold.
   double bc_parts_bytes = double(256ull << 20);
   // Let the forward take the native CUDA kernel (ssm/mamba1/scan_cuda.hpp) where it fits; false: always the
   // portable passes (to compare the two).
@@ -35,8 +36,8 @@ struct SelScanShape {
   // Which variant of the native kernel (mamba1_cuda::variant_name; 0: the default). For measurements.
   int native_variant = 0;
   // Let the backward's chunk passes take the native CUDA kernels (mamba1_cuda::backward_local / backward_chunk)
-  // where they fit (2.5x faster fwd+bwd than the portable passes on an H200, perf/RESULTS.md); false: always the
-  // portable passes (to compare the two).
+  // where they fit, dB and dC included (fwd+bwd 4.35x faster than with the portable passes on an H200,
+  // perf/RESULTS.md); false: always the portable passes (to compare the two).
   bool native_backward = true;
   index_t nchunks() const { return (seqlen + chunk - 1) / chunk; }
   void validate(const char* where) const;
