@@ -34,6 +34,24 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// Asynchronous copy of BYTES (8 or 16) from global to shared memory (cp.async; .cg, bypassing L1, for 16 bytes);
+// src_bytes 0 fills the destination with zeros (rows past a sequence's end). cp_async_commit closes a group;
+// cp_async_wait<G>() waits until at most G groups are in flight (G = 0: all of this thread's copies landed).
+template <int BYTES>
+__device__ __forceinline__ void cp_async(void* smem, const void* gmem, int src_bytes) {
+  static_assert(BYTES == 8 || BYTES == 16);
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  if constexpr (BYTES == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int G>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(G));
+}
+
 // kernel(args...) on a grid of blocks, on Kokkos' stream, under the profiling region `name`.
 template <class... P, class... A>
 void launch_grid(const char* name, dim3 grid, dim3 block, void (*kernel)(P...), const A&... args) {

@@ -57,16 +57,8 @@ constexpr float kLog2e = 1.4426950408889634f;
 // and every block walks the whole sequence, so they should all be resident at once.
 constexpr int kMinBlocks = 6;
 
-// Asynchronous copy of BYTES (8 or 16); src_bytes 0 fills the destination with zeros (rows past the sequence's end).
-template <int BYTES>
-__device__ __forceinline__ void cp_async(float* smem, const float* gmem, int src_bytes) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  if constexpr (BYTES == 16)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
-  else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+using cuda_k::cp_async;
+using cuda_k::cp_async_commit;
 // 2^x for x <= 0 (the decays): one MUFU.EX2, flushing results below the normal range to zero.
 __device__ __forceinline__ float ex2(float x) {
   float y;
@@ -197,7 +189,7 @@ __global__ void __launch_bounds__(kCB * S, kMinBlocks) forward_kernel(const FwdA
         dl[k] = __ldg(a.delta + row * a.ld_delta + d);
       }
     }
-    asm volatile("cp.async.wait_all;\n" ::);
+    cuda_k::cp_async_wait<0>();
     __syncthreads();  // this iteration's tile has landed for every lane, and the other stage is no longer read
     if (it + 1 < niter) {
       float* next = sbc + ((it + 1) & 1) * SF;
@@ -307,7 +299,7 @@ __global__ void __launch_bounds__(kCB * S, kMinBlocks) forward_kernel(const FwdA
       }
     }
   }
-  asm volatile("cp.async.wait_all;\n" ::);
+  cuda_k::cp_async_wait<0>();
   __syncwarp();
   if (a.final_state && s == 0)
     for (int n = 0; n < N; ++n) a.final_state[bd * N + n] = scarry[cl * N + n];
