@@ -536,7 +536,8 @@ void launch_bwd(const Args& a) {
 // warp reads two rows of x, dy and dx as whole 256-byte lines) and sums the dot products over those 16 lanes.
 // (ncu on an H200 at 0933312, one slice of 64 staged by plain loads and a thread per half row: 2.52 ms for
 // L = 65,536, 24 heads, P 64, N 128; 12 warps per SM with 5.4 of 11 cycles between instructions waiting on loads,
-// and 26 % of the sectors moved were excess from the half-row accesses.)
+// and 26 % of the sectors moved were excess from the half-row accesses; this form ran 1.39 ms fenced in the same
+// benchmark at f9b6d6e, perf/RESULTS.md.)
 constexpr int kSl = 32, kLdS = kSl + 4;  // d_state slice; fp32 staging rows: 16-byte aligned, 4 banks apart
 
 __host__ __device__ constexpr std::size_t epi_buf_floats(int P) { return std::size_t(2 * kTile + 2 * P) * kLdS; }
