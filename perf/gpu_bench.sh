@@ -18,8 +18,8 @@
 #                     [--runs NAME1,NAME2]    (stages dp and scale: only these runs, e.g. moe_1gpu,moe_ep2)
 #
 # --mamba-ssm DIR is the folder that holds the mamba_ssm package (e.g. $PWD/.peers); --causal-conv1d DIR holds the
-# built causal_conv1d_cuda*.so and the causal_conv1d package (perf/build_causal_conv1d.py makes it), without which
-# the peer's LM runs its unfused path. --bench-only also takes tfm (a PyTorch Transformer, peers only), mamba1 (our
+# built causal_conv1d_cuda*.so and the causal_conv1d package (built by the user beforehand, e.g. in the same device
+# command with torch's cpp_extension.load; never by this script), without which the peer's LM runs its unfused path. --bench-only also takes tfm (a PyTorch Transformer, peers only), mamba1 (our
 # Mamba-1 selective scan against the copy bandwidth, ours only), mamba3 (the Mamba-3 SISO block, both) and moe
 # (the issue-5 MoE layer and its expert GEMM rate; the peer on torch._grouped_mm).
 # --stages long: the LM step on one 1,048,576-token sequence with the Mamba-2 layers in windows of 131,072 tokens.

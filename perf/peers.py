@@ -5,7 +5,7 @@
 
 DIR for --mamba-ssm is a folder holding the mamba_ssm package (github:state-spaces/mamba), e.g. .peers, not
 .peers/mamba_ssm; --causal-conv1d is a folder holding both the built extension causal_conv1d_cuda*.so and the
-causal_conv1d Python package (perf/build_causal_conv1d.py makes one). Nothing is built here. Rows
+causal_conv1d Python package (built beforehand by the user; see perf/README.md). Nothing is built here. Rows
 "name,metric,value,unit" go to OUT/peers.csv. Kernels: medians from triton.testing.do_bench (CUDA events);
 training steps (lm, tfm): median of per-step CUDA-event times after warm-up steps. Random inputs.
 
