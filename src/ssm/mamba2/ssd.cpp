@@ -548,20 +548,6 @@ inline ssd_fused::Args fused_block_args(const Ctx<float>& c, const float* dy, in
   return a;
 }
 
-// The arrays of the fused backward's state kernels (chunk_dstates, state_terms): fused_args plus dY, dX and
-// dstates (chunk_dstates' output, state_terms' dH).
-inline ssd_fused::Args fused_state_args(const Ctx<float>& c, const float* dy, index_t ldy, float* dx, index_t ldd,
-                                        float* dstates) {
-  ssd_fused::Args a = fused_args(c);
-  a.dy = dy;
-  a.ldy = ldy;
-  a.dx = dx;
-  a.ldd = ldd;
-  a.out = dstates;
-  a.dstates = dstates;
-  return a;
-}
-
 // SSDAlgo::fused, forward: the chunk-local states and the chunk scan in the tensor-core kernels of ssd_fused.cpp;
 // the cumsum, the state passing and C B^T (a cuBLAS batched GEMM under s.compute) as in the GEMM formulation.
 template <class T>
@@ -643,13 +629,23 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
   View5<T> dstates = ws.take<View5<T>>("ssd::dstates", c.Bsz, c.nc, c.H, c.Pd, c.N);
   // the fused path: the forward's states and dL/dS_in from each chunk's own outputs in the chunk-state kernel, the
   // state terms of dB and dC in one kernel each; no (n, H P) token-scaled copies of x and dY
+  const auto fused_args_bwd = [&](const auto& cf) {  // (generic: instantiated for float activations only)
+    ssd_fused::Args a = fused_args(cf);
+    a.dy = dy.data();
+    a.ldy = ldy;
+    a.dx = dX;
+    a.ldd = ldd;
+    a.out = dstates.data();
+    a.dstates = dstates.data();
+    return a;
+  };
   View2<T> dye;
   if (fused) {
     if constexpr (std::is_same_v<T, float>) {
       ssd_fused::chunk_state(fused_args(c));
       state_passing(c, in.init_state, View4<T>());
       chunk_cb(c, cmp);
-      ssd_fused::chunk_dstates(fused_state_args(c, dy.data(), ldy, dX, ldd, dstates.data()));
+      ssd_fused::chunk_dstates(fused_args_bwd(c));
     }
   } else {
     gemm_states_and_cb(c, g, cmp, in.init_state, View4<T>());
@@ -667,8 +663,7 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
   // dB = (es Delta X) dH, dC = (e_in dY) S_in (the Q x Q terms are added per block below)
   // (every group in one two-level batched call)
   if (fused) {
-    if constexpr (std::is_same_v<T, float>)
-      ssd_fused::state_terms(fused_state_args(c, dy.data(), ldy, dX, ldd, dstates.data()));
+    if constexpr (std::is_same_v<T, float>) ssd_fused::state_terms(fused_args_bwd(c));
   } else {
     const ChunkOp<const T*> dHg = blk<const T*>(dstates.data(), c.N, c.H * PN, c.hpg * PN),
                             Sg = blk<const T*>(c.states.data(), c.N, c.H * PN, c.hpg * PN);
