@@ -154,12 +154,12 @@ std::pair<double, double> ssd_gemm_mem(double H, double G, double N, double P, d
   double bwd = ctx + 2 * d.a * d.n * E + (hb + runs) * per_head + pointers + states + d.a * d.b * nc * H * 3 +
                6 * d.a * hb * d.n + 2 * d.a * d.n * hb * P;
   if (ssd_resolved_algo(shape) == SSDAlgo::fused && d.a == 4.0 && ssd_fused::fits(int(P), int(N), int(Q))) {
-    // the fused backward: no xw or e_in dY, per-head Q x Q workspace, pointers, B dH^T or C S_in^T; blocks of
-    // heads sized by the six per-token sums and each source tile's part of the incoming sums
+    // the fused backward: no per-head Q x Q workspace, pointers, B dH^T or C S_in^T; blocks of heads sized by
+    // the six per-token sums and each source tile's part of the incoming sums
     const double tiles = std::ceil(Q / 64);
     const SSDGemmBlocks fb = ssd_gemm_blocks(index_t(H), index_t(G), ssd_fused_head_bytes(d.n, index_t(Q), d.a));
     const double fh = double(fb.heads), fr = double(fb.runs);
-    bwd = ctx + fr * per_head + states + d.a * d.b * nc * H * 3 + 6 * d.a * fh * d.n +
+    bwd = ctx + 2 * d.a * d.n * E + fr * per_head + states + d.a * d.b * nc * H * 3 + 6 * d.a * fh * d.n +
           d.a * tiles * fh * d.n;
   }
   return {fwd, bwd};

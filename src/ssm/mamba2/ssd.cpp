@@ -453,8 +453,8 @@ GemmCtx<T> make_gemm_ctx(const Ctx<T>& c, double budget, bool backward, PoolScop
   g.hb = bl.heads;
   g.runs = bl.runs;
   g.run_len = g.hb / g.runs;
-  if (per_head_qq) {  // the fused backward needs neither xw, the per-head Q x Q workspace nor the pointer arrays
-    g.xw = ws.take<View2<T>>("ssd::xw", c.Bsz * c.L, g.HP);
+  g.xw = ws.take<View2<T>>("ssd::xw", c.Bsz * c.L, g.HP);
+  if (per_head_qq) {  // the fused backward needs neither the per-head Q x Q workspace nor the pointer arrays
     g.w1 = ws.take<View4<T>>("ssd::qq1", g.hb, c.Bsz * c.nc, c.Q, c.Q);
     g.ptrs = ws.take<View1<std::uintptr_t>>("ssd::gemm_pointers", 3 * g.hb * c.Bsz * c.nc);
   }
@@ -619,52 +619,29 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
   const GemmCompute cmp = s.compute;
   dt_cumsum(c);
   const GemmCtx<T> g = make_gemm_ctx(c, s.gemm_workspace_bytes, true, ws, !fused);
+  gemm_states_and_cb(c, g, cmp, in.init_state, View4<T>());
   const T* X = c.xbc.data();
   const index_t PN = c.Pd * c.N, ldy = index_t(dy.stride(0)), nbc = c.Bsz * c.nc, QQ = c.Q * c.Q, nr = c.Bsz * c.L;
   const index_t gP = c.hpg * c.Pd;
+
+  // dL/dS_in from each chunk's own outputs: (diag(e_in) dY)^T C; xw (es Delta x) stays for dB's state term
+  View2<T> dye = ws.take<View2<T>>("ssd::dye", nr, g.HP);
+  per_token_heads(
+      "ssd::dy_scaled", c, KOKKOS_LAMBDA(index_t b, index_t h, index_t t) { return e_in_of(c, b, h, t); },
+      KOKKOS_LAMBDA(index_t r, int hp, int, T e) { dye(r, hp) = e * dy(r, hp); });
+  View5<T> dstates = ws.take<View5<T>>("ssd::dstates", c.Bsz, c.nc, c.H, c.Pd, c.N);
+  chunk_gemm<T>(c, cmp, Trans::T, Trans::N, gP, c.N, kQ, T(1), tok<const T*>(dye.data(), g.HP, gP),
+                tok(X + c.c_col, g.ldx, c.N), T(0), blk(dstates.data(), c.N, c.H * PN, c.hpg * PN), c.G, c.gptrs);
+  state_passing_bwd(c, dstates, dfinal_state, gr.dinit_state);
+
   const auto dxbc = gr.dxbc;
   const auto ddt = gr.ddt;
   const index_t ldd = index_t(dxbc.stride(0));
   T* dX = dxbc.data();
-  View5<T> dstates = ws.take<View5<T>>("ssd::dstates", c.Bsz, c.nc, c.H, c.Pd, c.N);
-  // the fused path: the forward's states and dL/dS_in from each chunk's own outputs in the chunk-state kernel, the
-  // state terms of dB and dC in one kernel each; no (n, H P) token-scaled copies of x and dY
-  const auto fused_args_bwd = [&](const auto& cf) {  // (generic: instantiated for float activations only)
-    ssd_fused::Args a = fused_args(cf);
-    a.dy = dy.data();
-    a.ldy = ldy;
-    a.dx = dX;
-    a.ldd = ldd;
-    a.out = dstates.data();
-    a.dstates = dstates.data();
-    return a;
-  };
-  View2<T> dye;
-  if (fused) {
-    if constexpr (std::is_same_v<T, float>) {
-      ssd_fused::chunk_state(fused_args(c));
-      state_passing(c, in.init_state, View4<T>());
-      chunk_cb(c, cmp);
-      ssd_fused::chunk_dstates(fused_args_bwd(c));
-    }
-  } else {
-    gemm_states_and_cb(c, g, cmp, in.init_state, View4<T>());
-    // dL/dS_in from each chunk's own outputs: (diag(e_in) dY)^T C; xw (es Delta x) stays for dB's state term
-    dye = ws.take<View2<T>>("ssd::dye", nr, g.HP);
-    per_token_heads(
-        "ssd::dy_scaled", c, KOKKOS_LAMBDA(index_t b, index_t h, index_t t) { return e_in_of(c, b, h, t); },
-        KOKKOS_LAMBDA(index_t r, int hp, int, T e) { dye(r, hp) = e * dy(r, hp); });
-    chunk_gemm<T>(c, cmp, Trans::T, Trans::N, gP, c.N, kQ, T(1), tok<const T*>(dye.data(), g.HP, gP),
-                  tok(X + c.c_col, g.ldx, c.N), T(0), blk(dstates.data(), c.N, c.H * PN, c.hpg * PN), c.G, c.gptrs);
-  }
-  state_passing_bwd(c, dstates, dfinal_state, gr.dinit_state);
-
   // the state terms of dB and dC, summed over a group's heads by the K dimension:
   // dB = (es Delta X) dH, dC = (e_in dY) S_in (the Q x Q terms are added per block below)
   // (every group in one two-level batched call)
-  if (fused) {
-    if constexpr (std::is_same_v<T, float>) ssd_fused::state_terms(fused_args_bwd(c));
-  } else {
+  {
     const ChunkOp<const T*> dHg = blk<const T*>(dstates.data(), c.N, c.H * PN, c.hpg * PN),
                             Sg = blk<const T*>(c.states.data(), c.N, c.H * PN, c.hpg * PN);
     chunk_gemm<T>(c, cmp, Trans::N, Trans::N, kQ, c.N, gP, T(1), tok<const T*>(g.xw.data(), g.HP, gP), dHg, T(0),

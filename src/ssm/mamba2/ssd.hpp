@@ -28,12 +28,10 @@ namespace mm {
 //             outputs and every product of the backward) as strided batched GEMMs (cuBLAS on CUDA: tensor cores
 //             under `compute` tf32/bf16), with the masks, decays and reductions in Kokkos elementwise kernels;
 //   fused:    on CUDA with float activations (headdim a multiple of 16 up to 128, d_state a multiple of 16, chunk a
-//             multiple of 64), the forward's chunk states and chunk scan (tf32), the backward's chunk states,
-//             dL/dS_in and the state terms of dB, dC and dX (tf32), and its intra-chunk products (dX = M^T dY, the
-//             sums of K o dY X^T, dC B^T summed over heads; bf16 operands) as native tensor-core kernels
-//             (ssd_fused.hpp: fp32 accumulation, no per-head Q x Q workspace, no token-scaled copies of x or dY);
-//             C B^T and the dC B^T products as gemm (its GEMMs under `compute`), and every other build or shape
-//             entirely as gemm;
+//             multiple of 64), the forward's chunk states and chunk scan and the backward's intra-chunk products
+//             (dX = M^T dY, the sums of K o dY X^T, dC B^T summed over heads) as native tensor-core kernels
+//             (ssd_fused.hpp: bf16 operands, fp32 accumulation, no per-head Q x Q workspace); the rest as gemm
+//             (its GEMMs under `compute`), and every other build or shape entirely as gemm;
 //   automatic: on CUDA fused when `compute` is bf16 (the arithmetic its products use), else gemm; portable on host
 //             backends.
 enum class SSDAlgo { automatic, portable, gemm, fused };

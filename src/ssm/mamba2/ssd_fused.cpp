@@ -81,382 +81,188 @@ struct One {
   __device__ float operator()(int) const { return 1.f; }
 };
 
-// ------------------------------------------------------------------ forward
-
-// The forward kernels walk their reduction dimension in slices of kSl through two shared-memory buffers: the next
-// slice is in flight (cp.async) while the current one is multiplied on tensor cores (tf32 WMMA 16 x 16 x 8 on the
-// fp32 staging, fp32 accumulation). Elements that need a factor (a decay, a mask, Delta) get it in place, from the
-// thread that copied them, after its own copies have landed and before the barrier that publishes the slice.
-constexpr int kSl = 32, kLdS = kSl + 4;  // slice width; fp32 staging rows: 16-byte aligned, 4 banks apart
-
-// f(r, c) for the 4-wide groups (r, c .. c + 3) of a ROWS x COLS tile that this thread stages in stage_f32.
-template <int ROWS, int COLS, class F>
-__device__ __forceinline__ void for_own(F&& f) {
-  constexpr int C4 = COLS / 4;
-  static_assert(ROWS * C4 % kThreads == 0, "whole steps of the block");
-#pragma unroll 4
-  for (int it = 0; it < ROWS * C4 / kThreads; ++it) {
-    const int i = threadIdx.x + it * kThreads;
-    f(i / C4, (i % C4) * 4);
-  }
-}
-
-// dst (ROWS x COLS fp32, row stride ldd) <- src(r, c) for r < nr, c < nc, zero elsewhere (COLS, nc multiples of 4);
-// kAsync: 16-byte cp.async copies (src rows 16-byte aligned), left in flight; else plain loads and stores.
-template <int ROWS, int COLS, bool kAsync>
-__device__ __forceinline__ void stage_f32(float* dst, int ldd, const float* src, std::int64_t lds, int nr, int nc) {
-  for_own<ROWS, COLS>([&](int r, int c) {
-    const bool in = r < nr && c < nc;
-    if constexpr (kAsync) {
-      cuda_k::cp_async<16>(dst + r * ldd + c, in ? src + r * lds + c : src, in ? 16 : 0);
-    } else {
-      const float4 v = in ? load4<false>(src + r * lds + c) : make_float4(0.f, 0.f, 0.f, 0.f);
-      *reinterpret_cast<float4*>(dst + r * ldd + c) = v;
-    }
-  });
-}
-
-template <class Frag>
-__device__ __forceinline__ void to_tf32(Frag& f) {
-#pragma unroll
-  for (int e = 0; e < f.num_elements; ++e) f.x[e] = wmma::__float_to_tf32(f.x[e]);
-}
-
-// Chunk state: per buffer, x (kSl tokens, P + 4) and B (kSl tokens, kTile + 4 columns of n); then w (Q).
-__host__ __device__ constexpr std::size_t cstate_buf_floats(int P) {
-  return std::size_t(kSl) * (P + 4) + std::size_t(kSl) * (kTile + 4);
-}
-
-// One block per (64 columns n of the state, head, (row, chunk)); warp w owns columns 16 w .. 16 w + 15 and every
-// 16-row fragment of P: out = (w o X)^T B over the chunk's tokens, 32 at a time. Forward (kIn false): X = x,
-// B = B, w = es Delta (the chunk-local states, into a.states). Backward (kIn true): X = dY, B = C, w = e_in (dL/dS_in
-// from the chunk's own outputs, into a.out).
-template <int PT, bool V4, bool kIn>
-__global__ void __launch_bounds__(kThreads, PT <= 4 ? 3 : 2) chunk_state_kernel(const Args a) {
+// One block per (64 columns n of the state, head, (row, chunk)); PT = P / 16 fragments per warp.
+template <int PT, bool V4>
+__global__ void __launch_bounds__(kThreads, PT <= 4 ? 6 : 4) chunk_state_kernel(const Args a) {
   extern __shared__ __align__(128) unsigned char smem[];
-  constexpr int P = PT * 16, ldxs = P + 4, ldbs = kTile + 4;
-  constexpr std::size_t kBuf = cstate_buf_floats(P);
-  float* buf0 = reinterpret_cast<float*>(smem);
-  float* w = buf0 + 2 * kBuf;  // per-token weight: [same record as the last token] exp(acs_last - acs_s) Delta_s
+  constexpr int P = PT * 16, ldx = P + kPad;
+  bf* xs = reinterpret_cast<bf*>(smem);  // (kTile tokens, P): es Delta x, read as X^T (column-major A)
+  bf* bs = xs + kTile * ldx;             // (kTile tokens, 64 columns of B)
+  float* w = reinterpret_cast<float*>(bs + kTile * kLdTile);  // per-token weight of the tile
 
   const int n0 = blockIdx.x * kTile, h = blockIdx.y, bc = blockIdx.z;
   const int b = bc / a.nc, ch = bc % a.nc, t0 = ch * a.Q, q = min(a.Q, a.L - t0), g = h / (a.H / a.G);
-  const int tid = threadIdx.x, warp = tid / 32, nw = min(kTile, a.N - n0);
+  const int warp = threadIdx.x / 32, nw = min(kTile, a.N - n0);
   const std::int64_t row0 = std::int64_t(b) * a.L;
   const float* acs = a.acs + (std::int64_t(b) * a.H + h) * a.L;
   const float* dlt = a.delta + (std::int64_t(b) * a.H + h) * a.L;
-  const float* xrow = kIn ? a.dy + (row0 + t0) * a.ldy + h * P : a.xbc + (row0 + t0) * a.ldx + a.x_col + h * P;
-  const std::int64_t ldsrc = kIn ? a.ldy : a.ldx;
-  const float* brow = a.xbc + (row0 + t0) * a.ldx + (kIn ? a.c_col : a.b_col) + g * a.N + n0;
-  const int nsl = (q + kSl - 1) / kSl;
-  auto stage_slice = [&](int k) {
-    float* xs = buf0 + (k & 1) * kBuf;
-    float* bs = xs + kSl * ldxs;
-    const int s0 = k * kSl, ns = min(kSl, q - s0);
-    stage_f32<kSl, P, V4>(xs, ldxs, xrow + std::int64_t(s0) * ldsrc, ldsrc, ns, P);
-    stage_f32<kSl, kTile, V4>(bs, ldbs, brow + std::int64_t(s0) * a.ldx, a.ldx, ns, nw);
-    cuda_k::cp_async_commit();
-  };
-  stage_slice(0);
-  {
-    const int ref = kIn ? (ch == 0 ? 0 : t0 - 1) : t0 + q - 1;  // the entering state's token, or the last one
-    const float acs_last = acs[t0 + q - 1];
-    const int rec_ref = a.seq ? a.seq[row0 + ref] : 0;
-    for (int s = tid; s < nsl * kSl; s += kThreads) {
-      float v = 0.f;
-      if (s < q && (!a.seq || a.seq[row0 + t0 + s] == rec_ref)) {
-        const float e = decay(kIn ? acs[t0 + s] : acs_last - acs[t0 + s]);
-        v = e < a.cutoff ? 0.f : (kIn ? e : e * dlt[t0 + s]);
-      }
-      w[s] = v;
-    }
-  }
-  __syncthreads();
+  const float acs_last = acs[t0 + q - 1];
+  const int rec_last = a.seq ? a.seq[row0 + t0 + q - 1] : 0;
 
-  wmma::fragment<wmma::accumulator, 16, 16, 8, float> acc[PT];
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[PT];
 #pragma unroll
   for (int i = 0; i < PT; ++i) wmma::fill_fragment(acc[i], 0.f);
-  for (int k = 0; k < nsl; ++k) {
-    if (k + 1 < nsl) stage_slice(k + 1);
-    else cuda_k::cp_async_commit();  // an empty group: the wait below always leaves one group in flight
-    cuda_k::cp_async_wait<1>();
-    float* xs = buf0 + (k & 1) * kBuf;
-    const float* bs = xs + kSl * ldxs;
-    for_own<kSl, P>([&](int r, int c) {
-      const float f = w[k * kSl + r];
-      float4* v = reinterpret_cast<float4*>(xs + r * ldxs + c);
-      float4 x = *v;
-      x.x *= f, x.y *= f, x.z *= f, x.w *= f;
-      *v = x;
-    });
+
+  for (int s0 = 0; s0 < q; s0 += kTile) {
+    const int ns = min(kTile, q - s0);
+    if (threadIdx.x < kTile) {
+      const int t = t0 + s0 + threadIdx.x;
+      float v = 0.f;
+      if (int(threadIdx.x) < ns && (!a.seq || a.seq[row0 + t] == rec_last)) {
+        const float e = decay(acs_last - acs[t]);
+        v = e < a.cutoff ? 0.f : e * dlt[t];
+      }
+      w[threadIdx.x] = v;
+    }
+    __syncthreads();
+    const float* xrow = a.xbc + (row0 + t0 + s0) * a.ldx;
+    stage<kTile, P, V4>(xs, ldx, xrow + a.x_col + h * P, a.ldx, ns, P, [w](int r) { return w[r]; });
+    stage<kTile, kTile, V4>(bs, kLdTile, xrow + a.b_col + g * a.N + n0, a.ldx, ns, nw, One{});
     __syncthreads();
     if (warp * 16 < nw) {
 #pragma unroll
-      for (int kk = 0; kk < kSl; kk += 8) {
-        wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::row_major> fb;
-        wmma::load_matrix_sync(fb, bs + kk * ldbs + warp * 16, ldbs);
-        to_tf32(fb);
+      for (int k = 0; k < kTile; k += 16) {
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::row_major> fb;
+        wmma::load_matrix_sync(fb, bs + k * kLdTile + warp * 16, kLdTile);
 #pragma unroll
         for (int i = 0; i < PT; ++i) {
-          // (w o X)^T: element (p, s) at s ldxs + p
-          wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::col_major> fa;
-          wmma::load_matrix_sync(fa, xs + kk * ldxs + i * 16, ldxs);
-          to_tf32(fa);
+          wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::col_major> fa;
+          wmma::load_matrix_sync(fa, xs + k * ldx + i * 16, ldx);
           wmma::mma_sync(acc[i], fa, fb, acc[i]);
         }
       }
     }
-    __syncthreads();  // before this buffer is staged again
+    __syncthreads();
   }
   if (warp * 16 < nw) {
-    float* S = (kIn ? a.out : a.states) + ((std::int64_t(bc) * a.H + h) * P) * a.N + n0 + warp * 16;
+    float* S = a.states + ((std::int64_t(bc) * a.H + h) * P) * a.N + n0 + warp * 16;
 #pragma unroll
     for (int i = 0; i < PT; ++i) wmma::store_matrix_sync(S + std::int64_t(i) * 16 * a.N, acc[i], a.N, wmma::mem_row_major);
   }
 }
 
-// The state terms of dB and dC, summed over a group's heads (the K dimension runs over the heads' P columns):
-//   kDC false: dB(l, n) = sum_{h in g, p} es(l, h) Delta(l, h) x(l, h P + p) dH_h(p, n)
-//   kDC true:  dC(l, n) = sum_{h in g, p} e_in(l, h) dY(l, h P + p) S_in,h(p, n)
-// written (not added) at column b_col / c_col + g N + n of a.dx. One block per (64 tokens l, 128 columns n,
-// (row, chunk, group)); warp w owns rows 16 w .. 16 w + 15 and the 8 column fragments. K-slices of 32 within a head
-// (P a multiple of 16: a head's last slice may be half zero); the token rows are scaled by their head's weight in
-// place, as in the kernels above.
-constexpr int kStN = 128;
-__host__ __device__ constexpr std::size_t st_buf_floats() { return std::size_t(kTile) * kLdS + std::size_t(kSl) * (kStN + 4); }
-__host__ __device__ constexpr std::size_t st_stage_bytes() {
-  const std::size_t st = 2 * st_buf_floats() * 4, out = std::size_t(kTile) * (kStN + 4) * 4;
-  return st > out ? st : out;
-}
-std::size_t st_smem(int hpg) { return st_stage_bytes() + std::size_t(hpg) * kTile * 4; }
-
-template <bool V4, bool kDC>
-__global__ void __launch_bounds__(kThreads, 3) state_terms_kernel(const Args a) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  constexpr int ldbs = kStN + 4, ldo = kStN + 4, NF = kStN / 16;
-  constexpr std::size_t kBuf = st_buf_floats();
-  float* buf0 = reinterpret_cast<float*>(smem);
-  float* os = buf0;
-  float* w = reinterpret_cast<float*>(smem + st_stage_bytes());  // (heads of the group, 64 l)
-
-  const int l0 = blockIdx.x * kTile, n0 = blockIdx.y * kStN, gbc = blockIdx.z;
-  const int g = gbc % a.G, bc = gbc / a.G, b = bc / a.nc, ch = bc % a.nc, t0 = ch * a.Q, q = min(a.Q, a.L - t0);
-  if (l0 >= q) return;
-  const int tid = threadIdx.x, warp = tid / 32, nl = min(kTile, q - l0), nw = min(kStN, a.N - n0);
-  const int P = a.P, hpg = a.H / a.G, h0 = g * hpg, spp = (P + kSl - 1) / kSl, nsl = hpg * spp;
-  const std::int64_t row0 = std::int64_t(b) * a.L, PN = std::int64_t(P) * a.N;
-  const float* src = kDC ? a.dy + (row0 + t0 + l0) * a.ldy : a.xbc + (row0 + t0 + l0) * a.ldx + a.x_col;
-  const std::int64_t ldsrc = kDC ? a.ldy : a.ldx;
-  const float* M = (kDC ? a.states : a.dstates) + (std::int64_t(bc) * a.H + h0) * PN + n0;
-  auto stage_slice = [&](int k) {
-    float* as = buf0 + (k & 1) * kBuf;
-    float* bs = as + kTile * kLdS;
-    const int hh = k / spp, p0 = (k % spp) * kSl, np = min(kSl, P - p0);
-    stage_f32<kTile, kSl, V4>(as, kLdS, src + (h0 + hh) * P + p0, ldsrc, nl, np);
-    stage_f32<kSl, kStN, true>(bs, ldbs, M + hh * PN + std::int64_t(p0) * a.N, a.N, np, nw);  // N % 16 == 0
-    cuda_k::cp_async_commit();
-  };
-  stage_slice(0);
-  {
-    const int r_in = a.seq ? a.seq[row0 + (ch == 0 ? 0 : t0 - 1)] : 0;
-    const int r_last = a.seq ? a.seq[row0 + t0 + q - 1] : 0;
-    for (int i = tid; i < hpg * kTile; i += kThreads) {
-      const int hh = i / kTile, l = i % kTile, h = h0 + hh, t = t0 + l0 + l;
-      float v = 0.f;
-      if (l < nl) {
-        const float* acs = a.acs + (std::int64_t(b) * a.H + h) * a.L;
-        const int r = a.seq ? a.seq[row0 + t] : 0;
-        if (kDC) {
-          v = r == r_in ? decay(acs[t]) : 0.f;
-          v = v < a.cutoff ? 0.f : v;
-        } else {
-          const float e = r == r_last ? decay(acs[t0 + q - 1] - acs[t]) : 0.f;
-          v = e < a.cutoff ? 0.f : e * a.delta[(std::int64_t(b) * a.H + h) * a.L + t];
-        }
-      }
-      w[i] = v;
-    }
-  }
-  __syncthreads();
-
-  wmma::fragment<wmma::accumulator, 16, 16, 8, float> acc[NF];
-#pragma unroll
-  for (int i = 0; i < NF; ++i) wmma::fill_fragment(acc[i], 0.f);
-  for (int k = 0; k < nsl; ++k) {
-    if (k + 1 < nsl) stage_slice(k + 1);
-    else cuda_k::cp_async_commit();  // an empty group: the wait below always leaves one group in flight
-    cuda_k::cp_async_wait<1>();
-    float* as = buf0 + (k & 1) * kBuf;
-    const float* bs = as + kTile * kLdS;
-    const float* wh = w + (k / spp) * kTile;
-    for_own<kTile, kSl>([&](int r, int c) {
-      float4* p = reinterpret_cast<float4*>(as + r * kLdS + c);
-      float4 v = *p;
-      const float f = wh[r];
-      v.x *= f, v.y *= f, v.z *= f, v.w *= f;
-      *p = v;
-    });
-    __syncthreads();
-    const int kw = min(kSl, P - (k % spp) * kSl);
-#pragma unroll
-    for (int kk = 0; kk < kSl; kk += 8) {
-      if (kk >= kw) break;
-      wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::row_major> fa;
-      wmma::load_matrix_sync(fa, as + warp * 16 * kLdS + kk, kLdS);
-      to_tf32(fa);
-#pragma unroll
-      for (int i = 0; i < NF; ++i) {
-        if (i * 16 >= nw) break;
-        wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::row_major> fb;
-        wmma::load_matrix_sync(fb, bs + kk * ldbs + i * 16, ldbs);
-        to_tf32(fb);
-        wmma::mma_sync(acc[i], fa, fb, acc[i]);
-      }
-    }
-    __syncthreads();  // before this buffer is staged again
-  }
-#pragma unroll
-  for (int i = 0; i < NF; ++i) wmma::store_matrix_sync(os + warp * 16 * ldo + i * 16, acc[i], ldo, wmma::mem_row_major);
-  __syncthreads();
-  float* dst = a.dx + (row0 + t0 + l0) * a.ldd + (kDC ? a.c_col : a.b_col) + g * a.N + n0;
-  for (int i = tid; i < nl * (kStN / 4); i += kThreads) {
-    const int r = i / (kStN / 4), c = (i % (kStN / 4)) * 4;
-    if (c >= nw) continue;
-    const float4 o = *reinterpret_cast<const float4*>(os + r * ldo + c);
-    float* d = dst + std::int64_t(r) * a.ldd + c;
-    if constexpr (V4)
-      *reinterpret_cast<float4*>(d) = o;
-    else
-      d[0] = o.x, d[1] = o.y, d[2] = o.z, d[3] = o.w;
-  }
-}
-
-// Chunk scan: per buffer, the A slice (64 l, kLdS) and the B slice (S_in: P x kLdS, or x: kSl x (P + 4)); the
-// fp32 output tile (64 x (P + 4)) reuses the buffers; then acs, Delta and the record of the chunk's tokens (Q each).
-__host__ __device__ constexpr std::size_t scan_buf_floats(int P) {
-  const std::size_t b1 = std::size_t(P) * kLdS, b2 = std::size_t(kSl) * (P + 4);
-  return std::size_t(kTile) * kLdS + (b1 > b2 ? b1 : b2);
-}
+// Bytes of the chunk scan's shared stage buffer (the largest of its three uses).
 __host__ __device__ constexpr std::size_t scan_stage_bytes(int P) {
-  const std::size_t st = 2 * scan_buf_floats(P) * 4, out = std::size_t(kTile) * (P + 4) * 4;
-  return st > out ? st : out;
+  const std::size_t a = std::size_t(kTile + P) * kLdTile * 2, b = std::size_t(kTile) * (kLdTile + P + kPad) * 2,
+                    c = std::size_t(kTile) * (P + 4) * 4;
+  return a > b ? (a > c ? a : c) : (b > c ? b : c);
 }
 
-// One block per (64 output tokens l, head, (row, chunk)); warp w owns rows 16 w .. 16 w + 15 of the tile and every
-// 16-column fragment of P. One walk over k-slices of 32: first d_state (A = e_in C, B = S_in^T: the inter-chunk
-// term), then the source tokens up to the tile's end (A = the masked decays M(l, s) = (C_l . B_s)
-// exp(acs_l - acs_s) Delta_s for s <= l in the same record, B = x_s: the intra-chunk term); then y = acc + D x.
+// One block per (64 output tokens l, head, (row, chunk)); warp w owns rows 16 w .. 16 w + 15 of the tile.
 template <int PT, bool V4>
-__global__ void __launch_bounds__(kThreads, PT <= 4 ? 4 : 2) chunk_scan_kernel(const Args a) {
+__global__ void __launch_bounds__(kThreads, PT <= 4 ? 6 : 4) chunk_scan_kernel(const Args a) {
   extern __shared__ __align__(128) unsigned char smem[];
-  constexpr int P = PT * 16, ldxs = P + 4, ldy = P + 4;
-  constexpr std::size_t kBuf = scan_buf_floats(P);
-  float* buf0 = reinterpret_cast<float*>(smem);
-  float* ys = buf0;
-  float* acs_s = reinterpret_cast<float*>(smem + scan_stage_bytes(P));
-  float* dt_s = acs_s + a.Q;
-  int* rec_s = reinterpret_cast<int*>(dt_s + a.Q);
+  constexpr int P = PT * 16, ldx = P + kPad, ldy = P + 4;
+  // stage A: cs (64 l, 64 n) e_in C, ss (P, 64 n) S_in; stage B: ms (64 l, 64 s) the masked decays, xs (64 s, P);
+  // stage C: ys (64 l, P) fp32. The three share the buffer; the per-token arrays follow it.
+  bf* cs = reinterpret_cast<bf*>(smem);
+  bf* ss = cs + kTile * kLdTile;
+  bf* ms = cs;
+  bf* xs = cs + kTile * kLdTile;
+  float* ys = reinterpret_cast<float*>(smem);
+  float* acs_l = reinterpret_cast<float*>(smem + scan_stage_bytes(P));
+  float* ein = acs_l + kTile;
+  float* acs_s = ein + kTile;
+  float* dt_s = acs_s + kTile;
+  int* rec_l = reinterpret_cast<int*>(dt_s + kTile);
+  int* rec_s = rec_l + kTile;
 
   const int l0 = blockIdx.x * kTile, h = blockIdx.y, bc = blockIdx.z;
   const int b = bc / a.nc, ch = bc % a.nc, t0 = ch * a.Q, q = min(a.Q, a.L - t0), g = h / (a.H / a.G);
   if (l0 >= q) return;  // the short last chunk
-  const int tid = threadIdx.x, warp = tid / 32, nl = min(kTile, q - l0);
+  const int warp = threadIdx.x / 32, nl = min(kTile, q - l0);
   const std::int64_t row0 = std::int64_t(b) * a.L;
   const float* acs = a.acs + (std::int64_t(b) * a.H + h) * a.L;
   const float* dlt = a.delta + (std::int64_t(b) * a.H + h) * a.L;
-  const float* S = a.states + (std::int64_t(bc) * a.H + h) * P * a.N;
-  const float* lrow = a.xbc + (row0 + t0 + l0) * a.ldx;
-  const float* CB = a.cb + ((std::int64_t(bc) * a.G + g) * a.Q + l0) * a.Q;
-  const float* xsrc = a.xbc + (row0 + t0) * a.ldx + a.x_col + h * P;
-  const int nsl_n = (a.N + kSl - 1) / kSl, s_end = min(q, l0 + kTile);
-  const int nsl = nsl_n + (s_end + kSl - 1) / kSl;
-  auto stage_slice = [&](int k) {
-    float* as = buf0 + (k & 1) * kBuf;
-    float* bs = as + kTile * kLdS;
-    if (k < nsl_n) {
-      const int n0 = k * kSl, nw = min(kSl, a.N - n0);
-      stage_f32<kTile, kSl, V4>(as, kLdS, lrow + a.c_col + g * a.N + n0, a.ldx, nl, nw);
-      stage_f32<P, kSl, true>(bs, kLdS, S + n0, a.N, P, nw);  // N % 16 == 0: S_in rows are 16-byte aligned
-    } else {
-      // CB rows are Q (a multiple of 64) apart: 16-byte aligned; columns past the chunk's end are read (they are
-      // inside the row) and masked below
-      const int s0 = (k - nsl_n) * kSl;
-      stage_f32<kTile, kSl, true>(as, kLdS, CB + s0, a.Q, nl, kSl);
-      stage_f32<kSl, P, V4>(bs, ldxs, xsrc + std::int64_t(s0) * a.ldx, a.ldx, min(kSl, q - s0), P);
+
+  if (threadIdx.x < kTile) {
+    const int l = threadIdx.x, t = t0 + l0 + l;
+    const int r_in = a.seq ? a.seq[row0 + (ch == 0 ? 0 : t0 - 1)] : 0;
+    float al = 0.f, e = 0.f;
+    int r = 0;
+    if (l < nl) {
+      al = acs[t];
+      r = a.seq ? a.seq[row0 + t] : 0;
+      e = r == r_in ? decay(al) : 0.f;
+      e = e < a.cutoff ? 0.f : e;
     }
-    cuda_k::cp_async_commit();
-  };
-  stage_slice(0);
-  const int r_in = a.seq ? a.seq[row0 + (ch == 0 ? 0 : t0 - 1)] : 0;
-  for (int s = tid; s < (s_end + kSl - 1) / kSl * kSl; s += kThreads) {
-    const bool in = s < q;
-    acs_s[s] = in ? acs[t0 + s] : 0.f;
-    dt_s[s] = in ? dlt[t0 + s] : 0.f;
-    rec_s[s] = in ? (a.seq ? a.seq[row0 + t0 + s] : 0) : -1;
+    acs_l[l] = al;
+    ein[l] = e;
+    rec_l[l] = r;
   }
   __syncthreads();
 
-  wmma::fragment<wmma::accumulator, 16, 16, 8, float> acc[PT];
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[PT];
 #pragma unroll
   for (int i = 0; i < PT; ++i) wmma::fill_fragment(acc[i], 0.f);
-  const int warp_last = l0 + warp * 16 + 15;  // the last output token of the warp's rows
-  for (int k = 0; k < nsl; ++k) {
-    if (k + 1 < nsl) stage_slice(k + 1);
-    else cuda_k::cp_async_commit();  // an empty group: the wait below always leaves one group in flight
-    cuda_k::cp_async_wait<1>();
-    float* as = buf0 + (k & 1) * kBuf;
-    const float* bs = as + kTile * kLdS;
-    const bool inter = k < nsl_n;
-    const int s0 = inter ? 0 : (k - nsl_n) * kSl;
-    for_own<kTile, kSl>([&](int r, int c) {
-      float4* p = reinterpret_cast<float4*>(as + r * kLdS + c);
-      float4 v = *p;
-      if (r >= nl) return;  // zero-filled
-      const int l = l0 + r, rl = rec_s[l];
-      const float al = acs_s[l];
-      if (inter) {
-        float e = rl == r_in ? decay(al) : 0.f;
-        e = e < a.cutoff ? 0.f : e;
-        v.x *= e, v.y *= e, v.z *= e, v.w *= e;
-      } else {
-        float m[4] = {v.x, v.y, v.z, v.w};
+
+  // inter-chunk term: (e_in C) S_in^T, 64 columns n at a time
+  const float* S = a.states + (std::int64_t(bc) * a.H + h) * P * a.N;
+  const float* lrow = a.xbc + (row0 + t0 + l0) * a.ldx;
+  for (int n0 = 0; n0 < a.N; n0 += kTile) {
+    const int nw = min(kTile, a.N - n0);
+    stage<kTile, kTile, V4>(cs, kLdTile, lrow + a.c_col + g * a.N + n0, a.ldx, nl, nw, [ein](int r) { return ein[r]; });
+    stage<P, kTile, V4>(ss, kLdTile, S + n0, a.N, P, nw, One{});
+    __syncthreads();
+    for (int k = 0; k < nw; k += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::row_major> fa;
+      wmma::load_matrix_sync(fa, cs + warp * 16 * kLdTile + k, kLdTile);
+#pragma unroll
+      for (int i = 0; i < PT; ++i) {
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::col_major> fb;
+        wmma::load_matrix_sync(fb, ss + i * 16 * kLdTile + k, kLdTile);
+        wmma::mma_sync(acc[i], fa, fb, acc[i]);
+      }
+    }
+    __syncthreads();
+  }
+
+  // intra-chunk term: source tiles up to and including the diagonal one
+  const float* CB = a.cb + ((std::int64_t(bc) * a.G + g) * a.Q + l0) * a.Q;
+  for (int s0 = 0; s0 <= l0; s0 += kTile) {
+    const int ns = min(kTile, q - s0);
+    if (threadIdx.x < kTile) {
+      const int s = threadIdx.x, t = t0 + s0 + s;
+      acs_s[s] = s < ns ? acs[t] : 0.f;
+      dt_s[s] = s < ns ? dlt[t] : 0.f;
+      rec_s[s] = s < ns ? (a.seq ? a.seq[row0 + t] : 0) : -1;
+    }
+    __syncthreads();
+    constexpr int C4 = kTile / 4;
+#pragma unroll
+    for (int it = 0; it < kTile * C4 / kThreads; ++it) {
+      const int i = threadIdx.x + it * kThreads, l = i / C4, s = (i % C4) * 4;
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (l < nl && s0 + s <= l0 + l) {
+        const float4 cb = load4<true>(CB + std::int64_t(l) * a.Q + s0 + s);  // Q % 64 == 0: always aligned
+        const float al = acs_l[l];
+        const int rl = rec_l[l];
+        float m[4] = {cb.x, cb.y, cb.z, cb.w};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const int sj = s0 + c + j;
-          const float e = decay(al - acs_s[sj]);
-          m[j] = sj <= l && rec_s[sj] == rl && e >= a.cutoff ? m[j] * e * dt_s[sj] : 0.f;
+          const int sj = s + j;
+          float e = decay(al - acs_s[sj]);
+          const bool keep = sj < ns && s0 + sj <= l0 + l && rec_s[sj] == rl && e >= a.cutoff;
+          m[j] = keep ? m[j] * e * dt_s[sj] : 0.f;
         }
         v = make_float4(m[0], m[1], m[2], m[3]);
       }
-      *p = v;
-    });
+      store4_bf16(ms + l * kLdTile + s, v);
+    }
+    stage<kTile, P, V4>(xs, ldx, a.xbc + (row0 + t0 + s0) * a.ldx + a.x_col + h * P, a.ldx, ns, P, One{});
     __syncthreads();
 #pragma unroll
-    for (int kk = 0; kk < kSl; kk += 8) {
-      if (!inter && s0 + kk > warp_last) break;  // past the diagonal: the warp's rows of M are zero
-      wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::row_major> fa;
-      wmma::load_matrix_sync(fa, as + warp * 16 * kLdS + kk, kLdS);
-      to_tf32(fa);
-      if (inter) {
+    for (int k = 0; k < kTile; k += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::row_major> fa;
+      wmma::load_matrix_sync(fa, ms + warp * 16 * kLdTile + k, kLdTile);
 #pragma unroll
-        for (int i = 0; i < PT; ++i) {
-          // S_in^T: element (n, p) at p kLdS + n
-          wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::col_major> fb;
-          wmma::load_matrix_sync(fb, bs + i * 16 * kLdS + kk, kLdS);
-          to_tf32(fb);
-          wmma::mma_sync(acc[i], fa, fb, acc[i]);
-        }
-      } else {
-#pragma unroll
-        for (int i = 0; i < PT; ++i) {
-          wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::row_major> fb;
-          wmma::load_matrix_sync(fb, bs + kk * ldxs + i * 16, ldxs);
-          to_tf32(fb);
-          wmma::mma_sync(acc[i], fa, fb, acc[i]);
-        }
+      for (int i = 0; i < PT; ++i) {
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::row_major> fb;
+        wmma::load_matrix_sync(fb, xs + k * ldx + i * 16, ldx);
+        wmma::mma_sync(acc[i], fa, fb, acc[i]);
       }
     }
-    __syncthreads();  // before this buffer is staged again
+    __syncthreads();
   }
 
   // y = acc + D x
@@ -732,6 +538,7 @@ void launch_bwd(const Args& a) {
 // L = 65,536, 24 heads, P 64, N 128; 12 warps per SM with 5.4 of 11 cycles between instructions waiting on loads,
 // and 26 % of the sectors moved were excess from the half-row accesses; this form ran 1.39 ms fenced in the same
 // benchmark at f9b6d6e, perf/RESULTS.md.)
+constexpr int kSl = 32, kLdS = kSl + 4;  // d_state slice; fp32 staging rows: 16-byte aligned, 4 banks apart
 
 __host__ __device__ constexpr std::size_t epi_buf_floats(int P) { return std::size_t(2 * kTile + 2 * P) * kLdS; }
 __host__ __device__ constexpr std::size_t epi_stage_bytes(int P) {
@@ -739,6 +546,25 @@ __host__ __device__ constexpr std::size_t epi_stage_bytes(int P) {
   return stage > out ? stage : out;
 }
 __host__ __device__ constexpr std::size_t epi_smem(int P) { return epi_stage_bytes(P) + 3 * kTile * 4; }
+
+// dst (ROWS x COLS fp32, row stride ldd) <- src(r, c) for r < nr, c < nc, zero elsewhere (COLS, nc multiples of 4);
+// kAsync: 16-byte cp.async copies (src rows 16-byte aligned), left in flight; else plain loads and stores.
+template <int ROWS, int COLS, bool kAsync>
+__device__ __forceinline__ void stage_f32(float* dst, int ldd, const float* src, std::int64_t lds, int nr, int nc) {
+  constexpr int C4 = COLS / 4;
+  static_assert(ROWS * C4 % kThreads == 0, "whole steps of the block");
+#pragma unroll 4
+  for (int it = 0; it < ROWS * C4 / kThreads; ++it) {
+    const int i = threadIdx.x + it * kThreads, r = i / C4, c = (i % C4) * 4;
+    const bool in = r < nr && c < nc;
+    if constexpr (kAsync) {
+      cuda_k::cp_async<16>(dst + r * ldd + c, in ? src + r * lds + c : src, in ? 16 : 0);
+    } else {
+      const float4 v = in ? load4<false>(src + r * lds + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+      *reinterpret_cast<float4*>(dst + r * ldd + c) = v;
+    }
+  }
+}
 
 template <int PT, bool V4>
 __global__ void __launch_bounds__(kThreads, PT <= 4 ? 3 : 2) state_epilogue_kernel(const Args a) {
@@ -889,8 +715,11 @@ void launch_epilogue(const Args& a) {
   check_launch("state epilogue");
 }
 
-std::size_t state_smem(int P, int Q) { return 2 * cstate_buf_floats(P) * 4 + std::size_t(Q) * 4; }
-std::size_t scan_smem(int P, int Q) { return scan_stage_bytes(P) + 3 * std::size_t(Q) * 4; }
+std::size_t state_smem(int P) {
+  return std::size_t(kTile) * (P + kPad) * 2 + std::size_t(kTile) * kLdTile * 2 + kTile * 4;
+}
+
+std::size_t scan_smem(int P) { return scan_stage_bytes(P) + 6 * kTile * 4; }
 
 // 16-byte loads and stores when every row start is 16-byte aligned.
 bool aligned4(const Args& a) {
@@ -900,39 +729,15 @@ bool aligned4(const Args& a) {
 }
 
 template <int PT, bool V4>
-void launch_dstates(const Args& a) {
-  const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
-  const dim3 grid((a.N + kTile - 1) / kTile, a.H, a.batch * a.nc);
-  const std::size_t bytes = state_smem(PT * 16, a.Q);
-  allow_smem<chunk_state_kernel<PT, V4, true>>(bytes, "chunk dstates");
-  chunk_state_kernel<PT, V4, true><<<grid, kThreads, bytes, st>>>(a);
-  check_launch("chunk dstates");
-}
-
-template <bool V4, bool kDC>
-void launch_state_terms(const Args& a) {
-  const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
-  const dim3 grid(a.Q / kTile, (a.N + kStN - 1) / kStN, a.batch * a.nc * a.G);
-  const std::size_t bytes = st_smem(a.H / a.G);
-  allow_smem<state_terms_kernel<V4, kDC>>(bytes, kDC ? "dC state term" : "dB state term");
-  state_terms_kernel<V4, kDC><<<grid, kThreads, bytes, st>>>(a);
-  check_launch(kDC ? "dC state term" : "dB state term");
-}
-
-template <int PT, bool V4>
 void launch(const Args& a, bool scan) {
   const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
   if (scan) {
     const dim3 grid((a.Q + kTile - 1) / kTile, a.H, a.batch * a.nc);
-    const std::size_t bytes = scan_smem(PT * 16, a.Q);
-    allow_smem<chunk_scan_kernel<PT, V4>>(bytes, "chunk scan");
-    chunk_scan_kernel<PT, V4><<<grid, kThreads, bytes, st>>>(a);
+    chunk_scan_kernel<PT, V4><<<grid, kThreads, scan_smem(PT * 16), st>>>(a);
     check_launch("chunk scan");
   } else {
     const dim3 grid((a.N + kTile - 1) / kTile, a.H, a.batch * a.nc);
-    const std::size_t bytes = state_smem(PT * 16, a.Q);
-    allow_smem<chunk_state_kernel<PT, V4, false>>(bytes, "chunk state");
-    chunk_state_kernel<PT, V4, false><<<grid, kThreads, bytes, st>>>(a);
+    chunk_state_kernel<PT, V4><<<grid, kThreads, state_smem(PT * 16), st>>>(a);
     check_launch("chunk state");
   }
 }
@@ -1001,28 +806,6 @@ void chunk_scan(const Args& a) {
   with_tiles(a, [&](auto pt) { launch<decltype(pt)::value>(a, true); });
 }
 
-void chunk_dstates(const Args& a) {
-  Kokkos::Profiling::ScopedRegion region("ssd::fused_chunk_dstates");
-  with_tiles(a, [&](auto pt) {
-    if (aligned4_bwd(a))
-      launch_dstates<decltype(pt)::value, true>(a);
-    else
-      launch_dstates<decltype(pt)::value, false>(a);
-  });
-}
-
-void state_terms(const Args& a) {
-  Kokkos::Profiling::ScopedRegion region("ssd::fused_state_terms");
-  require(fits(a.P, a.N, a.Q), "ssd fused", "shape P = ", a.P, ", N = ", a.N, ", Q = ", a.Q, " is not supported");
-  if (aligned4_bwd(a)) {
-    launch_state_terms<true, false>(a);
-    launch_state_terms<true, true>(a);
-  } else {
-    launch_state_terms<false, false>(a);
-    launch_state_terms<false, true>(a);
-  }
-}
-
 void intra_backward(const Args& a) {
   Kokkos::Profiling::ScopedRegion region("ssd::fused_intra_backward");
   with_tiles(a, [&](auto pt) { launch_bwd<decltype(pt)::value>(a); });
@@ -1038,8 +821,6 @@ void state_epilogue(const Args& a) {
 bool fits(int, int, int) { return false; }
 void chunk_state(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
 void chunk_scan(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
-void chunk_dstates(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
-void state_terms(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
 void intra_backward(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
 void state_epilogue(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
 

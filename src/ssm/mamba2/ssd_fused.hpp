@@ -1,7 +1,6 @@
-// Native CUDA tensor-core kernels of the SSD (SSDAlgo::fused): the chunk-local states and the chunk scan
-// (intra-chunk masked product, inter-chunk term and D x in one pass, no Q x Q workspace in global memory), in tf32
-// with fp32 accumulation (WMMA 16 x 16 x 8, operands staged in fp32 by asynchronous copies), and the backward's
-// kernels (below). The portable Kokkos kernels and the GEMM formulation in
+// Native CUDA tensor-core kernels of the SSD forward (SSDAlgo::fused): the chunk-local states and the chunk scan
+// (intra-chunk masked product, inter-chunk term and D x in one pass, no Q x Q workspace in global memory), with
+// bf16 operands and fp32 accumulation (WMMA 16 x 16 x 16). The portable Kokkos kernels and the GEMM formulation in
 // ssd.cpp stay the reference and the fallback: ssd.cpp calls these only on CUDA, for float activations and shapes
 // that `fits` accepts.
 #pragma once
@@ -32,9 +31,7 @@ struct Args {
   float* v = nullptr;   // (nh, batch L, 6) per-token sums of ssd.cpp's GEMM backward (entries 0, 1, 3 here)
   float* insum = nullptr;  // (Q / 64, nh, batch L): entry 2's part from each source tile j (for tokens in tiles >= j)
   float* w2 = nullptr;  // (runs, batch nchunks, Q, Q): dC B^T summed over each run's heads
-  const float* dstates = nullptr;  // (batch, nchunks, H, P, N): dL/d(state at each chunk's end) (state_epilogue,
-                                   // state_terms)
-  float* out = nullptr;            // chunk_dstates' output (batch, nchunks, H, P, N)
+  const float* dstates = nullptr;  // (batch, nchunks, H, P, N): dL/d(state at each chunk's end) (state_epilogue)
   int h0 = 0, nh = 0, run_len = 1;
 };
 
@@ -50,15 +47,6 @@ void chunk_state(const Args& a);
 // y <- e_in(l) C_l S_in^T + sum_{s <= l, same record} (C_l . B_s) exp(acs_l - acs_s) Delta_s x_s + D x_l, with
 // states holding the state entering each chunk.
 void chunk_scan(const Args& a);
-
-// out <- sum_l e_in(l) dY_l^T C_l per (chunk, head): dL/d(state entering the chunk) from the chunk's own outputs
-// (before the backward state passing); e_in(l) = [same record as the entering state] exp(acs_l).
-void chunk_dstates(const Args& a);
-
-// The state terms of dB and dC for every group, written (not added) at columns b_col / c_col + g N of dx:
-//   dB_l = sum_{h in g} es(l) Delta_l x_l dH_h,   dC_l = sum_{h in g} e_in(l) dY_l S_in,h
-// (dstates holds dH, states S_in; tf32 tensor cores, the heads' P columns as the K dimension).
-void state_terms(const Args& a);
 
 // The intra-chunk part of the backward for the block of heads in `a` (ssd.cpp's GEMM formulation computes the
 // same with Q x Q workspaces): with K = E o (C B^T), M = K diag(Delta), DX = dY X^T per head,
