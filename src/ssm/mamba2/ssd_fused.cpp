@@ -391,6 +391,15 @@ __global__ void __launch_bounds__(kThreads, 2) intra_bwd_kernel(const Args a) {
 
       for (int l0 = s0, jt = 0; l0 < q; l0 += kTile, ++jt) {
         const int nl = min(kTile, q - l0);
+        // this thread's part of the tile's C B^T row (read in the elementwise step): issued first, so that the
+        // loads are in flight during the dY staging and the DX product instead of stalling the elementwise step
+        // (l0 + lr < Q: inside the chunk's Q x Q block; Q % 64 == 0: 16-byte aligned)
+        float4 cbp[8];
+        {
+          const float* cbrow = CB + std::int64_t(l0 + lr) * a.Q + s0;
+#pragma unroll
+          for (int k = 0; k < 8; ++k) cbp[k] = *reinterpret_cast<const float4*>(cbrow + 32 * hh + 4 * ((k + 4 * hh) & 7));
+        }
         if (tid < kTile) {
           acs_l[tid] = tid < nl ? acs[t0 + l0 + tid] : 0.f;
           rec_l[tid] = tid < nl ? (a.seq ? a.seq[row0 + t0 + l0 + tid] : 0) : -2;
@@ -404,13 +413,12 @@ __global__ void __launch_bounds__(kThreads, 2) intra_bwd_kernel(const Args a) {
         {
           const float al = acs_l[lr];
           const int rl = rec_l[lr], dl = l0 + lr - s0;  // dl: the row's column on the diagonal
-          const float* cbrow = CB + std::int64_t(l0 + lr) * a.Q + s0;  // Q % 64 == 0: 16-byte aligned
           float* wrow = wt + (jt * kTile + lr) * kLdF;
 #pragma unroll
           for (int k = 0; k < 8; ++k) {
             const int s = 32 * hh + 4 * ((k + 4 * hh) & 7);
             const float4 dx4 = *reinterpret_cast<const float4*>(f + lr * kLdF + s);
-            const float4 cb4 = *reinterpret_cast<const float4*>(cbrow + s);
+            const float4 cb4 = cbp[k];
             const float4 w4 = *reinterpret_cast<const float4*>(wrow + s);
             const float dxv[4] = {dx4.x, dx4.y, dx4.z, dx4.w}, cbv[4] = {cb4.x, cb4.y, cb4.z, cb4.w};
             float wv[4] = {w4.x, w4.y, w4.z, w4.w}, kv[4];
