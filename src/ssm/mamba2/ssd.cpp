@@ -247,42 +247,26 @@ void chunk_bmm(const Ctx<T>& c) {
   });
 }
 
-// The decay over the whole of chunk ch (zero where a record starts inside it) and the chunks the state passing
-// loads together.
-constexpr int kPassAhead = 8;
-template <class T>
-KOKKOS_INLINE_FUNCTION acc_t<T> chunk_decay(const Ctx<T>& c, index_t b, index_t h, index_t ch) {
-  const index_t last = c.chunk_end(ch) - 1;
-  return c.rec(b, last) == c.rec_in(b, ch) ? exp_nonpos(c.acs(b, h, last)) : acc_t<T>(0);
-}
-
 // In place: states(b, c) becomes the state entering chunk c; final (if non-empty) gets the state after the last.
 template <class T>
 void state_passing(const Ctx<T>& c, const View4<const acc_t<T>>& init, const View4<acc_t<T>>& final_state) {
   using P = acc_t<T>;
   const bool has_init = init.extent(0) > 0, has_final = final_state.extent(0) > 0;
-  // Each lane walks its (p, n) element through the chunks, kPassAhead chunks at a time: their values and decays are
-  // loaded together (independent loads, in flight at once), then the chain runs through them in registers. One
-  // load in flight per lane (the previous form) left the walk waiting on memory: 0.25 ms for 200 MB of states at
-  // L = 65,536, 24 heads, P 64, N 128 on an H200.
+  // Each lane walks its (p, n) element through the chunks; the next chunk's value is loaded before the current one
+  // is stored, so the loads of the chain do not wait for the stores (they are different elements).
   const index_t cstride = c.H * c.Pd * c.N;
   par_for("ssd::state_passing", c.Bsz * c.H, c.Pd * c.N, KOKKOS_LAMBDA(index_t bh, index_t pn) {
     const index_t b = bh / c.H, h = bh % c.H, p = pn / c.N, n = pn % c.N;
     P* st = &c.states(b, 0, h, p, n);
     P H = has_init ? init(b, h, p, n) : P(0);
-    for (index_t c0 = 0; c0 < c.nc; c0 += kPassAhead) {
-      P local[kPassAhead], decay[kPassAhead];
-      MM_UNROLL
-      for (int j = 0; j < kPassAhead; ++j) {
-        const index_t ch = c0 + j < c.nc ? c0 + j : c.nc - 1;
-        local[j] = st[ch * cstride];
-        decay[j] = chunk_decay(c, b, h, ch);
-      }
-      MM_UNROLL
-      for (int j = 0; j < kPassAhead && c0 + j < c.nc; ++j) {
-        st[(c0 + j) * cstride] = H;
-        H = decay[j] * H + local[j];
-      }
+    P next = st[0];
+    for (index_t ch = 0; ch < c.nc; ++ch) {
+      const index_t last = c.chunk_end(ch) - 1;
+      const P local = next;
+      if (ch + 1 < c.nc) next = st[(ch + 1) * cstride];
+      const P decay = c.rec(b, last) == c.rec_in(b, ch) ? exp_nonpos(c.acs(b, h, last)) : P(0);
+      st[ch * cstride] = H;
+      H = decay * H + local;
     }
     if (has_final) final_state(b, h, p, n) = H;
   });
@@ -295,24 +279,19 @@ void state_passing_bwd(const Ctx<T>& c, const View5<acc_t<T>>& dstates, const Vi
                        const View4<acc_t<T>>& dinit) {
   using P = acc_t<T>;
   const bool has_dfinal = dfinal_state.extent(0) > 0, has_dinit = dinit.extent(0) > 0;
-  const index_t cstride = c.H * c.Pd * c.N;  // as in state_passing: kPassAhead chunks' loads in flight together
+  const index_t cstride = c.H * c.Pd * c.N;  // as in state_passing: the next value is loaded before the store
   par_for("ssd::state_passing_bwd", c.Bsz * c.H, c.Pd * c.N, KOKKOS_LAMBDA(index_t bh, index_t pn) {
     const index_t b = bh / c.H, h = bh % c.H, p = pn / c.N, n = pn % c.N;
     P* st = &dstates(b, 0, h, p, n);
     P dH = has_dfinal ? dfinal_state(b, h, p, n) : P(0);
-    for (index_t c1 = c.nc - 1; c1 >= 0; c1 -= kPassAhead) {  // chunks c1, c1 - 1, .., down to 0
-      P from_outputs[kPassAhead], decay[kPassAhead];
-      MM_UNROLL
-      for (int j = 0; j < kPassAhead; ++j) {
-        const index_t ch = c1 - j >= 0 ? c1 - j : 0;
-        from_outputs[j] = st[ch * cstride];
-        decay[j] = chunk_decay(c, b, h, ch);
-      }
-      MM_UNROLL
-      for (int j = 0; j < kPassAhead && c1 - j >= 0; ++j) {
-        st[(c1 - j) * cstride] = dH;
-        dH = from_outputs[j] + decay[j] * dH;
-      }
+    P next = st[(c.nc - 1) * cstride];
+    for (index_t ch = c.nc - 1; ch >= 0; --ch) {
+      const index_t last = c.chunk_end(ch) - 1;
+      const P from_outputs = next;
+      if (ch > 0) next = st[(ch - 1) * cstride];
+      const P decay = c.rec(b, last) == c.rec_in(b, ch) ? exp_nonpos(c.acs(b, h, last)) : P(0);
+      st[ch * cstride] = dH;
+      dH = from_outputs + decay * dH;
     }
     if (has_dinit) dinit(b, h, p, n) = dH;
   });
