@@ -81,58 +81,143 @@ struct One {
   __device__ float operator()(int) const { return 1.f; }
 };
 
-// One block per (64 columns n of the state, head, (row, chunk)); PT = P / 16 fragments per warp.
+// ------------------------------------------------------------------ forward
+
+// The forward kernels walk their reduction dimension in slices of kSl: each slice is copied from global memory in
+// fp32 by cp.async into one of two staging buffers (the next slice in flight while the current one is multiplied),
+// then every thread converts the elements it copied itself (once its own copies have landed: no barrier needed
+// for that) to bf16 tiles, applying the slice's factors (decays, masks, Delta) on the way, and the block
+// multiplies the bf16 tiles on tensor cores (WMMA 16 x 16 x 16, fp32 accumulation). bf16 fragments load from
+// shared memory by whole rows; an earlier form multiplied the fp32 staging in tf32 (one load per element of a
+// fragment) and ran slower than the synchronous kernels it replaced (perf/RESULTS.md, sixteenth session).
+constexpr int kSl = 32, kLdS = kSl + 4;  // slice width; fp32 staging rows: 16-byte aligned, 4 banks apart
+constexpr int kLdH = kSl + 8;            // bf16 rows of a slice: a multiple of 8 elements, 80 bytes apart
+
+// f(r, c) for the 4-wide groups (r, c .. c + 3) of a ROWS x COLS tile that this thread stages in stage_f32.
+template <int ROWS, int COLS, class F>
+__device__ __forceinline__ void for_own(F&& f) {
+  constexpr int C4 = COLS / 4;
+  static_assert(ROWS * C4 % kThreads == 0, "whole steps of the block");
+#pragma unroll
+  for (int it = 0; it < ROWS * C4 / kThreads; ++it) {
+    const int i = threadIdx.x + it * kThreads;
+    f(i / C4, (i % C4) * 4);
+  }
+}
+
+// dst (ROWS x COLS fp32, row stride ldd) <- src(r, c) for r < nr, c < nc, zero elsewhere (COLS, nc multiples of 4);
+// kAsync: 16-byte cp.async copies (src rows 16-byte aligned), left in flight; else plain loads and stores.
+template <int ROWS, int COLS, bool kAsync>
+__device__ __forceinline__ void stage_f32(float* dst, int ldd, const float* src, std::int64_t lds, int nr, int nc) {
+  for_own<ROWS, COLS>([&](int r, int c) {
+    const bool in = r < nr && c < nc;
+    if constexpr (kAsync) {
+      cuda_k::cp_async<16>(dst + r * ldd + c, in ? src + r * lds + c : src, in ? 16 : 0);
+    } else {
+      const float4 v = in ? load4<false>(src + r * lds + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+      *reinterpret_cast<float4*>(dst + r * ldd + c) = v;
+    }
+  });
+}
+
+// dst (bf16, row stride ldd) <- f(r, c, src) over this thread's groups of a ROWS x COLS fp32 slice staged by
+// stage_f32 at src (row stride lds); f returns the group's 4 values.
+template <int ROWS, int COLS, class F>
+__device__ __forceinline__ void convert_own(bf* dst, int ldd, const float* src, int lds, F&& f) {
+  for_own<ROWS, COLS>([&](int r, int c) {
+    const float4 v = *reinterpret_cast<const float4*>(src + r * lds + c);
+    store4_bf16(dst + r * ldd + c, f(r, c, v));
+  });
+}
+
+__host__ __device__ constexpr std::size_t align128(std::size_t b) { return (b + 127) / 128 * 128; }
+
+// Chunk state: two fp32 stages of x (kSl tokens, P + 4) and B (kSl tokens, kTile + 4 columns of n); bf16 tiles of
+// w o x (kSl, P + 8) and B (kSl, kTile + 8); the per-token weights w (Q).
+__host__ __device__ constexpr std::size_t cstate_buf_floats(int P) {
+  return std::size_t(kSl) * (P + 4) + std::size_t(kSl) * (kTile + 4);
+}
+__host__ __device__ constexpr std::size_t cstate_tiles_offset(int P) { return align128(2 * cstate_buf_floats(P) * 4); }
+__host__ __device__ constexpr std::size_t cstate_w_offset(int P) {
+  return cstate_tiles_offset(P) + align128((std::size_t(kSl) * (P + kPad) + std::size_t(kSl) * kLdTile) * 2);
+}
+
+// One block per (64 columns n of the state, head, (row, chunk)); warp w owns columns 16 w .. 16 w + 15 and every
+// 16-row fragment of P: states = (w o X)^T B over the chunk's tokens, kSl at a time, with
+// w_s = [same record as the chunk's last token] exp(acs_last - acs_s) Delta_s.
 template <int PT, bool V4>
-__global__ void __launch_bounds__(kThreads, PT <= 4 ? 6 : 4) chunk_state_kernel(const Args a) {
+__global__ void __launch_bounds__(kThreads, PT <= 4 ? 4 : 2) chunk_state_kernel(const Args a) {
   extern __shared__ __align__(128) unsigned char smem[];
-  constexpr int P = PT * 16, ldx = P + kPad;
-  bf* xs = reinterpret_cast<bf*>(smem);  // (kTile tokens, P): es Delta x, read as X^T (column-major A)
-  bf* bs = xs + kTile * ldx;             // (kTile tokens, 64 columns of B)
-  float* w = reinterpret_cast<float*>(bs + kTile * kLdTile);  // per-token weight of the tile
+  constexpr int P = PT * 16, ldxs = P + 4, ldbs = kTile + 4, ldxh = P + kPad;
+  constexpr std::size_t kBuf = cstate_buf_floats(P);
+  float* buf0 = reinterpret_cast<float*>(smem);
+  bf* xh = reinterpret_cast<bf*>(smem + cstate_tiles_offset(P));  // (kSl tokens, P): w o x, read as X^T
+  bf* bh = xh + kSl * ldxh;                                          // (kSl tokens, 64 columns of B)
+  float* w = reinterpret_cast<float*>(smem + cstate_w_offset(P));
 
   const int n0 = blockIdx.x * kTile, h = blockIdx.y, bc = blockIdx.z;
   const int b = bc / a.nc, ch = bc % a.nc, t0 = ch * a.Q, q = min(a.Q, a.L - t0), g = h / (a.H / a.G);
-  const int warp = threadIdx.x / 32, nw = min(kTile, a.N - n0);
+  const int tid = threadIdx.x, warp = tid / 32, nw = min(kTile, a.N - n0);
   const std::int64_t row0 = std::int64_t(b) * a.L;
   const float* acs = a.acs + (std::int64_t(b) * a.H + h) * a.L;
   const float* dlt = a.delta + (std::int64_t(b) * a.H + h) * a.L;
-  const float acs_last = acs[t0 + q - 1];
-  const int rec_last = a.seq ? a.seq[row0 + t0 + q - 1] : 0;
+  const float* xrow = a.xbc + (row0 + t0) * a.ldx;
+  const int nsl = (q + kSl - 1) / kSl;
+  auto stage_slice = [&](int k) {
+    float* xs = buf0 + (k & 1) * kBuf;
+    float* bs = xs + kSl * ldxs;
+    const int s0 = k * kSl, ns = min(kSl, q - s0);
+    const float* src = xrow + std::int64_t(s0) * a.ldx;
+    stage_f32<kSl, P, V4>(xs, ldxs, src + a.x_col + h * P, a.ldx, ns, P);
+    stage_f32<kSl, kTile, V4>(bs, ldbs, src + a.b_col + g * a.N + n0, a.ldx, ns, nw);
+    cuda_k::cp_async_commit();
+  };
+  stage_slice(0);
+  {
+    const float acs_last = acs[t0 + q - 1];
+    const int rec_last = a.seq ? a.seq[row0 + t0 + q - 1] : 0;
+    for (int s = tid; s < nsl * kSl; s += kThreads) {
+      float v = 0.f;
+      if (s < q && (!a.seq || a.seq[row0 + t0 + s] == rec_last)) {
+        const float e = decay(acs_last - acs[t0 + s]);
+        v = e < a.cutoff ? 0.f : e * dlt[t0 + s];
+      }
+      w[s] = v;
+    }
+  }
+  __syncthreads();
 
   wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[PT];
 #pragma unroll
   for (int i = 0; i < PT; ++i) wmma::fill_fragment(acc[i], 0.f);
-
-  for (int s0 = 0; s0 < q; s0 += kTile) {
-    const int ns = min(kTile, q - s0);
-    if (threadIdx.x < kTile) {
-      const int t = t0 + s0 + threadIdx.x;
-      float v = 0.f;
-      if (int(threadIdx.x) < ns && (!a.seq || a.seq[row0 + t] == rec_last)) {
-        const float e = decay(acs_last - acs[t]);
-        v = e < a.cutoff ? 0.f : e * dlt[t];
-      }
-      w[threadIdx.x] = v;
-    }
-    __syncthreads();
-    const float* xrow = a.xbc + (row0 + t0 + s0) * a.ldx;
-    stage<kTile, P, V4>(xs, ldx, xrow + a.x_col + h * P, a.ldx, ns, P, [w](int r) { return w[r]; });
-    stage<kTile, kTile, V4>(bs, kLdTile, xrow + a.b_col + g * a.N + n0, a.ldx, ns, nw, One{});
+  for (int k = 0; k < nsl; ++k) {
+    if (k + 1 < nsl) stage_slice(k + 1);
+    else cuda_k::cp_async_commit();  // an empty group: the wait below always leaves one group in flight
+    cuda_k::cp_async_wait<1>();
+    const float* xs = buf0 + (k & 1) * kBuf;
+    const float* bs = xs + kSl * ldxs;
+    const float* wk = w + k * kSl;
+    convert_own<kSl, P>(xh, ldxh, xs, ldxs, [wk](int r, int, float4 v) {
+      const float f = wk[r];
+      return make_float4(v.x * f, v.y * f, v.z * f, v.w * f);
+    });
+    convert_own<kSl, kTile>(bh, kLdTile, bs, ldbs, [](int, int, float4 v) { return v; });
     __syncthreads();
     if (warp * 16 < nw) {
 #pragma unroll
-      for (int k = 0; k < kTile; k += 16) {
+      for (int kk = 0; kk < kSl; kk += 16) {
         wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::row_major> fb;
-        wmma::load_matrix_sync(fb, bs + k * kLdTile + warp * 16, kLdTile);
+        wmma::load_matrix_sync(fb, bh + kk * kLdTile + warp * 16, kLdTile);
 #pragma unroll
         for (int i = 0; i < PT; ++i) {
+          // (w o X)^T: element (p, s) at s ldxh + p
           wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::col_major> fa;
-          wmma::load_matrix_sync(fa, xs + k * ldx + i * 16, ldx);
+          wmma::load_matrix_sync(fa, xh + kk * ldxh + i * 16, ldxh);
           wmma::mma_sync(acc[i], fa, fb, acc[i]);
         }
       }
     }
-    __syncthreads();
+    __syncthreads();  // before the tiles are rewritten and this stage is refilled
   }
   if (warp * 16 < nw) {
     float* S = a.states + ((std::int64_t(bc) * a.H + h) * P) * a.N + n0 + warp * 16;
@@ -141,131 +226,146 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 6 : 4) chunk_state_kernel(
   }
 }
 
-// Bytes of the chunk scan's shared stage buffer (the largest of its three uses).
-__host__ __device__ constexpr std::size_t scan_stage_bytes(int P) {
-  const std::size_t a = std::size_t(kTile + P) * kLdTile * 2, b = std::size_t(kTile) * (kLdTile + P + kPad) * 2,
-                    c = std::size_t(kTile) * (P + 4) * 4;
-  return a > b ? (a > c ? a : c) : (b > c ? b : c);
+// Chunk scan: two fp32 stages of the A slice (64 l, kLdS) and the B slice (S_in: P x kLdS, or x: kSl x (P + 4));
+// the fp32 output tile (64 x (P + 4)) over the stages at the end; bf16 tiles of A (64, kLdH) and B (S_in: P x kLdH,
+// or x: kSl x (P + 8)); then acs, Delta and the record of the chunk's tokens (Q each).
+__host__ __device__ constexpr std::size_t scan_buf_floats(int P) {
+  const std::size_t b1 = std::size_t(P) * kLdS, b2 = std::size_t(kSl) * (P + 4);
+  return std::size_t(kTile) * kLdS + (b1 > b2 ? b1 : b2);
+}
+__host__ __device__ constexpr std::size_t scan_tiles_offset(int P) {
+  const std::size_t st = 2 * scan_buf_floats(P) * 4, out = std::size_t(kTile) * (P + 4) * 4;
+  return align128(st > out ? st : out);
+}
+__host__ __device__ constexpr std::size_t scan_bh_elems(int P) {
+  const std::size_t b1 = std::size_t(P) * kLdH, b2 = std::size_t(kSl) * (P + kPad);
+  return b1 > b2 ? b1 : b2;
+}
+__host__ __device__ constexpr std::size_t scan_tok_offset(int P) {
+  return scan_tiles_offset(P) + align128((std::size_t(kTile) * kLdH + scan_bh_elems(P)) * 2);
 }
 
-// One block per (64 output tokens l, head, (row, chunk)); warp w owns rows 16 w .. 16 w + 15 of the tile.
+// One block per (64 output tokens l, head, (row, chunk)); warp w owns rows 16 w .. 16 w + 15 of the tile and every
+// 16-column fragment of P. One walk over k-slices: first d_state (A = e_in C, B = S_in^T: the inter-chunk term),
+// then the source tokens up to the tile's end (A = the masked decays M(l, s) = (C_l . B_s) exp(acs_l - acs_s)
+// Delta_s for s <= l in the same record, B = x_s: the intra-chunk term); then y = acc + D x.
 template <int PT, bool V4>
-__global__ void __launch_bounds__(kThreads, PT <= 4 ? 6 : 4) chunk_scan_kernel(const Args a) {
+__global__ void __launch_bounds__(kThreads, PT <= 4 ? 4 : 2) chunk_scan_kernel(const Args a) {
   extern __shared__ __align__(128) unsigned char smem[];
-  constexpr int P = PT * 16, ldx = P + kPad, ldy = P + 4;
-  // stage A: cs (64 l, 64 n) e_in C, ss (P, 64 n) S_in; stage B: ms (64 l, 64 s) the masked decays, xs (64 s, P);
-  // stage C: ys (64 l, P) fp32. The three share the buffer; the per-token arrays follow it.
-  bf* cs = reinterpret_cast<bf*>(smem);
-  bf* ss = cs + kTile * kLdTile;
-  bf* ms = cs;
-  bf* xs = cs + kTile * kLdTile;
-  float* ys = reinterpret_cast<float*>(smem);
-  float* acs_l = reinterpret_cast<float*>(smem + scan_stage_bytes(P));
-  float* ein = acs_l + kTile;
-  float* acs_s = ein + kTile;
-  float* dt_s = acs_s + kTile;
-  int* rec_l = reinterpret_cast<int*>(dt_s + kTile);
-  int* rec_s = rec_l + kTile;
+  constexpr int P = PT * 16, ldxs = P + 4, ldy = P + 4, ldxh = P + kPad;
+  constexpr std::size_t kBuf = scan_buf_floats(P);
+  float* buf0 = reinterpret_cast<float*>(smem);
+  float* ys = buf0;
+  bf* ah = reinterpret_cast<bf*>(smem + scan_tiles_offset(P));
+  bf* bh = ah + kTile * kLdH;
+  float* acs_s = reinterpret_cast<float*>(smem + scan_tok_offset(P));
+  float* dt_s = acs_s + a.Q;
+  int* rec_s = reinterpret_cast<int*>(dt_s + a.Q);
 
   const int l0 = blockIdx.x * kTile, h = blockIdx.y, bc = blockIdx.z;
   const int b = bc / a.nc, ch = bc % a.nc, t0 = ch * a.Q, q = min(a.Q, a.L - t0), g = h / (a.H / a.G);
   if (l0 >= q) return;  // the short last chunk
-  const int warp = threadIdx.x / 32, nl = min(kTile, q - l0);
+  const int tid = threadIdx.x, warp = tid / 32, nl = min(kTile, q - l0);
   const std::int64_t row0 = std::int64_t(b) * a.L;
   const float* acs = a.acs + (std::int64_t(b) * a.H + h) * a.L;
   const float* dlt = a.delta + (std::int64_t(b) * a.H + h) * a.L;
-
-  if (threadIdx.x < kTile) {
-    const int l = threadIdx.x, t = t0 + l0 + l;
-    const int r_in = a.seq ? a.seq[row0 + (ch == 0 ? 0 : t0 - 1)] : 0;
-    float al = 0.f, e = 0.f;
-    int r = 0;
-    if (l < nl) {
-      al = acs[t];
-      r = a.seq ? a.seq[row0 + t] : 0;
-      e = r == r_in ? decay(al) : 0.f;
-      e = e < a.cutoff ? 0.f : e;
+  const float* S = a.states + (std::int64_t(bc) * a.H + h) * P * a.N;
+  const float* lrow = a.xbc + (row0 + t0 + l0) * a.ldx;
+  const float* CB = a.cb + ((std::int64_t(bc) * a.G + g) * a.Q + l0) * a.Q;
+  const float* xsrc = a.xbc + (row0 + t0) * a.ldx + a.x_col + h * P;
+  const int nsl_n = (a.N + kSl - 1) / kSl, s_end = min(q, l0 + kTile);
+  const int nsl = nsl_n + (s_end + kSl - 1) / kSl;
+  auto stage_slice = [&](int k) {
+    float* as = buf0 + (k & 1) * kBuf;
+    float* bs = as + kTile * kLdS;
+    if (k < nsl_n) {
+      const int n0 = k * kSl, nw = min(kSl, a.N - n0);
+      stage_f32<kTile, kSl, V4>(as, kLdS, lrow + a.c_col + g * a.N + n0, a.ldx, nl, nw);
+      stage_f32<P, kSl, true>(bs, kLdS, S + n0, a.N, P, nw);  // N % 16 == 0: S_in rows are 16-byte aligned
+    } else {
+      // CB rows are Q (a multiple of 64) apart: 16-byte aligned; columns past the chunk's end are read (they are
+      // inside the row) and masked when converted
+      const int s0 = (k - nsl_n) * kSl;
+      stage_f32<kTile, kSl, true>(as, kLdS, CB + s0, a.Q, nl, kSl);
+      stage_f32<kSl, P, V4>(bs, ldxs, xsrc + std::int64_t(s0) * a.ldx, a.ldx, min(kSl, q - s0), P);
     }
-    acs_l[l] = al;
-    ein[l] = e;
-    rec_l[l] = r;
+    cuda_k::cp_async_commit();
+  };
+  stage_slice(0);
+  const int r_in = a.seq ? a.seq[row0 + (ch == 0 ? 0 : t0 - 1)] : 0;
+  for (int s = tid; s < (s_end + kSl - 1) / kSl * kSl; s += kThreads) {
+    const bool in = s < q;
+    acs_s[s] = in ? acs[t0 + s] : 0.f;
+    dt_s[s] = in ? dlt[t0 + s] : 0.f;
+    rec_s[s] = in ? (a.seq ? a.seq[row0 + t0 + s] : 0) : -1;
   }
   __syncthreads();
 
   wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[PT];
 #pragma unroll
   for (int i = 0; i < PT; ++i) wmma::fill_fragment(acc[i], 0.f);
-
-  // inter-chunk term: (e_in C) S_in^T, 64 columns n at a time
-  const float* S = a.states + (std::int64_t(bc) * a.H + h) * P * a.N;
-  const float* lrow = a.xbc + (row0 + t0 + l0) * a.ldx;
-  for (int n0 = 0; n0 < a.N; n0 += kTile) {
-    const int nw = min(kTile, a.N - n0);
-    stage<kTile, kTile, V4>(cs, kLdTile, lrow + a.c_col + g * a.N + n0, a.ldx, nl, nw, [ein](int r) { return ein[r]; });
-    stage<P, kTile, V4>(ss, kLdTile, S + n0, a.N, P, nw, One{});
-    __syncthreads();
-    for (int k = 0; k < nw; k += 16) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::row_major> fa;
-      wmma::load_matrix_sync(fa, cs + warp * 16 * kLdTile + k, kLdTile);
-#pragma unroll
-      for (int i = 0; i < PT; ++i) {
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::col_major> fb;
-        wmma::load_matrix_sync(fb, ss + i * 16 * kLdTile + k, kLdTile);
-        wmma::mma_sync(acc[i], fa, fb, acc[i]);
-      }
-    }
-    __syncthreads();
-  }
-
-  // intra-chunk term: source tiles up to and including the diagonal one
-  const float* CB = a.cb + ((std::int64_t(bc) * a.G + g) * a.Q + l0) * a.Q;
-  for (int s0 = 0; s0 <= l0; s0 += kTile) {
-    const int ns = min(kTile, q - s0);
-    if (threadIdx.x < kTile) {
-      const int s = threadIdx.x, t = t0 + s0 + s;
-      acs_s[s] = s < ns ? acs[t] : 0.f;
-      dt_s[s] = s < ns ? dlt[t] : 0.f;
-      rec_s[s] = s < ns ? (a.seq ? a.seq[row0 + t] : 0) : -1;
-    }
-    __syncthreads();
-    constexpr int C4 = kTile / 4;
-#pragma unroll
-    for (int it = 0; it < kTile * C4 / kThreads; ++it) {
-      const int i = threadIdx.x + it * kThreads, l = i / C4, s = (i % C4) * 4;
-      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (l < nl && s0 + s <= l0 + l) {
-        const float4 cb = load4<true>(CB + std::int64_t(l) * a.Q + s0 + s);  // Q % 64 == 0: always aligned
-        const float al = acs_l[l];
-        const int rl = rec_l[l];
-        float m[4] = {cb.x, cb.y, cb.z, cb.w};
+  const int warp_last = l0 + warp * 16 + 15;  // the last output token of the warp's rows
+  for (int k = 0; k < nsl; ++k) {
+    if (k + 1 < nsl) stage_slice(k + 1);
+    else cuda_k::cp_async_commit();  // an empty group: the wait below always leaves one group in flight
+    cuda_k::cp_async_wait<1>();
+    const float* as = buf0 + (k & 1) * kBuf;
+    const float* bs = as + kTile * kLdS;
+    const bool inter = k < nsl_n;
+    const int s0 = inter ? 0 : (k - nsl_n) * kSl;
+    if (inter) {
+      convert_own<kTile, kSl>(ah, kLdH, as, kLdS, [&](int r, int, float4 v) {
+        float e = 0.f;
+        if (r < nl) {
+          e = rec_s[l0 + r] == r_in ? decay(acs_s[l0 + r]) : 0.f;
+          e = e < a.cutoff ? 0.f : e;
+        }
+        return make_float4(v.x * e, v.y * e, v.z * e, v.w * e);
+      });
+      convert_own<P, kSl>(bh, kLdH, bs, kLdS, [](int, int, float4 v) { return v; });
+    } else {
+      convert_own<kTile, kSl>(ah, kLdH, as, kLdS, [&](int r, int c, float4 v) {
+        if (r >= nl) return make_float4(0.f, 0.f, 0.f, 0.f);
+        const int l = l0 + r, rl = rec_s[l];
+        const float al = acs_s[l];
+        float m[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const int sj = s + j;
-          float e = decay(al - acs_s[sj]);
-          const bool keep = sj < ns && s0 + sj <= l0 + l && rec_s[sj] == rl && e >= a.cutoff;
-          m[j] = keep ? m[j] * e * dt_s[sj] : 0.f;
+          const int sj = s0 + c + j;
+          const float e = decay(al - acs_s[sj]);
+          m[j] = sj <= l && rec_s[sj] == rl && e >= a.cutoff ? m[j] * e * dt_s[sj] : 0.f;
         }
-        v = make_float4(m[0], m[1], m[2], m[3]);
-      }
-      store4_bf16(ms + l * kLdTile + s, v);
+        return make_float4(m[0], m[1], m[2], m[3]);
+      });
+      convert_own<kSl, P>(bh, ldxh, bs, ldxs, [](int, int, float4 v) { return v; });
     }
-    stage<kTile, P, V4>(xs, ldx, a.xbc + (row0 + t0 + s0) * a.ldx + a.x_col + h * P, a.ldx, ns, P, One{});
     __syncthreads();
 #pragma unroll
-    for (int k = 0; k < kTile; k += 16) {
+    for (int kk = 0; kk < kSl; kk += 16) {
+      if (!inter && s0 + kk > warp_last) break;  // past the diagonal: the warp's rows of M are zero
       wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::row_major> fa;
-      wmma::load_matrix_sync(fa, ms + warp * 16 * kLdTile + k, kLdTile);
+      wmma::load_matrix_sync(fa, ah + warp * 16 * kLdH + kk, kLdH);
+      if (inter) {
 #pragma unroll
-      for (int i = 0; i < PT; ++i) {
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::row_major> fb;
-        wmma::load_matrix_sync(fb, xs + k * ldx + i * 16, ldx);
-        wmma::mma_sync(acc[i], fa, fb, acc[i]);
+        for (int i = 0; i < PT; ++i) {
+          // S_in^T: element (n, p) at p kLdH + n
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::col_major> fb;
+          wmma::load_matrix_sync(fb, bh + i * 16 * kLdH + kk, kLdH);
+          wmma::mma_sync(acc[i], fa, fb, acc[i]);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < PT; ++i) {
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::row_major> fb;
+          wmma::load_matrix_sync(fb, bh + kk * ldxh + i * 16, ldxh);
+          wmma::mma_sync(acc[i], fa, fb, acc[i]);
+        }
       }
     }
-    __syncthreads();
+    __syncthreads();  // before the tiles are rewritten and this stage is refilled
   }
 
-  // y = acc + D x
+  // y = acc + D x (the output tile over the stages: every copy has landed and been read)
 #pragma unroll
   for (int i = 0; i < PT; ++i) wmma::store_matrix_sync(ys + warp * 16 * ldy + i * 16, acc[i], ldy, wmma::mem_row_major);
   __syncthreads();
@@ -546,7 +646,6 @@ void launch_bwd(const Args& a) {
 // L = 65,536, 24 heads, P 64, N 128; 12 warps per SM with 5.4 of 11 cycles between instructions waiting on loads,
 // and 26 % of the sectors moved were excess from the half-row accesses; this form ran 1.39 ms fenced in the same
 // benchmark at f9b6d6e, perf/RESULTS.md.)
-constexpr int kSl = 32, kLdS = kSl + 4;  // d_state slice; fp32 staging rows: 16-byte aligned, 4 banks apart
 
 __host__ __device__ constexpr std::size_t epi_buf_floats(int P) { return std::size_t(2 * kTile + 2 * P) * kLdS; }
 __host__ __device__ constexpr std::size_t epi_stage_bytes(int P) {
@@ -554,25 +653,6 @@ __host__ __device__ constexpr std::size_t epi_stage_bytes(int P) {
   return stage > out ? stage : out;
 }
 __host__ __device__ constexpr std::size_t epi_smem(int P) { return epi_stage_bytes(P) + 3 * kTile * 4; }
-
-// dst (ROWS x COLS fp32, row stride ldd) <- src(r, c) for r < nr, c < nc, zero elsewhere (COLS, nc multiples of 4);
-// kAsync: 16-byte cp.async copies (src rows 16-byte aligned), left in flight; else plain loads and stores.
-template <int ROWS, int COLS, bool kAsync>
-__device__ __forceinline__ void stage_f32(float* dst, int ldd, const float* src, std::int64_t lds, int nr, int nc) {
-  constexpr int C4 = COLS / 4;
-  static_assert(ROWS * C4 % kThreads == 0, "whole steps of the block");
-#pragma unroll 4
-  for (int it = 0; it < ROWS * C4 / kThreads; ++it) {
-    const int i = threadIdx.x + it * kThreads, r = i / C4, c = (i % C4) * 4;
-    const bool in = r < nr && c < nc;
-    if constexpr (kAsync) {
-      cuda_k::cp_async<16>(dst + r * ldd + c, in ? src + r * lds + c : src, in ? 16 : 0);
-    } else {
-      const float4 v = in ? load4<false>(src + r * lds + c) : make_float4(0.f, 0.f, 0.f, 0.f);
-      *reinterpret_cast<float4*>(dst + r * ldd + c) = v;
-    }
-  }
-}
 
 template <int PT, bool V4>
 __global__ void __launch_bounds__(kThreads, PT <= 4 ? 3 : 2) state_epilogue_kernel(const Args a) {
@@ -723,11 +803,8 @@ void launch_epilogue(const Args& a) {
   check_launch("state epilogue");
 }
 
-std::size_t state_smem(int P) {
-  return std::size_t(kTile) * (P + kPad) * 2 + std::size_t(kTile) * kLdTile * 2 + kTile * 4;
-}
-
-std::size_t scan_smem(int P) { return scan_stage_bytes(P) + 6 * kTile * 4; }
+std::size_t state_smem(int P, int Q) { return cstate_w_offset(P) + std::size_t(Q) * 4; }
+std::size_t scan_smem(int P, int Q) { return scan_tok_offset(P) + 3 * std::size_t(Q) * 4; }
 
 // 16-byte loads and stores when every row start is 16-byte aligned.
 bool aligned4(const Args& a) {
@@ -741,11 +818,15 @@ void launch(const Args& a, bool scan) {
   const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
   if (scan) {
     const dim3 grid((a.Q + kTile - 1) / kTile, a.H, a.batch * a.nc);
-    chunk_scan_kernel<PT, V4><<<grid, kThreads, scan_smem(PT * 16), st>>>(a);
+    const std::size_t bytes = scan_smem(PT * 16, a.Q);
+    allow_smem<chunk_scan_kernel<PT, V4>>(bytes, "chunk scan");
+    chunk_scan_kernel<PT, V4><<<grid, kThreads, bytes, st>>>(a);
     check_launch("chunk scan");
   } else {
     const dim3 grid((a.N + kTile - 1) / kTile, a.H, a.batch * a.nc);
-    chunk_state_kernel<PT, V4><<<grid, kThreads, state_smem(PT * 16), st>>>(a);
+    const std::size_t bytes = state_smem(PT * 16, a.Q);
+    allow_smem<chunk_state_kernel<PT, V4>>(bytes, "chunk state");
+    chunk_state_kernel<PT, V4><<<grid, kThreads, bytes, st>>>(a);
     check_launch("chunk state");
   }
 }
