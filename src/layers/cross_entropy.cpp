@@ -11,11 +11,9 @@ LossSum cross_entropy(const View2<const T>& logits, const Kokkos::View<const std
   const index_t n = logits.extent(0), V = logits.extent(1);
   const bool want_grad = dlogits.extent(0) > 0;
   const P scale = P(grad_scale);
-  const View1<double> row_loss = row_nats.extent(0) == std::size_t(n)
-                                     ? row_nats
-                                     : View1<double>(Kokkos::view_alloc(Kokkos::WithoutInitializing,
-                                                                        "cross_entropy::row_loss"),
-                                                     n);
+  PoolScope ws;  // the per-row losses when the caller does not keep them: a cached block, not an allocation per step
+  const View1<double> row_loss =
+      row_nats.extent(0) == std::size_t(n) ? row_nats : ws.take<View1<double>>("cross_entropy::row_loss", n);
   par_for("cross_entropy::rows", n, KOKKOS_LAMBDA(index_t i) {
     const int tgt = targets(i);
     P mx = P(logits(i, 0));

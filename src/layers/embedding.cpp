@@ -16,7 +16,9 @@ void embedding_backward(const View2<const T>& dout, const TokenView& tokens, con
   const index_t n = dout.extent(0), d = dout.extent(1), V = dtable.extent(0);
   // Rows are summed per (row block, column) in order, then block partials in order: no atomics.
   const index_t nb = (n + kReduceRowBlock - 1) / kReduceRowBlock;
-  View3<P> partial("embedding::partial", nb > 0 ? nb : 1, V, d);
+  PoolScope ws;  // a cached block (zeroed here), not an allocation per training step
+  const View3<P> partial = ws.take<View3<P>>("embedding::partial", nb > 0 ? nb : 1, V, d);
+  Kokkos::deep_copy(Exec(), partial, P(0));
   par_for("embedding::backward_partial", nb, d, KOKKOS_LAMBDA(index_t b, index_t j) {
     const index_t i1 = (b + 1) * kReduceRowBlock < n ? (b + 1) * kReduceRowBlock : n;
     for (index_t i = b * kReduceRowBlock; i < i1; ++i) partial(b, tokens(i), j) += P(dout(i, j));

@@ -87,13 +87,16 @@ MM_UNROLL4
   reduce_partials<R>(label, partial, nb, m, out, accumulate, rb);
 }
 
-// Deterministic sum of f(i) over i < n, returned on the host.
+// Deterministic sum of f(i) over i < n, returned on the host (the one-element result from the workspace cache
+// and copied into a host scalar: no device or host allocation per call; it runs in every training step).
 template <class R, class F>
 R ordered_sum(const char* label, index_t n, const F& f) {
-  View1<R> out(std::string(label) + "::out", 1);
+  PoolScope ws;
+  const View1<R> out = ws.take<View1<R>>(std::string(label) + "::out", 1);
   column_reduce<R>(label, n, 1, KOKKOS_LAMBDA(index_t i, index_t) { return f(i); }, out, false);
-  auto h = Kokkos::create_mirror_view_and_copy(HostMem(), out);
-  return h(0);
+  R h{};
+  Kokkos::deep_copy(h, Kokkos::subview(out, 0));
+  return h;
 }
 
 // y = x (element conversion), over a whole view of any rank with the same extents.

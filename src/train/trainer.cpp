@@ -382,13 +382,14 @@ double Trainer<Model>::grad_norm() const {
   const auto g = ps.grads();
   const auto split = split_;
   // one pass for the three kinds (replicated, tp slice, ep slice): the same block sums as three ordered_sums
-  View1<double> sums("trainer::grad_norm_sums", 3);
+  PoolScope ws;  // (no allocation per step)
+  const View1<double> sums = ws.take<View1<double>>("trainer::grad_norm_sums", 3);
   column_reduce<double>(
       "trainer::grad_norm", g.extent(0), 3,
       KOKKOS_LAMBDA(index_t i, index_t k) { return index_t(split(i)) == k ? double(g(i)) * double(g(i)) : 0.0; },
       sums, false);
-  const auto hs = Kokkos::create_mirror_view_and_copy(HostMem(), sums);
-  std::vector<double> ss(hs.data(), hs.data() + 3);
+  std::vector<double> ss(3);
+  Kokkos::deep_copy(Kokkos::View<double*, Layout, HostMem, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(ss.data(), 3), sums);
   tp_->allreduce_sum(&ss[1], 1);
   ep_->allreduce_sum(&ss[2], 1);
   return std::sqrt(ss[0] + ss[1] + ss[2]);
