@@ -65,8 +65,9 @@ void DenseFFN<T>::backward(DenseFFNActs<T>& acts, const View2<const T>& dout, co
   require(index_t(dout.extent(0)) == n && index_t(dx.extent(0)) == n && index_t(dout.extent(1)) == D &&
               index_t(dx.extent(1)) == D,
           "dense_ffn", "dout and dx must be (", n, ", ", D, ")");
-  if (acts.a.empty()) {  // recompute policy
-    View2<T> y = make_uninit<View2<T>>("dense_ffn::y", n, D);
+  if (acts.a.empty()) {  // recompute policy (the output itself is not needed again: a cached block)
+    PoolScope ws;
+    View2<T> y = ws.take<View2<T>>("dense_ffn::y", n, D);
     swiglu_experts_forward<T>(weights(), acts.x, {0, n}, acts.a, y);
   }
   swiglu_experts_backward<T>(weights(), acts.x, acts.a, dout, {0, n}, dx, false,

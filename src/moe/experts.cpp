@@ -307,9 +307,13 @@ void swiglu_experts_forward(const SwiGLUWeights<T>& w, const View2<const T>& xp,
   require(index_t(xp.extent(1)) == w.d && index_t(y.extent(1)) == w.d && index_t(y.extent(0)) == m,
           "moe::swiglu_experts", "xp is (", xp.extent(0), ", ", xp.extent(1), "), y is (", y.extent(0), ", ",
           y.extent(1), "), d_model = ", w.d);
-  acts.h1 = take_or_alloc<View2<T>>(ws, "moe::h1", m, F);
-  acts.h3 = take_or_alloc<View2<T>>(ws, "moe::h3", m, F);
-  acts.a = take_or_alloc<View2<T>>(ws, "moe::a", m, F);
+  if (ws == nullptr) {
+    acts.internals = std::make_shared<PoolScope>();
+    ws = acts.internals.get();
+  }
+  acts.h1 = ws->take<View2<T>>("moe::h1", m, F);
+  acts.h3 = ws->take<View2<T>>("moe::h3", m, F);
+  acts.a = ws->take<View2<T>>("moe::a", m, F);
   grouped_gemm<T>(Trans::T, P(1), xp, w.w1, F, w.d, P(0), acts.h1, off);
   grouped_gemm<T>(Trans::T, P(1), xp, w.w3, F, w.d, P(0), acts.h3, off);
   auto h1 = acts.h1;

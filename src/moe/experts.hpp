@@ -52,10 +52,12 @@ struct SwiGLUGrads {
 template <class T>
 struct SwiGLUActs {
   View2<T> h1, h3, a;  // (m, F)
+  std::shared_ptr<PoolScope> internals;  // owns h1, h3, a when the caller gave no scope (cached blocks)
   bool empty() const { return h1.extent(0) == 0 && h1.data() == nullptr; }
 };
 
-// y (m, d) = expert outputs of xp (m, d); acts receives h1, h3, a (taken from `ws` when given, else allocated).
+// y (m, d) = expert outputs of xp (m, d); acts receives h1, h3, a (taken from `ws` when given, else from a scope of
+// their own in acts.internals: no allocation per call either way).
 template <class T>
 void swiglu_experts_forward(const SwiGLUWeights<T>& w, const View2<const T>& xp, const std::vector<index_t>& off,
                             SwiGLUActs<T>& acts, const View2<T>& y, PoolScope* ws = nullptr);

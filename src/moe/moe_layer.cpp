@@ -188,7 +188,7 @@ SwiGLUWeights<T> MoELayer<T>::shared_weights() const {
 }
 
 template <class T>
-View2<T> MoELayer<T>::experts_forward(MoEActs<T>& a) const {
+bool MoELayer<T>::experts_forward(MoEActs<T>& a, const View2<T>& shared_out) const {
   const Routing<P>& r = a.routing;
   const index_t n = a.x.extent(0), m = r.rows(), d = cfg_.d_model;
   // the routed experts on rows `src` in the order `perm` (xp[i] = src[perm[i]]), groups `off`, into y
@@ -288,13 +288,13 @@ View2<T> MoELayer<T>::experts_forward(MoEActs<T>& a) const {
       a.y = y;
     }
   }
-  View2<T> ys;
   if (cfg_.shared_d_ff > 0) {
-    ys = make_uninit<View2<T>>("moe::shared_y", n, d);
+    PoolScope scratch;  // the recompute's shared-expert output, not needed again
+    const View2<T> ys = shared_out.extent(0) > 0 ? shared_out : scratch.take<View2<T>>("moe::shared_y", n, d);
     swiglu_experts_forward<T>(shared_weights(), a.x, {0, n}, a.sh, ys);
   }
   a.expert_acts_kept = true;
-  return ys;
+  return cfg_.shared_d_ff > 0;
 }
 
 template <class T>
@@ -410,9 +410,8 @@ MoELosses MoELayer<T>::forward(const View2<T>& x, const View2<T>& out, MoEActs<T
   }
 
   // experts and combine (shared expert first, then the routed experts in slot order)
-  const View2<T> ys = experts_forward(acts);
-  if (ys.extent(0) > 0) Kokkos::deep_copy(out, ys);
-  moe_unpermute_combine<T>(acts.y, r.row, r.gate, out, ys.extent(0) > 0);
+  const bool shared = experts_forward(acts, out);  // the shared expert's output straight into out
+  moe_unpermute_combine<T>(acts.y, r.row, r.gate, out, shared);
   if (!save || cfg_.recompute) {
     acts.xp = View2<T>();
     acts.xp16 = View2<bf16_op_t>();

@@ -213,8 +213,9 @@ class MoELayer {
   std::uint64_t jitter_stream(std::uint64_t step) const;
 
  private:
-  // Fills xp, ex, y and sh from x and the routing; returns the shared expert's output (empty when off).
-  View2<T> experts_forward(MoEActs<T>& a) const;
+  // Fills xp, ex, y and sh from x and the routing, and writes the shared expert's output into shared_out (when
+  // given; the recompute discards it); returns whether there is a shared expert.
+  bool experts_forward(MoEActs<T>& a, const View2<T>& shared_out = View2<T>()) const;
   SwiGLUWeights<T> expert_weights() const;
   SwiGLUWeights<T> shared_weights() const;
   // expert parallelism: rows (n_rows, d) sent by the counts `send` to the ep ranks, received by `recv` into a

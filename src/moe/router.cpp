@@ -93,7 +93,9 @@ void router_plan(const RouterOptions& opt, Routing<P>& r, const std::vector<inde
   const index_t nb = (n + kPlanBlock - 1) / kPlanBlock, items = k * nb;
   // Work item it = j * nb + b covers slot j of the tokens of block b: items in increasing order enumerate the
   // assignments in the slot-major order of the header. No atomics: each item owns its row of `pos`.
-  View2<index_t> pos("moe::plan_pos", items > 0 ? items : 1, E);
+  PoolScope local;  // the plan's scratch: cached blocks, not allocations per step
+  const View2<index_t> pos = local.take<View2<index_t>>("moe::plan_pos", items > 0 ? items : 1, E);
+  Kokkos::deep_copy(Exec(), pos, index_t(0));
   r.row = take_or_alloc<View2<index_t>>(ws, "moe::row", n, k);
   r.count = take_or_alloc<View1<index_t>>(ws, "moe::count", E);
   auto expert = r.expert;
@@ -141,12 +143,9 @@ void router_plan(const RouterOptions& opt, Routing<P>& r, const std::vector<inde
     r.offsets[e + 1] = r.offsets[e] + kept;
   }
   const index_t m = r.offsets[E];
-  View1<index_t> off("moe::offsets", E + 1);
-  {
-    auto h = Kokkos::create_mirror_view(off);
-    for (index_t e = 0; e <= E; ++e) h(e) = r.offsets[e];
-    Kokkos::deep_copy(off, h);
-  }
+  const View1<index_t> off = local.take<View1<index_t>>("moe::offsets", E + 1);
+  Kokkos::deep_copy(off, Kokkos::View<const index_t*, Layout, HostMem, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(
+                             r.offsets.data(), std::size_t(E + 1)));
   r.perm_token = take_or_alloc<View1<index_t>>(ws, "moe::perm_token", m);
   r.perm_slot = take_or_alloc<View1<std::int32_t>>(ws, "moe::perm_slot", m);
   auto perm_token = r.perm_token;
@@ -196,7 +195,8 @@ RouterLossSums router_loss_sums(const RouterOptions& opt, const Routing<P>& r) {
     // one reduction (and one copy to the host) for both: columns [0, E) the scores' column sums (aux), column E
     // (or 0 without aux) the squared logsumexp (z)
     const index_t m = (aux ? E : 0) + (z ? 1 : 0), ze = aux ? E : 0;
-    View1<P> sums("moe::router_loss_sums", m);
+    PoolScope local;
+    const View1<P> sums = local.take<View1<P>>("moe::router_loss_sums", m);
     auto probs = r.probs;
     auto psum = r.psum;
     auto lse = r.lse;
@@ -205,10 +205,12 @@ RouterLossSums router_loss_sums(const RouterOptions& opt, const Routing<P>& r) {
       if (i == ze) return lse(x) * lse(x);
       return softmax ? probs(x, i) : probs(x, i) / psum(x);
     }, sums, false);
-    auto hs = Kokkos::create_mirror_view_and_copy(HostMem(), sums);
+    std::vector<P> hs(static_cast<std::size_t>(m));
+    Kokkos::deep_copy(Kokkos::View<P*, Layout, HostMem, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(hs.data(), hs.size()),
+                      sums);
     if (aux)
-      for (index_t i = 0; i < E; ++i) S.colsum[i] = double(hs(i));
-    if (z) S.zsum = hs(ze);
+      for (index_t i = 0; i < E; ++i) S.colsum[i] = double(hs[i]);
+    if (z) S.zsum = hs[ze];
   }
   return S;
 }

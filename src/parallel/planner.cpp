@@ -322,7 +322,7 @@ LayerMem mem_moe(const MoEConfig& c, const Dims& d, Recompute pol, double load) 
   LayerMem m;
   m.full = routing + xr + experts;
   m.keep = routing + xr + ((pol == Recompute::none && !c.recompute) ? experts : 0.0);
-  m.fwd_extra = (Fs > 0 ? d.n * d.t * D : 0.0) + a2a;
+  m.fwd_extra = a2a;  // (the shared expert writes into the layer output: no buffer of its own)
   // dy, dgate, dxp stay through the backward; then, one after the other: the experts' dh1, dh3; the shared
   // expert's; the router's dlogits (with d(router input) when the input is a copy)
   // (bf16 path: dy in bf16, and the experts' da and [dh1 | dh3] in bf16)

@@ -1,8 +1,10 @@
 // Training: LR schedule, AdamW against a naive reference, the genome dataset, determinism, gradient accumulation,
-// and exact resume from a checkpoint.
+// exact resume from a checkpoint, and no memory allocated per training step.
 #include <cmath>
 #include <csignal>
 #include <filesystem>
+#include <map>
+#include <string>
 #include <unistd.h>
 
 #include "catch.hpp"
@@ -10,7 +12,6 @@
 #include "io/tokens.hpp"
 #include "model/lm.hpp"
 #include "train/optimizer.hpp"
-#include "model/lm.hpp"
 #include "train/trainer.hpp"
 #include "util.hpp"
 
@@ -260,4 +261,75 @@ TEST_CASE("reverse-complement augmentation reads about half the windows on the o
   }
   CHECK(flipped > B / 5);
   CHECK(flipped < 4 * B / 5);
+}
+
+namespace {
+// Kokkos allocations (any memory space) made while `on`, by label, from the Tools callbacks. Takes from the
+// workspace cache ("pool:<label>", core/pool.hpp) allocate nothing and are not counted; nor are Kokkos' own
+// buffers ("Kokkos::..."): on CUDA, Kokkos 4.6 reports a zero-byte "TeamScratchMemory" allocation for team
+// launches without level-1 scratch, which is no memory at all.
+struct AllocCounter {
+  static inline bool on = false;
+  static inline std::map<std::string, int> made;
+  static void alloc(Kokkos_Profiling_SpaceHandle, const char* label, const void*, std::uint64_t) {
+    const std::string l(label);
+    if (!on || l.rfind("pool:", 0) == 0 || l.rfind("Kokkos", 0) == 0) return;
+    ++made[l];
+  }
+  Kokkos::Tools::Experimental::EventSet saved = Kokkos::Tools::Experimental::get_callbacks();
+  AllocCounter() {
+    made.clear();
+    Kokkos::Tools::Experimental::set_allocate_data_callback(alloc);
+  }
+  ~AllocCounter() {
+    on = false;
+    Kokkos::Tools::Experimental::set_callbacks(saved);
+  }
+};
+}  // namespace
+
+TEST_CASE("a training step on a device batch allocates no memory after the first one", "[train]") {
+  // What the benchmark's LM step runs (zero the gradients, forward + backward, AdamW) for a model with every
+  // layer kind: from the second step on, every buffer is a member kept while the shape holds or a block of the
+  // workspace cache. An allocation per step is a cudaMalloc and a device-wide synchronizing cudaFree on CUDA.
+  LMConfig c = tiny_lm();
+  c.n_layer = 5;
+  c.layers.pattern = parse_layer_pattern("M2 M1 M3 E D", "test");
+  c.layers.mamba1.d_state = 8;
+  c.layers.mamba3.d_state = 16;
+  c.layers.mamba3.headdim = 8;
+  c.layers.mamba3.chunk_size = 16;
+  c.layers.moe.n_experts = 4;
+  c.layers.moe.top_k = 2;
+  c.layers.moe.d_ff = 48;
+  c.layers.moe.shared_d_ff = 24;
+  c.layers.dense_d_ff = 40;
+  MambaLM<float> lm(c);
+  lm.initialize(3);
+  AdamW<float> opt(lm.params(), AdamWConfig{});
+  io::HostBatch hb(2, 48);
+  for (std::size_t i = 0; i < hb.tokens.size(); ++i) {
+    hb.tokens[i] = std::int32_t(i * 7 % 5);
+    hb.targets[i] = std::int32_t(i * 3 % 5);
+    hb.seq_idx[i] = 0;
+  }
+  const Batch b = to_device(hb);
+  std::int64_t step = 0;
+  auto one = [&] {
+    lm.params().zero_grads();
+    lm.forward_backward(b, 1.0 / double(hb.batch * hb.seqlen), Recompute::mixer);
+    opt.step(lm.params(), 1e-3, ++step);
+  };
+  AllocCounter count;
+  one();
+  Kokkos::fence();
+  AllocCounter::on = true;
+  one();
+  one();
+  Kokkos::fence();
+  AllocCounter::on = false;
+  std::string labels;
+  for (const auto& [l, n] : AllocCounter::made) labels += " " + l + " x" + std::to_string(n);
+  INFO("allocations in steps 2 and 3:" << labels);
+  CHECK(AllocCounter::made.empty());
 }

@@ -109,8 +109,8 @@ UView2<acc_t<T>> Mamba1Mixer<T>::xproj_bc(const View1<P>& buf) const {
 namespace {
 // A = -exp(A_log), (E, N). A free function: CUDA lambdas may not sit in private member functions.
 template <class P>
-View2<P> a_from_log(const View1<P>& a_log, index_t E, index_t N) {
-  View2<P> A(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba1::A"), E, N);
+View2<P> a_from_log(const View1<P>& a_log, index_t E, index_t N, PoolScope& ws) {
+  const View2<P> A = ws.take<View2<P>>("mamba1::A", E, N);
   par_for("mamba1::A", E, N, KOKKOS_LAMBDA(index_t d, index_t n) { A(d, n) = -Kokkos::exp(a_log(d * N + n)); });
   return A;
 }
@@ -191,8 +191,8 @@ void m1_cp_state_grad(const Mamba1Acts<T>& a, const View2<acc_t<T>>& A, const Vi
 }  // namespace
 
 template <class T>
-View2<acc_t<T>> Mamba1Mixer<T>::A_matrix() const {
-  return a_from_log<P>(store_->v1(A_log_), E_, cfg_.d_state);
+View2<acc_t<T>> Mamba1Mixer<T>::A_matrix(PoolScope& ws) const {
+  return a_from_log<P>(store_->v1(A_log_), E_, cfg_.d_state, ws);
 }
 
 template <class T>
@@ -242,7 +242,9 @@ void Mamba1Mixer<T>::run_internals(const View2<T>& u, index_t batch, index_t seq
   a.delta = ws.take<View2<T>>("mamba1::delta", n, E);
   a.y = ws.take<View2<T>>("mamba1::y", n, E);
   const SelScanShape ss = scan_shape(batch, seqlen);
-  a.checkpoints = keep_checkpoints ? selective_scan_alloc_checkpoints<T>(ss) : View3<P>();
+  a.checkpoints = keep_checkpoints ? ws.take<View3<P>>("selective_scan::checkpoints", ss.nchunks(), ss.dstate,
+                                                      ss.batch * ss.dinner)
+                                   : View3<P>();
   linear_forward<T>(u, store_->v2(in_proj_), View1<const P>(), a.xz);
   conv1d_silu_forward<T>(Conv1dIn<T>{a.xz, 0, batch, seqlen, E, a.conv_init}, store_->v2(conv_w_),
                          store_->v1(conv_b_), seq, a.xc);
@@ -251,7 +253,10 @@ void Mamba1Mixer<T>::run_internals(const View2<T>& u, index_t batch, index_t seq
   parallel::tp_allreduce_sum(*tp_, a.dt_low, "Mamba1Mixer (x_proj)");  // row-parallel x_proj: partial sums
   parallel::tp_allreduce_sum(*tp_, a.bc, "Mamba1Mixer (x_proj)");
   linear_forward<T>(a.dt_low, store_->v2(dt_w_), View1<const P>(), a.delta);
-  selective_scan_forward<T>(ss, scan_in(a, A_matrix(), seq), a.y, final_ssm, a.checkpoints);
+  {
+    PoolScope aws;
+    selective_scan_forward<T>(ss, scan_in(a, A_matrix(aws), seq), a.y, final_ssm, a.checkpoints);
+  }
 }
 
 template <class T>
@@ -321,9 +326,9 @@ void Mamba1Mixer<T>::backward(Mamba1Acts<T>& a, index_t batch, index_t seqlen, c
   if (dinit_state) check_state(*dinit_state, batch, "Mamba1Mixer::backward (initial state gradient)");
   if (a.xz.extent(0) == 0) run_internals(a.u, batch, seqlen, seq, a, true, View3<P>());  // recompute policy
   const index_t n = batch * seqlen, E = E_, R = cfg_.rank(), N = cfg_.d_state;
-  const View2<P> A = A_matrix();
+  PoolScope ws;  // A and the gradients of the internals: cached device blocks, returned at the end
+  const View2<P> A = A_matrix(ws);
   // out_proj
-  PoolScope ws;  // the gradients of the internals: cached device blocks, returned at the end
   View2<T> dy = ws.take<View2<T>>("mamba1::dy", n, E);
   linear_backward<T>(a.y, store_->v2(out_proj_), dout, dy, false, store_->g2(out_proj_), View1<P>());
   // selective scan: du into dxc, dz into the z columns of d(xz), dB/dC, d(delta), dA, dD, d(dt_proj.bias)
@@ -331,7 +336,8 @@ void Mamba1Mixer<T>::backward(Mamba1Acts<T>& a, index_t batch, index_t seqlen, c
   View2<T> dxc = ws.take<View2<T>>("mamba1::dxc", n, E);
   View2<T> ddelta = ws.take<View2<T>>("mamba1::ddelta", n, E);
   View2<T> dbc = ws.take<View2<T>>("mamba1::dbc", n, 2 * N);
-  View2<P> dA("mamba1::dA", E, N);
+  const View2<P> dA = ws.take<View2<P>>("mamba1::dA", E, N);
+  Kokkos::deep_copy(Exec(), dA, P(0));
   SelScanGrad<T> g;
   g.du = dxc;
   g.ddelta = ddelta;
@@ -417,7 +423,8 @@ void Mamba1Mixer<T>::forward_cp(const View2<T>& u, index_t batch, index_t seqlen
   linear_forward<T>(a.dt_low, store_->v2(dt_w_), View1<const P>(), a.delta);
   // local scan from a zero state for the final local state, the exclusive scan across the ranks, the scan again
   // from the incoming state
-  const View2<P> A = A_matrix();
+  PoolScope aws;
+  const View2<P> A = A_matrix(aws);
   View3<P> S_loc("mamba1::cp_S_loc", batch, E, N);
   selective_scan_forward<T>(ss, scan_in(a, A, seq), a.y, S_loc);
   View1<P> gdec = m1_cp_total_decay<T>(a, A, store_->v1(dt_b_), seq, batch, seqlen, E, N);
@@ -467,7 +474,10 @@ void Mamba1Mixer<T>::step(const View2<T>& u, Mamba1State<T>& state, const View2<
   parallel::tp_allreduce_sum(*tp_, a.dt_low, "Mamba1Mixer::step (x_proj)");
   parallel::tp_allreduce_sum(*tp_, a.bc, "Mamba1Mixer::step (x_proj)");
   linear_forward<T>(a.dt_low, store_->v2(dt_w_), View1<const P>(), a.delta);
-  selective_scan_step<T>(scan_shape(batch, 1), scan_in(a, A_matrix(), SeqIdxView()), state.ssm, a.y);
+  {
+    PoolScope aws;
+    selective_scan_step<T>(scan_shape(batch, 1), scan_in(a, A_matrix(aws), SeqIdxView()), state.ssm, a.y);
+  }
   linear_forward<T>(a.y, store_->v2(out_proj_), View1<const P>(), out);
   parallel::tp_allreduce_sum(*tp_, out, "Mamba1Mixer::step");
 }

@@ -151,7 +151,7 @@ class Mamba1Mixer {
                      bool keep_checkpoints, const View3<P>& final_ssm) const;
   SelScanShape scan_shape(index_t batch, index_t seqlen) const;
   SelScanIn<T> scan_in(const Mamba1Acts<T>& acts, const View2<P>& A, const SeqIdxView& seq) const;
-  View2<P> A_matrix() const;  // A = -exp(A_log)
+  View2<P> A_matrix(PoolScope& ws) const;  // A = -exp(A_log), in a block of ws
   UView2<P> xproj_dt(const View1<P>& buf) const;  // rows [0, R) of an x_proj-shaped (R + 2N, E) slice
   UView2<P> xproj_bc(const View1<P>& buf) const;  // rows [R, R + 2N)
   void check_state(const Mamba1State<T>& s, index_t batch, const char* what) const;

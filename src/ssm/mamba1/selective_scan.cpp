@@ -586,11 +586,11 @@ void selective_scan_backward(const SelScanShape& s, const SelScanIn<T>& in, cons
               index_t(gr.ddelta_bias.extent(0)) == c.E,
           where, "dA must be (d_inner, d_state), dD and ddelta_bias (d_inner)");
 
+  PoolScope ws;  // the pass buffers: cached device blocks, not allocations per call
   View3<const P> ckpt = checkpoints_in;
   if (ckpt.extent(0) == 0) {  // rebuild the checkpoints with a forward pass
-    View3<P> fresh = selective_scan_alloc_checkpoints<T>(s);
-    View2<T> scratch_out(Kokkos::view_alloc(Kokkos::WithoutInitializing, "selective_scan::out_recompute"), n_tok,
-                         c.E);
+    View3<P> fresh = ws.take<View3<P>>("selective_scan::checkpoints", s.nchunks(), s.dstate, s.batch * s.dinner);
+    View2<T> scratch_out = ws.take<View2<T>>("selective_scan::out_recompute", n_tok, c.E);
     selective_scan_forward<T>(s, in, scratch_out, View3<P>(), fresh);
     ckpt = fresh;
   }
@@ -610,12 +610,11 @@ void selective_scan_backward(const SelScanShape& s, const SelScanIn<T>& in, cons
   const bool chunked = c.N <= kMaxRegStates;
   const index_t K = chunked ? c.Bsz * c.nc : c.Bsz;  // blocks of the parameter partial sums
   BwdPass1<T> p1;
-  p1.dlt = View2<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "selective_scan::delta"), n_tok, c.E);
-  p1.g = View2<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "selective_scan::g"), n_tok, c.E);
-  p1.dcarry = View3<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "selective_scan::dcarry"), c.nc, c.N, BE);
-  p1.dA_part = View3<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "selective_scan::dA_partial"), K, c.E, c.N);
-  p1.dv_part = View3<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "selective_scan::dD_dbias_partial"), K, c.E,
-                        2);
+  p1.dlt = ws.take<View2<P>>("selective_scan::delta", n_tok, c.E);
+  p1.g = ws.take<View2<P>>("selective_scan::g", n_tok, c.E);
+  p1.dcarry = ws.take<View3<P>>("selective_scan::dcarry", c.nc, c.N, BE);
+  p1.dA_part = ws.take<View3<P>>("selective_scan::dA_partial", K, c.E, c.N);
+  p1.dv_part = ws.take<View3<P>>("selective_scan::dD_dbias_partial", K, c.E, 2);
   const View2<P> dlt_buf = p1.dlt, g_buf = p1.g;
   const View3<P> dcarry = p1.dcarry, dA_part = p1.dA_part, dv_part = p1.dv_part;
   bool bc_done = false;  // the native kernels formed dB and dC too

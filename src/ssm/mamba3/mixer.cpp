@@ -281,16 +281,18 @@ void Mamba3Mixer<T>::run_internals(const View2<T>& u, index_t batch, index_t seq
   const index_t n = batch * seqlen, E = cfg_.d_inner(), H = cfg_.nheads(), N = cfg_.d_state, R = cfg_.rank(),
                 G = cfg_.ngroups, Pd = cfg_.headdim, RG = R * G, RGN = RG * N;
   a.u = u;
-  a.proj = make_uninit<View2<T>>("mamba3::proj", n, cfg_.d_in_proj());
-  a.qk = make_uninit<View2<T>>("mamba3::qk", n, 2 * RGN);
-  a.y = make_uninit<View2<T>>("mamba3::y", n, H * R * Pd);
-  a.o = make_uninit<View2<T>>("mamba3::o", n, E);
-  a.rstd_qk = make_uninit<View2<P>>("mamba3::rstd_qk", n, 2 * RG);
+  a.internals = std::make_shared<PoolScope>();
+  PoolScope& ws = *a.internals;
+  a.proj = ws.take<View2<T>>("mamba3::proj", n, cfg_.d_in_proj());
+  a.qk = ws.take<View2<T>>("mamba3::qk", n, 2 * RGN);
+  a.y = ws.take<View2<T>>("mamba3::y", n, H * R * Pd);
+  a.o = ws.take<View2<T>>("mamba3::o", n, E);
+  a.rstd_qk = ws.take<View2<P>>("mamba3::rstd_qk", n, 2 * RG);
   linear_forward<T>(u, store_->v2(in_proj_), View1<const P>(), a.proj);
 
   bc_norm_forward<T>(a.proj, store_->v1(B_norm_), store_->v1(C_norm_), P(cfg_.norm_eps), E, N, RG, a.qk, a.rstd_qk);
   if (cfg_.is_mimo) {
-    a.v = make_uninit<View2<T>>("mamba3::v", n, H * R * Pd);
+    a.v = ws.take<View2<T>>("mamba3::v", n, H * R * Pd);
     mimo_x_forward<T>(a.proj, store_->v1(mimo_x_), E, R, Pd, a.v);
   }
   mamba3_scan_forward<T>(scan_shape(batch, seqlen), scan_in(a), a.y, fin);
@@ -309,7 +311,7 @@ void Mamba3Mixer<T>::run_internals(const View2<T>& u, index_t batch, index_t seq
     gt.mo = store_->v1(mimo_o_);
   }
   if (gt.norm) {
-    a.rstd_out = make_uninit<View2<P>>("mamba3::rstd_out", n, H * R);
+    a.rstd_out = ws.take<View2<P>>("mamba3::rstd_out", n, H * R);
     gt.rstd = a.rstd_out;
     gt.w = store_->v1(norm_w_);
   }

@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "core/kokkos_types.hpp"
+#include "core/pool.hpp"
 #include "model/params.hpp"
 #include "parallel/context_parallel.hpp"
 #include "parallel/grid.hpp"
@@ -109,6 +110,7 @@ struct Mamba3Acts {
   SeqIdxView seq;              // the record ids the forward used (empty = one record per row)
   std::vector<int> cp_cont, cp_whole;  // context parallel: per row, token 0 continues the left record / no record
                                        // starts inside the slice
+  std::shared_ptr<PoolScope> internals;  // owns proj .. rstd_out (cached blocks, not an allocation per step)
 };
 
 template <class T>
