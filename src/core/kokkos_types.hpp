@@ -52,6 +52,9 @@ template <class T>
 using HostView1 = Kokkos::View<T*, Layout, HostMem>;
 template <class T>
 using HostView2 = Kokkos::View<T**, Layout, HostMem>;
+// A host array seen as a view (e.g. a std::vector's data): a deep_copy to or from a device view without a mirror.
+template <class T>
+using HostUView1 = Kokkos::View<T*, Layout, HostMem, Unmanaged>;
 
 // Team scratch (shared memory on GPUs, stack-like scratch on CPUs).
 using ScratchMem = Exec::scratch_memory_space;

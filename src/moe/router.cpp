@@ -144,8 +144,7 @@ void router_plan(const RouterOptions& opt, Routing<P>& r, const std::vector<inde
   }
   const index_t m = r.offsets[E];
   const View1<index_t> off = local.take<View1<index_t>>("moe::offsets", E + 1);
-  Kokkos::deep_copy(off, Kokkos::View<const index_t*, Layout, HostMem, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(
-                             r.offsets.data(), std::size_t(E + 1)));
+  Kokkos::deep_copy(off, HostUView1<const index_t>(r.offsets.data(), std::size_t(E + 1)));
   r.perm_token = take_or_alloc<View1<index_t>>(ws, "moe::perm_token", m);
   r.perm_slot = take_or_alloc<View1<std::int32_t>>(ws, "moe::perm_slot", m);
   auto perm_token = r.perm_token;
@@ -206,8 +205,7 @@ RouterLossSums router_loss_sums(const RouterOptions& opt, const Routing<P>& r) {
       return softmax ? probs(x, i) : probs(x, i) / psum(x);
     }, sums, false);
     std::vector<P> hs(static_cast<std::size_t>(m));
-    Kokkos::deep_copy(Kokkos::View<P*, Layout, HostMem, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(hs.data(), hs.size()),
-                      sums);
+    Kokkos::deep_copy(HostUView1<P>(hs.data(), hs.size()), sums);
     if (aux)
       for (index_t i = 0; i < E; ++i) S.colsum[i] = double(hs[i]);
     if (z) S.zsum = hs[ze];

@@ -389,7 +389,7 @@ double Trainer<Model>::grad_norm() const {
       KOKKOS_LAMBDA(index_t i, index_t k) { return index_t(split(i)) == k ? double(g(i)) * double(g(i)) : 0.0; },
       sums, false);
   std::vector<double> ss(3);
-  Kokkos::deep_copy(Kokkos::View<double*, Layout, HostMem, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(ss.data(), 3), sums);
+  Kokkos::deep_copy(HostUView1<double>(ss.data(), 3), sums);
   tp_->allreduce_sum(&ss[1], 1);
   ep_->allreduce_sum(&ss[2], 1);
   return std::sqrt(ss[0] + ss[1] + ss[2]);

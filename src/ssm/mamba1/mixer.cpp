@@ -242,9 +242,7 @@ void Mamba1Mixer<T>::run_internals(const View2<T>& u, index_t batch, index_t seq
   a.delta = ws.take<View2<T>>("mamba1::delta", n, E);
   a.y = ws.take<View2<T>>("mamba1::y", n, E);
   const SelScanShape ss = scan_shape(batch, seqlen);
-  a.checkpoints = keep_checkpoints ? ws.take<View3<P>>("selective_scan::checkpoints", ss.nchunks(), ss.dstate,
-                                                      ss.batch * ss.dinner)
-                                   : View3<P>();
+  a.checkpoints = keep_checkpoints ? selective_scan_alloc_checkpoints<T>(ss, &ws) : View3<P>();
   linear_forward<T>(u, store_->v2(in_proj_), View1<const P>(), a.xz);
   conv1d_silu_forward<T>(Conv1dIn<T>{a.xz, 0, batch, seqlen, E, a.conv_init}, store_->v2(conv_w_),
                          store_->v1(conv_b_), seq, a.xc);

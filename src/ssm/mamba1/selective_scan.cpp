@@ -358,9 +358,8 @@ void backward_chunked(const Ctx<T>& c, const View2<const T>& dout, const View3<c
 }  // namespace
 
 template <class T>
-View3<acc_t<T>> selective_scan_alloc_checkpoints(const SelScanShape& s) {
-  return View3<acc_t<T>>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "selective_scan::checkpoints"),
-                         s.nchunks(), s.dstate, s.batch * s.dinner);
+View3<acc_t<T>> selective_scan_alloc_checkpoints(const SelScanShape& s, PoolScope* ws) {
+  return take_or_alloc<View3<acc_t<T>>>(ws, "selective_scan::checkpoints", s.nchunks(), s.dstate, s.batch * s.dinner);
 }
 
 namespace {
@@ -589,7 +588,7 @@ void selective_scan_backward(const SelScanShape& s, const SelScanIn<T>& in, cons
   PoolScope ws;  // the pass buffers: cached device blocks, not allocations per call
   View3<const P> ckpt = checkpoints_in;
   if (ckpt.extent(0) == 0) {  // rebuild the checkpoints with a forward pass
-    View3<P> fresh = ws.take<View3<P>>("selective_scan::checkpoints", s.nchunks(), s.dstate, s.batch * s.dinner);
+    View3<P> fresh = selective_scan_alloc_checkpoints<T>(s, &ws);
     View2<T> scratch_out = ws.take<View2<T>>("selective_scan::out_recompute", n_tok, c.E);
     selective_scan_forward<T>(s, in, scratch_out, View3<P>(), fresh);
     ckpt = fresh;
@@ -808,7 +807,7 @@ void selective_scan_step(const SelScanShape& s, const SelScanIn<T>& in, const Vi
 }
 
 #define MM_INSTANTIATE(T)                                                                                         \
-  template View3<acc_t<T>> selective_scan_alloc_checkpoints<T>(const SelScanShape&);                             \
+  template View3<acc_t<T>> selective_scan_alloc_checkpoints<T>(const SelScanShape&, PoolScope*);                             \
   template bool selective_scan_native_forward<T>(const SelScanShape&, const SelScanIn<T>&);                      \
   template void selective_scan_forward<T>(const SelScanShape&, const SelScanIn<T>&, const View2<T>&,              \
                                           const View3<acc_t<T>>&, const View3<acc_t<T>>&);                        \

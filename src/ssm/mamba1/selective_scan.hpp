@@ -21,6 +21,7 @@
 #pragma once
 
 #include "core/kokkos_types.hpp"
+#include "core/pool.hpp"
 #include "layers/conv1d.hpp"  // SeqIdxView
 
 namespace mm {
@@ -73,9 +74,10 @@ struct SelScanGrad {
   View3<acc_t<T>> dinit_state;       // (batch, E, N), written when non-empty
 };
 
-// Checkpoints saved by the forward for the backward: the state entering each chunk, (nchunks, N, batch * E).
+// Checkpoints saved by the forward for the backward: the state entering each chunk, (nchunks, N, batch * E);
+// taken from `ws` when given (core/pool.hpp), else allocated.
 template <class T>
-View3<acc_t<T>> selective_scan_alloc_checkpoints(const SelScanShape& s);
+View3<acc_t<T>> selective_scan_alloc_checkpoints(const SelScanShape& s, PoolScope* ws = nullptr);
 
 // out (batch * seqlen, E) is written; final_state (batch, E, N) is written when non-empty and may be the same view
 // as in.init_state (the state carried in place); checkpoints are written when non-empty.
