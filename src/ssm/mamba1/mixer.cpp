@@ -353,7 +353,7 @@ void Mamba1Mixer<T>::backward(Mamba1Acts<T>& a, index_t batch, index_t seqlen, c
     View1<P> gdec, Gs;
     m1_cp_state_grad<T>(a, A, store_->v1(dt_b_), seq, dy, batch, seqlen, E, N, gdec, Gs);
     View1<P> dS = parallel::cp_state_scan_backward<P>(*cp_, gdec, Gs, 1);
-    dfinal = View3<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba1::cp_dfinal"), batch, E, N);
+    dfinal = ws.take<View3<P>>("mamba1::cp_dfinal", batch, E, N);
     Kokkos::deep_copy(View1<P>(dfinal.data(), dfinal.size()), dS);
   }
   selective_scan_backward<T>(scan_shape(batch, seqlen), scan_in(a, A, seq), dy, dfinal, a.checkpoints, g);
@@ -380,8 +380,7 @@ void Mamba1Mixer<T>::backward(Mamba1Acts<T>& a, index_t batch, index_t seqlen, c
     windows::conv_state_out_backward<T>(dfinal_state->conv, a.conv_init, seq, seqlen, dxz, 0,
                                         dinit_state ? dinit_state->conv : View3<T>());
   if (cp_->size() > 1) {  // the halo's gradient goes back to the left neighbour, which adds it to its rows
-    View3<T> dprefix(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba1::cp_dprefix"), batch, E,
-                     cfg_.d_conv - 1);
+    View3<T> dprefix = ws.take<View3<T>>("mamba1::cp_dprefix", batch, E, cfg_.d_conv - 1);
     parallel::conv1d_silu_prefix_grad<T>(Conv1dIn<T>{a.xz, 0, batch, seqlen, E, a.conv_init}, store_->v2(conv_w_),
                                          store_->v1(conv_b_), seq, dxc, a.cp_mask, dprefix);
     parallel::cp_conv_halo_backward<T>(*cp_, dprefix, dxz, 0, batch, seqlen);
@@ -400,12 +399,14 @@ void Mamba1Mixer<T>::forward_cp(const View2<T>& u, index_t batch, index_t seqlen
           u.extent(1), ")");
   a = Mamba1Acts<T>{};
   a.u = u;
-  a.xz = make_uninit<View2<T>>("mamba1::xz", n, 2 * E);
-  a.xc = make_uninit<View2<T>>("mamba1::xc", n, E);
-  a.dt_low = make_uninit<View2<T>>("mamba1::dt_low", n, R);
-  a.bc = make_uninit<View2<T>>("mamba1::bc", n, 2 * N);
-  a.delta = make_uninit<View2<T>>("mamba1::delta", n, E);
-  a.y = make_uninit<View2<T>>("mamba1::y", n, E);
+  a.internals = std::make_shared<PoolScope>();  // cached device blocks, as in run_internals: no allocation per step
+  PoolScope& ws = *a.internals;
+  a.xz = ws.take<View2<T>>("mamba1::xz", n, 2 * E);
+  a.xc = ws.take<View2<T>>("mamba1::xc", n, E);
+  a.dt_low = ws.take<View2<T>>("mamba1::dt_low", n, R);
+  a.bc = ws.take<View2<T>>("mamba1::bc", n, 2 * N);
+  a.delta = ws.take<View2<T>>("mamba1::delta", n, E);
+  a.y = ws.take<View2<T>>("mamba1::y", n, E);
   const SelScanShape ss = scan_shape(batch, seqlen);
   linear_forward<T>(u, store_->v2(in_proj_), View1<const P>(), a.xz);
   auto halo = parallel::cp_conv_halo_forward<T>(*cp_, a.xz, 0, E, batch, seqlen, cfg_.d_conv, seq);
@@ -423,12 +424,12 @@ void Mamba1Mixer<T>::forward_cp(const View2<T>& u, index_t batch, index_t seqlen
   // from the incoming state
   PoolScope aws;
   const View2<P> A = A_matrix(aws);
-  View3<P> S_loc("mamba1::cp_S_loc", batch, E, N);
+  View3<P> S_loc = aws.take<View3<P>>("mamba1::cp_S_loc", batch, E, N);
   selective_scan_forward<T>(ss, scan_in(a, A, seq), a.y, S_loc);
   View1<P> gdec = m1_cp_total_decay<T>(a, A, store_->v1(dt_b_), seq, batch, seqlen, E, N);
   View1<P> S_in = parallel::cp_state_scan_forward<P>(*cp_, gdec, View1<const P>(S_loc.data(), S_loc.size()), 1);
   a.ssm_init = m1_cp_state_in<P>(S_in, a.cp_cont, batch, E, N);
-  a.checkpoints = save ? selective_scan_alloc_checkpoints<T>(ss) : View3<P>();
+  a.checkpoints = save ? selective_scan_alloc_checkpoints<T>(ss, &ws) : View3<P>();
   selective_scan_forward<T>(ss, scan_in(a, A, seq), a.y, View3<P>(), a.checkpoints);
   linear_forward<T>(a.y, store_->v2(out_proj_), View1<const P>(), out);
   parallel::tp_allreduce_sum(*tp_, out, "Mamba1Mixer::forward");  // row-parallel out_proj: partial sums
