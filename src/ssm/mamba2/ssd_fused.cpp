@@ -57,29 +57,52 @@ __device__ __forceinline__ void store4_bf16(bf* d, float4 v) {
   reinterpret_cast<__nv_bfloat162*>(d)[1] = __floats2bfloat162_rn(v.z, v.w);
 }
 
-// dst (ROWS x COLS bf16, row stride ldd) <- scale(r) src(r, c) for r < nr, c < nc, zero elsewhere; src rows lds
-// apart; COLS and nc multiples of 4. Four elements per thread and step, all of a thread's loads issued together.
-template <int ROWS, int COLS, bool V4, class Scale>
-__device__ __forceinline__ void stage(bf* dst, int ldd, const float* src, std::int64_t lds, int nr, int nc,
-                                      Scale scale) {
-  constexpr int C4 = COLS / 4;
-  static_assert(ROWS * C4 % kThreads == 0, "whole steps of the block");
-#pragma unroll 4
-  for (int it = 0; it < ROWS * C4 / kThreads; ++it) {
-    const int i = threadIdx.x + it * kThreads, r = i / C4, c = (i % C4) * 4;
-    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (r < nr && c < nc) {
-      v = load4<V4>(src + r * lds + c);
-      const float f = scale(r);
-      v.x *= f, v.y *= f, v.z *= f, v.w *= f;
-    }
-    store4_bf16(dst + r * ldd + c, v);
+// The largest divisor of n that is at most 8: the loads of a batch in batched().
+__host__ __device__ constexpr int batch_of(int n) {
+  int b = n < 8 ? n : 8;
+  while (n % b != 0) --b;
+  return b;
+}
+
+// For the kIt groups a thread owns: v = ld(it), then st(it, v), with the loads of up to 8 groups issued before
+// their stores. Loads and stores go through different pointers that the compiler must assume may alias, so in a
+// plain load-store loop it cannot issue a load before the store ahead of it and every load's latency is waited
+// out in turn; here a batch's loads are in flight together.
+template <int kIt, class Ld, class St>
+__device__ __forceinline__ void batched(Ld&& ld, St&& st) {
+  constexpr int kB = batch_of(kIt);
+#pragma unroll
+  for (int i0 = 0; i0 < kIt; i0 += kB) {
+    float4 v[kB];
+#pragma unroll
+    for (int j = 0; j < kB; ++j) v[j] = ld(i0 + j);
+#pragma unroll
+    for (int j = 0; j < kB; ++j) st(i0 + j, v[j]);
   }
 }
 
-struct One {
-  __device__ float operator()(int) const { return 1.f; }
-};
+// dst (ROWS x COLS bf16, row stride ldd) <- src(r, c) for r < nr, c < nc, zero elsewhere; src rows lds apart;
+// COLS and nc multiples of 4. Four elements per thread and group, the loads batched.
+template <int ROWS, int COLS, bool V4>
+__device__ __forceinline__ void stage(bf* dst, int ldd, const float* src, std::int64_t lds, int nr, int nc) {
+  constexpr int C4 = COLS / 4;
+  static_assert(ROWS * C4 % kThreads == 0, "whole steps of the block");
+  auto at = [](int it, int& r, int& c) {
+    const int i = threadIdx.x + it * kThreads;
+    r = i / C4, c = (i % C4) * 4;
+  };
+  batched<ROWS * C4 / kThreads>(
+      [&](int it) {
+        int r, c;
+        at(it, r, c);
+        return r < nr && c < nc ? load4<V4>(src + r * lds + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+      },
+      [&](int it, float4 v) {
+        int r, c;
+        at(it, r, c);
+        store4_bf16(dst + r * ldd + c, v);
+      });
+}
 
 // ------------------------------------------------------------------ forward
 
@@ -371,21 +394,29 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 4 : 2) chunk_scan_kernel(c
   __syncthreads();
   const float Dh = a.D[h];
   constexpr int P4 = P / 4;
-#pragma unroll
-  for (int it = 0; it < kTile * P4 / kThreads; ++it) {
-    const int i = threadIdx.x + it * kThreads, l = i / P4, p = (i % P4) * 4;
-    if (l < nl) {
-      const std::int64_t r = row0 + t0 + l0 + l;
-      const float4 x = load4<V4>(a.xbc + r * a.ldx + a.x_col + h * P + p);
-      const float* yv = ys + l * ldy + p;
-      const float4 o = make_float4(yv[0] + Dh * x.x, yv[1] + Dh * x.y, yv[2] + Dh * x.z, yv[3] + Dh * x.w);
-      float* dst = a.y + r * a.ldy + h * P + p;
-      if constexpr (V4)
-        *reinterpret_cast<float4*>(dst) = o;
-      else
-        dst[0] = o.x, dst[1] = o.y, dst[2] = o.z, dst[3] = o.w;
-    }
-  }
+  auto at = [](int it, int& l, int& p) {
+    const int i = threadIdx.x + it * kThreads;
+    l = i / P4, p = (i % P4) * 4;
+  };
+  batched<kTile * P4 / kThreads>(
+      [&](int it) {
+        int l, p;
+        at(it, l, p);
+        return l < nl ? load4<V4>(a.xbc + (row0 + t0 + l0 + l) * a.ldx + a.x_col + h * P + p)
+                      : make_float4(0.f, 0.f, 0.f, 0.f);
+      },
+      [&](int it, float4 x) {
+        int l, p;
+        at(it, l, p);
+        if (l >= nl) return;
+        const float* yv = ys + l * ldy + p;
+        const float4 o = make_float4(yv[0] + Dh * x.x, yv[1] + Dh * x.y, yv[2] + Dh * x.z, yv[3] + Dh * x.w);
+        float* dst = a.y + (row0 + t0 + l0 + l) * a.ldy + h * P + p;
+        if constexpr (V4)
+          *reinterpret_cast<float4*>(dst) = o;
+        else
+          dst[0] = o.x, dst[1] = o.y, dst[2] = o.z, dst[3] = o.w;
+      });
 }
 
 // ------------------------------------------------------------------ backward, intra-chunk part
@@ -484,7 +515,7 @@ __global__ void __launch_bounds__(kThreads, 2) intra_bwd_kernel(const Args a) {
         dt_s[tid] = tid < ns ? dlt[t0 + s0 + tid] : 0.f;
         diag[tid] = 0.f;
       }
-      stage<kTile, P, V4>(xs, ldx, a.xbc + (row0 + t0 + s0) * a.ldx + a.x_col + h * P, a.ldx, ns, P, One{});
+      stage<kTile, P, V4>(xs, ldx, a.xbc + (row0 + t0 + s0) * a.ldx + a.x_col + h * P, a.ldx, ns, P);
       wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[PT];  // A: rows s 16 w .., all of P
 #pragma unroll
       for (int i = 0; i < PT; ++i) wmma::fill_fragment(acc[i], 0.f);
@@ -504,7 +535,7 @@ __global__ void __launch_bounds__(kThreads, 2) intra_bwd_kernel(const Args a) {
           acs_l[tid] = tid < nl ? acs[t0 + l0 + tid] : 0.f;
           rec_l[tid] = tid < nl ? (a.seq ? a.seq[row0 + t0 + l0 + tid] : 0) : -2;
         }
-        stage<kTile, P, V4>(dys, ldx, a.dy + (row0 + t0 + l0) * a.ldy + h * P, a.ldy, nl, P, One{});
+        stage<kTile, P, V4>(dys, ldx, a.dy + (row0 + t0 + l0) * a.ldy + h * P, a.ldy, nl, P);
         __syncthreads();
         dx_tile<PT>(dys, xs, f);
         __syncthreads();
@@ -599,10 +630,33 @@ __global__ void __launch_bounds__(kThreads, 2) intra_bwd_kernel(const Args a) {
           vr[3] = diag[lr];
         }
       }
-      for (int idx = tid; idx < ns * P; idx += kThreads) {
-        const int s = idx / P, p = idx % P;
-        const std::int64_t r = row0 + t0 + s0 + s;
-        a.dx[r * a.ldd + a.x_col + h * P + p] = dt_s[s] * (f[s * ldo + p] + kss[s] * a.dy[r * a.ldy + h * P + p]);
+      {
+        constexpr int P4 = P / 4;
+        auto at = [](int it, int& s, int& p) {
+          const int i = threadIdx.x + it * kThreads;
+          s = i / P4, p = (i % P4) * 4;
+        };
+        batched<kTile * P4 / kThreads>(
+            [&](int it) {
+              int s, p;
+              at(it, s, p);
+              return s < ns ? load4<V4>(a.dy + (row0 + t0 + s0 + s) * a.ldy + h * P + p)
+                            : make_float4(0.f, 0.f, 0.f, 0.f);
+            },
+            [&](int it, float4 g) {
+              int s, p;
+              at(it, s, p);
+              if (s >= ns) return;
+              const float* fa = f + s * ldo + p;
+              const float d = dt_s[s], k = kss[s];
+              const float4 o = make_float4(d * (fa[0] + k * g.x), d * (fa[1] + k * g.y), d * (fa[2] + k * g.z),
+                                           d * (fa[3] + k * g.w));
+              float* dst = a.dx + (row0 + t0 + s0 + s) * a.ldd + a.x_col + h * P + p;
+              if constexpr (V4)
+                *reinterpret_cast<float4*>(dst) = o;
+              else
+                dst[0] = o.x, dst[1] = o.y, dst[2] = o.z, dst[3] = o.w;
+            });
       }
       __syncthreads();  // before the next head restages xs and the per-token arrays and reuses f
     }
@@ -753,43 +807,64 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 3 : 2) state_epilogue_kern
     wmma::store_matrix_sync(f2 + warp * 16 * ldo + i * 16, acc2[i], ldo, wmma::mem_row_major);
   }
   __syncthreads();
-  // rows r = tid / 16 + 8 i; lane cq of a row's 16 takes its float4 columns cq, cq + 16, ...
-  constexpr int kTpr = 16, C4 = P / 4;
+  // rows r = tid / 16 + 8 i; lane cq of a row's 16 takes its float4 columns cq, cq + 16, ...; the loads of kRB
+  // rows are issued before their stores to dx (see batched())
+  constexpr int kTpr = 16, C4 = P / 4, kRowStep = kThreads / kTpr, kCPer = (C4 + kTpr - 1) / kTpr;
+  constexpr int kRB = kCPer == 1 ? 4 : 2;
+  static_assert(kTile / kRowStep % kRB == 0, "whole batches of rows");
   const int cq = tid % kTpr;
   const float Dh = a.D[h];
-  for (int r = tid / kTpr; r < kTile; r += kThreads / kTpr) {
-    float dds = 0.f, win = 0.f;
-    if (r < nl) {
-      const std::int64_t row = row0 + t0 + l0 + r;
-      const float* xr = a.xbc + row * a.ldx + a.x_col + h * P;
-      const float* dyr = a.dy + row * a.ldy + h * P;
-      float* dxr = a.dx + row * a.ldd + a.x_col + h * P;
-      const float des = dt_l[r] * es_l[r];
+  for (int rb = 0; rb < kTile / kRowStep; rb += kRB) {
+    float4 x4[kRB][kCPer], dy4[kRB][kCPer], dx4[kRB][kCPer];
 #pragma unroll
-      for (int c4 = cq; c4 < C4; c4 += kTpr) {
-        const int p = 4 * c4;
-        const float4 x4 = load4<V4>(xr + p), dy4 = load4<V4>(dyr + p), dx4 = load4<V4>(dxr + p);
-        const float4 t1 = *reinterpret_cast<const float4*>(f1 + r * ldo + p);
-        const float4 t2 = *reinterpret_cast<const float4*>(f2 + r * ldo + p);
-        dds += x4.x * t1.x + x4.y * t1.y + x4.z * t1.z + x4.w * t1.w;
-        win += dy4.x * t2.x + dy4.y * t2.y + dy4.z * t2.z + dy4.w * t2.w;
-        const float4 o = make_float4(dx4.x + Dh * dy4.x + des * t1.x, dx4.y + Dh * dy4.y + des * t1.y,
-                                     dx4.z + Dh * dy4.z + des * t1.z, dx4.w + Dh * dy4.w + des * t1.w);
-        if constexpr (V4)
-          *reinterpret_cast<float4*>(dxr + p) = o;
-        else
-          dxr[p] = o.x, dxr[p + 1] = o.y, dxr[p + 2] = o.z, dxr[p + 3] = o.w;
+    for (int i = 0; i < kRB; ++i) {
+      const int r = tid / kTpr + (rb + i) * kRowStep;
+      const std::int64_t row = row0 + t0 + l0 + r;
+#pragma unroll
+      for (int j = 0; j < kCPer; ++j) {
+        const int p = 4 * (cq + j * kTpr);
+        const bool in = r < nl && p < P;
+        const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+        x4[i][j] = in ? load4<V4>(a.xbc + row * a.ldx + a.x_col + h * P + p) : z;
+        dy4[i][j] = in ? load4<V4>(a.dy + row * a.ldy + h * P + p) : z;
+        dx4[i][j] = in ? load4<V4>(a.dx + row * a.ldd + a.x_col + h * P + p) : z;
       }
     }
 #pragma unroll
-    for (int o = kTpr / 2; o > 0; o >>= 1) {
-      dds += __shfl_xor_sync(0xffffffffu, dds, o);
-      win += __shfl_xor_sync(0xffffffffu, win, o);
-    }
-    if (cq == 0 && r < nl) {
-      float* vr = a.v + (std::int64_t(hi) * nr + row0 + t0 + l0 + r) * 6;
-      vr[4] = ein_l[r] * win;
-      vr[5] = es_l[r] * dds;
+    for (int i = 0; i < kRB; ++i) {
+      const int r = tid / kTpr + (rb + i) * kRowStep;
+      const std::int64_t row = row0 + t0 + l0 + r;
+      float dds = 0.f, win = 0.f;
+      if (r < nl) {
+        float* dxr = a.dx + row * a.ldd + a.x_col + h * P;
+        const float des = dt_l[r] * es_l[r];
+#pragma unroll
+        for (int j = 0; j < kCPer; ++j) {
+          const int p = 4 * (cq + j * kTpr);
+          if (p >= P) continue;
+          const float4 x = x4[i][j], dy = dy4[i][j], dx = dx4[i][j];
+          const float4 t1 = *reinterpret_cast<const float4*>(f1 + r * ldo + p);
+          const float4 t2 = *reinterpret_cast<const float4*>(f2 + r * ldo + p);
+          dds += x.x * t1.x + x.y * t1.y + x.z * t1.z + x.w * t1.w;
+          win += dy.x * t2.x + dy.y * t2.y + dy.z * t2.z + dy.w * t2.w;
+          const float4 o = make_float4(dx.x + Dh * dy.x + des * t1.x, dx.y + Dh * dy.y + des * t1.y,
+                                       dx.z + Dh * dy.z + des * t1.z, dx.w + Dh * dy.w + des * t1.w);
+          if constexpr (V4)
+            *reinterpret_cast<float4*>(dxr + p) = o;
+          else
+            dxr[p] = o.x, dxr[p + 1] = o.y, dxr[p + 2] = o.z, dxr[p + 3] = o.w;
+        }
+      }
+#pragma unroll
+      for (int o = kTpr / 2; o > 0; o >>= 1) {
+        dds += __shfl_xor_sync(0xffffffffu, dds, o);
+        win += __shfl_xor_sync(0xffffffffu, win, o);
+      }
+      if (cq == 0 && r < nl) {
+        float* vr = a.v + (std::int64_t(hi) * nr + row0 + t0 + l0 + r) * 6;
+        vr[4] = ein_l[r] * win;
+        vr[5] = es_l[r] * dds;
+      }
     }
   }
 }
