@@ -233,7 +233,8 @@ bool MoELayer<T>::experts_forward(MoEActs<T>& a, const View2<T>& shared_out) con
     X.to_pad = View1<index_t>();
     if (cap >= 0) {
       X.to_pad = ws->template take<View1<index_t>>("moe::ep_to_pad", m);
-      auto hp = Kokkos::create_mirror_view(HostMem(), X.to_pad);
+      std::vector<index_t> hp_v(static_cast<std::size_t>(m));  // host vectors, not per-step host mirrors
+      const HostUView1<index_t> hp(hp_v.data(), m);
       for (index_t e = 0; e < E; ++e)
         for (index_t i = r.offsets[e]; i < r.offsets[e + 1]; ++i) hp(i) = e * cap + (i - r.offsets[e]);
       Kokkos::deep_copy(X.to_pad, hp);
@@ -259,8 +260,8 @@ bool MoELayer<T>::experts_forward(MoEActs<T>& a, const View2<T>& shared_out) con
     for (int q = 0; q < R; ++q) src_base[q + 1] = src_base[q] + index_t(X.recv_rows[q]);
     X.to_expert = ws->template take<View1<index_t>>("moe::ep_to_expert", mr);
     X.to_recv = ws->template take<View1<index_t>>("moe::ep_to_recv", mr);
-    auto hte = Kokkos::create_mirror_view(HostMem(), X.to_expert);
-    auto htr = Kokkos::create_mirror_view(HostMem(), X.to_recv);
+    std::vector<index_t> hte_v(static_cast<std::size_t>(mr)), htr_v(static_cast<std::size_t>(mr));
+    const HostUView1<index_t> hte(hte_v.data(), mr), htr(htr_v.data(), mr);
     X.offsets.assign(std::size_t(El) + 1, 0);
     index_t pos = 0;
     for (index_t e = 0; e < El; ++e) {
@@ -403,7 +404,8 @@ MoELosses MoELayer<T>::forward(const View2<T>& x, const View2<T>& out, MoEActs<T
     }
     r.routed = routed;
     r.n_all = N;
-    auto hc = Kokkos::create_mirror_view(HostMem(), r.count);
+    std::vector<index_t> hc_v(static_cast<std::size_t>(E));
+    const HostUView1<index_t> hc(hc_v.data(), E);
     for (index_t e = 0; e < E; ++e) hc(e) = routed[e];
     Kokkos::deep_copy(r.count, hc);
     L = router_losses_from(opt, G, r.routed, N);

@@ -125,7 +125,10 @@ void router_plan(const RouterOptions& opt, Routing<P>& r, const std::vector<inde
     }
   });
   // kept per expert and group offsets (host: the grouped GEMM needs them there anyway)
-  auto hcount = Kokkos::create_mirror_view_and_copy(HostMem(), count);
+  // (into a host vector: a mirror of the cached block would be a fresh, unlabelled host allocation every step)
+  std::vector<index_t> hcount_v(std::size_t(E > 0 ? E : 1));
+  const HostUView1<index_t> hcount(hcount_v.data(), E);
+  Kokkos::deep_copy(hcount, count);
   r.capacity = expert_capacity(opt, n);
   r.routed.assign(E, 0);
   r.offsets.assign(E + 1, 0);
