@@ -226,12 +226,8 @@ SelScanIn<T> Mamba1Mixer<T>::scan_in(const Mamba1Acts<T>& a, const View2<P>& A, 
 }
 
 template <class T>
-void Mamba1Mixer<T>::run_internals(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq,
-                                   Mamba1Acts<T>& a, bool keep_checkpoints, const View3<P>& final_ssm) const {
-  const index_t n = batch * seqlen, E = E_, R = cfg_.rank(), N = cfg_.d_state;
-  require(index_t(u.extent(0)) == n && index_t(u.extent(1)) == cfg_.d_model, "Mamba1Mixer",
-          "u must be (batch * seqlen, d_model) = (", n, ", ", cfg_.d_model, "), it is (", u.extent(0), ", ",
-          u.extent(1), ")");
+void Mamba1Mixer<T>::take_activations(const View2<T>& u, index_t n, Mamba1Acts<T>& a) const {
+  const index_t E = E_, R = cfg_.rank(), N = cfg_.d_state;
   a.u = u;
   a.internals = std::make_shared<PoolScope>();
   PoolScope& ws = *a.internals;
@@ -241,6 +237,17 @@ void Mamba1Mixer<T>::run_internals(const View2<T>& u, index_t batch, index_t seq
   a.bc = ws.take<View2<T>>("mamba1::bc", n, 2 * N);
   a.delta = ws.take<View2<T>>("mamba1::delta", n, E);
   a.y = ws.take<View2<T>>("mamba1::y", n, E);
+}
+
+template <class T>
+void Mamba1Mixer<T>::run_internals(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq,
+                                   Mamba1Acts<T>& a, bool keep_checkpoints, const View3<P>& final_ssm) const {
+  const index_t n = batch * seqlen, E = E_;
+  require(index_t(u.extent(0)) == n && index_t(u.extent(1)) == cfg_.d_model, "Mamba1Mixer",
+          "u must be (batch * seqlen, d_model) = (", n, ", ", cfg_.d_model, "), it is (", u.extent(0), ", ",
+          u.extent(1), ")");
+  take_activations(u, n, a);
+  PoolScope& ws = *a.internals;
   const SelScanShape ss = scan_shape(batch, seqlen);
   a.checkpoints = keep_checkpoints ? selective_scan_alloc_checkpoints<T>(ss, &ws) : View3<P>();
   linear_forward<T>(u, store_->v2(in_proj_), View1<const P>(), a.xz);
@@ -393,20 +400,13 @@ void Mamba1Mixer<T>::backward(Mamba1Acts<T>& a, index_t batch, index_t seqlen, c
 template <class T>
 void Mamba1Mixer<T>::forward_cp(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq,
                                 const View2<T>& out, Mamba1Acts<T>& a, bool save) const {
-  const index_t n = batch * seqlen, E = E_, R = cfg_.rank(), N = cfg_.d_state;
+  const index_t n = batch * seqlen, E = E_, N = cfg_.d_state;
   require(index_t(u.extent(0)) == n && index_t(u.extent(1)) == cfg_.d_model, "Mamba1Mixer",
           "u must be (batch * seqlen, d_model) = (", n, ", ", cfg_.d_model, "), it is (", u.extent(0), ", ",
           u.extent(1), ")");
   a = Mamba1Acts<T>{};
-  a.u = u;
-  a.internals = std::make_shared<PoolScope>();  // cached device blocks, as in run_internals: no allocation per step
+  take_activations(u, n, a);
   PoolScope& ws = *a.internals;
-  a.xz = ws.take<View2<T>>("mamba1::xz", n, 2 * E);
-  a.xc = ws.take<View2<T>>("mamba1::xc", n, E);
-  a.dt_low = ws.take<View2<T>>("mamba1::dt_low", n, R);
-  a.bc = ws.take<View2<T>>("mamba1::bc", n, 2 * N);
-  a.delta = ws.take<View2<T>>("mamba1::delta", n, E);
-  a.y = ws.take<View2<T>>("mamba1::y", n, E);
   const SelScanShape ss = scan_shape(batch, seqlen);
   linear_forward<T>(u, store_->v2(in_proj_), View1<const P>(), a.xz);
   auto halo = parallel::cp_conv_halo_forward<T>(*cp_, a.xz, 0, E, batch, seqlen, cfg_.d_conv, seq);

@@ -149,6 +149,8 @@ class Mamba1Mixer {
  private:
   void run_internals(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq, Mamba1Acts<T>& acts,
                      bool keep_checkpoints, const View3<P>& final_ssm) const;
+  // acts.u = u, and xz, xc, dt_low, bc, delta, y for n tokens from a new workspace scope (acts.internals)
+  void take_activations(const View2<T>& u, index_t n, Mamba1Acts<T>& acts) const;
   SelScanShape scan_shape(index_t batch, index_t seqlen) const;
   SelScanIn<T> scan_in(const Mamba1Acts<T>& acts, const View2<P>& A, const SeqIdxView& seq) const;
   View2<P> A_matrix(PoolScope& ws) const;  // A = -exp(A_log), in a block of ws
