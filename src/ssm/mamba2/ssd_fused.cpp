@@ -52,6 +52,15 @@ __device__ __forceinline__ float4 load4(const float* p) {
   return make_float4(p[0], p[1], p[2], p[3]);
 }
 
+// Four consecutive floats to p (one 16-byte store when V4, else four scalar stores).
+template <bool V4>
+__device__ __forceinline__ void store4(float* p, float4 v) {
+  if constexpr (V4)
+    *reinterpret_cast<float4*>(p) = v;
+  else
+    p[0] = v.x, p[1] = v.y, p[2] = v.z, p[3] = v.w;
+}
+
 // Four bf16 (two pairs) at d in one 8-byte shared-memory store (d 8-byte aligned: every tile row holds a multiple
 // of 8 elements and groups start at multiples of 4). Two 4-byte stores, as the compiler left them, took twice the
 // instructions, and ncu counted 3.3- to 3.9-way bank conflicts on these kernels' shared stores (seventeenth session).
@@ -70,20 +79,28 @@ __host__ __device__ constexpr int batch_of(int n) {
   return b;
 }
 
-// For the kIt groups a thread owns: v = ld(it), then st(it, v), with the loads of up to 8 groups issued before
-// their stores. Loads and stores go through different pointers that the compiler must assume may alias, so in a
-// plain load-store loop it cannot issue a load before the store ahead of it and every load's latency is waited
-// out in turn; here a batch's loads are in flight together.
-template <int kIt, class Ld, class St>
+// Over the groups of 4 (row r, columns c .. c + 3) of a ROWS x COLS tile that this thread owns (thread t, step
+// it: group t + it kThreads, COLS / 4 groups a row): v = ld(r, c), then st(r, c, v), with the loads of up to 8
+// groups issued before their stores. Loads and stores go through different pointers that the compiler must
+// assume may alias, so in a plain load-store loop it cannot issue a load before the store ahead of it and every
+// load's latency is waited out in turn; here a batch's loads are in flight together.
+template <int ROWS, int COLS, class Ld, class St>
 __device__ __forceinline__ void batched(Ld&& ld, St&& st) {
-  constexpr int kB = batch_of(kIt);
+  constexpr int C4 = COLS / 4, kIt = ROWS * C4 / kThreads, kB = batch_of(kIt);
+  static_assert(ROWS * C4 % kThreads == 0, "whole steps of the block");
 #pragma unroll
   for (int i0 = 0; i0 < kIt; i0 += kB) {
     float4 v[kB];
 #pragma unroll
-    for (int j = 0; j < kB; ++j) v[j] = ld(i0 + j);
+    for (int j = 0; j < kB; ++j) {
+      const int i = threadIdx.x + (i0 + j) * kThreads;
+      v[j] = ld(i / C4, (i % C4) * 4);
+    }
 #pragma unroll
-    for (int j = 0; j < kB; ++j) st(i0 + j, v[j]);
+    for (int j = 0; j < kB; ++j) {
+      const int i = threadIdx.x + (i0 + j) * kThreads;
+      st(i / C4, (i % C4) * 4, v[j]);
+    }
   }
 }
 
@@ -91,23 +108,9 @@ __device__ __forceinline__ void batched(Ld&& ld, St&& st) {
 // COLS and nc multiples of 4. Four elements per thread and group, the loads batched.
 template <int ROWS, int COLS, bool V4>
 __device__ __forceinline__ void stage(bf* dst, int ldd, const float* src, std::int64_t lds, int nr, int nc) {
-  constexpr int C4 = COLS / 4;
-  static_assert(ROWS * C4 % kThreads == 0, "whole steps of the block");
-  auto at = [](int it, int& r, int& c) {
-    const int i = threadIdx.x + it * kThreads;
-    r = i / C4, c = (i % C4) * 4;
-  };
-  batched<ROWS * C4 / kThreads>(
-      [&](int it) {
-        int r, c;
-        at(it, r, c);
-        return r < nr && c < nc ? load4<V4>(src + r * lds + c) : make_float4(0.f, 0.f, 0.f, 0.f);
-      },
-      [&](int it, float4 v) {
-        int r, c;
-        at(it, r, c);
-        store4_bf16(dst + r * ldd + c, v);
-      });
+  batched<ROWS, COLS>(
+      [&](int r, int c) { return r < nr && c < nc ? load4<V4>(src + r * lds + c) : make_float4(0.f, 0.f, 0.f, 0.f); },
+      [&](int r, int c, float4 v) { store4_bf16(dst + r * ldd + c, v); });
 }
 
 // ------------------------------------------------------------------ forward
@@ -399,29 +402,16 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 4 : 2) chunk_scan_kernel(c
   for (int i = 0; i < PT; ++i) wmma::store_matrix_sync(ys + warp * 16 * ldy + i * 16, acc[i], ldy, wmma::mem_row_major);
   __syncthreads();
   const float Dh = a.D[h];
-  constexpr int P4 = P / 4;
-  auto at = [](int it, int& l, int& p) {
-    const int i = threadIdx.x + it * kThreads;
-    l = i / P4, p = (i % P4) * 4;
-  };
-  batched<kTile * P4 / kThreads>(
-      [&](int it) {
-        int l, p;
-        at(it, l, p);
+  batched<kTile, P>(
+      [&](int l, int p) {
         return l < nl ? load4<V4>(a.xbc + (row0 + t0 + l0 + l) * a.ldx + a.x_col + h * P + p)
                       : make_float4(0.f, 0.f, 0.f, 0.f);
       },
-      [&](int it, float4 x) {
-        int l, p;
-        at(it, l, p);
+      [&](int l, int p, float4 x) {
         if (l >= nl) return;
         const float* yv = ys + l * ldy + p;
-        const float4 o = make_float4(yv[0] + Dh * x.x, yv[1] + Dh * x.y, yv[2] + Dh * x.z, yv[3] + Dh * x.w);
-        float* dst = a.y + (row0 + t0 + l0 + l) * a.ldy + h * P + p;
-        if constexpr (V4)
-          *reinterpret_cast<float4*>(dst) = o;
-        else
-          dst[0] = o.x, dst[1] = o.y, dst[2] = o.z, dst[3] = o.w;
+        store4<V4>(a.y + (row0 + t0 + l0 + l) * a.ldy + h * P + p,
+                   make_float4(yv[0] + Dh * x.x, yv[1] + Dh * x.y, yv[2] + Dh * x.z, yv[3] + Dh * x.w));
       });
 }
 
@@ -632,34 +622,19 @@ __global__ void __launch_bounds__(kThreads, 2) intra_bwd_kernel(const Args a) {
           vr[3] = diag[lr];
         }
       }
-      {
-        constexpr int P4 = P / 4;
-        auto at = [](int it, int& s, int& p) {
-          const int i = threadIdx.x + it * kThreads;
-          s = i / P4, p = (i % P4) * 4;
-        };
-        batched<kTile * P4 / kThreads>(
-            [&](int it) {
-              int s, p;
-              at(it, s, p);
-              return s < ns ? load4<V4>(a.dy + (row0 + t0 + s0 + s) * a.ldy + h * P + p)
-                            : make_float4(0.f, 0.f, 0.f, 0.f);
-            },
-            [&](int it, float4 g) {
-              int s, p;
-              at(it, s, p);
-              if (s >= ns) return;
-              const float* fa = f + s * ldo + p;
-              const float d = dt_s[s], k = kss[s];
-              const float4 o = make_float4(d * (fa[0] + k * g.x), d * (fa[1] + k * g.y), d * (fa[2] + k * g.z),
-                                           d * (fa[3] + k * g.w));
-              float* dst = a.dx + (row0 + t0 + s0 + s) * a.ldd + a.x_col + h * P + p;
-              if constexpr (V4)
-                *reinterpret_cast<float4*>(dst) = o;
-              else
-                dst[0] = o.x, dst[1] = o.y, dst[2] = o.z, dst[3] = o.w;
-            });
-      }
+      batched<kTile, P>(
+          [&](int s, int p) {
+            return s < ns ? load4<V4>(a.dy + (row0 + t0 + s0 + s) * a.ldy + h * P + p)
+                          : make_float4(0.f, 0.f, 0.f, 0.f);
+          },
+          [&](int s, int p, float4 g) {
+            if (s >= ns) return;
+            const float* fa = f + s * ldo + p;
+            const float d = dt_s[s], k = kss[s];
+            store4<V4>(a.dx + (row0 + t0 + s0 + s) * a.ldd + a.x_col + h * P + p,
+                       make_float4(d * (fa[0] + k * g.x), d * (fa[1] + k * g.y), d * (fa[2] + k * g.z),
+                                   d * (fa[3] + k * g.w)));
+          });
       __syncthreads();  // before the next head restages xs and the per-token arrays and reuses f
     }
   }
@@ -851,10 +826,7 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 3 : 2) state_epilogue_kern
           win += dy.x * t2.x + dy.y * t2.y + dy.z * t2.z + dy.w * t2.w;
           const float4 o = make_float4(dx.x + Dh * dy.x + des * t1.x, dx.y + Dh * dy.y + des * t1.y,
                                        dx.z + Dh * dy.z + des * t1.z, dx.w + Dh * dy.w + des * t1.w);
-          if constexpr (V4)
-            *reinterpret_cast<float4*>(dxr + p) = o;
-          else
-            dxr[p] = o.x, dxr[p + 1] = o.y, dxr[p + 2] = o.z, dxr[p + 3] = o.w;
+          store4<V4>(dxr + p, o);
         }
       }
 #pragma unroll
