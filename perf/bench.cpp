@@ -278,10 +278,56 @@ void bench_gemm_one(const char* label, index_t m, index_t n, index_t k, int reps
   g_gemm_tflops = std::max(g_gemm_tflops, 2.0 * m * n * k / t / 1e12);
 }
 
+// The LM's largest weight GEMMs (in_proj of d_model 768 -> 3352 at 4 x 8192 tokens: forward, dx, dW) on fp32
+// operands in each float arithmetic, bf16 by cuBLAS' internal rounding and by our bf16 copies, and on native bf16
+// operands: what the training step's GEMMs can reach.
+void bench_gemm_lm(int reps) {
+  const index_t T = 32768, d = 768, e = 3352;
+  struct Sh {
+    const char* name;
+    Trans ta, tb;
+    index_t m, n, k;
+  };
+  const Sh shapes[] = {{"fwd x W^T", Trans::N, Trans::T, T, e, d},
+                       {"dx = dy W", Trans::N, Trans::N, T, d, e},
+                       {"dW = dy^T x", Trans::T, Trans::N, e, d, T}};
+  for (const Sh& sh : shapes) {
+    const index_t ra = sh.ta == Trans::N ? sh.m : sh.k, ca = sh.ta == Trans::N ? sh.k : sh.m;
+    const index_t rb = sh.tb == Trans::N ? sh.k : sh.n, cb = sh.tb == Trans::N ? sh.n : sh.k;
+    View2<float> A("A", ra, ca), B("B", rb, cb), C("C", sh.m, sh.n);
+    fill(A, 2);
+    fill(B, 3);
+    const double flop = 2.0 * sh.m * sh.n * sh.k;
+    const std::string base = std::string("gemm lm in_proj ") + sh.name;
+    struct Mode {
+      const char* name;
+      GemmCompute c;
+      bool cast;
+    };
+    for (const Mode& md : {Mode{"tf32", GemmCompute::tf32, false}, Mode{"bf16 (cuBLAS rounds)", GemmCompute::bf16, false},
+                           Mode{"bf16 (bf16 copies)", GemmCompute::bf16, true}}) {
+      const FloatGemmComputeScope scope(md.c);
+      const bool cast0 = float_gemm_bf16_cast();
+      set_float_gemm_bf16_cast(md.cast);
+      const double t = time_median(3, reps, [&] { gemm(sh.ta, sh.tb, 1.0f, A, B, 0.0f, C); });
+      set_float_gemm_bf16_cast(cast0);
+      record(base + " fp32 operands, " + md.name, "rate", flop / t / 1e12, "TFLOP/s");
+    }
+#if defined(KOKKOS_ENABLE_CUDA)
+    View2<bf16> Ah("Ah", ra, ca), Bh("Bh", rb, cb), Ch("Ch", sh.m, sh.n);
+    Kokkos::deep_copy(Ah, bf16(0.5f));
+    Kokkos::deep_copy(Bh, bf16(0.25f));
+    const double t = time_median(3, reps, [&] { gemm(sh.ta, sh.tb, 1.0f, Ah, Bh, 0.0f, Ch); });
+    record(base + " bf16 operands", "rate", flop / t / 1e12, "TFLOP/s");
+#endif
+  }
+}
+
 void bench_gemm(int reps) {
   bench_gemm_one<float>("gemm fp32 8192^3", 8192, 8192, 8192, reps);
 #if defined(KOKKOS_ENABLE_CUDA)
   bench_gemm_one<bf16>("gemm bf16 8192^3", 8192, 8192, 8192, reps);
+  bench_gemm_lm(reps);
 #endif
 }
 

@@ -3,12 +3,16 @@
 #include <algorithm>
 
 #include "core/error.hpp"
+#include "core/pool.hpp"
 
 #include <Kokkos_Profiling_ScopedRegion.hpp>
 
 #if defined(KOKKOS_ENABLE_CUDA)
 #include <cublas_v2.h>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
+
+#include "core/cuda_launch.hpp"
 #else
 #include <KokkosBlas3_gemm.hpp>
 #include <KokkosKernels_config.h>
@@ -99,6 +103,85 @@ void gemm_bf16_cublas(Trans ta, Trans tb, index_t m, index_t n, index_t k, float
   check(cublasGemmEx(handle(), op(tb), op(ta), int(n), int(m), int(k), &alpha, B, CUDA_R_16BF, int(ldb), A,
                      CUDA_R_16BF, int(lda), &beta, C, ctype, int(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
         "cublasGemmEx (bf16 operands)");
+}
+
+// dst (rows x cols, contiguous) = src (rows x cols, row stride ld) rounded to bf16 (nearest even): 8 values a
+// thread (two 16-byte loads, one 16-byte store) when the rows allow it, one otherwise.
+__global__ void cast_bf16_vec8(const float* __restrict__ src, long long ld, long long rows, long long c8,
+                               uint4* __restrict__ dst) {
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < rows * c8;
+       i += (long long)gridDim.x * blockDim.x) {
+    const long long r = i / c8, c = i - r * c8;
+    const float4* p = reinterpret_cast<const float4*>(src + r * ld) + 2 * c;
+    const float4 a = __ldg(p), b = __ldg(p + 1);
+    uint4 q;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&q);
+    h[0] = __floats2bfloat162_rn(a.x, a.y);
+    h[1] = __floats2bfloat162_rn(a.z, a.w);
+    h[2] = __floats2bfloat162_rn(b.x, b.y);
+    h[3] = __floats2bfloat162_rn(b.z, b.w);
+    dst[i] = q;
+  }
+}
+__global__ void cast_bf16_scalar(const float* __restrict__ src, long long ld, long long rows, long long cols,
+                                 __nv_bfloat16* __restrict__ dst) {
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < rows * cols;
+       i += (long long)gridDim.x * blockDim.x) {
+    const long long r = i / cols;
+    dst[i] = __float2bfloat16_rn(src[r * ld + (i - r * cols)]);
+  }
+}
+void cast_bf16(const float* src, index_t ld, index_t rows, index_t cols, void* dst) {
+  if (rows == 0 || cols == 0) return;
+  if (cols % 8 == 0 && cuda_k::float4_rows({{src, ld}}) && cuda_k::aligned16(dst))
+    cuda_k::launch("gemm::cast_bf16", rows * (cols / 8), cast_bf16_vec8, src, (long long)ld, (long long)rows,
+                   (long long)(cols / 8), static_cast<uint4*>(dst));
+  else
+    cuda_k::launch("gemm::cast_bf16", rows * cols, cast_bf16_scalar, src, (long long)ld, (long long)rows,
+                   (long long)cols, static_cast<__nv_bfloat16*>(dst));
+}
+
+bool g_bf16_cast = true;
+index_t g_bf16_cast_block = index_t(1) << 26;
+
+// A float GEMM in bf16 arithmetic on native bf16 operands: the operands rounded to bf16 copies (blocks of at most
+// g_bf16_cast_block elements each, from the workspace cache), then cublasGemmEx on them with fp32 output. With
+// op(A) = A the rows of A and C go in blocks (B rounded once); with op(A) = A^T the K dimension goes in blocks
+// (rows of A, rows or columns of B), the later blocks accumulating onto C.
+void gemm_float_via_bf16(Trans ta, Trans tb, float alpha, GemmIn<float> A, GemmIn<float> B, float beta,
+                         GemmOut<float> C) {
+  const Shape s = check_shapes(ta, tb, A, B, C);
+  if (s.m == 0 || s.n == 0) return;
+  const index_t lda = A.stride(0), ldb = B.stride(0), ldc = C.stride(0);
+  const index_t rb = B.extent(0), cb = B.extent(1);
+  PoolScope ws;
+  if (ta == Trans::N || s.k == 0) {
+    auto Bb = ws.take<View1<bf16>>("gemm::b_bf16", rb * cb);
+    cast_bf16(B.data(), ldb, rb, cb, Bb.data());
+    const index_t ca = A.extent(1);
+    const index_t rows = std::clamp<index_t>(g_bf16_cast_block / std::max<index_t>(ca, 1), 1, s.m);
+    auto Ab = ws.take<View1<bf16>>("gemm::a_bf16", rows * ca);
+    for (index_t i0 = 0; i0 < s.m; i0 += rows) {
+      const index_t r = std::min(rows, s.m - i0);
+      cast_bf16(A.data() + i0 * lda, lda, r, ca, Ab.data());
+      gemm_bf16_cublas(ta, tb, r, s.n, s.k, alpha, Ab.data(), ca, Bb.data(), cb, beta, C.data() + i0 * ldc,
+                       CUDA_R_32F, ldc);
+    }
+    return;
+  }
+  const index_t kb = std::clamp<index_t>(g_bf16_cast_block / std::max(s.m, s.n), 1, s.k);
+  auto Ab = ws.take<View1<bf16>>("gemm::a_bf16", kb * s.m);
+  auto Bb = ws.take<View1<bf16>>("gemm::b_bf16", kb * s.n);
+  for (index_t k0 = 0; k0 < s.k; k0 += kb) {
+    const index_t kr = std::min(kb, s.k - k0);
+    cast_bf16(A.data() + k0 * lda, lda, kr, s.m, Ab.data());
+    if (tb == Trans::N)
+      cast_bf16(B.data() + k0 * ldb, ldb, kr, s.n, Bb.data());
+    else
+      cast_bf16(B.data() + k0, ldb, s.n, kr, Bb.data());
+    gemm_bf16_cublas(ta, tb, s.m, s.n, kr, alpha, Ab.data(), s.m, Bb.data(), tb == Trans::N ? s.n : kr,
+                     k0 == 0 ? beta : 1.0f, C.data(), CUDA_R_32F, ldc);
+  }
 }
 
 // cuBLAS compute type of a float GEMM: tensor cores with tf32 or bf16 operand rounding, or plain fp32.
@@ -227,6 +310,21 @@ GemmCompute g_float_compute = GemmCompute::fp32;
 void set_float_gemm_compute(GemmCompute c) { g_float_compute = c; }
 GemmCompute float_gemm_compute() { return g_float_compute; }
 
+void set_float_gemm_bf16_cast([[maybe_unused]] bool cast, index_t block_elems) {
+  require(block_elems > 0, "set_float_gemm_bf16_cast", "block of ", block_elems, " elements");
+#if defined(KOKKOS_ENABLE_CUDA)
+  g_bf16_cast = cast;
+  g_bf16_cast_block = block_elems;
+#endif
+}
+bool float_gemm_bf16_cast() {
+#if defined(KOKKOS_ENABLE_CUDA)
+  return g_bf16_cast;
+#else
+  return false;
+#endif
+}
+
 GemmCompute parse_gemm_compute(const std::string& s, const std::string& what) {
   if (s == "fp32") return GemmCompute::fp32;
   if (s == "tf32") return GemmCompute::tf32;
@@ -240,6 +338,7 @@ const char* gemm_compute_name(GemmCompute c) {
 
 #if defined(KOKKOS_ENABLE_CUDA)
 void gemm(Trans ta, Trans tb, float alpha, GemmIn<float> A, GemmIn<float> B, float beta, GemmOut<float> C) {
+  if (g_float_compute == GemmCompute::bf16 && g_bf16_cast) return gemm_float_via_bf16(ta, tb, alpha, A, B, beta, C);
   gemm_cublas<float>(ta, tb, alpha, A, B, beta, C, CUDA_R_32F, float_compute_type(g_float_compute));
 }
 void gemm(Trans ta, Trans tb, double alpha, GemmIn<double> A, GemmIn<double> B, double beta,

@@ -41,6 +41,14 @@ const char* gemm_compute_name(GemmCompute c);
 void set_float_gemm_compute(GemmCompute c);
 GemmCompute float_gemm_compute();
 
+// CUDA: how a float gemm() under GemmCompute::bf16 runs. cast = true (the default): the operands are rounded to
+// bf16 copies (blocks of at most block_elems elements each, so the copies stay small next to the activations)
+// and cuBLAS runs on native bf16 operands with fp32 output, which takes the Hopper tensor-core kernels; false:
+// cuBLAS rounds inside (CUBLAS_COMPUTE_32F_FAST_16BF on the fp32 operands). The arithmetic is the same (operands
+// rounded to bf16, fp32 accumulation). Host builds ignore it (float_gemm_bf16_cast() is false there).
+void set_float_gemm_bf16_cast(bool cast, index_t block_elems = index_t(1) << 26);
+bool float_gemm_bf16_cast();
+
 // The float GEMM arithmetic set to `c` for the scope's lifetime, the previous one restored after (the MoE router
 // computes its logits in fp32 under any setting).
 class FloatGemmComputeScope {

@@ -246,3 +246,56 @@ TEST_CASE("Two-level batched GEMM matches a naive product (strided and pointer-a
         CHECK(mmtest::rel_err(mmtest::to_vec(C), ref) < 1e-14);
       }
 }
+
+TEST_CASE("float GEMM in bf16 arithmetic: bf16 copies in blocks equal cuBLAS' own rounding", "[gemm]") {
+  // Shapes with rows of 8 floats (the vectorised rounding) and without; a block of 64 elements cuts op(A) = A into
+  // row blocks and op(A) = A^T into K blocks. CUDA: the bf16 copies give the product of the bf16-rounded operands
+  // (fp32 accumulation); host builds compute in fp32 (the exact product).
+  for (const index_t m : {40, 13})
+    for (auto ta : {Trans::N, Trans::T})
+      for (auto tb : {Trans::N, Trans::T}) {
+        const index_t n = m == 40 ? 24 : 7, k = m == 40 ? 56 : 11;
+        View2<float> A("A", ta == Trans::N ? m : k, ta == Trans::N ? k : m);
+        View2<float> B("B", tb == Trans::N ? k : n, tb == Trans::N ? n : k);
+        mmtest::fill_uniform(A, 11);
+        mmtest::fill_uniform(B, 12);
+        View2<float> C0("C0", m, n);
+        mmtest::fill_uniform(C0, 13);
+        const auto a = mmtest::to_vec(A), b = mmtest::to_vec(B), c0 = mmtest::to_vec(C0);
+        std::vector<double> exact(m * n), rounded(m * n);
+        for (index_t i = 0; i < m; ++i)
+          for (index_t j = 0; j < n; ++j) {
+            double s = 0, r = 0;
+            for (index_t l = 0; l < k; ++l) {
+              const float av = ta == Trans::N ? a[i * k + l] : a[l * m + i];
+              const float bv = tb == Trans::N ? b[l * n + j] : b[j * k + l];
+              s += double(av) * bv;
+              r += double(bf16_round(av)) * bf16_round(bv);
+            }
+            exact[i * n + j] = 0.75 * s + 0.5 * c0[i * n + j];
+            rounded[i * n + j] = 0.75 * r + 0.5 * c0[i * n + j];
+          }
+        const FloatGemmComputeScope scope(GemmCompute::bf16);
+        for (const bool cast : {true, false}) {
+          set_float_gemm_bf16_cast(cast, 64);
+          View2<float> C("C", m, n);
+          Kokkos::deep_copy(C, C0);
+          gemm(ta, tb, 0.75f, A, B, 0.5f, C);
+          set_float_gemm_bf16_cast(true);
+          INFO("m=" << m << " ta=" << int(ta) << " tb=" << int(tb) << " cast=" << cast);
+#if defined(KOKKOS_ENABLE_CUDA)
+          CHECK(float_gemm_bf16_cast());
+          if (cast) {
+            CHECK(mmtest::rel_err(mmtest::to_vec(C), rounded) < 1e-5);
+            CHECK(mmtest::rel_err(mmtest::to_vec(C), exact) > 1e-5);  // the rounding did happen
+          } else {  // cuBLAS may take a plain fp32 kernel for so small a product
+            CHECK(mmtest::rel_err(mmtest::to_vec(C), exact) < 1e-2);
+          }
+#else
+          CHECK_FALSE(float_gemm_bf16_cast());
+          CHECK(mmtest::rel_err(mmtest::to_vec(C), exact) < 1e-5);
+#endif
+        }
+      }
+  CHECK_THROWS_WITH(set_float_gemm_bf16_cast(true, 0), ContainsSubstring("block"));
+}
