@@ -20,8 +20,7 @@ void linear_backward(const UView2<const T>& x, const UView2<const T>& W, const U
                      const UView2<T>& dx, bool accumulate_dx, const UView2<acc_t<T>>& dW,
                      const View1<acc_t<T>>& db) {
   using P = acc_t<T>;
-  if (dx.extent(0) > 0) gemm(Trans::N, Trans::N, P(1), dy, W, accumulate_dx ? P(1) : P(0), dx);
-  gemm(Trans::T, Trans::N, P(1), dy, x, P(1), dW);
+  linear_backward_gemms(dy, W, x, accumulate_dx ? P(1) : P(0), dx, P(1), dW);
   if (db.extent(0) > 0)
     column_reduce<P>("linear::backward_db", dy.extent(0), dy.extent(1),
                      KOKKOS_LAMBDA(index_t i, index_t j) { return P(dy(i, j)); }, db, true);

@@ -1,6 +1,7 @@
 #include "tensor/gemm.hpp"
 
 #include <algorithm>
+#include <type_traits>
 
 #include "core/error.hpp"
 #include "core/pool.hpp"
@@ -184,6 +185,29 @@ void gemm_float_via_bf16(Trans ta, Trans tb, float alpha, GemmIn<float> A, GemmI
   }
 }
 
+// The linear backward's two products with bf16 copies shared between them: token rows in blocks, each block of
+// dy rounded once for dx = dy W and dW += dy^T x (W rounded once).
+void linear_backward_via_bf16(GemmIn<float> dy, GemmIn<float> W, GemmIn<float> x, float beta_dx, GemmOut<float> dx,
+                              float beta_dw, GemmOut<float> dW) {
+  const index_t T = dy.extent(0), O = dy.extent(1), I = W.extent(1);
+  PoolScope ws;
+  auto Wb = ws.take<View1<bf16>>("gemm::w_bf16", O * I);
+  cast_bf16(W.data(), W.stride(0), O, I, Wb.data());
+  const index_t rows = std::clamp<index_t>(g_bf16_cast_block / std::max<index_t>({O, I, 1}), 1, std::max<index_t>(T, 1));
+  auto dyb = ws.take<View1<bf16>>("gemm::dy_bf16", rows * O);
+  auto xb = ws.take<View1<bf16>>("gemm::x_bf16", rows * I);
+  for (index_t t0 = 0; t0 < T; t0 += rows) {
+    const index_t r = std::min(rows, T - t0);
+    cast_bf16(dy.data() + t0 * dy.stride(0), dy.stride(0), r, O, dyb.data());
+    cast_bf16(x.data() + t0 * x.stride(0), x.stride(0), r, I, xb.data());
+    if (dx.extent(0) > 0)
+      gemm_bf16_cublas(Trans::N, Trans::N, r, I, O, 1.0f, dyb.data(), O, Wb.data(), I, beta_dx,
+                       dx.data() + t0 * dx.stride(0), CUDA_R_32F, dx.stride(0));
+    gemm_bf16_cublas(Trans::T, Trans::N, O, I, r, 1.0f, dyb.data(), O, xb.data(), I, t0 == 0 ? beta_dw : 1.0f,
+                     dW.data(), CUDA_R_32F, dW.stride(0));
+  }
+}
+
 // cuBLAS compute type of a float GEMM: tensor cores with tf32 or bf16 operand rounding, or plain fp32.
 cublasComputeType_t float_compute_type(GemmCompute c) {
   return c == GemmCompute::tf32   ? CUBLAS_COMPUTE_32F_FAST_TF32
@@ -317,6 +341,34 @@ void set_float_gemm_bf16_cast([[maybe_unused]] bool cast, index_t block_elems) {
   g_bf16_cast_block = block_elems;
 #endif
 }
+template <class P>
+void linear_backward_gemms_impl(GemmIn<P> dy, GemmIn<P> W, GemmIn<P> x, P beta_dx, GemmOut<P> dx, P beta_dw,
+                                GemmOut<P> dW) {
+  const index_t T = dy.extent(0), O = dy.extent(1), I = W.extent(1);
+  require(index_t(W.extent(0)) == O && index_t(x.extent(0)) == T && index_t(x.extent(1)) == I &&
+              index_t(dW.extent(0)) == O && index_t(dW.extent(1)) == I &&
+              (dx.extent(0) == 0 || (index_t(dx.extent(0)) == T && index_t(dx.extent(1)) == I)),
+          "linear_backward_gemms", "shapes do not match: dy ", T, "x", O, ", W ", W.extent(0), "x", I, ", x ",
+          x.extent(0), "x", x.extent(1), ", dx ", dx.extent(0), "x", dx.extent(1), ", dW ", dW.extent(0), "x",
+          dW.extent(1));
+#if defined(KOKKOS_ENABLE_CUDA)
+  if constexpr (std::is_same_v<P, float>)
+    if (g_float_compute == GemmCompute::bf16 && g_bf16_cast && O > 0 && I > 0)
+      return linear_backward_via_bf16(dy, W, x, beta_dx, dx, beta_dw, dW);
+#endif
+  if (dx.extent(0) > 0) gemm(Trans::N, Trans::N, P(1), dy, W, beta_dx, dx);
+  gemm(Trans::T, Trans::N, P(1), dy, x, beta_dw, dW);
+}
+
+void linear_backward_gemms(GemmIn<float> dy, GemmIn<float> W, GemmIn<float> x, float beta_dx, GemmOut<float> dx,
+                           float beta_dw, GemmOut<float> dW) {
+  linear_backward_gemms_impl<float>(dy, W, x, beta_dx, dx, beta_dw, dW);
+}
+void linear_backward_gemms(GemmIn<double> dy, GemmIn<double> W, GemmIn<double> x, double beta_dx,
+                           GemmOut<double> dx, double beta_dw, GemmOut<double> dW) {
+  linear_backward_gemms_impl<double>(dy, W, x, beta_dx, dx, beta_dw, dW);
+}
+
 bool float_gemm_bf16_cast() {
 #if defined(KOKKOS_ENABLE_CUDA)
   return g_bf16_cast;

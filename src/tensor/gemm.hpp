@@ -49,6 +49,15 @@ GemmCompute float_gemm_compute();
 void set_float_gemm_bf16_cast(bool cast, index_t block_elems = index_t(1) << 26);
 bool float_gemm_bf16_cast();
 
+// The two products of the backward of a linear layer y = x W^T (dy T x O, W O x I, x T x I):
+//   dx = dy W + beta_dx dx (skipped when dx has no rows),   dW = dy^T x + beta_dw dW.
+// Two gemm() calls, except for float on CUDA under GemmCompute::bf16 with cast on, where each block of dy's rows
+// is rounded to bf16 once for both products.
+void linear_backward_gemms(GemmIn<float> dy, GemmIn<float> W, GemmIn<float> x, float beta_dx, GemmOut<float> dx,
+                           float beta_dw, GemmOut<float> dW);
+void linear_backward_gemms(GemmIn<double> dy, GemmIn<double> W, GemmIn<double> x, double beta_dx,
+                           GemmOut<double> dx, double beta_dw, GemmOut<double> dW);
+
 // The float GEMM arithmetic set to `c` for the scope's lifetime, the previous one restored after (the MoE router
 // computes its logits in fp32 under any setting).
 class FloatGemmComputeScope {

@@ -299,3 +299,52 @@ TEST_CASE("float GEMM in bf16 arithmetic: bf16 copies in blocks equal cuBLAS' ow
       }
   CHECK_THROWS_WITH(set_float_gemm_bf16_cast(true, 0), ContainsSubstring("block"));
 }
+
+TEST_CASE("linear backward GEMMs: dx and dW from one rounding of dy equal the reference", "[gemm]") {
+  // dy (T x O), W (O x I), x (T x I): dx = dy W + 0.5 dx, dW = dy^T x + dW0, and without dx; a block of 100
+  // elements puts the token rows in blocks (CUDA, bf16 arithmetic), whose dW contributions accumulate.
+  const index_t T = 37, O = 16, I = 24;
+  View2<float> dy("dy", T, O), W("W", O, I), x("x", T, I), dx0("dx0", T, I), dW0("dW0", O, I);
+  mmtest::fill_uniform(dy, 21);
+  mmtest::fill_uniform(W, 22);
+  mmtest::fill_uniform(x, 23);
+  mmtest::fill_uniform(dx0, 24);
+  mmtest::fill_uniform(dW0, 25);
+  const auto g = mmtest::to_vec(dy), w = mmtest::to_vec(W), xv = mmtest::to_vec(x), dxi = mmtest::to_vec(dx0),
+             dWi = mmtest::to_vec(dW0);
+  for (const GemmCompute c : {GemmCompute::fp32, GemmCompute::bf16}) {
+#if defined(KOKKOS_ENABLE_CUDA)
+    const bool rounds = c == GemmCompute::bf16;
+#else
+    const bool rounds = false;
+#endif
+    auto r = [&](double v) { return rounds ? double(bf16_round(float(v))) : v; };
+    std::vector<double> dx_ref(T * I), dW_ref(O * I);
+    for (index_t t = 0; t < T; ++t)
+      for (index_t i = 0; i < I; ++i) {
+        double s = 0;
+        for (index_t o = 0; o < O; ++o) s += r(g[t * O + o]) * r(w[o * I + i]);
+        dx_ref[t * I + i] = s + 0.5 * dxi[t * I + i];
+      }
+    for (index_t o = 0; o < O; ++o)
+      for (index_t i = 0; i < I; ++i) {
+        double s = 0;
+        for (index_t t = 0; t < T; ++t) s += r(g[t * O + o]) * r(xv[t * I + i]);
+        dW_ref[o * I + i] = s + dWi[o * I + i];
+      }
+    const FloatGemmComputeScope scope(c);
+    set_float_gemm_bf16_cast(true, 100);
+    for (const bool with_dx : {true, false}) {
+      View2<float> dx("dx", with_dx ? T : 0, I), dW("dW", O, I);
+      if (with_dx) Kokkos::deep_copy(dx, dx0);
+      Kokkos::deep_copy(dW, dW0);
+      linear_backward_gemms(dy, W, x, 0.5f, dx, 1.0f, dW);
+      INFO("compute=" << gemm_compute_name(c) << " with_dx=" << with_dx);
+      if (with_dx) CHECK(mmtest::rel_err(mmtest::to_vec(dx), dx_ref) < 1e-5);
+      CHECK(mmtest::rel_err(mmtest::to_vec(dW), dW_ref) < 1e-5);
+    }
+    set_float_gemm_bf16_cast(true);
+  }
+  View2<float> bad("bad", O + 1, I), dx("dx", T, I);
+  CHECK_THROWS_WITH(linear_backward_gemms(dy, W, x, 0.0f, dx, 1.0f, bad), ContainsSubstring("shapes do not match"));
+}
