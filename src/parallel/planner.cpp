@@ -186,7 +186,8 @@ LayerMem mem_mamba2(const Mamba2Config& c, const Dims& d, Recompute pol) {
   const double ctx = ssd_ctx_bytes(H, G, N, P, Q, d);
   m.fwd_extra = ctx;
   const double grads = d.n * d.t * (2 * E + din + C);  // dyn, dy, dzxbcdt, dxbc
-  const double conv_bwd = d.a * d.n * C;
+  // conv1d backward: its partial sums of dw and dbias, one row per run of 64 tokens (layers/conv1d.cpp)
+  const double conv_bwd = d.a * d.b * std::ceil(d.L / 64.0) * C * double(c.d_conv + 1);
   // cp > 1 (mixer.cpp forward_cp / backward): after the scan, the decay weights cp_lexp (a H per token) with the
   // correction's scratch cp_correction (a E per token) in the forward, with cp_dy_scaled (a E per token) in the
   // backward before the scan's backward; both freed before what follows (rows past the last nonzero weight are
