@@ -42,8 +42,9 @@ MM_UNROLL
 }  // namespace
 
 #if defined(KOKKOS_ENABLE_CUDA)
-// Native CUDA forms of the gated norm and the plain RMSNorm for float data: one warp per (row, group) with the
-// group's x and z in registers (float4 loads), silu from the exp unit and a fast reciprocal, and the backward's
+// Native CUDA forms of the gated norm and the plain RMSNorm for float data: one warp (groups of up to 512 columns)
+// or one block of 4 warps (up to 2,048) per (row, group) with the group's x and z in registers (float4 loads),
+// silu from the exp unit and a fast reciprocal, and the backward's
 // weight gradient summed in the same pass (per-warp partials, then their sum in warp order). The Kokkos forms
 // (scalar loads, library expf and IEEE division in each of their passes, the weight gradient as a separate column
 // reduction over x, z and dy again) took 39.9 ms of a 303 ms 24-layer LM step on an H200 (perf/RESULTS.md, fourth
@@ -56,36 +57,68 @@ constexpr int kNormWarps = 4;  // warps per block
 __device__ __forceinline__ float& comp(float4& v, int k) { return (&v.x)[k]; }
 __device__ __forceinline__ float comp(const float4& v, int k) { return (&v.x)[k]; }
 
-// Row i's group g of x and of z (z null: zeros) into registers: float4 lane + 32 v of the group, where it exists.
-template <int V>
-__device__ __forceinline__ void load_group(const float* __restrict__ x, long long ldx, const float* __restrict__ z,
-                                           long long ldz, long long i, int g, int gs4, int lane, float4 (&xv)[V],
-                                           float4 (&zv)[V]) {
+// The threads of a row: WPR warps (1, or all kNormWarps of the block for groups of more than 128 float4), thread li
+// of the row holding float4 li + 32 WPR v (v < V) of the group; kNormWarps / WPR rows per block at a time. One warp
+// per row held a 1,536-column group in 12 float4 per lane for each of x, z and the weight gradient's sums: about
+// 200 registers a thread, few warps per SM, and the backward ran at 2.2 TB/s on an H200.
+template <int V, int WPR>
+struct RowThreads {
+  static constexpr int kRows = kNormWarps / WPR, kStride = 32 * WPR;
+  int lane, slot, li;  // lane in its warp, row slot in the block, thread in the row
+  __device__ RowThreads() : lane(threadIdx.x & 31), slot((threadIdx.x >> 5) / WPR), li(threadIdx.x % (32 * WPR)) {}
+  __device__ bool has(int v, int gs4) const { return li + kStride * v < gs4; }
+  __device__ int col(int v) const { return li + kStride * v; }
+  // the row's sum of every thread's s (red: kNormWarps floats of shared memory; every thread of the block calls it)
+  __device__ float sum(float s, float* red) const {
+    s = warp_sum(s);
+    if constexpr (WPR == 1) {
+      return s;
+    } else {
+      if (lane == 0) red[threadIdx.x >> 5] = s;
+      __syncthreads();
+      float t = 0.f;
+#pragma unroll
+      for (int w = 0; w < WPR; ++w) t += red[slot * WPR + w];
+      __syncthreads();
+      return t;
+    }
+  }
+};
+
+// Row i's group g of x and of z (z null: zeros) into registers, where they exist.
+template <int V, int WPR>
+__device__ __forceinline__ void load_group(const RowThreads<V, WPR>& rt, const float* __restrict__ x, long long ldx,
+                                           const float* __restrict__ z, long long ldz, long long i, int g, int gs4,
+                                           float4 (&xv)[V], float4 (&zv)[V]) {
   const float4* x4 = reinterpret_cast<const float4*>(x + i * ldx) + g * gs4;
   const float4* z4 = reinterpret_cast<const float4*>(z + i * ldz) + g * gs4;
 #pragma unroll
   for (int v = 0; v < V; ++v)
-    if (lane + 32 * v < gs4) xv[v] = x4[lane + 32 * v], zv[v] = z ? z4[lane + 32 * v] : float4{};
+    if (rt.has(v, gs4)) xv[v] = x4[rt.col(v)], zv[v] = z ? z4[rt.col(v)] : float4{};
 }
 
 // y = x silu(z) rstd w (both orders), rstd = 1 / sqrt(mean(v^2) + eps) over the group, v = x silu(z) (gate_first)
-// or x; V float4 per lane (groups of up to 128 V columns, gs4 float4 each). z null: the plain RMSNorm (silu(z) = 1,
-// norm_first).
-template <int V>
+// or x (gs4 float4 a group). z null: the plain RMSNorm (silu(z) = 1, norm_first).
+template <int V, int WPR>
 __global__ void __launch_bounds__(32 * kNormWarps)
     gated_norm_fwd(const float* __restrict__ x, long long ldx, const float* __restrict__ z, long long ldz,
                    const float* __restrict__ w, float* __restrict__ y, long long ldy, float* __restrict__ rstd,
                    long long ldr, long long n, int gs4, bool gate_first, float eps) {
-  const int lane = threadIdx.x & 31, g = blockIdx.y;
-  const long long nw = (long long)gridDim.x * kNormWarps;
+  using RT = RowThreads<V, WPR>;
+  __shared__ float red[kNormWarps];
+  const RT rt;
+  const int g = blockIdx.y;
   const float4* w4 = reinterpret_cast<const float4*>(w) + g * gs4;
-  for (long long i = blockIdx.x * kNormWarps + (threadIdx.x >> 5); i < n; i += nw) {
+  // the block's rows advance together (the row sum synchronises the block)
+  for (long long i0 = (long long)blockIdx.x * RT::kRows; i0 < n; i0 += (long long)gridDim.x * RT::kRows) {
+    const long long i = i0 + rt.slot;
+    const bool live = i < n;
     float4 xv[V], sv[V];
-    load_group<V>(x, ldx, z, ldz, i, g, gs4, lane, xv, sv);
+    if (live) load_group<V, WPR>(rt, x, ldx, z, ldz, i, g, gs4, xv, sv);
     float ss = 0.f;
 #pragma unroll
     for (int v = 0; v < V; ++v)
-      if (lane + 32 * v < gs4)
+      if (live && rt.has(v, gs4))
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           const float zz = comp(sv[v], k), s = z ? zz * sigm(zz) : 1.f, xx = comp(xv[v], k);
@@ -93,49 +126,55 @@ __global__ void __launch_bounds__(32 * kNormWarps)
           const float u = gate_first ? xx * s : xx;
           ss = fmaf(u, u, ss);
         }
-    ss = warp_sum(ss);
+    ss = rt.sum(ss, red);
+    if (!live) continue;
     const float r = 1.f / sqrtf(ss / float(4 * gs4) + eps);
-    if (lane == 0) rstd[i * ldr + g] = r;
+    if (rt.li == 0) rstd[i * ldr + g] = r;
     float4* y4 = reinterpret_cast<float4*>(y + i * ldy) + g * gs4;
 #pragma unroll
     for (int v = 0; v < V; ++v)
-      if (lane + 32 * v < gs4) {
-        float4 wv = w4[lane + 32 * v], o;
+      if (rt.has(v, gs4)) {
+        float4 wv = w4[rt.col(v)], o;
 #pragma unroll
         for (int k = 0; k < 4; ++k) comp(o, k) = comp(xv[v], k) * comp(sv[v], k) * r * comp(wv, k);
-        y4[lane + 32 * v] = o;
+        y4[rt.col(v)] = o;
       }
   }
 }
 
 // dx (plus the old dx with acc_dx), dz of the gated norm (formulas as the Kokkos form below; z and dz null: the
-// plain RMSNorm); dwpart[warp, col] = this warp's rows' sum of dy x silu(z) rstd (every warp writes its row of
-// partials, zeros when it had no rows).
-template <int V>
+// plain RMSNorm); dwpart[slot, col] = the sum of dy x silu(z) rstd over the rows of one row slot of one block (every
+// slot writes its row of partials, zeros when it had no rows).
+template <int V, int WPR>
 __global__ void __launch_bounds__(32 * kNormWarps)
     gated_norm_bwd(const float* __restrict__ x, long long ldx, const float* __restrict__ z, long long ldz,
                    const float* __restrict__ w, const float* __restrict__ rstd, long long ldr,
                    const float* __restrict__ dy, long long lddy, float* __restrict__ dx, long long lddx,
                    float* __restrict__ dz, long long lddz, float* __restrict__ dwpart, long long width, long long n,
                    int gs4, bool gate_first, bool acc_dx) {
-  const int lane = threadIdx.x & 31, g = blockIdx.y;
-  const long long wid = blockIdx.x * kNormWarps + (threadIdx.x >> 5), nw = (long long)gridDim.x * kNormWarps;
+  using RT = RowThreads<V, WPR>;
+  __shared__ float red[kNormWarps];
+  const RT rt;
+  const int g = blockIdx.y;
   const float4* w4 = reinterpret_cast<const float4*>(w) + g * gs4;
   const float inv_gs = 1.f / float(4 * gs4);
   float4 acc[V];
 #pragma unroll
   for (int v = 0; v < V; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (long long i = wid; i < n; i += nw) {
-    const float r = rstd[i * ldr + g];
+  for (long long i0 = (long long)blockIdx.x * RT::kRows; i0 < n; i0 += (long long)gridDim.x * RT::kRows) {
+    const long long i = i0 + rt.slot;
+    const bool live = i < n;
+    const float r = live ? rstd[i * ldr + g] : 0.f;
     const float4* d4 = reinterpret_cast<const float4*>(dy + i * lddy) + g * gs4;
-    float4 xv[V], zv[V];
-    load_group<V>(x, ldx, z, ldz, i, g, gs4, lane, xv, zv);
+    float4 xv[V], zv[V], dv4[V];
+    if (live) load_group<V, WPR>(rt, x, ldx, z, ldz, i, g, gs4, xv, zv);
     // v = the normalised quantity (x silu(z) if gate_first, x otherwise); dv = dL/d(normalised v)
     float dot = 0.f;
 #pragma unroll
     for (int v = 0; v < V; ++v)
-      if (lane + 32 * v < gs4) {
-        const float4 dd = d4[lane + 32 * v], wv = w4[lane + 32 * v];
+      if (live && rt.has(v, gs4)) {
+        const float4 dd = d4[rt.col(v)], wv = w4[rt.col(v)];
+        dv4[v] = dd;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           const float zz = comp(zv[v], k), s = z ? zz * sigm(zz) : 1.f, xx = comp(xv[v], k), dk = comp(dd, k);
@@ -144,14 +183,15 @@ __global__ void __launch_bounds__(32 * kNormWarps)
           comp(acc[v], k) += dk * xx * s * r;
         }
       }
-    dot = warp_sum(dot);
+    dot = rt.sum(dot, red);
+    if (!live) continue;
     const float c = r * r * dot * inv_gs;
     float4* dx4 = reinterpret_cast<float4*>(dx + i * lddx) + g * gs4;
     float4* dz4 = reinterpret_cast<float4*>(dz + i * lddz) + g * gs4;
 #pragma unroll
     for (int v = 0; v < V; ++v)
-      if (lane + 32 * v < gs4) {
-        const float4 dd = d4[lane + 32 * v], wv = w4[lane + 32 * v];
+      if (rt.has(v, gs4)) {
+        const float4 dd = dv4[v], wv = w4[rt.col(v)];
         float4 ox, oz;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
@@ -168,66 +208,78 @@ __global__ void __launch_bounds__(32 * kNormWarps)
           }
         }
         if (acc_dx) {
-          const float4 o = dx4[lane + 32 * v];
+          const float4 o = dx4[rt.col(v)];
 #pragma unroll
           for (int k = 0; k < 4; ++k) comp(ox, k) = comp(o, k) + comp(ox, k);
         }
-        dx4[lane + 32 * v] = ox;
-        if (dz) dz4[lane + 32 * v] = oz;
+        dx4[rt.col(v)] = ox;
+        if (dz) dz4[rt.col(v)] = oz;
       }
   }
-  float4* p4 = reinterpret_cast<float4*>(dwpart + wid * width) + g * gs4;
+  float4* p4 = reinterpret_cast<float4*>(dwpart + ((long long)blockIdx.x * RT::kRows + rt.slot) * width) + g * gs4;
 #pragma unroll
   for (int v = 0; v < V; ++v)
-    if (lane + 32 * v < gs4) p4[lane + 32 * v] = acc[v];
+    if (rt.has(v, gs4)) p4[rt.col(v)] = acc[v];
 }
 
-// V (float4 per lane) for groups of gs columns: the smallest of 4, 8, 12, 16 with 128 V >= gs; 0 when gs does not
-// fit (more than 2,048 columns, or not a multiple of 4).
-inline int norm_v(index_t gs) {
-  if (gs % 4 != 0) return 0;
-  for (int v : {4, 8, 12, 16})
-    if (128 * v >= gs) return v;
-  return 0;
-}
+// Whether the native kernels take groups of gs columns: a multiple of 4 columns, at most 2,048.
+inline bool norm_size_fits(index_t gs) { return gs % 4 == 0 && gs > 0 && gs <= 2048; }
 
 // Whether the native kernels take groups of gs columns over these (pointer, row stride) pairs: 16-byte aligned
 // rows, group sizes the kernels hold.
 inline bool norm_fits(index_t gs, std::initializer_list<std::pair<const void*, long long>> rows) {
-  return norm_v(gs) != 0 && float4_rows(rows);
+  return norm_size_fits(gs) && float4_rows(rows);
 }
 
-// Blocks along the rows for ng groups: one wave of the kernel's resident blocks, at most one warp per row.
+// The kernel K<V, WPR> for groups of gs4 float4: one warp a row up to 128 float4 (V = 1..4), the block's 4 warps a
+// row beyond (V = 2..4).
+template <class F>
+F pick_norm_kernel(index_t gs4, F k11, F k21, F k31, F k41, F k24, F k34, F k44) {
+  if (gs4 <= 32) return k11;
+  if (gs4 <= 64) return k21;
+  if (gs4 <= 96) return k31;
+  if (gs4 <= 128) return k41;
+  if (gs4 <= 256) return k24;
+  if (gs4 <= 384) return k34;
+  return k44;
+}
+inline int norm_rows_per_block(index_t gs4) { return gs4 <= 128 ? kNormWarps : 1; }
+
+// Blocks along the rows for ng groups: one wave of the kernel's resident blocks, at most one row slot per row.
 template <class K>
-unsigned norm_row_blocks(K kernel, index_t n, index_t ng) {
+unsigned norm_row_blocks(K kernel, index_t n, index_t ng, int rows_per_block) {
   const index_t resident = resident_blocks(kernel, 32 * kNormWarps);
-  return unsigned(std::clamp<index_t>(resident / ng, 1, (n + kNormWarps - 1) / kNormWarps));
+  return unsigned(std::clamp<index_t>(resident / ng, 1, (n + rows_per_block - 1) / rows_per_block));
 }
 
 // The launches (norm_fits checked by the caller; z null: the plain RMSNorm).
 void norm_forward(const char* name, const float* x, index_t ldx, const float* z, index_t ldz, const float* w,
                   float* y, index_t ldy, float* rstd, index_t ldr, index_t n, index_t width, index_t gs,
                   bool gate_first, double eps) {
-  const int V = norm_v(gs);
-  auto kernel = V == 4 ? gated_norm_fwd<4> : V == 8 ? gated_norm_fwd<8> : V == 12 ? gated_norm_fwd<12> : gated_norm_fwd<16>;
-  const index_t ng = width / gs;
-  launch_grid(name, dim3(norm_row_blocks(kernel, n, ng), unsigned(ng)), dim3(32 * kNormWarps), kernel, x, ldx, z, ldz,
-              w, y, ldy, rstd, ldr, n, int(gs / 4), gate_first, float(eps));
+  const index_t gs4 = gs / 4, ng = width / gs;
+  auto kernel = pick_norm_kernel(gs4, gated_norm_fwd<1, 1>, gated_norm_fwd<2, 1>, gated_norm_fwd<3, 1>,
+                                 gated_norm_fwd<4, 1>, gated_norm_fwd<2, 4>, gated_norm_fwd<3, 4>,
+                                 gated_norm_fwd<4, 4>);
+  const int rpb = norm_rows_per_block(gs4);
+  launch_grid(name, dim3(norm_row_blocks(kernel, n, ng, rpb), unsigned(ng)), dim3(32 * kNormWarps), kernel, x, ldx,
+              z, ldz, w, y, ldy, rstd, ldr, n, int(gs4), gate_first, float(eps));
 }
 
 void norm_backward(const char* name, const char* name_dw, const float* x, index_t ldx, const float* z, index_t ldz,
                    const float* w, const float* rstd, index_t ldr, const float* dy, index_t lddy, float* dx,
                    index_t lddx, bool acc_dx, float* dz, index_t lddz, float* dw, index_t n, index_t width, index_t gs,
                    bool gate_first) {
-  const int V = norm_v(gs);
-  auto kernel = V == 4 ? gated_norm_bwd<4> : V == 8 ? gated_norm_bwd<8> : V == 12 ? gated_norm_bwd<12> : gated_norm_bwd<16>;
-  const index_t ng = width / gs;
-  const unsigned rb = norm_row_blocks(kernel, n, ng);
-  const index_t parts = index_t(rb) * kNormWarps;
+  const index_t gs4 = gs / 4, ng = width / gs;
+  auto kernel = pick_norm_kernel(gs4, gated_norm_bwd<1, 1>, gated_norm_bwd<2, 1>, gated_norm_bwd<3, 1>,
+                                 gated_norm_bwd<4, 1>, gated_norm_bwd<2, 4>, gated_norm_bwd<3, 4>,
+                                 gated_norm_bwd<4, 4>);
+  const int rpb = norm_rows_per_block(gs4);
+  const unsigned rb = norm_row_blocks(kernel, n, ng, rpb);
+  const index_t parts = index_t(rb) * rpb;
   PoolScope ws;
   View1<float> part = ws.take<View1<float>>(std::string(name_dw) + "_partials", parts * width);
   launch_grid(name, dim3(rb, unsigned(ng)), dim3(32 * kNormWarps), kernel, x, ldx, z, ldz, w, rstd, ldr, dy, lddy, dx,
-              lddx, dz, lddz, part.data(), width, n, int(gs / 4), gate_first, acc_dx);
+              lddx, dz, lddz, part.data(), width, n, int(gs4), gate_first, acc_dx);
   add_partials(name_dw, part.data(), parts, width, dw);
 }
 
