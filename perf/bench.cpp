@@ -253,6 +253,10 @@ void record_rates(const std::string& name, double bytes, double flops, double t)
   if (g_gemm_tflops > 0 && flops > 0) record(name, "of measured GEMM rate", 100.0 * rate / g_gemm_tflops, "%");
 }
 
+struct alignas(16) F4 {  // 16 bytes a thread in the vector copy
+  float v[4];
+};
+
 void bench_copy(int reps) {
   const index_t n = index_t(1) << 29;  // 2 GiB of float
   View1<float> a("a", n), b("b", n);
@@ -263,6 +267,20 @@ void bench_copy(int reps) {
     par_for("bench::copy", n, KOKKOS_LAMBDA(index_t i) { pb[i] = pa[i]; });
   });
   record("copy (Kokkos 1-D par_for, fp32)", "bandwidth", 2.0 * n * 4 / t / 1e12, "TB/s");
+  // the forms our elementwise kernels take: the 2-D par_for (flattened, 32-bit index) over rows of 768, and a 1-D
+  // par_for moving a float4 per thread
+  const double t3 = time_median(3, reps, [&] {
+    auto pa = a.data();
+    auto pb = b.data();
+    par_for("bench::copy_2d", n / 768, 768, KOKKOS_LAMBDA(index_t i, index_t j) { pb[i * 768 + j] = pa[i * 768 + j]; });
+  });
+  record("copy (Kokkos 2-D par_for, rows of 768, fp32)", "bandwidth", 2.0 * (n / 768 * 768) * 4 / t3 / 1e12, "TB/s");
+  const double t4 = time_median(3, reps, [&] {
+    auto pa = reinterpret_cast<const F4*>(a.data());
+    auto pb = reinterpret_cast<F4*>(b.data());
+    par_for("bench::copy_vec4", n / 4, KOKKOS_LAMBDA(index_t i) { pb[i] = pa[i]; });
+  });
+  record("copy (Kokkos 1-D par_for, 4 floats a thread)", "bandwidth", 2.0 * n * 4 / t4 / 1e12, "TB/s");
   const double t2 = time_median(3, reps, [&] { Kokkos::deep_copy(b, a); });
   record("copy (Kokkos deep_copy)", "bandwidth", 2.0 * n * 4 / t2 / 1e12, "TB/s");
   g_copy_tbs = 2.0 * n * 4 / std::min(t, t2) / 1e12;
