@@ -1,5 +1,10 @@
 #include "layers/conv1d.hpp"
 
+#include <cstdint>
+#include <initializer_list>
+#include <tuple>
+#include <type_traits>
+
 #include "core/error.hpp"
 #include "core/pool.hpp"
 #include "tensor/ops.hpp"
@@ -41,61 +46,94 @@ constexpr index_t kConvRun = 64;
 // Inputs a work item loads ahead of their use (one load per dependent step left too few bytes in flight to fill the
 // H200's memory pipe: the forward ran at ~1.7 TB/s).
 constexpr int kConvAhead = 4;
+// ... and with 4 channels a work item (16 bytes a load), 2 tokens ahead: as many bytes in flight, fewer registers.
+template <int CV>
+inline constexpr int kConvAheadCV = CV == 4 ? 2 : kConvAhead;
 
 namespace {
-// f(row, pre, xs, rs) for every output of rows [t0, t1) of batch row b: pre = bias + the causal taps of t's record;
-// xs and rs are the K-slot window (slot K - 1 is t, tap k of W in slot K - W + k) and its record ids.
-template <int K, class T, class P, class F>
+// CV consecutive channels of one row: 4 floats as one 16-byte access (load_f4 / store_f4; the caller checked the
+// alignment), element by element otherwise.
+template <int CV, class T, class P>
+KOKKOS_INLINE_FUNCTION void load_cv(const T* p, P (&out)[CV]) {
+  if constexpr (CV == 4 && std::is_same_v<T, float>) {
+    const Float4 q = load_f4(p);
+    for (int k = 0; k < 4; ++k) out[k] = q.v[k];
+  } else {
+    for (int k = 0; k < CV; ++k) out[k] = P(p[k]);
+  }
+}
+template <int CV, class T, class P>
+KOKKOS_INLINE_FUNCTION void store_cv(T* p, const P (&in)[CV]) {
+  if constexpr (CV == 4 && std::is_same_v<T, float>) {
+    Float4 q;
+    for (int k = 0; k < 4; ++k) q.v[k] = in[k];
+    store_f4(p, q);
+  } else {
+    for (int k = 0; k < CV; ++k) p[k] = static_cast<T>(in[k]);
+  }
+}
+
+// f(row, pre, xs, rs) for every output of rows [t0, t1) of batch row b, channels [c, c + CV): pre[v] = bias + the
+// causal taps of t's record; xs[j][v] and rs[j] are the K-slot window (slot K - 1 is t, tap k of W in slot
+// K - W + k) and its record ids (the same for every channel).
+template <int K, int CV, class T, class P, class F>
 KOKKOS_INLINE_FUNCTION void conv_run(const View2<const T>& x, index_t col, const View3<const T>& prefix, index_t L,
                                      const View2<const P>& w, const View1<const P>& bias, const SeqIdxView& seq,
                                      index_t b, index_t t0, index_t t1, index_t c, const F& f) {
   const index_t W = w.extent(1);
   const bool recs = seq.extent(0) > 0, pre_given = prefix.extent(0) > 0;
-  P wr[K], xs[K];
+  P wr[K][CV], xs[K][CV];
   int rs[K];
   const int r0 = recs ? seq(b, 0) : 0;
   // slot j holds position t - (K - 1) + j, tap k of W sits in slot K - W + k; before the first token the window
   // stands at t0 - 1 (slot 0 is shifted out at once)
   for (int j = 0; j < K; ++j) {
-    wr[j] = j >= K - W ? w(c, j - (K - W)) : P(0);
+    for (int v = 0; v < CV; ++v) wr[j][v] = j >= K - W ? w(c + v, j - (K - W)) : P(0);
     const index_t s = t0 - K + j;
     if (j == 0) continue;
     if (s >= 0) {
-      xs[j] = P(x(b * L + s, col + c));
+      load_cv<CV>(&x(b * L + s, col + c), xs[j]);
       rs[j] = recs ? seq(b, s) : 0;
     } else {
-      xs[j] = (pre_given && s >= -(W - 1)) ? P(prefix(b, c, W - 1 + s)) : P(0);
+      for (int v = 0; v < CV; ++v)
+        xs[j][v] = (pre_given && s >= -(W - 1)) ? P(prefix(b, c + v, W - 1 + s)) : P(0);
       rs[j] = r0;  // the prefix belongs to the record of token 0
     }
   }
-  const P bc = bias(c);
-  for (index_t tg = t0; tg < t1; tg += kConvAhead) {
-    // the next kConvAhead inputs loaded together (independent loads in flight), then used in order
-    P xn[kConvAhead];
-    int rn[kConvAhead];
+  P bc[CV];
+  for (int v = 0; v < CV; ++v) bc[v] = bias(c + v);
+  constexpr int AH = kConvAheadCV<CV>;
+  for (index_t tg = t0; tg < t1; tg += AH) {
+    // the next AH inputs loaded together (independent loads in flight), then used in order
+    P xn[AH][CV];
+    int rn[AH];
 MM_UNROLL
-    for (int u = 0; u < kConvAhead; ++u) {
+    for (int u = 0; u < AH; ++u) {
       const bool in = tg + u < t1;
-      xn[u] = in ? P(x(b * L + tg + u, col + c)) : P(0);
+      if (in)
+        load_cv<CV>(&x(b * L + tg + u, col + c), xn[u]);
+      else
+        for (int v = 0; v < CV; ++v) xn[u][v] = P(0);
       rn[u] = in && recs ? seq(b, tg + u) : 0;
     }
 MM_UNROLL
-    for (int u = 0; u < kConvAhead; ++u) {
+    for (int u = 0; u < AH; ++u) {
       if (tg + u >= t1) break;
       for (int j = 0; j < K - 1; ++j) {
-        xs[j] = xs[j + 1];
+        for (int v = 0; v < CV; ++v) xs[j][v] = xs[j + 1][v];
         rs[j] = rs[j + 1];
       }
-      xs[K - 1] = xn[u];
+      for (int v = 0; v < CV; ++v) xs[K - 1][v] = xn[u][v];
       rs[K - 1] = rn[u];
-      P acc = bc;
+      P pre[CV];
+      for (int v = 0; v < CV; ++v) pre[v] = bc[v];
       for (int j = 0; j < K; ++j)
-        if (j >= K - W && rs[j] == rs[K - 1]) acc += wr[j] * xs[j];
-      f(b * L + tg + u, acc, xs, rs);
+        if (j >= K - W && rs[j] == rs[K - 1])
+          for (int v = 0; v < CV; ++v) pre[v] += wr[j][v] * xs[j][v];
+      f(b * L + tg + u, pre, xs, rs);
     }
   }
 }
-
 }  // namespace
 
 namespace {
@@ -106,19 +144,24 @@ KOKKOS_INLINE_FUNCTION void run_of(index_t br, index_t nr, index_t L, index_t& b
   t1 = t0 + kConvRun < L ? t0 + kConvRun : L;
 }
 
-// out(row, c, pre) for every output (the forward), over runs with a K-slot window.
-template <int K, class T, class Out>
-void conv_pre_runs(const char* label, const Conv1dIn<T>& in, const View2<const acc_t<T>>& w,
-                   const View1<const acc_t<T>>& bias, const SeqIdxView& seq_idx, const Out& out) {
+// y(row, c) = silu(pre) for every output, over runs with a K-slot window, CV channels a work item.
+template <int K, int CV, class T>
+void conv_forward_runs(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, const View1<const acc_t<T>>& bias,
+                       const SeqIdxView& seq_idx, const View2<T>& y) {
   using P = acc_t<T>;
   const auto x = in.x;
   const auto prefix = in.prefix;
   const index_t col = in.col, L = in.seqlen, nr = (L + kConvRun - 1) / kConvRun;
-  par_for(label, in.batch * nr, in.channels, KOKKOS_LAMBDA(index_t br, index_t c) {
+  par_for("conv1d::forward", in.batch * nr, in.channels / CV, KOKKOS_LAMBDA(index_t br, index_t cg) {
     index_t b, t0, t1;
     run_of(br, nr, L, b, t0, t1);
-    conv_run<K, T, P>(x, col, prefix, L, w, bias, seq_idx, b, t0, t1, c,
-                      [&](index_t row, P pre, const P*, const int*) { out(row, c, pre); });
+    const index_t c = cg * CV;
+    conv_run<K, CV, T, P>(x, col, prefix, L, w, bias, seq_idx, b, t0, t1, c,
+                          [&](index_t row, const P (&pre)[CV], const P (&)[K][CV], const int*) {
+                            P o[CV];
+                            for (int v = 0; v < CV; ++v) o[v] = silu(pre[v]);
+                            store_cv<CV>(&y(row, c), o);
+                          });
   });
 }
 
@@ -128,7 +171,7 @@ void conv_pre_runs(const char* label, const Conv1dIn<T>& in, const View2<const a
 // is written once the window holds dpre(s + W - 1), and the run's sums of dpre x(t - (W-1) + k) (dw) and of dpre
 // (dbias) go to partials pw(run item, c W + k) and pb(run item, c). dpre never goes to memory: a first pass that
 // wrote it and a second that read it back for dx took 14.3 ms of a 217 ms LM step on an H200.
-template <int K, class T>
+template <int K, int CV, class T>
 void conv_backward_runs(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, const View1<const acc_t<T>>& bias,
                         const SeqIdxView& seq_idx, const View2<const T>& dy, const UView2<T>& dx, index_t dx_col,
                         const View2<acc_t<T>>& pw, const View2<acc_t<T>>& pb) {
@@ -136,53 +179,76 @@ void conv_backward_runs(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, c
   const auto x = in.x;
   const auto prefix = in.prefix;
   const index_t col = in.col, L = in.seqlen, nr = (L + kConvRun - 1) / kConvRun, W = w.extent(1);
-  par_for("conv1d::backward", in.batch * nr, in.channels, KOKKOS_LAMBDA(index_t br, index_t c) {
+  par_for("conv1d::backward", in.batch * nr, in.channels / CV, KOKKOS_LAMBDA(index_t br, index_t cg) {
     index_t b, t0, t1;
     run_of(br, nr, L, b, t0, t1);
-    P acc[K + 1] = {};
+    const index_t c = cg * CV;
+    P acc[K + 1][CV] = {};
     // wb[j] = w(c, K-1-j): the tap by which dpre in slot j (position t - (K-1-j)) feeds dx(t - (W-1))
-    P wb[K], gs[K];
+    P wb[K][CV], gs[K][CV];
     int gr[K];
     for (int j = 0; j < K; ++j) {
-      wb[j] = K - 1 - j < W ? w(c, K - 1 - j) : P(0);
-      gs[j] = P(0);
+      for (int v = 0; v < CV; ++v) {
+        wb[j][v] = K - 1 - j < W ? w(c + v, K - 1 - j) : P(0);
+        gs[j][v] = P(0);
+      }
       gr[j] = 0;
     }
     // dpre(t) = g of record r enters the window; dx(t - (W-1)) follows when that position is in the run
-    const auto push = [&](index_t t, P g, int r) {
+    const auto push = [&](index_t t, const P (&g)[CV], int r) {
       for (int j = 0; j < K - 1; ++j) {
-        gs[j] = gs[j + 1];
+        for (int v = 0; v < CV; ++v) gs[j][v] = gs[j + 1][v];
         gr[j] = gr[j + 1];
       }
-      gs[K - 1] = g;
+      for (int v = 0; v < CV; ++v) gs[K - 1][v] = g[v];
       gr[K - 1] = r;
       const index_t s = t - (W - 1);
       if (s < t0) return;
       const int rs = gr[K - W];  // the record of s
-      P d = 0;
+      P d[CV] = {};
       for (int j = 0; j < K; ++j)
-        if (j >= K - W && gr[j] == rs) d += wb[j] * gs[j];
-      dx(b * L + s, dx_col + c) = static_cast<T>(d);
+        if (j >= K - W && gr[j] == rs)
+          for (int v = 0; v < CV; ++v) d[v] += wb[j][v] * gs[j][v];
+      store_cv<CV>(&dx(b * L + s, dx_col + c), d);
     };
     const index_t te = t1 + W - 1 < L ? t1 + W - 1 : L;
-    conv_run<K, T, P>(x, col, prefix, L, w, bias, seq_idx, b, t0, te, c,
-                      [&](index_t row, P pre, const P* xs, const int* rs) {
-                        const P g = P(dy(row, c)) * dsilu(pre);
-                        const index_t t = row - b * L;
-                        if (t < t1) {
-                          for (int j = 0; j < K; ++j)
-                            if (j >= K - W && rs[j] == rs[K - 1]) acc[j] += g * xs[j];
-                          acc[K] += g;
-                        }
-                        push(t, g, rs[K - 1]);
-                      });
-    for (index_t t = te; t < t1 + W - 1; ++t) push(t, P(0), gr[K - 1]);  // past the sequence's end: no outputs
-    for (int j = 0; j < K; ++j)
-      if (j >= K - W) pw(br, c * W + j - (K - W)) = acc[j];
-    pb(br, c) = acc[K];
+    conv_run<K, CV, T, P>(x, col, prefix, L, w, bias, seq_idx, b, t0, te, c,
+                          [&](index_t row, const P (&pre)[CV], const P (&xs)[K][CV], const int* rs) {
+                            P g[CV];
+                            load_cv<CV>(&dy(row, c), g);
+                            for (int v = 0; v < CV; ++v) g[v] *= dsilu(pre[v]);
+                            const index_t t = row - b * L;
+                            if (t < t1) {
+                              for (int j = 0; j < K; ++j)
+                                if (j >= K - W && rs[j] == rs[K - 1])
+                                  for (int v = 0; v < CV; ++v) acc[j][v] += g[v] * xs[j][v];
+                              for (int v = 0; v < CV; ++v) acc[K][v] += g[v];
+                            }
+                            push(t, g, rs[K - 1]);
+                          });
+    const P zero[CV] = {};
+    for (index_t t = te; t < t1 + W - 1; ++t) push(t, zero, gr[K - 1]);  // past the sequence's end: no outputs
+    for (int v = 0; v < CV; ++v) {
+      for (int j = 0; j < K; ++j)
+        if (j >= K - W) pw(br, (c + v) * W + j - (K - W)) = acc[j][v];
+      pb(br, c + v) = acc[K][v];
+    }
   });
 }
 
+// f(std::integral_constant<int, CV>): 4 channels a work item (where `allow`) for float data of C channels whose rows
+// allow 16-byte accesses at these (pointer, column, row stride) triples, else 1.
+template <class T, class F>
+void with_channels(bool allow, index_t C, std::initializer_list<std::tuple<const void*, index_t, index_t>> rows,
+                   const F& f) {
+  if constexpr (std::is_same_v<T, float>) {
+    bool four = allow && C % 4 == 0;
+    for (const auto& [p, col, ld] : rows)
+      four = four && reinterpret_cast<std::uintptr_t>(p) % 16 == 0 && col % 4 == 0 && ld % 4 == 0;
+    if (four) return f(std::integral_constant<int, 4>());
+  }
+  f(std::integral_constant<int, 1>());
+}
 // f(std::integral_constant<int, K>) with the window K for conv width W: 4 up to d_conv 4, else kMaxConvWidth.
 template <class F>
 void with_window(index_t W, const F& f) {
@@ -194,11 +260,13 @@ void with_window(index_t W, const F& f) {
 template <class T>
 void conv1d_silu_forward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, const View1<const acc_t<T>>& bias,
                          const SeqIdxView& seq_idx, const View2<T>& y) {
-  using P = acc_t<T>;
   check_prefix(in, w.extent(1), "conv1d_silu_forward");
-  const auto out = KOKKOS_LAMBDA(index_t row, index_t c, P pre) { y(row, c) = static_cast<T>(silu(pre)); };
-  with_window(w.extent(1), [&](auto k) {
-    conv_pre_runs<decltype(k)::value, T>("conv1d::forward", in, w, bias, seq_idx, out);
+  using Row = std::tuple<const void*, index_t, index_t>;
+  const auto rows = {Row{in.x.data(), in.col, in.x.stride(0)}, Row{y.data(), 0, y.stride(0)}};
+  with_channels<T>(true, in.channels, rows, [&](auto cv) {
+    with_window(w.extent(1), [&](auto k) {
+      conv_forward_runs<decltype(k)::value, decltype(cv)::value, T>(in, w, bias, seq_idx, y);
+    });
   });
 }
 
@@ -215,7 +283,15 @@ void conv1d_silu_backward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w,
   const index_t nb = in.batch * ((L + kConvRun - 1) / kConvRun);
   View2<P> pw = ws.take<View2<P>>("conv1d::backward_dw::partial", nb, C * W);
   View2<P> pb = ws.take<View2<P>>("conv1d::backward_dbias::partial", nb, C);
-  with_window(W, [&](auto k) { conv_backward_runs<decltype(k)::value, T>(in, w, bias, seq_idx, dy, dx, dx_col, pw, pb); });
+  // 4 channels a work item up to d_conv 4 (the 8-slot window of wider convs with 4 channels spills registers)
+  using Row = std::tuple<const void*, index_t, index_t>;
+  const auto rows = {Row{in.x.data(), in.col, in.x.stride(0)}, Row{dy.data(), 0, dy.stride(0)},
+                     Row{dx.data(), dx_col, dx.stride(0)}};
+  with_channels<T>(W <= 4, C, rows, [&](auto cv) {
+    with_window(W, [&](auto k) {
+      conv_backward_runs<decltype(k)::value, decltype(cv)::value, T>(in, w, bias, seq_idx, dy, dx, dx_col, pw, pb);
+    });
+  });
   reduce_partials<P>("conv1d::backward_dw", pw, nb, C * W, View1<P>(dw.data(), C * W), true);
   reduce_partials<P>("conv1d::backward_dbias", pb, nb, C, dbias, true);
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstdint>
 
 #include "core/error.hpp"
 #include "layers/rmsnorm.hpp"
@@ -97,6 +98,31 @@ double MoELayerStats::imbalance() const {
 }
 
 // ------------------------------------------------------------------ layers
+
+namespace {
+// out = a + m over (rows, d_model) (out may be a): four floats a work item where the rows allow it.
+template <class R, class T>
+void residual_add(const View2<R>& out, const View2<R>& a, const View2<T>& m) {
+  const index_t n = out.extent(0), D = out.extent(1);
+  if constexpr (std::is_same_v<R, float> && std::is_same_v<T, float>) {
+    auto al = [](const float* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
+    if (D % 4 == 0 && out.span_is_contiguous() && a.span_is_contiguous() && m.span_is_contiguous() &&
+        al(out.data()) && al(a.data()) && al(m.data())) {
+      float* o = out.data();
+      const float* x = a.data();
+      const float* y = m.data();
+      par_for("backbone::residual_add", n * D / 4, KOKKOS_LAMBDA(index_t q) {
+        Float4 u = load_f4(x + 4 * q);
+        const Float4 v = load_f4(y + 4 * q);
+        for (int k = 0; k < 4; ++k) u.v[k] += v.v[k];
+        store_f4(o + 4 * q, u);
+      });
+      return;
+    }
+  }
+  par_for("backbone::residual_add", n, D, KOKKOS_LAMBDA(index_t i, index_t j) { out(i, j) = a(i, j) + R(m(i, j)); });
+}
+}  // namespace
 
 template <class T>
 struct MambaBackbone<T>::Layer {
@@ -294,8 +320,7 @@ void MambaBackbone<T>::forward(const View2<R>& h, index_t batch, index_t seqlen,
       xn_ws_[l].reset();
     }
     const View2<R> hout = train ? (h_[l + 1] = step_ws_->take<View2<R>>("backbone::h", n, D)) : h;
-    par_for("backbone::residual_add", n, D,
-            KOKKOS_LAMBDA(index_t i, index_t j) { hout(i, j) = hin(i, j) + R(m(i, j)); });
+    residual_add(hout, hin, m);
     if (!train) {
       xn_[l] = View2<T>();
       acts_[l] = std::make_unique<Acts>();
@@ -423,7 +448,7 @@ void MambaBackbone<T>::prefill(const View2<R>& h, index_t batch, index_t seqlen,
     Acts a;
     LayerState<T>* s = state.layers[l].index() == 0 ? nullptr : &state.layers[l];
     layer_forward(l, xn, batch, seqlen, SeqIdxView(), m, a, false, false, s);
-    par_for("backbone::residual_add", n, D, KOKKOS_LAMBDA(index_t i, index_t j) { h(i, j) = h(i, j) + R(m(i, j)); });
+    residual_add(h, h, m);
   }
   rmsnorm_forward<R, T>(h, store_->v1(norm_f_), eps_, out, rstd);
 }
@@ -448,7 +473,7 @@ void MambaBackbone<T>::step(const View2<R>& h, BackboneState<T>& state, const Vi
       case LayerKind::moe: L.moe->forward(xn, m, a.moe, false); break;
       case LayerKind::dense: L.dense->forward(xn, m, a.dense, false); break;
     }
-    par_for("backbone::residual_add", B, D, KOKKOS_LAMBDA(index_t i, index_t j) { h(i, j) = h(i, j) + R(m(i, j)); });
+    residual_add(h, h, m);
   }
   rmsnorm_forward<R, T>(h, store_->v1(norm_f_), eps_, out, rstd);
 }

@@ -8,6 +8,7 @@
 #include "layers/embedding.hpp"
 #include "layers/linear.hpp"
 #include "layers/rmsnorm.hpp"
+#include "tensor/ops.hpp"
 #include "util.hpp"
 
 using namespace mm;
@@ -352,4 +353,48 @@ TEST_CASE("cross-entropy matches the reference, ignores masked targets, and its 
   const auto dl = to_vec(dlogits);
   for (index_t v = 0; v < V; ++v) CHECK(dl[4 * V + v] == 0.0);
   CHECK(fd_check(logits, dl, loss, 60).rel() < kFdTol);
+}
+
+TEST_CASE("conv1d + SiLU in float, 4 channels a work item, equals the double form", "[layers]") {
+  // 8 channels at column 4 of rows of 16 (the 16-byte path on CUDA, the same arrays of 4 channels on the host),
+  // records across a run boundary, a prefix, widths 4 and 6; against the double form (1 channel a work item).
+  for (const index_t W : {4, 6}) {
+    const index_t B = 2, L = 150, C = 8, ld = 16, col = 4;
+    INFO("W=" << W);
+    View2<double> src("src", B * L, ld), dy("dy", B * L, C), w("w", C, W);
+    View1<double> bias("bias", C);
+    View3<double> pre("prefix", B, C, W - 1);
+    fill_uniform(src, 31);
+    fill_uniform(dy, 32);
+    fill_uniform(w, 33);
+    fill_uniform(bias, 34);
+    fill_uniform(pre, 35);
+    Kokkos::View<std::int32_t**, Layout, Mem> seq("seq", B, L);
+    {
+      auto h = Kokkos::create_mirror_view(seq);
+      for (index_t b = 0; b < B; ++b)
+        for (index_t t = 0; t < L; ++t) h(b, t) = b == 0 ? int(t >= 62) + int(t >= 100) : 1;
+      Kokkos::deep_copy(seq, h);
+    }
+    View2<float> srcf("srcf", B * L, ld), dyf("dyf", B * L, C), wf("wf", C, W);
+    View1<float> biasf("biasf", C);
+    View3<float> pref("preff", B, C, W - 1);
+    copy_convert("test::f", srcf, src);
+    copy_convert("test::f", dyf, dy);
+    copy_convert("test::f", wf, w);
+    copy_convert("test::f", biasf, bias);
+    copy_convert("test::f", pref, pre);
+    View2<double> y("y", B * L, C), dsrc("dsrc", B * L, ld), dw("dw", C, W);
+    View1<double> db("db", C);
+    View2<float> yf("yf", B * L, C), dsrcf("dsrcf", B * L, ld), dwf("dwf", C, W);
+    View1<float> dbf("dbf", C);
+    conv1d_silu_forward<double>(Conv1dIn<double>{src, col, B, L, C, pre}, w, bias, seq, y);
+    conv1d_silu_backward<double>(Conv1dIn<double>{src, col, B, L, C, pre}, w, bias, seq, dy, dsrc, col, dw, db);
+    conv1d_silu_forward<float>(Conv1dIn<float>{srcf, col, B, L, C, pref}, wf, biasf, seq, yf);
+    conv1d_silu_backward<float>(Conv1dIn<float>{srcf, col, B, L, C, pref}, wf, biasf, seq, dyf, dsrcf, col, dwf, dbf);
+    CHECK(rel_err(to_vec(yf), to_vec(y)) < 1e-5);
+    CHECK(rel_err(to_vec(dsrcf), to_vec(dsrc)) < 1e-5);
+    CHECK(rel_err(to_vec(dwf), to_vec(dw)) < 1e-5);
+    CHECK(rel_err(to_vec(dbf), to_vec(db)) < 1e-5);
+  }
 }
