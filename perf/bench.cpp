@@ -296,6 +296,7 @@ void bench_gemm_one(const char* label, index_t m, index_t n, index_t k, int reps
   g_gemm_tflops = std::max(g_gemm_tflops, 2.0 * m * n * k / t / 1e12);
 }
 
+#if defined(KOKKOS_ENABLE_CUDA)
 // The LM's largest weight GEMMs (in_proj of d_model 768 -> 3352 at 4 x 8192 tokens: forward, dx, dW) on fp32
 // operands in each float arithmetic, bf16 by cuBLAS' internal rounding and by our bf16 copies, and on native bf16
 // operands: what the training step's GEMMs can reach.
@@ -331,15 +332,14 @@ void bench_gemm_lm(int reps) {
       set_float_gemm_bf16_cast(cast0);
       record(base + " fp32 operands, " + md.name, "rate", flop / t / 1e12, "TFLOP/s");
     }
-#if defined(KOKKOS_ENABLE_CUDA)
     View2<bf16> Ah("Ah", ra, ca), Bh("Bh", rb, cb), Ch("Ch", sh.m, sh.n);
     Kokkos::deep_copy(Ah, bf16(0.5f));
     Kokkos::deep_copy(Bh, bf16(0.25f));
     const double t = time_median(3, reps, [&] { gemm(sh.ta, sh.tb, 1.0f, Ah, Bh, 0.0f, Ch); });
     record(base + " bf16 operands", "rate", flop / t / 1e12, "TFLOP/s");
-#endif
   }
 }
+#endif
 
 void bench_gemm(int reps) {
   bench_gemm_one<float>("gemm fp32 8192^3", 8192, 8192, 8192, reps);

@@ -93,6 +93,28 @@ KOKKOS_INLINE_FUNCTION void store_f4(float* p, const Float4& q) {
 #endif
 }
 
+// VW consecutive values of a row into (from) an array: for VW = 4 floats one 16-byte access (load_f4 / store_f4;
+// the caller checked the alignment), element by element otherwise.
+template <int VW, class T, class P>
+KOKKOS_INLINE_FUNCTION void load_vec(const T* p, P (&out)[VW]) {
+  if constexpr (VW == 4 && std::is_same_v<T, float>) {
+    const Float4 q = load_f4(p);
+    for (int k = 0; k < 4; ++k) out[k] = q.v[k];
+  } else {
+    for (int k = 0; k < VW; ++k) out[k] = P(p[k]);
+  }
+}
+template <int VW, class T, class P>
+KOKKOS_INLINE_FUNCTION void store_vec(T* p, const P (&in)[VW]) {
+  if constexpr (VW == 4 && std::is_same_v<T, float>) {
+    Float4 q;
+    for (int k = 0; k < 4; ++k) q.v[k] = in[k];
+    store_f4(p, q);
+  } else {
+    for (int k = 0; k < VW; ++k) p[k] = static_cast<T>(in[k]);
+  }
+}
+
 // ------------------------------------------------------------------ labelled dispatch
 using Range = Kokkos::RangePolicy<Exec, Kokkos::IndexType<index_t>>;
 

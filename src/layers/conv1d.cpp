@@ -51,28 +51,6 @@ template <int CV>
 inline constexpr int kConvAheadCV = CV == 4 ? 2 : kConvAhead;
 
 namespace {
-// CV consecutive channels of one row: 4 floats as one 16-byte access (load_f4 / store_f4; the caller checked the
-// alignment), element by element otherwise.
-template <int CV, class T, class P>
-KOKKOS_INLINE_FUNCTION void load_cv(const T* p, P (&out)[CV]) {
-  if constexpr (CV == 4 && std::is_same_v<T, float>) {
-    const Float4 q = load_f4(p);
-    for (int k = 0; k < 4; ++k) out[k] = q.v[k];
-  } else {
-    for (int k = 0; k < CV; ++k) out[k] = P(p[k]);
-  }
-}
-template <int CV, class T, class P>
-KOKKOS_INLINE_FUNCTION void store_cv(T* p, const P (&in)[CV]) {
-  if constexpr (CV == 4 && std::is_same_v<T, float>) {
-    Float4 q;
-    for (int k = 0; k < 4; ++k) q.v[k] = in[k];
-    store_f4(p, q);
-  } else {
-    for (int k = 0; k < CV; ++k) p[k] = static_cast<T>(in[k]);
-  }
-}
-
 // f(row, pre, xs, rs) for every output of rows [t0, t1) of batch row b, channels [c, c + CV): pre[v] = bias + the
 // causal taps of t's record; xs[j][v] and rs[j] are the K-slot window (slot K - 1 is t, tap k of W in slot
 // K - W + k) and its record ids (the same for every channel).
@@ -92,7 +70,7 @@ KOKKOS_INLINE_FUNCTION void conv_run(const View2<const T>& x, index_t col, const
     const index_t s = t0 - K + j;
     if (j == 0) continue;
     if (s >= 0) {
-      load_cv<CV>(&x(b * L + s, col + c), xs[j]);
+      load_vec<CV>(&x(b * L + s, col + c), xs[j]);
       rs[j] = recs ? seq(b, s) : 0;
     } else {
       for (int v = 0; v < CV; ++v)
@@ -111,7 +89,7 @@ MM_UNROLL
     for (int u = 0; u < AH; ++u) {
       const bool in = tg + u < t1;
       if (in)
-        load_cv<CV>(&x(b * L + tg + u, col + c), xn[u]);
+        load_vec<CV>(&x(b * L + tg + u, col + c), xn[u]);
       else
         for (int v = 0; v < CV; ++v) xn[u][v] = P(0);
       rn[u] = in && recs ? seq(b, tg + u) : 0;
@@ -160,7 +138,7 @@ void conv_forward_runs(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, co
                           [&](index_t row, const P (&pre)[CV], const P (&)[K][CV], const int*) {
                             P o[CV];
                             for (int v = 0; v < CV; ++v) o[v] = silu(pre[v]);
-                            store_cv<CV>(&y(row, c), o);
+                            store_vec<CV>(&y(row, c), o);
                           });
   });
 }
@@ -209,13 +187,13 @@ void conv_backward_runs(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, c
       for (int j = 0; j < K; ++j)
         if (j >= K - W && gr[j] == rs)
           for (int v = 0; v < CV; ++v) d[v] += wb[j][v] * gs[j][v];
-      store_cv<CV>(&dx(b * L + s, dx_col + c), d);
+      store_vec<CV>(&dx(b * L + s, dx_col + c), d);
     };
     const index_t te = t1 + W - 1 < L ? t1 + W - 1 : L;
     conv_run<K, CV, T, P>(x, col, prefix, L, w, bias, seq_idx, b, t0, te, c,
                           [&](index_t row, const P (&pre)[CV], const P (&xs)[K][CV], const int* rs) {
                             P g[CV];
-                            load_cv<CV>(&dy(row, c), g);
+                            load_vec<CV>(&dy(row, c), g);
                             for (int v = 0; v < CV; ++v) g[v] *= dsilu(pre[v]);
                             const index_t t = row - b * L;
                             if (t < t1) {
