@@ -45,7 +45,7 @@ MM_UNROLL
 // Native CUDA forms of the gated norm and the plain RMSNorm for float data: one warp (groups of up to 512 columns)
 // or one block of 4 warps (up to 2,048) per (row, group) with the group's x and z in registers (float4 loads),
 // silu from the exp unit and a fast reciprocal, and the backward's
-// weight gradient summed in the same pass (per-warp partials, then their sum in warp order). The Kokkos forms
+// weight gradient summed in the same pass (partials per row slot, then their sum in slot order). The Kokkos forms
 // (scalar loads, library expf and IEEE division in each of their passes, the weight gradient as a separate column
 // reduction over x, z and dy again) took 39.9 ms of a 303 ms 24-layer LM step on an H200 (perf/RESULTS.md, fourth
 // session). Taken for groups of up to 2,048 columns in 16-byte aligned windows; the Kokkos forms stay the fallback

@@ -155,8 +155,12 @@ void gemm_float_via_bf16(Trans ta, Trans tb, float alpha, GemmIn<float> A, GemmI
   if (s.m == 0 || s.n == 0) return;
   const index_t lda = A.stride(0), ldb = B.stride(0), ldc = C.stride(0);
   const index_t rb = B.extent(0), cb = B.extent(1);
+  if (s.k == 0) {  // C = beta C: nothing to round
+    gemm_cublas<float>(ta, tb, alpha, A, B, beta, C, CUDA_R_32F, CUBLAS_COMPUTE_32F);
+    return;
+  }
   PoolScope ws;
-  if (ta == Trans::N || s.k == 0) {
+  if (ta == Trans::N) {
     auto Bb = ws.take<View1<bf16>>("gemm::b_bf16", rb * cb);
     cast_bf16(B.data(), ldb, rb, cb, Bb.data());
     const index_t ca = A.extent(1);
@@ -193,7 +197,8 @@ void linear_backward_via_bf16(GemmIn<float> dy, GemmIn<float> W, GemmIn<float> x
   PoolScope ws;
   auto Wb = ws.take<View1<bf16>>("gemm::w_bf16", O * I);
   cast_bf16(W.data(), W.stride(0), O, I, Wb.data());
-  const index_t rows = std::clamp<index_t>(g_bf16_cast_block / std::max<index_t>({O, I, 1}), 1, std::max<index_t>(T, 1));
+  const index_t rows =
+      std::clamp<index_t>(g_bf16_cast_block / std::max<index_t>({O, I, 1}), 1, std::max<index_t>(T, 1));
   auto dyb = ws.take<View1<bf16>>("gemm::dy_bf16", rows * O);
   auto xb = ws.take<View1<bf16>>("gemm::x_bf16", rows * I);
   for (index_t t0 = 0; t0 < T; t0 += rows) {
@@ -353,7 +358,7 @@ void linear_backward_gemms_impl(GemmIn<P> dy, GemmIn<P> W, GemmIn<P> x, P beta_d
           dW.extent(1));
 #if defined(KOKKOS_ENABLE_CUDA)
   if constexpr (std::is_same_v<P, float>)
-    if (g_float_compute == GemmCompute::bf16 && g_bf16_cast && O > 0 && I > 0)
+    if (g_float_compute == GemmCompute::bf16 && g_bf16_cast && T > 0 && O > 0 && I > 0)
       return linear_backward_via_bf16(dy, W, x, beta_dx, dx, beta_dw, dW);
 #endif
   if (dx.extent(0) > 0) gemm(Trans::N, Trans::N, P(1), dy, W, beta_dx, dx);
