@@ -7,22 +7,42 @@
 
 #if defined(KOKKOS_ENABLE_CUDA)
 #include <Kokkos_Profiling_ScopedRegion.hpp>
+#include <cuda_bf16.h>
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <utility>
 
 #include "core/error.hpp"
+#include "core/kokkos_types.hpp"
 
 namespace mm::cuda_k {
 
-inline bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+using mm::aligned16;
 // Whether rows of floats at these (first row, row stride in floats) pairs can be read as float4: every first row
 // 16-byte aligned and every stride a multiple of 4.
 inline bool float4_rows(std::initializer_list<std::pair<const void*, long long>> rows) {
   for (const auto& [p, ld] : rows)
     if (!aligned16(p) || ld % 4 != 0) return false;
   return true;
+}
+
+// Eight bf16 in 16 bytes and eight floats: unpack8 widens them, pack8 rounds (nearest even) and packs.
+__device__ __forceinline__ void unpack8(const uint4& q, float* f) {
+  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&q);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 t = __bfloat1622float2(p[i]);
+    f[2 * i] = t.x;
+    f[2 * i + 1] = t.y;
+  }
+}
+__device__ __forceinline__ uint4 pack8(const float* f) {
+  uint4 q;
+  __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(&q);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) p[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+  return q;
 }
 
 // Device math shared by the kernels: the logistic function from the exp unit with a fast reciprocal, and a warp's

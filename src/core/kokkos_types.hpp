@@ -72,6 +72,9 @@ using Scratch2 = Kokkos::View<T**, Layout, ScratchMem, Kokkos::MemoryTraits<Kokk
 #define MM_UNROLL4 _Pragma("GCC unroll 4")
 #endif
 
+// Whether p is 16-byte aligned (a 16-byte access may start there).
+inline bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
 // Four consecutive floats at a 16-byte aligned address: one 16-byte load or store in CUDA device code, element by
 // element elsewhere. A Kokkos loop moving one 4-byte value per thread ran near 1.7 TB/s on an H200 (a 1-D copy:
 // 1.67 TB/s; 4.15 TB/s with 16 bytes a thread, as deep_copy's 4.16; perf/RESULTS.md).

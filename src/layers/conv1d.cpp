@@ -1,6 +1,5 @@
 #include "layers/conv1d.hpp"
 
-#include <cstdint>
 #include <initializer_list>
 #include <tuple>
 #include <type_traits>
@@ -40,9 +39,9 @@ void check_prefix(const Conv1dIn<T>& in, index_t W, const char* where) {
 // Runs of kConvRun tokens of one batch row per work item (b, run, channel), consecutive work items on
 // consecutive channels (coalesced rows): the item keeps the last K inputs of its channel and their record ids in
 // registers (K = 4 for d_conv <= 4, else kMaxConvWidth; fixed trip counts), so every input is read once and the
-// row index is divided once per run. A flat (row, channel) range re-reading W taps per output ran the forward at
-// about a quarter of the H200's bandwidth (0.58 ms per call in the LM step), row kernels slower still.
-constexpr index_t kConvRun = 64;
+// row index is divided once per run (kConvRun, conv1d.hpp). A flat (row, channel) range re-reading W taps per output
+// ran the forward at about a quarter of the H200's bandwidth (0.58 ms per call in the LM step), row kernels slower
+// still.
 // Inputs a work item loads ahead of their use (one load per dependent step left too few bytes in flight to fill the
 // H200's memory pipe: the forward ran at ~1.7 TB/s).
 constexpr int kConvAhead = 4;
@@ -222,7 +221,7 @@ void with_channels(bool allow, index_t C, std::initializer_list<std::tuple<const
   if constexpr (std::is_same_v<T, float>) {
     bool four = allow && C % 4 == 0;
     for (const auto& [p, col, ld] : rows)
-      four = four && reinterpret_cast<std::uintptr_t>(p) % 16 == 0 && col % 4 == 0 && ld % 4 == 0;
+      four = four && aligned16(p) && col % 4 == 0 && ld % 4 == 0;
     if (four) return f(std::integral_constant<int, 4>());
   }
   f(std::integral_constant<int, 1>());

@@ -20,6 +20,9 @@ using SeqIdxView = Kokkos::View<const std::int32_t**, Layout, Mem>;  // (batch, 
 // causal-conv1d takes 2 to 4.
 inline constexpr index_t kMaxConvWidth = 8;
 
+// Tokens of one batch row per work item of the kernels; the backward keeps partial sums of dw and dbias per run.
+inline constexpr index_t kConvRun = 64;
+
 template <class T>
 struct Conv1dIn {
   View2<const T> x;  // (batch * seqlen, >= col + channels)

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cctype>
-#include <cstdint>
 
 #include "core/error.hpp"
 #include "layers/rmsnorm.hpp"
@@ -105,9 +104,8 @@ template <class R, class T>
 void residual_add(const View2<R>& out, const View2<R>& a, const View2<T>& m) {
   const index_t n = out.extent(0), D = out.extent(1);
   if constexpr (std::is_same_v<R, float> && std::is_same_v<T, float>) {
-    auto al = [](const float* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
     if (D % 4 == 0 && out.span_is_contiguous() && a.span_is_contiguous() && m.span_is_contiguous() &&
-        al(out.data()) && al(a.data()) && al(m.data())) {
+        aligned16(out.data()) && aligned16(a.data()) && aligned16(m.data())) {
       float* o = out.data();
       const float* x = a.data();
       const float* y = m.data();

@@ -37,23 +37,6 @@ namespace cuda_k {
 
 using bf2 = __nv_bfloat162;
 
-__device__ __forceinline__ void unpack8(const uint4& q, float* f) {
-  const bf2* p = reinterpret_cast<const bf2*>(&q);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 t = __bfloat1622float2(p[i]);
-    f[2 * i] = t.x;
-    f[2 * i + 1] = t.y;
-  }
-}
-__device__ __forceinline__ uint4 pack8(const float* f) {
-  uint4 q;
-  bf2* p = reinterpret_cast<bf2*>(&q);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) p[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-  return q;
-}
-
 // Grid-stride loop over n items.
 #define MM_GRID_LOOP(i, n) \
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (n); i += (long long)gridDim.x * blockDim.x)

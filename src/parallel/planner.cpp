@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "core/error.hpp"
+#include "layers/conv1d.hpp"
 #include "ssm/mamba1/scan_cuda.hpp"
 #include "ssm/mamba2/ssd_fused.hpp"
 #include "tensor/gemm.hpp"  // bf16_op_t
@@ -186,8 +187,8 @@ LayerMem mem_mamba2(const Mamba2Config& c, const Dims& d, Recompute pol) {
   const double ctx = ssd_ctx_bytes(H, G, N, P, Q, d);
   m.fwd_extra = ctx;
   const double grads = d.n * d.t * (2 * E + din + C);  // dyn, dy, dzxbcdt, dxbc
-  // conv1d backward: its partial sums of dw and dbias, one row per run of 64 tokens (layers/conv1d.cpp)
-  const double conv_bwd = d.a * d.b * std::ceil(d.L / 64.0) * C * double(c.d_conv + 1);
+  // conv1d backward: its partial sums of dw and dbias, one row per run of kConvRun tokens (layers/conv1d.hpp)
+  const double conv_bwd = d.a * d.b * std::ceil(d.L / double(kConvRun)) * C * double(c.d_conv + 1);
   // cp > 1 (mixer.cpp forward_cp / backward): after the scan, the decay weights cp_lexp (a H per token) with the
   // correction's scratch cp_correction (a E per token) in the forward, with cp_dy_scaled (a E per token) in the
   // backward before the scan's backward; both freed before what follows (rows past the last nonzero weight are

@@ -115,13 +115,8 @@ __global__ void cast_bf16_vec8(const float* __restrict__ src, long long ld, long
     const long long r = i / c8, c = i - r * c8;
     const float4* p = reinterpret_cast<const float4*>(src + r * ld) + 2 * c;
     const float4 a = __ldg(p), b = __ldg(p + 1);
-    uint4 q;
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&q);
-    h[0] = __floats2bfloat162_rn(a.x, a.y);
-    h[1] = __floats2bfloat162_rn(a.z, a.w);
-    h[2] = __floats2bfloat162_rn(b.x, b.y);
-    h[3] = __floats2bfloat162_rn(b.z, b.w);
-    dst[i] = q;
+    const float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    dst[i] = cuda_k::pack8(f);
   }
 }
 __global__ void cast_bf16_scalar(const float* __restrict__ src, long long ld, long long rows, long long cols,

@@ -255,7 +255,7 @@ template <class P>
 bool states_by_four(index_t N, std::initializer_list<const void*> bases) {
   if (!std::is_same_v<P, float> || N % 4 != 0) return false;
   for (const void* p : bases)
-    if (p != nullptr && reinterpret_cast<std::uintptr_t>(p) % 16 != 0) return false;
+    if (p != nullptr && !aligned16(p)) return false;
   return true;
 }
 

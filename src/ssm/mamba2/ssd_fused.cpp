@@ -857,8 +857,7 @@ std::size_t scan_smem(int P, int Q) { return scan_tok_offset(P) + 3 * std::size_
 
 // 16-byte loads and stores when every row start is 16-byte aligned.
 bool aligned4(const Args& a) {
-  auto al = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
-  return al(a.xbc) && al(a.y) && a.ldx % 4 == 0 && a.ldy % 4 == 0 && a.x_col % 4 == 0 && a.b_col % 4 == 0 &&
+  return aligned16(a.xbc) && aligned16(a.y) && a.ldx % 4 == 0 && a.ldy % 4 == 0 && a.x_col % 4 == 0 && a.b_col % 4 == 0 &&
          a.c_col % 4 == 0;
 }
 
@@ -890,8 +889,7 @@ void launch(const Args& a, bool scan) {
 
 // 16-byte accesses to dy and dx as well.
 bool aligned4_bwd(const Args& a) {
-  return aligned4(a) && reinterpret_cast<std::uintptr_t>(a.dy) % 16 == 0 &&
-         reinterpret_cast<std::uintptr_t>(a.dx) % 16 == 0 && a.ldd % 4 == 0;
+  return aligned4(a) && aligned16(a.dy) && aligned16(a.dx) && a.ldd % 4 == 0;
 }
 
 template <int PT>
