@@ -584,8 +584,17 @@ inline ssd_fused::Args fused_block_args(const Ctx<float>& c, const float* dy, in
   return a;
 }
 
+// The arithmetic of the fused algorithm's cuBLAS chunk products (C B^T; in the backward the states, dH and the
+// state terms of dB, dC): their operands are fp32 activations, and cuBLAS under bf16 compute on fp32 operands
+// (CUBLAS_COMPUTE_32F_FAST_16BF) ran slower than tf32 on them: the 192 batched calls of a 24-layer LM step took
+// 19.1 ms against 15.3 ms (H200, perf/RESULTS.md, eighteenth session). So bf16 asked for gives tf32 here (more
+// mantissa, less time); the gemm algorithm keeps s.compute as asked.
+inline GemmCompute fused_chunk_compute(GemmCompute asked) {
+  return asked == GemmCompute::bf16 ? GemmCompute::tf32 : asked;
+}
+
 // SSDAlgo::fused, forward: the chunk-local states and the chunk scan in the tensor-core kernels of ssd_fused.cpp;
-// the cumsum, the state passing and C B^T (a cuBLAS batched GEMM under s.compute) as in the GEMM formulation.
+// the cumsum, the state passing and C B^T (a cuBLAS batched GEMM, fused_chunk_compute) as in the GEMM formulation.
 template <class T>
 void ssd_forward_fused(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, const View2<T>& y,
                        const View4<T>& final_state) {
@@ -596,7 +605,7 @@ void ssd_forward_fused(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
     a.ldy = index_t(y.stride(0));
     ssd_fused::chunk_state(a);
     state_passing(c, in.init_state, final_state);
-    chunk_cb(c, s.compute);
+    chunk_cb(c, fused_chunk_compute(s.compute));
     ssd_fused::chunk_scan(a);
   } else {
     (void)c, (void)s, (void)in, (void)y, (void)final_state;
@@ -652,7 +661,7 @@ void ssd_forward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, co
 template <class T>
 void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, const View2<const T>& dy,
                        const View4<const T>& dfinal_state, const SSDGrad<T>& gr, PoolScope& ws, bool fused) {
-  const GemmCompute cmp = s.compute;
+  const GemmCompute cmp = fused ? fused_chunk_compute(s.compute) : s.compute;
   dt_cumsum(c);
   const GemmCtx<T> g = make_gemm_ctx(c, s.gemm_workspace_bytes, true, ws, !fused);
   gemm_states_and_cb(c, g, cmp, in.init_state, View4<T>());

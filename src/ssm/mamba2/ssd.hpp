@@ -31,7 +31,8 @@ namespace mm {
 //             multiple of 64), the forward's chunk states and chunk scan and the backward's intra-chunk products
 //             (dX = M^T dY, the sums of K o dY X^T, dC B^T summed over heads) as native tensor-core kernels
 //             (ssd_fused.hpp: bf16 operands, fp32 accumulation, no per-head Q x Q workspace); the rest as gemm
-//             (its GEMMs under `compute`), and every other build or shape entirely as gemm;
+//             (its GEMMs under `compute`, except that bf16 gives tf32 there: those operands are fp32, and cuBLAS ran
+//             them slower in bf16 than in tf32), and every other build or shape entirely as gemm;
 //   automatic: on CUDA fused when `compute` is bf16 (the arithmetic its products use), else gemm; portable on host
 //             backends.
 enum class SSDAlgo { automatic, portable, gemm, fused };
