@@ -152,20 +152,60 @@ Ctx<T> make_ctx(const SSDShape& s, const SSDIn<T>& in, PoolScope& ws) {
   return c;
 }
 
+// Segments of team_inclusive_scan: the scratch its totals take (the most segments a team scans in).
+constexpr int kScanSegments = 32;
+
+// In team scratch: out(i) = sum_{j <= i} in(j) for i < n (reverse: sum_{j >= i}); tot holds kScanSegments values.
+// Each thread of the team (up to kScanSegments) scans one contiguous segment of the order on its vector lanes,
+// then adds the totals of the segments before its own; with one thread a team (host backends) that is the
+// sequential loop. (A single thread's serial loop over the chunk left the other 255 of a GPU team idle.) Ends
+// with a team barrier.
+template <class P>
+KOKKOS_INLINE_FUNCTION void team_inclusive_scan(const Team& tm, index_t n, bool reverse, const Scratch1<P>& in,
+                                                const Scratch1<P>& out, const Scratch1<P>& tot) {
+  const int nt = tm.team_size() < kScanSegments ? tm.team_size() : kScanSegments;
+  const index_t seg = (n + nt - 1) / nt;
+  // (ThreadVectorRange from 0: the CUDA vector scan of Kokkos 4.6 ignores a range's start)
+  Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, nt), [&](int k) {
+    const index_t i0 = k * seg, len = Kokkos::max(index_t(0), Kokkos::min(n, i0 + seg) - i0);
+    P total = 0;
+    Kokkos::parallel_scan(
+        Kokkos::ThreadVectorRange(tm, len),
+        [&](index_t j, P& acc, bool final) {
+          const index_t i = reverse ? n - 1 - (i0 + j) : i0 + j;
+          acc += in(i);
+          if (final) out(i) = acc;
+        },
+        total);
+    Kokkos::single(Kokkos::PerThread(tm), [&]() { tot(k) = total; });
+  });
+  tm.team_barrier();
+  Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, nt), [&](int k) {
+    const index_t i0 = k * seg, len = Kokkos::max(index_t(0), Kokkos::min(n, i0 + seg) - i0);
+    P off = 0;
+    for (int j = 0; j < k; ++j) off += tot(j);
+    if (k > 0)
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, len), [&](index_t j) {
+        out(reverse ? n - 1 - (i0 + j) : i0 + j) += off;
+      });
+  });
+  tm.team_barrier();
+}
+
 // Delta (or the given per-token weight) and the in-chunk inclusive cumsum of a = Delta * A (or the given per-token
 // exponent).
 template <class T>
 void dt_cumsum(const Ctx<T>& c) {
   using P = acc_t<T>;
-  // One team per (row, head, chunk): Delta of every token in parallel into scratch, then one thread's running sum
-  // in token order (on chip; the same order as a sequential loop), then the cumsum written in parallel. (A thread
-  // per (row, head, chunk) walking its chunk in global memory took 0.24 ms per call on an H200.)
+  // One team per (row, head, chunk): Delta of every token in parallel into scratch, then the team's scan on chip
+  // (team_inclusive_scan), then the cumsum written in parallel. (A thread per (row, head, chunk) walking its chunk
+  // in global memory took 0.24 ms per call on an H200.)
   par_for_team_vec(
       "ssd::dt_cumsum", c.Bsz * c.H * c.nc, kTeam, kVector,
       KOKKOS_LAMBDA(const Team& tm) {
         const index_t id = tm.league_rank(), ch = id % c.nc, bh = id / c.nc, b = bh / c.H, h = bh % c.H;
         const index_t t0 = ch * c.Q, q = c.chunk_end(ch) - t0;
-        Scratch1<P> d(tm.team_scratch(0), c.Q), a(tm.team_scratch(0), c.Q);
+        Scratch1<P> d(tm.team_scratch(0), c.Q), a(tm.team_scratch(0), c.Q), tot(tm.team_scratch(0), kScanSegments);
         Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, q), [&](index_t i) {
           const index_t t = t0 + i;
           if (c.pre) {
@@ -179,17 +219,10 @@ void dt_cumsum(const Ctx<T>& c) {
           c.delta(b, h, t) = v;
         });
         tm.team_barrier();
-        Kokkos::single(Kokkos::PerTeam(tm), [&]() {
-          P run = 0;
-          for (index_t i = 0; i < q; ++i) {
-            run += d(i);
-            a(i) = run;
-          }
-        });
-        tm.team_barrier();
+        team_inclusive_scan(tm, q, false, d, a, tot);
         Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, q), [&](index_t i) { c.acs(b, h, t0 + i) = a(i); });
       },
-      2 * Scratch1<P>::shmem_size(c.Q));
+      2 * Scratch1<P>::shmem_size(c.Q) + Scratch1<P>::shmem_size(kScanSegments));
 }
 
 // states(b, c, h) = sum_{s in c, same record as the chunk's last token} exp(Acs_last - Acs_s) Delta_s x_s B_s^T
@@ -466,6 +499,32 @@ void per_token_heads(const char* label, const Ctx<T>& c, const S& factor, const 
       Scratch1<T>::shmem_size(c.H));
 }
 
+// dst(r, hp) = factor(b, h, t) src(r, hp) for every token row r = b L + t and column hp = (head h, p) of the H P-wide
+// token matrices (rows lds and ldd apart): VW consecutive columns of one head a work item, the factor computed per
+// item (the lanes of a warp cover two heads of 64, so its gathered loads are mostly broadcasts). As a team per row
+// with one 4-byte value a lane (per_token_heads) these passes moved about 2.3 TB/s on an H200.
+template <int VW, class T, class S>
+void scale_token_heads_vw(const char* label, const Ctx<T>& c, const S& factor, const T* src, index_t lds, T* dst,
+                          index_t ldd) {
+  const index_t Pd = c.Pd, L = c.L;
+  par_for(label, c.Bsz * c.L, c.H * c.Pd / VW, KOKKOS_LAMBDA(index_t r, index_t j) {
+    const index_t hp = j * VW, b = r / L;
+    const T f = factor(b, hp / Pd, r - b * L);
+    T v[VW];
+    load_vec<VW>(src + r * lds + hp, v);
+    for (int k = 0; k < VW; ++k) v[k] *= f;
+    store_vec<VW>(dst + r * ldd + hp, v);
+  });
+}
+template <class T, class S>
+void scale_token_heads(const char* label, const Ctx<T>& c, const S& factor, const T* src, index_t lds, T* dst,
+                       index_t ldd) {
+  if constexpr (std::is_same_v<T, float>)
+    if (c.Pd % 4 == 0 && lds % 4 == 0 && ldd % 4 == 0 && aligned16(src) && aligned16(dst))
+      return scale_token_heads_vw<4>(label, c, factor, src, lds, dst, ldd);
+  scale_token_heads_vw<1>(label, c, factor, src, lds, dst, ldd);
+}
+
 // Views and sizes shared by the forward and backward of the GEMM formulation.
 template <class T>
 struct GemmCtx {
@@ -513,14 +572,14 @@ template <class T>
 void gemm_states_and_cb(const Ctx<T>& c, const GemmCtx<T>& g, GemmCompute cmp, const View4<const T>& init,
                         const View4<T>& final_state) {
   const auto xw = g.xw;
-  per_token_heads(
+  scale_token_heads(
       "ssd::state_weights", c,
       KOKKOS_LAMBDA(index_t b, index_t h, index_t t) {
         const index_t last = c.chunk_end(t / c.Q) - 1;
         const T e = exp_nonpos(c.acs(b, h, last) - c.acs(b, h, t));
         return (c.rec(b, t) != c.rec(b, last) || e < T(kNegligibleDecay)) ? T(0) : e * c.delta(b, h, t);
       },
-      KOKKOS_LAMBDA(index_t r, int hp, int, T w) { xw(r, hp) = w * c.xbc(r, c.x_col + hp); });
+      c.xbc.data() + c.x_col, index_t(c.xbc.stride(0)), xw.data(), index_t(xw.stride(0)));
   const T* X = c.xbc.data();
   const index_t PN = c.Pd * c.N, gP = c.hpg * c.Pd;
   // S_loc of a group's heads (rows (h, p) of the states): (xw of the group)^T B
@@ -671,9 +730,9 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
 
   // dL/dS_in from each chunk's own outputs: (diag(e_in) dY)^T C; xw (es Delta x) stays for dB's state term
   View2<T> dye = ws.take<View2<T>>("ssd::dye", nr, g.HP);
-  per_token_heads(
-      "ssd::dy_scaled", c, KOKKOS_LAMBDA(index_t b, index_t h, index_t t) { return e_in_of(c, b, h, t); },
-      KOKKOS_LAMBDA(index_t r, int hp, int, T e) { dye(r, hp) = e * dy(r, hp); });
+  scale_token_heads(
+      "ssd::dy_scaled", c, KOKKOS_LAMBDA(index_t b, index_t h, index_t t) { return e_in_of(c, b, h, t); }, dy.data(),
+      ldy, dye.data(), index_t(dye.stride(0)));
   View5<T> dstates = ws.take<View5<T>>("ssd::dstates", c.Bsz, c.nc, c.H, c.Pd, c.N);
   chunk_gemm<T>(c, cmp, Trans::T, Trans::N, gP, c.N, kQ, T(1), tok<const T*>(dye.data(), g.HP, gP),
                 tok(X + c.c_col, g.ldx, c.N), T(0), blk(dstates.data(), c.N, c.H * PN, c.hpg * PN), c.G, c.gptrs);
@@ -870,7 +929,7 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
           });
     }
     // dAcs per token, its reverse cumsum da, dDelta, d(raw dt) and the per-(b, c, h) partial sums: the per-token
-    // terms in parallel into team scratch, then one serial pass for the reverse cumsum.
+    // terms in parallel into team scratch, then the team's reverse scan and reductions.
     const auto dla = gr.dlog_decay;
     const auto dwt = gr.dweight;
     par_for_team_vec(
@@ -879,7 +938,8 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
           const index_t hj = tm.league_rank(), j = hj % nbc, hi = hj / nbc, h = blk0 + hi;
           const index_t b = j / c.nc, ch = j % c.nc, t0 = ch * c.Q, q = c.chunk_end(ch) - t0, last = t0 + q - 1;
           Scratch1<T> dacs(tm.team_scratch(0), c.Q), base(tm.team_scratch(0), c.Q), dsp(tm.team_scratch(0), c.Q),
-              dlt(tm.team_scratch(0), c.Q), ddot(tm.team_scratch(0), c.Q), du(tm.team_scratch(0), c.Q);
+              dlt(tm.team_scratch(0), c.Q), ddot(tm.team_scratch(0), c.Q), du(tm.team_scratch(0), c.Q),
+              run(tm.team_scratch(0), c.Q), tot(tm.team_scratch(0), kScanSegments);
           const T* dH = &dstates(b, ch, h, 0, 0);
           const T* Sin = &c.states(b, ch, h, 0, 0);
           T wdecay = 0;
@@ -906,26 +966,30 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
               },
               wstate_total);
           tm.team_barrier();
+          // run(il) = the reverse cumsum of dacs, with the chunk's state terms entering at its last token
+          Kokkos::single(Kokkos::PerTeam(tm), [&]() { dacs(q - 1) += wstate_total + wdecay; });
+          tm.team_barrier();
+          team_inclusive_scan(tm, q, true, dacs, run, tot);
+          const T A = c.pre ? T(0) : c.A(h);
+          Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, q), [&](index_t il) {
+            // with per-token decays da_t itself (base keeps d weight_t), else d(raw dt_t)
+            du(il) = c.pre ? run(il) : (base(il) + run(il) * A) * dsp(il);
+          });
+          tm.team_barrier();
+          T dA = 0, dbias = 0, dD = 0;
+          Kokkos::parallel_reduce(
+              Kokkos::TeamVectorRange(tm, q), [&](index_t il, T& acc) { acc += ddot(il); }, dD);
+          if (!c.pre) {
+            Kokkos::parallel_reduce(
+                Kokkos::TeamVectorRange(tm, q), [&](index_t il, T& acc) { acc += run(il) * dlt(il); }, dA);
+            Kokkos::parallel_reduce(
+                Kokkos::TeamVectorRange(tm, q), [&](index_t il, T& acc) { acc += du(il); }, dbias);
+          }
           Kokkos::single(Kokkos::PerTeam(tm), [&]() {
-            const T A = c.pre ? T(0) : c.A(h);
-            T run = 0, dA = 0, dbias = 0, dD = 0;
-            for (index_t il = q - 1; il >= 0; --il) {
-              run += dacs(il) + (il == q - 1 ? wstate_total + wdecay : T(0));
-              dD += ddot(il);
-              if (c.pre) {  // da_t itself; base keeps d weight_t
-                du(il) = run;
-                continue;
-              }
-              const T g = (base(il) + run * A) * dsp(il);
-              du(il) = g;
-              dA += run * dlt(il);
-              dbias += g;
-            }
             partial(b, ch, h, 0) = dA;
             partial(b, ch, h, 1) = dbias;
             partial(b, ch, h, 2) = dD;
           });
-          tm.team_barrier();
           Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, q), [&](index_t il) {
             if (c.pre) {
               dla(b, h, t0 + il) = du(il);
@@ -935,7 +999,7 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
             }
           });
         },
-        6 * Scratch1<T>::shmem_size(c.Q), 0, 0);
+        7 * Scratch1<T>::shmem_size(c.Q) + Scratch1<T>::shmem_size(kScanSegments), 0, 0);
   }
   param_reduce(c, partial, gr);
 }
