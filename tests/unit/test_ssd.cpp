@@ -231,14 +231,17 @@ TEST_CASE("SSD fused tensor-core forward stays within bf16 rounding of the doubl
 
 TEST_CASE("SSD fused tensor-core backward equals the fp32 GEMM formulation's within bf16 rounding", "[ssd][gradcheck]") {
   // The same shapes as the fused forward (short last chunk, records, initial state, groups, headdim 16 to 128, a
-  // workspace budget that splits the heads into blocks); every gradient against the gemm algorithm in fp32, which
-  // the double tests tie to finite differences. On host builds both are the fp32 GEMM formulation.
+  // workspace budget that splits the heads into blocks), and headdim 128 with d_state 128, whose state epilogue
+  // takes the per-tile form (ssd_fused::epilogue_writes_wdecay is false there; true for the others); every
+  // gradient against the gemm algorithm in fp32, which the double tests tie to finite differences. On host builds
+  // both are the fp32 GEMM formulation.
   struct Shape {
     index_t L, H, P, G, N, Q;
     double workspace_heads;  // the Q x Q workspace budget in heads (blocks of heads and runs)
   };
   for (const Shape& sh : {Shape{300, 4, 16, 2, 32, 64, 8}, Shape{333, 2, 64, 1, 128, 128, 1},
-                          Shape{200, 4, 128, 2, 80, 64, 2}, Shape{256, 3, 48, 1, 16, 256, 3}}) {
+                          Shape{200, 4, 128, 2, 80, 64, 2}, Shape{256, 3, 48, 1, 16, 256, 3},
+                          Shape{160, 2, 128, 1, 128, 64, 2}}) {
     std::vector<std::vector<double>> grads[2];
     for (int k = 0; k < 2; ++k) {
       Case c;
@@ -263,6 +266,11 @@ TEST_CASE("SSD fused tensor-core backward equals the fp32 GEMM formulation's wit
       // per-token gradients (dxbc, ddt) to bf16 rounding; the parameter sums over all tokens get some cancellation
       CHECK(rel_err(grads[1][i], grads[0][i]) < (i < 2 ? 2e-2 : 5e-2));
     }
+  }
+  if (ssd_fused::fits(64, 128, 256)) {  // CUDA builds: both forms of the state epilogue ran above
+    CHECK(ssd_fused::epilogue_writes_wdecay(64, 128));
+    CHECK(ssd_fused::epilogue_writes_wdecay(128, 80));
+    CHECK_FALSE(ssd_fused::epilogue_writes_wdecay(128, 128));
   }
 }
 

@@ -755,6 +755,9 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
   }
 
   View4<T> partial = ws.take<View4<T>>("ssd::partial", c.Bsz, c.nc, c.H, 3);
+  // sum(dH o S_in) per (chunk, head), from the fused state epilogue where it forms it (else the dA pass does)
+  const bool have_wdec = fused && ssd_fused::epilogue_writes_wdecay(int(c.Pd), int(c.N));
+  const View3<T> wdec = have_wdec ? ws.take<View3<T>>("ssd::wdecay", c.Bsz, c.nc, c.H) : View3<T>();
   // Per-token sums of a block of heads: 0 dd = sum_{l>=s} K DX, 1 out = Delta_s sum_{l>s} K DX,
   // 2 in = sum_{s<l} Delta_s K DX, 3 ddot = dy_l . x_l, 4 w_inter, 5 dd_state (K = E (C.B)).
   View3<T> v = ws.take<View3<T>>("ssd::token_sums", g.hb, nr, 6);
@@ -895,6 +898,7 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
       if constexpr (std::is_same_v<T, float>) {
         ssd_fused::Args a = fused_block_args(c, dy.data(), ldy, dX, ldd, v.data(), blk0, nh);
         a.dstates = dstates.data();
+        a.wdecay = wdec.data();
         ssd_fused::state_epilogue(a);
       }
     } else {
@@ -944,8 +948,11 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
           const T* Sin = &c.states(b, ch, h, 0, 0);
           T wdecay = 0;
           if (c.rec(b, last) == c.rec_in(b, ch)) {
-            Kokkos::parallel_reduce(
-                Kokkos::TeamVectorRange(tm, PN), [&](index_t pn, T& acc) { acc += dH[pn] * Sin[pn]; }, wdecay);
+            if (have_wdec)
+              wdecay = wdec(b, ch, h);
+            else
+              Kokkos::parallel_reduce(
+                  Kokkos::TeamVectorRange(tm, PN), [&](index_t pn, T& acc) { acc += dH[pn] * Sin[pn]; }, wdecay);
             wdecay *= exp_nonpos(c.acs(b, h, last));
           }
           T wstate_total = 0;

@@ -678,112 +678,39 @@ void launch_bwd(const Args& a) {
 // and 26 % of the sectors moved were excess from the half-row accesses; this form ran 1.39 ms fenced in the same
 // benchmark at f9b6d6e, perf/RESULTS.md.)
 
-__host__ __device__ constexpr std::size_t epi_buf_floats(int P) { return std::size_t(2 * kTile + 2 * P) * kLdS; }
-__host__ __device__ constexpr std::size_t epi_stage_bytes(int P) {
-  const std::size_t stage = 2 * epi_buf_floats(P) * 4, out = 2 * std::size_t(kTile) * (P + 4) * 4;
-  return stage > out ? stage : out;
-}
-__host__ __device__ constexpr std::size_t epi_smem(int P) { return epi_stage_bytes(P) + 3 * kTile * 4; }
-
-template <int PT, bool V4>
-__global__ void __launch_bounds__(kThreads, PT <= 4 ? 3 : 2) state_epilogue_kernel(const Args a) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  constexpr int P = PT * 16, ldo = P + 4;
-  constexpr std::size_t kBuf = epi_buf_floats(P);
-  float* buf0 = reinterpret_cast<float*>(smem);  // per buffer: B (64 l, 32 n), C (64 l, 32 n), dH (P, 32 n), S_in
-  float* f1 = buf0;                              // T1 (64 l, P), after the products
-  float* f2 = buf0 + kTile * ldo;                // T2
-  float* es_l = reinterpret_cast<float*>(smem + epi_stage_bytes(P));
-  float* ein_l = es_l + kTile;
-  float* dt_l = ein_l + kTile;
-
-  const int l0 = blockIdx.x * kTile, hi = blockIdx.y, h = a.h0 + hi, bc = blockIdx.z;
-  const int b = bc / a.nc, ch = bc % a.nc, t0 = ch * a.Q, q = min(a.Q, a.L - t0), g = h / (a.H / a.G);
-  if (l0 >= q) return;
-  const int tid = threadIdx.x, warp = tid / 32, nl = min(kTile, q - l0);
-  const std::int64_t row0 = std::int64_t(b) * a.L, nr = std::int64_t(a.batch) * a.L;
+// es (the decay to the chunk's end), e_in (from the chunk's start) and Delta of the tokens l0 .. l0 + nl - 1 of
+// chunk ch (starting at row row0 + t0, q tokens), head h, into shared memory (threads 0 .. 63; zero past nl).
+__device__ __forceinline__ void epilogue_factors(const Args& a, int b, int h, int ch, std::int64_t row0, int t0, int q,
+                                                 int l0, int nl, float* es_l, float* ein_l, float* dt_l) {
+  const int tid = threadIdx.x;
+  if (tid >= kTile) return;
   const float* acs = a.acs + (std::int64_t(b) * a.H + h) * a.L;
-  const float* lrow = a.xbc + (row0 + t0 + l0) * a.ldx;
-  const std::int64_t PN = std::int64_t(P) * a.N;
-  const float* dH = a.dstates + (std::int64_t(bc) * a.H + h) * PN;
-  const float* S = a.states + (std::int64_t(bc) * a.H + h) * PN;
-  // slice n0 .. n0 + 31 of B, C, dH and S_in into buffer `bi` (N % 16 == 0: dH and S_in rows are 16-byte aligned;
-  // B and C rows too when V4)
-  auto stage_slice = [&](int bi, int n0) {
-    float* bs = buf0 + bi * kBuf;
-    float *cs = bs + kTile * kLdS, *hs = cs + kTile * kLdS, *ss = hs + P * kLdS;
-    const int nw = min(kSl, a.N - n0);
-    stage_f32<kTile, kSl, V4>(bs, kLdS, lrow + a.b_col + g * a.N + n0, a.ldx, nl, nw);
-    stage_f32<kTile, kSl, V4>(cs, kLdS, lrow + a.c_col + g * a.N + n0, a.ldx, nl, nw);
-    stage_f32<P, kSl, true>(hs, kLdS, dH + n0, a.N, P, nw);
-    stage_f32<P, kSl, true>(ss, kLdS, S + n0, a.N, P, nw);
-    cuda_k::cp_async_commit();
-  };
-  stage_slice(0, 0);
-  if (tid < kTile) {
-    float es = 0.f, ein = 0.f, d = 0.f;
-    if (tid < nl) {
-      const int t = t0 + l0 + tid, last = t0 + q - 1;
-      const int r = a.seq ? a.seq[row0 + t] : 0, r_last = a.seq ? a.seq[row0 + last] : 0;
-      const int r_in = a.seq ? a.seq[row0 + (ch == 0 ? 0 : t0 - 1)] : 0;
-      es = r == r_last ? decay(acs[last] - acs[t]) : 0.f;
-      ein = r == r_in ? decay(acs[t]) : 0.f;
-      es = es < a.cutoff ? 0.f : es;
-      ein = ein < a.cutoff ? 0.f : ein;
-      d = a.delta[(std::int64_t(b) * a.H + h) * a.L + t];
-    }
-    es_l[tid] = es;
-    ein_l[tid] = ein;
-    dt_l[tid] = d;
+  float es = 0.f, ein = 0.f, d = 0.f;
+  if (tid < nl) {
+    const int t = t0 + l0 + tid, last = t0 + q - 1;
+    const int r = a.seq ? a.seq[row0 + t] : 0, r_last = a.seq ? a.seq[row0 + last] : 0;
+    const int r_in = a.seq ? a.seq[row0 + (ch == 0 ? 0 : t0 - 1)] : 0;
+    es = r == r_last ? decay(acs[last] - acs[t]) : 0.f;
+    ein = r == r_in ? decay(acs[t]) : 0.f;
+    es = es < a.cutoff ? 0.f : es;
+    ein = ein < a.cutoff ? 0.f : ein;
+    d = a.delta[(std::int64_t(b) * a.H + h) * a.L + t];
   }
+  es_l[tid] = es;
+  ein_l[tid] = ein;
+  dt_l[tid] = d;
+}
 
-  wmma::fragment<wmma::accumulator, 16, 16, 8, float> acc1[PT], acc2[PT];
-#pragma unroll
-  for (int i = 0; i < PT; ++i) {
-    wmma::fill_fragment(acc1[i], 0.f);
-    wmma::fill_fragment(acc2[i], 0.f);
-  }
-  const int ns = (a.N + kSl - 1) / kSl;
-  for (int sl = 0; sl < ns; ++sl) {
-    if (sl + 1 < ns) stage_slice((sl + 1) & 1, (sl + 1) * kSl);
-    else cuda_k::cp_async_commit();  // (an empty group: the wait below then always leaves one group in flight)
-    cuda_k::cp_async_wait<1>();      // this thread's copies of slice sl have landed
-    __syncthreads();                 // ... and everyone's
-    const float* bs = buf0 + (sl & 1) * kBuf;
-    const float *cs = bs + kTile * kLdS, *hs = cs + kTile * kLdS, *ss = hs + P * kLdS;
-    const int nw = min(kSl, a.N - sl * kSl);
-    for (int k = 0; k < nw; k += 8) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::row_major> fb, fc;
-      wmma::load_matrix_sync(fb, bs + warp * 16 * kLdS + k, kLdS);
-      wmma::load_matrix_sync(fc, cs + warp * 16 * kLdS + k, kLdS);
-#pragma unroll
-      for (int e = 0; e < fb.num_elements; ++e) {
-        fb.x[e] = wmma::__float_to_tf32(fb.x[e]);
-        fc.x[e] = wmma::__float_to_tf32(fc.x[e]);
-      }
-#pragma unroll
-      for (int i = 0; i < PT; ++i) {
-        // dH^T and S_in^T: element (n, p) at p kLdS + n
-        wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::col_major> fh, fs;
-        wmma::load_matrix_sync(fh, hs + i * 16 * kLdS + k, kLdS);
-        wmma::load_matrix_sync(fs, ss + i * 16 * kLdS + k, kLdS);
-#pragma unroll
-        for (int e = 0; e < fh.num_elements; ++e) {
-          fh.x[e] = wmma::__float_to_tf32(fh.x[e]);
-          fs.x[e] = wmma::__float_to_tf32(fs.x[e]);
-        }
-        wmma::mma_sync(acc1[i], fb, fh, acc1[i]);
-        wmma::mma_sync(acc2[i], fc, fs, acc2[i]);
-      }
-    }
-    __syncthreads();  // before this buffer is staged again (iteration sl + 1 stages sl + 2 into it)
-  }
-#pragma unroll
-  for (int i = 0; i < PT; ++i) {
-    wmma::store_matrix_sync(f1 + warp * 16 * ldo + i * 16, acc1[i], ldo, wmma::mem_row_major);
-    wmma::store_matrix_sync(f2 + warp * 16 * ldo + i * 16, acc2[i], ldo, wmma::mem_row_major);
-  }
-  __syncthreads();
+// The per-token pass of the state epilogue over the tokens l0 .. l0 + nl - 1 of the chunk starting at row
+// row0 + t0, head h (hi in the call's block), with T1 in f1 and T2 in f2 (64 x P fp32, rows P + 4 apart) and the
+// tile's es, e_in and Delta in shared memory:
+//   dX_l += D dY_l + Delta_l es_l T1_l,   v4(l) = e_in(l) dY_l . T2_l,   v5(l) = es(l) X_l . T1_l.
+template <int PT, bool V4>
+__device__ __forceinline__ void epilogue_tokens(const Args& a, const float* f1, const float* f2, const float* es_l,
+                                                const float* ein_l, const float* dt_l, std::int64_t row0, int t0,
+                                                int l0, int nl, int h, int hi, std::int64_t nr) {
+  constexpr int P = PT * 16, ldo = P + 4;
+  const int tid = threadIdx.x;
   // rows r = tid / 16 + 8 i; lane cq of a row's 16 takes its float4 columns cq, cq + 16, ...; the loads of kRB
   // rows are issued before their stores to dx (see batched())
   constexpr int kTpr = 16, C4 = P / 4, kRowStep = kThreads / kTpr, kCPer = (C4 + kTpr - 1) / kTpr;
@@ -843,12 +770,242 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 3 : 2) state_epilogue_kern
   }
 }
 
+__host__ __device__ constexpr std::size_t epi_buf_floats(int P) { return std::size_t(2 * kTile + 2 * P) * kLdS; }
+__host__ __device__ constexpr std::size_t epi_stage_bytes(int P) {
+  const std::size_t stage = 2 * epi_buf_floats(P) * 4, out = 2 * std::size_t(kTile) * (P + 4) * 4;
+  return stage > out ? stage : out;
+}
+__host__ __device__ constexpr std::size_t epi_smem(int P) { return epi_stage_bytes(P) + 3 * kTile * 4; }
+
+template <int PT, bool V4>
+__global__ void __launch_bounds__(kThreads, PT <= 4 ? 3 : 2) state_epilogue_kernel(const Args a) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  constexpr int P = PT * 16, ldo = P + 4;
+  constexpr std::size_t kBuf = epi_buf_floats(P);
+  float* buf0 = reinterpret_cast<float*>(smem);  // per buffer: B (64 l, 32 n), C (64 l, 32 n), dH (P, 32 n), S_in
+  float* f1 = buf0;                              // T1 (64 l, P), after the products
+  float* f2 = buf0 + kTile * ldo;                // T2
+  float* es_l = reinterpret_cast<float*>(smem + epi_stage_bytes(P));
+  float* ein_l = es_l + kTile;
+  float* dt_l = ein_l + kTile;
+
+  const int l0 = blockIdx.x * kTile, hi = blockIdx.y, h = a.h0 + hi, bc = blockIdx.z;
+  const int b = bc / a.nc, ch = bc % a.nc, t0 = ch * a.Q, q = min(a.Q, a.L - t0), g = h / (a.H / a.G);
+  if (l0 >= q) return;
+  const int tid = threadIdx.x, warp = tid / 32, nl = min(kTile, q - l0);
+  const std::int64_t row0 = std::int64_t(b) * a.L, nr = std::int64_t(a.batch) * a.L;
+  const float* lrow = a.xbc + (row0 + t0 + l0) * a.ldx;
+  const std::int64_t PN = std::int64_t(P) * a.N;
+  const float* dH = a.dstates + (std::int64_t(bc) * a.H + h) * PN;
+  const float* S = a.states + (std::int64_t(bc) * a.H + h) * PN;
+  // slice n0 .. n0 + 31 of B, C, dH and S_in into buffer `bi` (N % 16 == 0: dH and S_in rows are 16-byte aligned;
+  // B and C rows too when V4)
+  auto stage_slice = [&](int bi, int n0) {
+    float* bs = buf0 + bi * kBuf;
+    float *cs = bs + kTile * kLdS, *hs = cs + kTile * kLdS, *ss = hs + P * kLdS;
+    const int nw = min(kSl, a.N - n0);
+    stage_f32<kTile, kSl, V4>(bs, kLdS, lrow + a.b_col + g * a.N + n0, a.ldx, nl, nw);
+    stage_f32<kTile, kSl, V4>(cs, kLdS, lrow + a.c_col + g * a.N + n0, a.ldx, nl, nw);
+    stage_f32<P, kSl, true>(hs, kLdS, dH + n0, a.N, P, nw);
+    stage_f32<P, kSl, true>(ss, kLdS, S + n0, a.N, P, nw);
+    cuda_k::cp_async_commit();
+  };
+  stage_slice(0, 0);
+  epilogue_factors(a, b, h, ch, row0, t0, q, l0, nl, es_l, ein_l, dt_l);
+
+  wmma::fragment<wmma::accumulator, 16, 16, 8, float> acc1[PT], acc2[PT];
+#pragma unroll
+  for (int i = 0; i < PT; ++i) {
+    wmma::fill_fragment(acc1[i], 0.f);
+    wmma::fill_fragment(acc2[i], 0.f);
+  }
+  const int ns = (a.N + kSl - 1) / kSl;
+  for (int sl = 0; sl < ns; ++sl) {
+    if (sl + 1 < ns) stage_slice((sl + 1) & 1, (sl + 1) * kSl);
+    else cuda_k::cp_async_commit();  // (an empty group: the wait below then always leaves one group in flight)
+    cuda_k::cp_async_wait<1>();      // this thread's copies of slice sl have landed
+    __syncthreads();                 // ... and everyone's
+    const float* bs = buf0 + (sl & 1) * kBuf;
+    const float *cs = bs + kTile * kLdS, *hs = cs + kTile * kLdS, *ss = hs + P * kLdS;
+    const int nw = min(kSl, a.N - sl * kSl);
+    for (int k = 0; k < nw; k += 8) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::row_major> fb, fc;
+      wmma::load_matrix_sync(fb, bs + warp * 16 * kLdS + k, kLdS);
+      wmma::load_matrix_sync(fc, cs + warp * 16 * kLdS + k, kLdS);
+#pragma unroll
+      for (int e = 0; e < fb.num_elements; ++e) {
+        fb.x[e] = wmma::__float_to_tf32(fb.x[e]);
+        fc.x[e] = wmma::__float_to_tf32(fc.x[e]);
+      }
+#pragma unroll
+      for (int i = 0; i < PT; ++i) {
+        // dH^T and S_in^T: element (n, p) at p kLdS + n
+        wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::col_major> fh, fs;
+        wmma::load_matrix_sync(fh, hs + i * 16 * kLdS + k, kLdS);
+        wmma::load_matrix_sync(fs, ss + i * 16 * kLdS + k, kLdS);
+#pragma unroll
+        for (int e = 0; e < fh.num_elements; ++e) {
+          fh.x[e] = wmma::__float_to_tf32(fh.x[e]);
+          fs.x[e] = wmma::__float_to_tf32(fs.x[e]);
+        }
+        wmma::mma_sync(acc1[i], fb, fh, acc1[i]);
+        wmma::mma_sync(acc2[i], fc, fs, acc2[i]);
+      }
+    }
+    __syncthreads();  // before this buffer is staged again (iteration sl + 1 stages sl + 2 into it)
+  }
+#pragma unroll
+  for (int i = 0; i < PT; ++i) {
+    wmma::store_matrix_sync(f1 + warp * 16 * ldo + i * 16, acc1[i], ldo, wmma::mem_row_major);
+    wmma::store_matrix_sync(f2 + warp * 16 * ldo + i * 16, acc2[i], ldo, wmma::mem_row_major);
+  }
+  __syncthreads();
+  epilogue_tokens<PT, V4>(a, f1, f2, es_l, ein_l, dt_l, row0, t0, l0, nl, h, hi, nr);
+}
+
+// The same with dH and S_in resident: one block per (head of the block, (row, chunk)) walks the chunk's 64-token
+// tiles with dH and S_in staged once, in bf16 (rows N + 8 apart), and each tile's B and C in bf16 next to them;
+// T1 and T2 then on tensor cores in bf16 (WMMA 16 x 16 x 16, fp32 accumulation) over all of d_state without a
+// barrier per slice, into fp32 tiles over the B and C ones. It also writes the chunk's sum(dH o S_in) (wdecay,
+// the decay term of the state passing, which the dA pass otherwise reads both arrays again for). Used where its
+// shared memory (epr_smem) leaves two blocks an SM; the kernel above otherwise.
+__host__ __device__ constexpr std::size_t epr_tiles_bytes(int P, int N) {
+  const std::size_t bc = 2 * std::size_t(kTile) * (N + kPad) * 2, t = 2 * std::size_t(kTile) * (P + 4) * 4;
+  return align128(bc > t ? bc : t);
+}
+__host__ __device__ constexpr std::size_t epr_smem(int P, int N) {
+  return align128(2 * std::size_t(P) * (N + kPad) * 2) + epr_tiles_bytes(P, N) + 3 * kTile * 4;
+}
+constexpr std::size_t kEprMaxSmem = 113 * 1024;
+
+template <int PT, bool V4>
+__global__ void __launch_bounds__(kThreads, PT <= 4 ? 3 : 2) state_epilogue_res_kernel(const Args a) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ float wsum[kThreads / 32];
+  constexpr int P = PT * 16, ldo = P + 4;
+  const int ldn = a.N + kPad;
+  bf* hb = reinterpret_cast<bf*>(smem);  // dH (P, N)
+  bf* sb = hb + P * ldn;                 // S_in (P, N)
+  unsigned char* tiles = smem + align128(2 * std::size_t(P) * ldn * 2);
+  bf* bb = reinterpret_cast<bf*>(tiles);  // B (64 l, N)
+  bf* cbt = bb + kTile * ldn;             // C (64 l, N)
+  float* f1 = reinterpret_cast<float*>(tiles);  // T1 (64 l, P), over B and C once the products are done
+  float* f2 = f1 + kTile * ldo;                 // T2
+  float* es_l = reinterpret_cast<float*>(tiles + epr_tiles_bytes(P, a.N));
+  float* ein_l = es_l + kTile;
+  float* dt_l = ein_l + kTile;
+
+  const int hi = blockIdx.x, h = a.h0 + hi, bc = blockIdx.y;  // heads fastest: a chunk's blocks share B and C in L2
+  const int b = bc / a.nc, ch = bc % a.nc, t0 = ch * a.Q, q = min(a.Q, a.L - t0), g = h / (a.H / a.G);
+  const int tid = threadIdx.x, warp = tid / 32;
+  const std::int64_t row0 = std::int64_t(b) * a.L, nr = std::int64_t(a.batch) * a.L;
+  const std::int64_t PN = std::int64_t(P) * a.N;
+  const float* dH = a.dstates + (std::int64_t(bc) * a.H + h) * PN;
+  const float* S = a.states + (std::int64_t(bc) * a.H + h) * PN;
+  constexpr int C4 = kSl / 4;
+
+  // dH and S_in in slices of kSl columns (rows 16-byte aligned: N % 16 == 0), with this thread's part of their dot
+  float wd = 0.f;
+  for (int n0 = 0; n0 < a.N; n0 += kSl) {
+    const int nw = min(kSl, a.N - n0);
+    constexpr int kIt = P * C4 / kThreads;
+    float4 hv[kIt], sv[kIt];
+#pragma unroll
+    for (int j = 0; j < kIt; ++j) {
+      const int i = tid + j * kThreads, r = i / C4, c = (i % C4) * 4;
+      const bool in = c < nw;
+      hv[j] = in ? load4<true>(dH + r * a.N + n0 + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+      sv[j] = in ? load4<true>(S + r * a.N + n0 + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int j = 0; j < kIt; ++j) {
+      const int i = tid + j * kThreads, r = i / C4, c = (i % C4) * 4;
+      store4_bf16(hb + r * ldn + n0 + c, hv[j]);
+      store4_bf16(sb + r * ldn + n0 + c, sv[j]);
+      wd += hv[j].x * sv[j].x + hv[j].y * sv[j].y + hv[j].z * sv[j].z + hv[j].w * sv[j].w;
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) wd += __shfl_xor_sync(0xffffffffu, wd, o);
+  if (tid % 32 == 0) wsum[warp] = wd;
+
+  for (int l0 = 0; l0 < q; l0 += kTile) {
+    const int nl = min(kTile, q - l0);
+    const float* lrow = a.xbc + (row0 + t0 + l0) * a.ldx;
+    for (int n0 = 0; n0 < a.N; n0 += kSl) {
+      const int nw = min(kSl, a.N - n0);
+      constexpr int kIt = kTile * C4 / kThreads;
+      float4 bv[kIt], cv[kIt];
+#pragma unroll
+      for (int j = 0; j < kIt; ++j) {
+        const int i = tid + j * kThreads, r = i / C4, c = (i % C4) * 4;
+        const bool in = r < nl && c < nw;
+        const float* src = lrow + std::int64_t(r) * a.ldx + g * a.N + n0 + c;
+        bv[j] = in ? load4<V4>(src + a.b_col) : make_float4(0.f, 0.f, 0.f, 0.f);
+        cv[j] = in ? load4<V4>(src + a.c_col) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int j = 0; j < kIt; ++j) {
+        const int i = tid + j * kThreads, r = i / C4, c = (i % C4) * 4;
+        store4_bf16(bb + r * ldn + n0 + c, bv[j]);
+        store4_bf16(cbt + r * ldn + n0 + c, cv[j]);
+      }
+    }
+    epilogue_factors(a, b, h, ch, row0, t0, q, l0, nl, es_l, ein_l, dt_l);
+    __syncthreads();  // the tiles (and, the first time, dH and S_in) are staged
+
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc1[PT], acc2[PT];
+#pragma unroll
+    for (int i = 0; i < PT; ++i) {
+      wmma::fill_fragment(acc1[i], 0.f);
+      wmma::fill_fragment(acc2[i], 0.f);
+    }
+    for (int k = 0; k < a.N; k += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::row_major> fb, fc;
+      wmma::load_matrix_sync(fb, bb + warp * 16 * ldn + k, ldn);
+      wmma::load_matrix_sync(fc, cbt + warp * 16 * ldn + k, ldn);
+#pragma unroll
+      for (int i = 0; i < PT; ++i) {
+        // dH^T and S_in^T: element (n, p) at p ldn + n
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::col_major> fh, fs;
+        wmma::load_matrix_sync(fh, hb + i * 16 * ldn + k, ldn);
+        wmma::load_matrix_sync(fs, sb + i * 16 * ldn + k, ldn);
+        wmma::mma_sync(acc1[i], fb, fh, acc1[i]);
+        wmma::mma_sync(acc2[i], fc, fs, acc2[i]);
+      }
+    }
+    __syncthreads();  // every warp is done with B and C: T1 and T2 go over them
+#pragma unroll
+    for (int i = 0; i < PT; ++i) {
+      wmma::store_matrix_sync(f1 + warp * 16 * ldo + i * 16, acc1[i], ldo, wmma::mem_row_major);
+      wmma::store_matrix_sync(f2 + warp * 16 * ldo + i * 16, acc2[i], ldo, wmma::mem_row_major);
+    }
+    __syncthreads();
+    epilogue_tokens<PT, V4>(a, f1, f2, es_l, ein_l, dt_l, row0, t0, l0, nl, h, hi, nr);
+    __syncthreads();  // before the next tile is staged over T1 and T2 and the factors
+  }
+  if (tid == 0 && a.wdecay) {
+    float t = 0.f;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) t += wsum[w];
+    a.wdecay[std::int64_t(bc) * a.H + h] = t;
+  }
+}
+
+bool epilogue_resident(const Args& a) { return epr_smem(a.P, a.N) <= kEprMaxSmem; }
+
 template <int PT, bool V4>
 void launch_epilogue(const Args& a) {
   const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
-  const std::size_t bytes = epi_smem(PT * 16);
-  allow_smem<state_epilogue_kernel<PT, V4>>(bytes, "state epilogue");
-  state_epilogue_kernel<PT, V4><<<dim3(a.Q / kTile, a.nh, a.batch * a.nc), kThreads, bytes, st>>>(a);
+  if (epilogue_resident(a)) {
+    const std::size_t bytes = epr_smem(PT * 16, a.N);
+    allow_smem<state_epilogue_res_kernel<PT, V4>>(bytes, "state epilogue");
+    state_epilogue_res_kernel<PT, V4><<<dim3(a.nh, a.batch * a.nc), kThreads, bytes, st>>>(a);
+  } else {
+    const std::size_t bytes = epi_smem(PT * 16);
+    allow_smem<state_epilogue_kernel<PT, V4>>(bytes, "state epilogue");
+    state_epilogue_kernel<PT, V4><<<dim3(a.Q / kTile, a.nh, a.batch * a.nc), kThreads, bytes, st>>>(a);
+  }
   check_launch("state epilogue");
 }
 
@@ -952,6 +1109,8 @@ void state_epilogue(const Args& a) {
   with_tiles(a, [&](auto pt) { launch_epilogue<decltype(pt)::value>(a); });
 }
 
+bool epilogue_writes_wdecay(int headdim, int dstate) { return epr_smem(headdim, dstate) <= kEprMaxSmem; }
+
 #else  // host backends: never called (ssd.cpp asks `fits` first)
 
 bool fits(int, int, int) { return false; }
@@ -959,6 +1118,7 @@ void chunk_state(const Args&) { require(false, "ssd fused", "the fused kernels n
 void chunk_scan(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
 void intra_backward(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
 void state_epilogue(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
+bool epilogue_writes_wdecay(int, int) { return false; }
 
 #endif
 

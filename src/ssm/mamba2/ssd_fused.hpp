@@ -32,6 +32,7 @@ struct Args {
   float* insum = nullptr;  // (Q / 64, nh, batch L): entry 2's part from each source tile j (for tokens in tiles >= j)
   float* w2 = nullptr;  // (runs, batch nchunks, Q, Q): dC B^T summed over each run's heads
   const float* dstates = nullptr;  // (batch, nchunks, H, P, N): dL/d(state at each chunk's end) (state_epilogue)
+  float* wdecay = nullptr;  // (batch, nchunks, H): sum(dH o S_in) per chunk and head, where epilogue_writes_wdecay
   int h0 = 0, nh = 0, run_len = 1;
 };
 
@@ -59,10 +60,15 @@ void chunk_scan(const Args& a);
 void intra_backward(const Args& a);
 
 // The per-token state terms of the backward for the block of heads in `a`, with states holding S_in (the state
-// entering each chunk) and dstates dH: T1 = B dH^T, T2 = C S_in^T per (chunk, head) on tensor cores (tf32), then
+// entering each chunk) and dstates dH: T1 = B dH^T, T2 = C S_in^T per (chunk, head) on tensor cores (bf16 with
+// dH and S_in resident per chunk where epilogue_writes_wdecay, else tf32 per 64-token tile), then
 //   dX += D dY + Delta es T1   (added at column x_col + h P of dx),
 //   v4(l) = e_in(l) dY_l . T2_l,   v5(l) = es(l) X_l . T1_l
-// (ssd.cpp's GEMM formulation writes T1 and T2 to device memory and reads them back in a Kokkos kernel).
+// (ssd.cpp's GEMM formulation writes T1 and T2 to device memory and reads them back in a Kokkos kernel), and in
+// the resident form, where wdecay is given, wdecay(b, c, h) = sum(dH o S_in) in fp32.
 void state_epilogue(const Args& a);
+
+// Whether state_epilogue takes the resident form for this headdim and d_state (and so fills Args::wdecay).
+bool epilogue_writes_wdecay(int headdim, int dstate);
 
 }  // namespace mm::ssd_fused
