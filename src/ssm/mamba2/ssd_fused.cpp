@@ -920,6 +920,7 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 3 : 2) state_epilogue_res_
 #pragma unroll
     for (int j = 0; j < kIt; ++j) {
       const int i = tid + j * kThreads, r = i / C4, c = (i % C4) * 4;
+      if (c >= nw) continue;  // past column N (a last slice of 16): the row's end and the next row's start
       store4_bf16(hb + r * ldn + n0 + c, hv[j]);
       store4_bf16(sb + r * ldn + n0 + c, sv[j]);
       wd += hv[j].x * sv[j].x + hv[j].y * sv[j].y + hv[j].z * sv[j].z + hv[j].w * sv[j].w;
@@ -947,6 +948,7 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 3 : 2) state_epilogue_res_
 #pragma unroll
       for (int j = 0; j < kIt; ++j) {
         const int i = tid + j * kThreads, r = i / C4, c = (i % C4) * 4;
+        if (c >= nw) continue;  // (as for dH above; rows past nl get zeros)
         store4_bf16(bb + r * ldn + n0 + c, bv[j]);
         store4_bf16(cbt + r * ldn + n0 + c, cv[j]);
       }
