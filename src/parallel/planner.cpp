@@ -131,10 +131,13 @@ Dims window_dims(const Dims& d, index_t window) {
 
 // ssd.cpp's per-call context: Delta and the cumsum (H n), the chunk states, C B^T per group, and with G > 1 the
 // pointer arrays of its GEMMs batched over groups.
-double ssd_ctx_bytes(double H, double G, double N, double P, double Q, const Dims& d) {
+// Delta and the cumsum, the chunk states and C B^T (what SSDSaved holds), and the group pointer arrays.
+double ssd_saved_ctx_bytes(double H, double G, double N, double P, double Q, const Dims& d) {
   const double nc = std::ceil(d.L / Q);
-  return d.a * 2 * H * d.n + d.a * d.b * nc * H * P * N + d.a * d.b * nc * G * Q * Q +
-         (G > 1 ? 3.0 * 8.0 * G * d.b * nc : 0.0);
+  return d.a * 2 * H * d.n + d.a * d.b * nc * H * P * N + d.a * d.b * nc * G * Q * Q;
+}
+double ssd_ctx_bytes(double H, double G, double N, double P, double Q, const Dims& d) {
+  return ssd_saved_ctx_bytes(H, G, N, P, Q, d) + (G > 1 ? 3.0 * 8.0 * G * d.b * std::ceil(d.L / Q) : 0.0);
 }
 
 // The SSD's own buffers in its GEMM formulation or fused kernels (ssd.cpp) for H heads of headdim P in G groups,
@@ -199,8 +202,14 @@ LayerMem mem_mamba2(const Mamba2Config& c, const Dims& d, Recompute pol) {
   shape.compute = c.ssd_compute;
   if (ssd_resolved_algo(shape) != SSDAlgo::portable) {  // gemm, or fused (whose backward is gemm's)
     const auto [fwd, bwd] = ssd_gemm_mem(H, G, N, P, Q, shape, d);
-    m.fwd_extra = std::max(fwd, cp_extra);
-    m.bwd_extra = grads + std::max({bwd, conv_bwd, cp_extra});
+    // without cp the scan's context stays with the layer's activations (mixer.cpp: Mamba2Acts::ssd, SSDSaved),
+    // and the backward reads it instead of forming it; with cp > 1 the forward's scan is transient and the
+    // backward forms its own
+    const double saved = d.cp > 1 ? 0.0 : ssd_saved_ctx_bytes(H, G, N, P, Q, d);
+    m.full += saved;
+    m.keep = pol == Recompute::none ? m.full : 0.0;
+    m.fwd_extra = std::max(fwd - saved, cp_extra);
+    m.bwd_extra = grads + std::max({bwd - saved, conv_bwd, cp_extra});
     return m;
   }
   m.fwd_extra = std::max(m.fwd_extra, cp_extra);

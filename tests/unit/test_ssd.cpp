@@ -137,14 +137,14 @@ void check_forward(const Case& c, double tol) {
 // Every gradient of one backward run of d with the same seeded dy and final-state gradient: dxbc, ddt, dA_log,
 // ddt_bias, dD, dinit_state.
 template <class T>
-std::vector<std::vector<double>> backward_grads(const Data<T>& d) {
+std::vector<std::vector<double>> backward_grads(const Data<T>& d, const SSDSaved<T>* kept = nullptr) {
   const Case& c = d.cs;
   View2<T> dy("dy", c.B * c.L, c.H * c.P);
   View4<acc_t<T>> dfin("dfin", c.B, c.H, c.P, c.N);
   fill_uniform(dy, 21);
   fill_uniform(dfin, 22);
   SSDGrad<T> g = d.grads(true);
-  ssd_backward<T>(d.shape, d.in(), dy, dfin, g);
+  ssd_backward<T>(d.shape, d.in(), dy, dfin, g, kept);
   return {to_vec(g.dxbc), to_vec(g.ddt), to_vec(g.dA_log), to_vec(g.ddt_bias), to_vec(g.dD), to_vec(g.dinit_state)};
 }
 
@@ -271,6 +271,49 @@ TEST_CASE("SSD fused tensor-core backward equals the fp32 GEMM formulation's wit
     CHECK(ssd_fused::epilogue_writes_wdecay(64, 128));
     CHECK(ssd_fused::epilogue_writes_wdecay(128, 80));
     CHECK_FALSE(ssd_fused::epilogue_writes_wdecay(128, 128));
+  }
+}
+
+TEST_CASE("SSD backward from the forward's kept intermediates equals the recomputing backward", "[ssd][gradcheck]") {
+  // gemm: the kept arrays are what the backward would form again, so the gradients agree to the last bits; fused
+  // (CUDA): the forward's chunk states come from its bf16 tensor-core kernel where the recompute uses a tf32 GEMM,
+  // so to bf16 rounding. portable keeps nothing. A kept set of another shape is refused.
+  for (SSDAlgo algo : {SSDAlgo::portable, SSDAlgo::gemm, SSDAlgo::fused}) {
+    Case c;
+    c.L = 300;
+    c.H = 4;
+    c.P = 16;
+    c.G = 2;
+    c.N = 32;
+    c.Q = 64;
+    c.dt_lo = 0.02;
+    c.algo = algo;
+    c.compute = algo == SSDAlgo::fused ? GemmCompute::bf16 : GemmCompute::fp32;
+    INFO("algo " << algo_name(algo));
+    Data<float> d(c);
+    View2<float> y("y", c.B * c.L, c.H * c.P);
+    PoolScope pool;
+    SSDSaved<float> kept;
+    ssd_forward<float>(d.shape, d.in(), y, View4<float>(), &kept, &pool);
+    if (algo == SSDAlgo::portable) {
+      CHECK(kept.empty());
+      continue;
+    }
+    REQUIRE_FALSE(kept.empty());
+    const auto recomputed = backward_grads(d);
+    const auto from_kept = backward_grads(d, &kept);
+    const bool fused_kernels = algo == SSDAlgo::fused && ssd_fused::fits(int(c.P), int(c.N), int(c.Q));
+    for (std::size_t i = 0; i < recomputed.size(); ++i) {
+      INFO("gradient " << i);
+      CHECK(rel_err(from_kept[i], recomputed[i]) < (fused_kernels ? 2e-2 : 1e-6));
+    }
+    Case other = c;
+    other.L = 200;
+    Data<float> d2(other);
+    SSDGrad<float> g = d2.grads(false);
+    View2<float> dy("dy", other.B * other.L, other.H * other.P);
+    CHECK_THROWS_WITH(ssd_backward<float>(d2.shape, d2.in(), dy, View4<const float>(), g, &kept),
+                      ContainsSubstring("kept forward intermediates do not match"));
   }
 }
 

@@ -299,7 +299,7 @@ void Mamba2Mixer<T>::run_internals(const View2<T>& u, index_t batch, index_t seq
   linear_forward<T>(u, store_->v2(in_proj_), View1<const P>(), a.zxbcdt);
   conv1d_silu_forward<T>(Conv1dIn<T>{a.zxbcdt, E, batch, seqlen, C_, a.conv_init},
                          store_->v2(conv_w_), store_->v1(conv_b_), seq, a.xbc);
-  ssd_forward<T>(ssd_shape(batch, seqlen), ssd_in(a, seq), a.y, final_ssm);
+  ssd_forward<T>(ssd_shape(batch, seqlen), ssd_in(a, seq), a.y, final_ssm, &a.ssd, a.internals.get());
   gated_rmsnorm_forward<T>(GatedNormIn<T>{a.y, 0, a.zxbcdt, 0}, E, E / G, GateOrder::gate_first,
                            store_->v1(norm_w_), cfg_.norm_eps, a.yn, a.rstd);
 }
@@ -410,7 +410,7 @@ void Mamba2Mixer<T>::backward(Mamba2Acts<T>& a, index_t batch, index_t seqlen, c
         parallel::cp_state_scan_backward<P>(*cp_, gdec, View1<const P>(Gs.data(), Gs.size()), Pd * N, &cpws);
     Kokkos::deep_copy(View1<P>(dfinal.data(), dfinal.size()), dS);
   }
-  ssd_backward<T>(ssd_shape(batch, seqlen), ssd_in(a, seq), dy, dfinal, g);
+  ssd_backward<T>(ssd_shape(batch, seqlen), ssd_in(a, seq), dy, dfinal, g, &a.ssd);
   // conv: d([x | B | C]) into its columns of d(zxbcdt)
   conv1d_silu_backward<T>(Conv1dIn<T>{a.zxbcdt, E, batch, seqlen, C_, a.conv_init}, store_->v2(conv_w_),
                           store_->v1(conv_b_), seq, dxbc, dzxbcdt, E, store_->g2(conv_w_), store_->g1(conv_b_));

@@ -86,7 +86,8 @@ struct Mamba2Acts {
   View2<T> y;       // scan output (pre-norm)
   View2<T> yn;      // gated-norm output (out_proj input)
   View2<acc_t<T>> rstd;
-  // the blocks of zxbcdt, xbc, y, yn and rstd (core/pool.hpp): back to the cache when the last copy of these
+  SSDSaved<T> ssd;  // the scan's intermediates (gemm / fused algorithms), so its backward does not form them again
+  // the blocks of zxbcdt, xbc, y, yn, rstd and ssd (core/pool.hpp): back to the cache when the last copy of these
   // acts goes (the forward's `save = false`, the backbone's reset after the layer's backward)
   std::shared_ptr<PoolScope> internals;
   View3<T> conv_init;           // copies of the initial state the forward started from (empty: zero)

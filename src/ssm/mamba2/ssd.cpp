@@ -103,8 +103,11 @@ struct Ctx {
   KOKKOS_INLINE_FUNCTION const T* crow(index_t b, index_t t, index_t g) const { return &xbc(row(b, t), c_col + g * N); }
 };
 
+// The call's context: the intermediates from `kept` when given and not empty (what a forward kept), else taken
+// from `keep_pool` (when given: to outlive the call) or the call's own `ws`.
 template <class T>
-Ctx<T> make_ctx(const SSDShape& s, const SSDIn<T>& in, PoolScope& ws) {
+Ctx<T> make_ctx(const SSDShape& s, const SSDIn<T>& in, PoolScope& ws, PoolScope* keep_pool = nullptr,
+                const SSDSaved<T>* kept = nullptr) {
   using P = acc_t<T>;
   s.validate("ssd");
   const bool pre = in.per_token();
@@ -143,10 +146,29 @@ Ctx<T> make_ctx(const SSDShape& s, const SSDIn<T>& in, PoolScope& ws) {
   c.hpg = s.nheads / s.ngroups;
   c.dt_lo = P(s.dt_lo);
   c.dt_hi = std::isinf(s.dt_hi) ? Kokkos::Experimental::finite_max_v<P> : P(s.dt_hi);
-  c.delta = ws.take<View3<P>>("ssd::delta", s.batch, s.nheads, s.seqlen);
-  c.acs = ws.take<View3<P>>("ssd::acs", s.batch, s.nheads, s.seqlen);
-  c.states = ws.take<View5<P>>("ssd::states", s.batch, c.nc, s.nheads, s.headdim, s.dstate);
-  c.cb = ws.take<View5<P>>("ssd::cb", s.batch, c.nc, s.ngroups, s.chunk, s.chunk);
+  if (kept && !kept->empty()) {
+    auto is = [](const auto& v, std::initializer_list<index_t> ext) {
+      int i = 0;
+      for (index_t e : ext)
+        if (index_t(v.extent(i++)) != e) return false;
+      return true;
+    };
+    require(is(kept->delta, {s.batch, s.nheads, s.seqlen}) && is(kept->acs, {s.batch, s.nheads, s.seqlen}) &&
+                is(kept->states, {s.batch, c.nc, s.nheads, s.headdim, s.dstate}) &&
+                is(kept->cb, {s.batch, c.nc, s.ngroups, s.chunk, s.chunk}),
+            "ssd_backward", "the kept forward intermediates do not match the shape (batch ", s.batch, ", seqlen ",
+            s.seqlen, ", nheads ", s.nheads, ", chunk ", s.chunk, ")");
+    c.delta = kept->delta;
+    c.acs = kept->acs;
+    c.states = kept->states;
+    c.cb = kept->cb;
+  } else {
+    PoolScope& at = keep_pool ? *keep_pool : ws;
+    c.delta = at.take<View3<P>>("ssd::delta", s.batch, s.nheads, s.seqlen);
+    c.acs = at.take<View3<P>>("ssd::acs", s.batch, s.nheads, s.seqlen);
+    c.states = at.take<View5<P>>("ssd::states", s.batch, c.nc, s.nheads, s.headdim, s.dstate);
+    c.cb = at.take<View5<P>>("ssd::cb", s.batch, c.nc, s.ngroups, s.chunk, s.chunk);
+  }
   if (s.ngroups > 1)
     c.gptrs = ws.take<View1<std::uintptr_t>>("ssd::group_pointers", 3 * s.ngroups * s.batch * c.nc).data();
   return c;
@@ -566,11 +588,9 @@ void chunk_cb(const Ctx<T>& c, GemmCompute cmp) {
                 T(0), blk(c.cb.data(), c.Q, c.G * c.Q * c.Q, c.Q * c.Q), c.G, c.gptrs);
 }
 
-// Chunk-local states (into c.states), then the state passing (c.states becomes the state entering each chunk),
-// then C B^T (into c.cb).
+// xw = es(s) Delta_s x_s, the chunk-state operand (and the backward's for dB's state term).
 template <class T>
-void gemm_states_and_cb(const Ctx<T>& c, const GemmCtx<T>& g, GemmCompute cmp, const View4<const T>& init,
-                        const View4<T>& final_state) {
+void state_weights(const Ctx<T>& c, const GemmCtx<T>& g) {
   const auto xw = g.xw;
   scale_token_heads(
       "ssd::state_weights", c,
@@ -580,6 +600,15 @@ void gemm_states_and_cb(const Ctx<T>& c, const GemmCtx<T>& g, GemmCompute cmp, c
         return (c.rec(b, t) != c.rec(b, last) || e < T(kNegligibleDecay)) ? T(0) : e * c.delta(b, h, t);
       },
       c.xbc.data() + c.x_col, index_t(c.xbc.stride(0)), xw.data(), index_t(xw.stride(0)));
+}
+
+// Chunk-local states (into c.states), then the state passing (c.states becomes the state entering each chunk),
+// then C B^T (into c.cb).
+template <class T>
+void gemm_states_and_cb(const Ctx<T>& c, const GemmCtx<T>& g, GemmCompute cmp, const View4<const T>& init,
+                        const View4<T>& final_state) {
+  const auto xw = g.xw;
+  state_weights(c, g);
   const T* X = c.xbc.data();
   const index_t PN = c.Pd * c.N, gP = c.hpg * c.Pd;
   // S_loc of a group's heads (rows (h, p) of the states): (xw of the group)^T B
@@ -719,11 +748,15 @@ void ssd_forward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, co
 
 template <class T>
 void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, const View2<const T>& dy,
-                       const View4<const T>& dfinal_state, const SSDGrad<T>& gr, PoolScope& ws, bool fused) {
+                       const View4<const T>& dfinal_state, const SSDGrad<T>& gr, PoolScope& ws, bool fused,
+                       bool from_kept) {
   const GemmCompute cmp = fused ? fused_chunk_compute(s.compute) : s.compute;
-  dt_cumsum(c);
+  if (!from_kept) dt_cumsum(c);
   const GemmCtx<T> g = make_gemm_ctx(c, s.gemm_workspace_bytes, true, ws, !fused);
-  gemm_states_and_cb(c, g, cmp, in.init_state, View4<T>());
+  if (from_kept)  // Delta, the cumsum, S_in and C B^T as the forward left them
+    state_weights(c, g);
+  else
+    gemm_states_and_cb(c, g, cmp, in.init_state, View4<T>());
   const T* X = c.xbc.data();
   const index_t PN = c.Pd * c.N, ldy = index_t(dy.stride(0)), nbc = c.Bsz * c.nc, QQ = c.Q * c.Q, nr = c.Bsz * c.L;
   const index_t gP = c.hpg * c.Pd;
@@ -1013,6 +1046,13 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
 
 }  // namespace
 
+double ssd_saved_bytes(const SSDShape& s, double acc_bytes) {
+  const double b = double(s.batch), nc = double(s.nchunks());
+  return acc_bytes * (2.0 * b * double(s.nheads) * double(s.seqlen) +
+                      b * nc * double(s.nheads) * double(s.headdim) * double(s.dstate) +
+                      b * nc * double(s.ngroups) * double(s.chunk) * double(s.chunk));
+}
+
 SSDAlgo ssd_resolved_algo(const SSDShape& s) {
   if (s.algo != SSDAlgo::automatic) return s.algo;
 #if defined(KOKKOS_ENABLE_CUDA)
@@ -1026,19 +1066,24 @@ SSDAlgo ssd_resolved_algo(const SSDShape& s) {
 }
 
 template <class T>
-void ssd_forward(const SSDShape& s, const SSDIn<T>& in, const View2<T>& y, const View4<acc_t<T>>& final_state) {
+void ssd_forward(const SSDShape& s, const SSDIn<T>& in, const View2<T>& y, const View4<acc_t<T>>& final_state,
+                 SSDSaved<T>* keep, PoolScope* pool) {
   using P = acc_t<T>;
+  require(!keep || pool, "ssd_forward", "keeping the intermediates needs the pool that holds them");
+  const SSDAlgo algo = ssd_resolved_algo(s);
+  const bool keeping = keep && (algo == SSDAlgo::gemm || algo == SSDAlgo::fused);
+  if (keep) *keep = SSDSaved<T>{};
   PoolScope ws;  // the call's scratch (ctx, GEMM workspaces): cached device blocks, returned at the end
-  const Ctx<T> c = make_ctx(s, in, ws);
+  const Ctx<T> c = make_ctx(s, in, ws, keeping ? pool : nullptr);
   require(index_t(y.extent(0)) == c.Bsz * c.L && index_t(y.extent(1)) == c.H * c.Pd, "ssd_forward",
           "y must be (batch * seqlen, nheads * headdim)");
-  const SSDAlgo algo = ssd_resolved_algo(s);
   if (algo == SSDAlgo::gemm || algo == SSDAlgo::fused) {
     static_assert(std::is_same_v<T, P>, "the GEMM formulation keeps activations in the accumulation type");
     if (algo == SSDAlgo::fused && fused_applies(c))
       ssd_forward_fused<T>(c, s, in, y, final_state);
     else
       ssd_forward_gemm<T>(c, s, in, y, final_state, ws);
+    if (keeping) *keep = SSDSaved<T>{c.delta, c.acs, c.states, c.cb};
     return;
   }
   dt_cumsum(c);
@@ -1105,10 +1150,11 @@ void ssd_forward(const SSDShape& s, const SSDIn<T>& in, const View2<T>& y, const
 
 template <class T>
 void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& dy,
-                  const View4<const acc_t<T>>& dfinal_state, const SSDGrad<T>& gr) {
+                  const View4<const acc_t<T>>& dfinal_state, const SSDGrad<T>& gr, const SSDSaved<T>* kept) {
   using P = acc_t<T>;
   PoolScope ws;  // the call's scratch (ctx, GEMM workspaces): cached device blocks, returned at the end
-  const Ctx<T> c = make_ctx(s, in, ws);
+  const bool from_kept = kept && !kept->empty() && ssd_resolved_algo(s) != SSDAlgo::portable;
+  const Ctx<T> c = make_ctx(s, in, ws, nullptr, from_kept ? kept : nullptr);
   require(index_t(dy.extent(0)) == c.Bsz * c.L && index_t(dy.extent(1)) == c.H * c.Pd, "ssd_backward",
           "dy must be (batch * seqlen, nheads * headdim)");
   require(!c.pre || (gr.dlog_decay.extent(0) == c.delta.extent(0) && gr.dlog_decay.extent(1) == c.delta.extent(1) &&
@@ -1117,7 +1163,7 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
           "ssd_backward", "with per-token decays and weights, dlog_decay and dweight must be (batch, nheads, seqlen)");
   if (ssd_resolved_algo(s) != SSDAlgo::portable) {  // fused: the backward is the GEMM formulation's
     ssd_backward_gemm<T>(c, s, in, dy, dfinal_state, gr, ws,
-                         ssd_resolved_algo(s) == SSDAlgo::fused && fused_applies(c));
+                         ssd_resolved_algo(s) == SSDAlgo::fused && fused_applies(c), from_kept);
     return;
   }
   // Recompute the forward intermediates.
@@ -1384,9 +1430,10 @@ void ssd_step(const SSDShape& s, const SSDIn<T>& in, const View4<acc_t<T>>& stat
 }
 
 #define MM_INSTANTIATE(T)                                                                                 \
-  template void ssd_forward<T>(const SSDShape&, const SSDIn<T>&, const View2<T>&, const View4<acc_t<T>>&); \
+  template void ssd_forward<T>(const SSDShape&, const SSDIn<T>&, const View2<T>&, const View4<acc_t<T>>&,  \
+                               SSDSaved<T>*, PoolScope*);                                                 \
   template void ssd_backward<T>(const SSDShape&, const SSDIn<T>&, const View2<const T>&,                  \
-                                const View4<const acc_t<T>>&, const SSDGrad<T>&);                         \
+                                const View4<const acc_t<T>>&, const SSDGrad<T>&, const SSDSaved<T>*);     \
   template void ssd_step<T>(const SSDShape&, const SSDIn<T>&, const View4<acc_t<T>>&, const View2<T>&);
 MM_INSTANTIATE(float)
 MM_INSTANTIATE(double)

@@ -8,7 +8,7 @@
 // state belongs to the record of the first token. The chunked algorithm (chunk Q) computes, per chunk c:
 //   chunk-local states, the inter-chunk state passing, and the outputs from the intra-chunk (Q x Q) and inter-chunk
 //   terms. Every exponent of a cumulative-sum difference is formed as exp(min(d, 0)).
-// The backward recomputes the forward intermediates (chunk states) instead of storing them.
+// The backward recomputes the forward intermediates (chunk states) unless the forward kept them (SSDSaved).
 //
 // Inputs are column windows of row-major matrices with rows b * L + t, so the scan reads x, B, C straight out of
 // the conv output and dt straight out of the in_proj output without copies.
@@ -17,6 +17,7 @@
 #include <limits>
 
 #include "core/kokkos_types.hpp"
+#include "core/pool.hpp"
 #include "layers/conv1d.hpp"  // SeqIdxView
 #include "tensor/gemm.hpp"
 
@@ -75,14 +76,30 @@ struct SSDGrad {
   View3<acc_t<T>> dlog_decay, dweight;
 };
 
-// y (batch * seqlen, H * P) is written; final_state (batch, H, P, N) is written when non-empty.
+// What the forward of the gemm and fused algorithms can keep so that the backward does not form it again: Delta
+// and the in-chunk cumsum of its exponent (batch, H, L), the state entering each chunk (batch, nchunks, H, P, N)
+// and C B^T (batch, nchunks, G, Q, Q); ssd_saved_bytes of them. The backward then skips the cumsum, the chunk
+// states, the state passing and C B^T (it still forms its own Delta-weighted x).
 template <class T>
-void ssd_forward(const SSDShape& s, const SSDIn<T>& in, const View2<T>& y, const View4<acc_t<T>>& final_state);
+struct SSDSaved {
+  View3<acc_t<T>> delta, acs;
+  View5<acc_t<T>> states, cb;
+  bool empty() const { return states.extent(0) == 0; }
+};
+double ssd_saved_bytes(const SSDShape& s, double acc_bytes);
 
-// dy (batch * seqlen, H * P); dfinal_state (batch, H, P, N) or empty.
+// y (batch * seqlen, H * P) is written; final_state (batch, H, P, N) is written when non-empty. With `keep` (and
+// the gemm or fused algorithm) the intermediates are left in *keep, their blocks taken from `pool` (live as long
+// as it is); otherwise *keep is left empty.
+template <class T>
+void ssd_forward(const SSDShape& s, const SSDIn<T>& in, const View2<T>& y, const View4<acc_t<T>>& final_state,
+                 SSDSaved<T>* keep = nullptr, PoolScope* pool = nullptr);
+
+// dy (batch * seqlen, H * P); dfinal_state (batch, H, P, N) or empty. `kept`: what ssd_forward kept for the same
+// shape and inputs (or null / empty: recomputed).
 template <class T>
 void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& dy,
-                  const View4<const acc_t<T>>& dfinal_state, const SSDGrad<T>& g);
+                  const View4<const acc_t<T>>& dfinal_state, const SSDGrad<T>& g, const SSDSaved<T>* kept = nullptr);
 
 // Blocks of heads of the GEMM formulation's Q x Q workspaces (ssd.cpp; the planner counts the same): `heads`
 // per block (at most `budget_bytes` / `per_head_bytes`, and never straddling a group: a multiple of the heads per
