@@ -436,15 +436,27 @@ void bench_ssd(int reps, const std::vector<SSDVariant>& variants) {
       }
       return den > 0 ? num / den : num;
     };
-    const double t_fb = time_median(1, r, [&] {
-      ssd_forward<T>(s, in, y, View4<float>());
-      ssd_backward<T>(s, in, dy, View4<const float>(), g);
-    });
+    // forward + backward as the mixer runs them: the forward keeps its context (Delta, cumsum, S_in, C B^T) for
+    // the backward (SSDSaved; nothing for portable); and, recorded apart, a backward that forms it again
+    auto fwd_bwd = [&](bool keep) {
+      PoolScope pool;
+      SSDSaved<T> kept;
+      ssd_forward<T>(s, in, y, View4<float>(), keep ? &kept : nullptr, keep ? &pool : nullptr);
+      ssd_backward<T>(s, in, dy, View4<const float>(), g, &kept);
+    };
+    const double t_fb = time_median(1, r, [&] { fwd_bwd(true); });
     record(nfb, "time", t_fb * 1e3, "ms");
     record_rates(nfb, fb_bytes, fb_flops, t_fb);
+    if (var.algo != SSDAlgo::portable)
+      record(nfb + " (backward recomputing the context)", "time", time_median(1, r, [&] { fwd_bwd(false); }) * 1e3,
+             "ms");
     if (g_profile) {
       kprof::report(nf, [&] { ssd_forward<T>(s, in, y, View4<float>()); });
-      kprof::report("ssd bwd " + var.name, [&] { ssd_backward<T>(s, in, dy, View4<const float>(), g); });
+      PoolScope pool;
+      SSDSaved<T> kept;
+      ssd_forward<T>(s, in, y, View4<float>(), &kept, &pool);
+      kprof::report("ssd bwd " + var.name + " (from the kept context)",
+                    [&] { ssd_backward<T>(s, in, dy, View4<const float>(), g, &kept); });
     }
     Kokkos::fence();
     if (vi == 0) {
