@@ -50,15 +50,13 @@ template <int CV>
 inline constexpr int kConvAheadCV = CV == 4 ? 2 : kConvAhead;
 
 namespace {
-// f(row, pre, xs, rs, g) for every output of rows [t0, t1) of batch row b, channels [c, c + CV): pre[v] = bias +
-// the causal taps of t's record; xs[j][v] and rs[j] are the K-slot window (slot K - 1 is t, tap k of W in slot
-// K - W + k) and its record ids (the same for every channel); g[v] = dy(row, c + v) when kDy (loaded ahead with the
-// inputs: the backward's one dy load per step otherwise waited out its latency alone), else zero.
-template <int K, int CV, bool kDy, class T, class P, class F>
+// f(row, pre, xs, rs) for every output of rows [t0, t1) of batch row b, channels [c, c + CV): pre[v] = bias + the
+// causal taps of t's record; xs[j][v] and rs[j] are the K-slot window (slot K - 1 is t, tap k of W in slot
+// K - W + k) and its record ids (the same for every channel).
+template <int K, int CV, class T, class P, class F>
 KOKKOS_INLINE_FUNCTION void conv_run(const View2<const T>& x, index_t col, const View3<const T>& prefix, index_t L,
                                      const View2<const P>& w, const View1<const P>& bias, const SeqIdxView& seq,
-                                     index_t b, index_t t0, index_t t1, index_t c, const View2<const T>& dy,
-                                     const F& f) {
+                                     index_t b, index_t t0, index_t t1, index_t c, const F& f) {
   const index_t W = w.extent(1);
   const bool recs = seq.extent(0) > 0, pre_given = prefix.extent(0) > 0;
   P wr[K][CV], xs[K][CV];
@@ -84,18 +82,14 @@ KOKKOS_INLINE_FUNCTION void conv_run(const View2<const T>& x, index_t col, const
   constexpr int AH = kConvAheadCV<CV>;
   for (index_t tg = t0; tg < t1; tg += AH) {
     // the next AH inputs loaded together (independent loads in flight), then used in order
-    P xn[AH][CV], gn[AH][CV];
+    P xn[AH][CV];
     int rn[AH];
 MM_UNROLL
     for (int u = 0; u < AH; ++u) {
       const bool in = tg + u < t1;
-      if (in) {
+      if (in)
         load_vec<CV>(&x(b * L + tg + u, col + c), xn[u]);
-        if constexpr (kDy) load_vec<CV>(&dy(b * L + tg + u, c), gn[u]);
-      }
-      if (!in || !kDy)
-        for (int v = 0; v < CV; ++v) gn[u][v] = P(0);
-      if (!in)
+      else
         for (int v = 0; v < CV; ++v) xn[u][v] = P(0);
       rn[u] = in && recs ? seq(b, tg + u) : 0;
     }
@@ -113,7 +107,7 @@ MM_UNROLL
       for (int j = 0; j < K; ++j)
         if (j >= K - W && rs[j] == rs[K - 1])
           for (int v = 0; v < CV; ++v) pre[v] += wr[j][v] * xs[j][v];
-      f(b * L + tg + u, pre, xs, rs, gn[u]);
+      f(b * L + tg + u, pre, xs, rs);
     }
   }
 }
@@ -139,8 +133,8 @@ void conv_forward_runs(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, co
     index_t b, t0, t1;
     run_of(br, nr, L, b, t0, t1);
     const index_t c = cg * CV;
-    conv_run<K, CV, false, T, P>(x, col, prefix, L, w, bias, seq_idx, b, t0, t1, c, View2<const T>(),
-                                 [&](index_t row, const P (&pre)[CV], const P (&)[K][CV], const int*, const P (&)[CV]) {
+    conv_run<K, CV, T, P>(x, col, prefix, L, w, bias, seq_idx, b, t0, t1, c,
+                          [&](index_t row, const P (&pre)[CV], const P (&)[K][CV], const int*) {
                             P o[CV];
                             for (int v = 0; v < CV; ++v) o[v] = silu(pre[v]);
                             store_vec<CV>(&y(row, c), o);
@@ -195,11 +189,11 @@ void conv_backward_runs(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, c
       store_vec<CV>(&dx(b * L + s, dx_col + c), d);
     };
     const index_t te = t1 + W - 1 < L ? t1 + W - 1 : L;
-    conv_run<K, CV, true, T, P>(x, col, prefix, L, w, bias, seq_idx, b, t0, te, c, dy,
-                                [&](index_t row, const P (&pre)[CV], const P (&xs)[K][CV], const int* rs,
-                                    const P (&dyr)[CV]) {
+    conv_run<K, CV, T, P>(x, col, prefix, L, w, bias, seq_idx, b, t0, te, c,
+                          [&](index_t row, const P (&pre)[CV], const P (&xs)[K][CV], const int* rs) {
                             P g[CV];
-                            for (int v = 0; v < CV; ++v) g[v] = dyr[v] * dsilu(pre[v]);
+                            load_vec<CV>(&dy(row, c), g);
+                            for (int v = 0; v < CV; ++v) g[v] *= dsilu(pre[v]);
                             const index_t t = row - b * L;
                             if (t < t1) {
                               for (int j = 0; j < K; ++j)
