@@ -994,12 +994,10 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 3 : 2) state_epilogue_res_
   }
 }
 
-bool epilogue_resident(const Args& a) { return epr_smem(a.P, a.N) <= kEprMaxSmem; }
-
 template <int PT, bool V4>
 void launch_epilogue(const Args& a) {
   const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
-  if (epilogue_resident(a)) {
+  if (epilogue_writes_wdecay(a.P, a.N)) {  // the resident form
     const std::size_t bytes = epr_smem(PT * 16, a.N);
     allow_smem<state_epilogue_res_kernel<PT, V4>>(bytes, "state epilogue");
     state_epilogue_res_kernel<PT, V4><<<dim3(a.nh, a.batch * a.nc), kThreads, bytes, st>>>(a);
