@@ -19,13 +19,7 @@
 namespace mm::cuda_k {
 
 using mm::aligned16;
-// Whether rows of floats at these (first row, row stride in floats) pairs can be read as float4: every first row
-// 16-byte aligned and every stride a multiple of 4.
-inline bool float4_rows(std::initializer_list<std::pair<const void*, long long>> rows) {
-  for (const auto& [p, ld] : rows)
-    if (!aligned16(p) || ld % 4 != 0) return false;
-  return true;
-}
+using mm::float4_rows;
 
 // Eight bf16 in 16 bytes and eight floats: unpack8 widens them, pack8 rounds (nearest even) and packs.
 __device__ __forceinline__ void unpack8(const uint4& q, float* f) {

@@ -129,13 +129,13 @@ Dims window_dims(const Dims& d, index_t window) {
   return w;
 }
 
-// ssd.cpp's per-call context: Delta and the cumsum (H n), the chunk states, C B^T per group, and with G > 1 the
-// pointer arrays of its GEMMs batched over groups.
-// Delta and the cumsum, the chunk states and C B^T (what SSDSaved holds), and the group pointer arrays.
+// What ssd.cpp's forward can keep for its backward (SSDSaved): Delta and the cumsum (H n), the chunk states and
+// C B^T per group.
 double ssd_saved_ctx_bytes(double H, double G, double N, double P, double Q, const Dims& d) {
   const double nc = std::ceil(d.L / Q);
   return d.a * 2 * H * d.n + d.a * d.b * nc * H * P * N + d.a * d.b * nc * G * Q * Q;
 }
+// ssd.cpp's per-call context: the above, and with G > 1 the pointer arrays of its GEMMs batched over groups.
 double ssd_ctx_bytes(double H, double G, double N, double P, double Q, const Dims& d) {
   return ssd_saved_ctx_bytes(H, G, N, P, Q, d) + (G > 1 ? 3.0 * 8.0 * G * d.b * std::ceil(d.L / Q) : 0.0);
 }

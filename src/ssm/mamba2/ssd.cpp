@@ -542,7 +542,7 @@ template <class T, class S>
 void scale_token_heads(const char* label, const Ctx<T>& c, const S& factor, const T* src, index_t lds, T* dst,
                        index_t ldd) {
   if constexpr (std::is_same_v<T, float>)
-    if (c.Pd % 4 == 0 && lds % 4 == 0 && ldd % 4 == 0 && aligned16(src) && aligned16(dst))
+    if (c.Pd % 4 == 0 && float4_rows({{src, lds}, {dst, ldd}}))
       return scale_token_heads_vw<4>(label, c, factor, src, lds, dst, ldd);
   scale_token_heads_vw<1>(label, c, factor, src, lds, dst, ldd);
 }
@@ -1045,13 +1045,6 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
 }
 
 }  // namespace
-
-double ssd_saved_bytes(const SSDShape& s, double acc_bytes) {
-  const double b = double(s.batch), nc = double(s.nchunks());
-  return acc_bytes * (2.0 * b * double(s.nheads) * double(s.seqlen) +
-                      b * nc * double(s.nheads) * double(s.headdim) * double(s.dstate) +
-                      b * nc * double(s.ngroups) * double(s.chunk) * double(s.chunk));
-}
 
 SSDAlgo ssd_resolved_algo(const SSDShape& s) {
   if (s.algo != SSDAlgo::automatic) return s.algo;

@@ -78,15 +78,14 @@ struct SSDGrad {
 
 // What the forward of the gemm and fused algorithms can keep so that the backward does not form it again: Delta
 // and the in-chunk cumsum of its exponent (batch, H, L), the state entering each chunk (batch, nchunks, H, P, N)
-// and C B^T (batch, nchunks, G, Q, Q); ssd_saved_bytes of them. The backward then skips the cumsum, the chunk
-// states, the state passing and C B^T (it still forms its own Delta-weighted x).
+// and C B^T (batch, nchunks, G, Q, Q) (the planner counts them: ssd_saved_ctx_bytes). The backward then skips the
+// cumsum, the chunk states, the state passing and C B^T (it still forms its own Delta-weighted x).
 template <class T>
 struct SSDSaved {
   View3<acc_t<T>> delta, acs;
   View5<acc_t<T>> states, cb;
   bool empty() const { return states.extent(0) == 0; }
 };
-double ssd_saved_bytes(const SSDShape& s, double acc_bytes);
 
 // y (batch * seqlen, H * P) is written; final_state (batch, H, P, N) is written when non-empty. With `keep` (and
 // the gemm or fused algorithm) the intermediates are left in *keep, their blocks taken from `pool` (live as long
