@@ -16,6 +16,8 @@
 
 namespace mm::ssd_fused {
 
+IntraForm intra_form = IntraForm::mma;
+
 #if defined(KOKKOS_ENABLE_CUDA)
 namespace {
 
@@ -664,6 +666,311 @@ void launch_bwd(const Args& a) {
   check_launch("intra-chunk backward");
 }
 
+// ------------------------------------------------------------------ backward, intra-chunk part: the mma.sync form
+//
+// The same per-block work as intra_bwd_kernel with the tile pair's products and its elementwise step in registers:
+// each warp owns 16 source rows s of the block and forms the transposed tile DX^T = X_s dY_l^T (16 s x 64 l) with
+// mma.sync m16n8k16 (bf16 operands, fp32 accumulation), whose accumulator layout is known: the thread of lane
+// 4 g + c holds rows s = g, g + 8 and columns l = 8 j + 2 c, + 1 of every 8-wide block j. The elementwise step then
+// works on those registers, and K^T = (E o C B^T)^T leaves it as the A operand of A_s += K^T dY_l (an accumulator
+// of two adjacent column blocks is an A fragment of one 16-wide k-step), so neither DX nor K goes through shared
+// memory, and a tile pair needs two barriers instead of five. The thread-private parts of W (the same thread owns
+// the same (l, s) of every tile) accumulate in shared memory without barriers; the sums over s of each row l leave
+// the warp by a butterfly that ends with two of them per lane, and the four warps' parts are added by the block.
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+
+// Four 8 x 8 bf16 matrices from shared memory (lane i gives the address of row i % 8 of matrix i / 8); TRANS loads
+// each transposed.
+template <bool TRANS>
+__device__ __forceinline__ void ldsm4(unsigned (&r)[4], const bf* p) {
+  if constexpr (TRANS)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p)));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p)));
+}
+
+// d += a b for one m16n8k16 tile: a the 16 x 16 A fragment, (b0, b1) the 16 x 8 B fragment.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// (lo, hi) rounded to a bf16 pair (lo in the low half: the lower column of a fragment), and the pair of residuals.
+__device__ __forceinline__ void split_bf16(float x0, float x1, unsigned& hi, unsigned& lo) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
+  const float2 hf = __bfloat1622float2(h);
+  const __nv_bfloat162 l = __floats2bfloat162_rn(x0 - hf.x, x1 - hf.y);
+  hi = *reinterpret_cast<const unsigned*>(&h);
+  lo = *reinterpret_cast<const unsigned*>(&l);
+}
+
+// Of v[16] summed over the 8 lanes of equal lane % 4, this lane's two: entries 2 g and 2 g + 1 (g = lane / 4),
+// by halving exchanges (14 shuffles).
+__device__ __forceinline__ float2 reduce_scatter8(const float (&v)[16]) {
+  const int lane = threadIdx.x % 32;
+  float r8[8], r4[4];
+  const bool u16 = lane & 16, u8 = lane & 8, u4 = lane & 4;
+#pragma unroll
+  for (int k = 0; k < 8; ++k)
+    r8[k] = (u16 ? v[k + 8] : v[k]) + __shfl_xor_sync(0xffffffffu, u16 ? v[k] : v[k + 8], 16);
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    r4[k] = (u8 ? r8[k + 4] : r8[k]) + __shfl_xor_sync(0xffffffffu, u8 ? r8[k] : r8[k + 4], 8);
+  float2 r;
+  r.x = (u4 ? r4[2] : r4[0]) + __shfl_xor_sync(0xffffffffu, u4 ? r4[0] : r4[2], 4);
+  r.y = (u4 ? r4[3] : r4[1]) + __shfl_xor_sync(0xffffffffu, u4 ? r4[1] : r4[3], 4);
+  return r;
+}
+
+constexpr int kLdCB = kTile + 4;  // the C B^T tile's fp32 rows: (l = 2 c, s = g) of a warp's lanes in 32 banks
+
+// xs and dys (bf16), the C B^T tile (fp32), the W parts (Q / 64 tiles x 8 float4 x kThreads), the row sums' warp
+// parts (4 x 64), then seven per-token arrays.
+__host__ __device__ constexpr std::size_t mma_bwd_smem(int P, int Q) {
+  return 2 * std::size_t(kTile) * (P + kPad) * 2 + std::size_t(kTile) * kLdCB * 4 +
+         std::size_t(Q / kTile) * 8 * kThreads * 16 + 4 * kTile * 4 + 8 * kTile * 4;
+}
+
+template <int PT, bool V4>
+__global__ void __launch_bounds__(kThreads, 2) intra_bwd_mma_kernel(const Args a) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  constexpr int P = PT * 16, ldx = P + kPad, NB = 2 * PT;  // NB: 8-wide column blocks of P
+  const int nt = a.Q / kTile;
+  bf* xs = reinterpret_cast<bf*>(smem);
+  bf* dys = xs + kTile * ldx;
+  float* cbs = reinterpret_cast<float*>(dys + kTile * ldx);  // (64 l, kLdCB): C B^T of the tile pair
+  float4* wt = reinterpret_cast<float4*>(cbs + kTile * kLdCB);  // ((tile - is) 8 + j) kThreads + tid
+  float* rsum = reinterpret_cast<float*>(wt + std::size_t(nt) * 8 * kThreads);  // (4 warps, 64 l)
+  float* acs_s = rsum + 4 * kTile;
+  float* dt_s = acs_s + kTile;
+  float* acs_l = dt_s + kTile;
+  float* diag = acs_l + kTile;
+  float* kss = diag + kTile;  // K(s, s) = (C B^T)(s, s)
+  int* rec_s = reinterpret_cast<int*>(kss + kTile);
+  int* rec_l = rec_s + kTile;
+
+  const int is = blockIdx.z, s0 = is * kTile, u = blockIdx.y, bc = blockIdx.x;  // tiles s outermost (see launch)
+  const int b = bc / a.nc, ch = bc % a.nc, t0 = ch * a.Q, q = min(a.Q, a.L - t0);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, cq = lane % 4;
+  const int ns = s0 < q ? min(kTile, q - s0) : 0;
+  const std::int64_t nbc = std::int64_t(a.batch) * a.nc;
+  const int hi0 = u * a.run_len, hi1 = min(hi0 + a.run_len, a.nh);
+
+  if (ns > 0 && hi0 < hi1) {
+    const std::int64_t row0 = std::int64_t(b) * a.L, nr = std::int64_t(a.batch) * a.L;
+    const int grp = (a.h0 + hi0) / (a.H / a.G);  // a run never straddles a group
+    const float* CB = a.cb + (std::int64_t(bc) * a.G + grp) * a.Q * a.Q;
+    if (tid < kTile) {
+      rec_s[tid] = tid < ns ? (a.seq ? a.seq[row0 + t0 + s0 + tid] : 0) : -1;
+      kss[tid] = tid < ns ? CB[std::int64_t(s0 + tid) * a.Q + s0 + tid] : 0.f;
+    }
+    for (int i = tid; i < (nt - is) * 8 * kThreads; i += kThreads) wt[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    // the row sums of the tile at l0 (nl rows): the four warps' parts added, once a barrier has passed
+    auto flush_rows = [&](int hi, int l0, int nl) {
+      if (tid < nl)
+        a.insum[(std::int64_t(is) * a.nh + hi) * nr + row0 + t0 + l0 + tid] =
+            rsum[tid] + rsum[kTile + tid] + rsum[2 * kTile + tid] + rsum[3 * kTile + tid];
+    };
+    for (int hi = hi0; hi < hi1; ++hi) {
+      const int h = a.h0 + hi;
+      const float* acs = a.acs + (std::int64_t(b) * a.H + h) * a.L;
+      const float* dlt = a.delta + (std::int64_t(b) * a.H + h) * a.L;
+      if (tid < kTile) {
+        acs_s[tid] = tid < ns ? acs[t0 + s0 + tid] : 0.f;
+        dt_s[tid] = tid < ns ? dlt[t0 + s0 + tid] : 0.f;
+        diag[tid] = 0.f;
+      }
+      stage<kTile, P, V4>(xs, ldx, a.xbc + (row0 + t0 + s0) * a.ldx + a.x_col + h * P, a.ldx, ns, P);
+      float acc[NB][4];  // A = K'^T dY: rows s = 16 warp + g (+ 8), columns p = 8 jp + 2 cq (+ 1)
+#pragma unroll
+      for (int jp = 0; jp < NB; ++jp) acc[jp][0] = acc[jp][1] = acc[jp][2] = acc[jp][3] = 0.f;
+
+      int prev_l0 = -1, prev_nl = 0;
+      for (int l0 = s0, jt = 0; l0 < q; l0 += kTile, ++jt) {
+        const int nl = min(kTile, q - l0);
+        // the tile pair's C B^T (rows l0 .., columns s0 ..: inside the chunk's Q x Q block), in flight during the
+        // dY staging
+        stage_f32<kTile, kTile, true>(cbs, kLdCB, CB + std::int64_t(l0) * a.Q + s0, a.Q, kTile, kTile);
+        cuda_k::cp_async_commit();
+        if (prev_l0 >= 0) flush_rows(hi, prev_l0, prev_nl);
+        if (tid < kTile) {
+          acs_l[tid] = tid < nl ? acs[t0 + l0 + tid] : 0.f;
+          rec_l[tid] = tid < nl ? (a.seq ? a.seq[row0 + t0 + l0 + tid] : 0) : -2;
+        }
+        stage<kTile, P, V4>(dys, ldx, a.dy + (row0 + t0 + l0) * a.ldy + h * P, a.ldy, nl, P);
+        cuda_k::cp_async_wait<0>();
+        __syncthreads();
+
+        // DX^T = X_s dY_l^T: A = X_s (rows s, k = p), B^T = dY_l (rows l, k = p)
+        float dx[8][4];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) dx[j][0] = dx[j][1] = dx[j][2] = dx[j][3] = 0.f;
+#pragma unroll
+        for (int k = 0; k < P; k += 16) {
+          unsigned fa[4];
+          ldsm4<false>(fa, xs + (16 * warp + lane % 16) * ldx + k + (lane / 16) * 8);
+#pragma unroll
+          for (int jj = 0; jj < 4; ++jj) {
+            unsigned fb[4];
+            ldsm4<false>(fb, dys + (16 * jj + lane % 8 + (lane / 16) * 8) * ldx + k + ((lane / 8) % 2) * 8);
+            mma_bf16(dx[2 * jj], fa, fb[0], fb[1]);
+            mma_bf16(dx[2 * jj + 1], fa, fb[2], fb[3]);
+          }
+        }
+
+        // the elementwise step on this thread's 32 elements (s = srow[i >> 1], l = 8 j + 2 cq + (i & 1))
+        const int lg = l0 - s0;  // an element is on the diagonal where l + lg == s
+        int srow[2];
+        float as[2], ds[2];
+        int rs_[2];
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          srow[hr] = 16 * warp + g + 8 * hr;
+          as[hr] = acs_s[srow[hr]];
+          ds[hr] = dt_s[srow[hr]];
+          rs_[hr] = rec_s[srow[hr]];
+        }
+        float rsp[16];  // rsp[2 j + e]: this thread's part of row l = 8 j + 2 cq + e's sum over s < l
+        unsigned khi[4][4], klo[4][4];  // K^T as the A fragments of the 4 k-steps over l
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          float4* wp = wt + (jt * 8 + j) * kThreads + tid;
+          const float4 w4 = *wp;
+          float wv[4] = {w4.x, w4.y, w4.z, w4.w}, kv[4];
+          rsp[2 * j] = rsp[2 * j + 1] = 0.f;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int hr = i >> 1, e = i & 1, ll = 8 * j + 2 * cq + e, sl = srow[hr], dl = ll + lg;
+            const float d = dx[j][i];
+            float kk = 0.f;
+            if (sl <= dl && rs_[hr] == rec_l[ll]) {  // rec_s past the chunk never equals rec_l of any row
+              const float ev = decay(acs_l[ll] - as[hr]);
+              if (ev >= a.cutoff) {
+                const float ed = ev * ds[hr], cb = cbs[ll * kLdCB + sl];
+                wv[i] += d * ed;
+                kk = ev * cb;
+                if (sl < dl) rsp[2 * j + e] += cb * ed * d;
+              }
+            }
+            if (sl == dl) {
+              diag[sl] = d;
+              kk = 0.f;  // the diagonal goes in at fp32 in the epilogue
+            }
+            kv[i] = kk;
+          }
+          *wp = make_float4(wv[0], wv[1], wv[2], wv[3]);
+          // block j is the half (j & 1) of k-step j / 2: a0 / a1 (rows g / g + 8, k 2 cq ..) from the even block,
+          // a2 / a3 from the odd one
+          split_bf16(kv[0], kv[1], khi[j / 2][2 * (j & 1)], klo[j / 2][2 * (j & 1)]);
+          split_bf16(kv[2], kv[3], khi[j / 2][2 * (j & 1) + 1], klo[j / 2][2 * (j & 1) + 1]);
+        }
+        {
+          const float2 r = reduce_scatter8(rsp);  // rows l = 8 g + 2 cq, + 1
+          *reinterpret_cast<float2*>(rsum + warp * kTile + 8 * g + 2 * cq) = r;
+        }
+        // A (rows s) += K^T dY_l: B = dY_l (k = l rows, n = p columns), loaded transposed
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+          for (int jp = 0; jp < NB / 2; ++jp) {
+            unsigned fb[4];
+            ldsm4<true>(fb, dys + (16 * kk + lane % 8 + ((lane / 8) % 2) * 8) * ldx + 16 * jp + (lane / 16) * 8);
+            mma_bf16(acc[2 * jp], klo[kk], fb[0], fb[1]);
+            mma_bf16(acc[2 * jp], khi[kk], fb[0], fb[1]);
+            mma_bf16(acc[2 * jp + 1], klo[kk], fb[2], fb[3]);
+            mma_bf16(acc[2 * jp + 1], khi[kk], fb[2], fb[3]);
+          }
+        }
+        __syncthreads();  // every warp is done with dys, cbs and the per-token arrays; rsum is complete
+        prev_l0 = l0, prev_nl = nl;
+      }
+      flush_rows(hi, prev_l0, prev_nl);
+
+      // the head's epilogue on this thread's rows of A: off(s) = X_s . A_s (a row over the 4 lanes of its g),
+      // the per-token sums, and dX_s = Delta_s (A_s + K(s, s) dY_s)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int sl = 16 * warp + g + 8 * hr;
+        float off = 0.f;
+#pragma unroll
+        for (int jp = 0; jp < NB; ++jp) {
+          const float2 xv =
+              __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(xs + sl * ldx + 8 * jp + 2 * cq));
+          off += xv.x * acc[jp][2 * hr] + xv.y * acc[jp][2 * hr + 1];
+        }
+        off += __shfl_xor_sync(0xffffffffu, off, 1);
+        off += __shfl_xor_sync(0xffffffffu, off, 2);
+        if (sl < ns) {
+          if (cq == 0) {
+            float* vr = a.v + (std::int64_t(hi) * nr + row0 + t0 + s0 + sl) * 6;
+            vr[0] = off + kss[sl] * diag[sl];
+            vr[1] = dt_s[sl] * off;
+            vr[3] = diag[sl];
+          }
+          const float* dyr = a.dy + (row0 + t0 + s0 + sl) * a.ldy + h * P + 2 * cq;
+          float* dxr = a.dx + (row0 + t0 + s0 + sl) * a.ldd + a.x_col + h * P + 2 * cq;
+          float2 gv[NB];
+#pragma unroll
+          for (int jp = 0; jp < NB; ++jp) {
+            if constexpr (V4)
+              gv[jp] = *reinterpret_cast<const float2*>(dyr + 8 * jp);
+            else
+              gv[jp] = make_float2(dyr[8 * jp], dyr[8 * jp + 1]);
+          }
+          const float d = dt_s[sl], k = kss[sl];
+#pragma unroll
+          for (int jp = 0; jp < NB; ++jp) {
+            const float2 o = make_float2(d * (acc[jp][2 * hr] + k * gv[jp].x), d * (acc[jp][2 * hr + 1] + k * gv[jp].y));
+            if constexpr (V4)
+              *reinterpret_cast<float2*>(dxr + 8 * jp) = o;
+            else
+              dxr[8 * jp] = o.x, dxr[8 * jp + 1] = o.y;
+          }
+        }
+      }
+      __syncthreads();  // before the next head restages xs and the per-token arrays
+    }
+  }
+  // the block's column of W tiles: tiles l >= s inside the chunk from this thread's parts, the rest zero
+  float* W = a.w2 + (std::int64_t(u) * nbc + bc) * a.Q * a.Q + s0;
+  for (int il = 0; il < nt; ++il) {
+    const bool kept = ns > 0 && hi0 < hi1 && il >= is && il * kTile < q;
+    if (kept) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float4 w4 = wt[((il - is) * 8 + j) * kThreads + tid];
+        const float wv[4] = {w4.x, w4.y, w4.z, w4.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          W[std::int64_t(il * kTile + 8 * j + 2 * cq + (i & 1)) * a.Q + 16 * warp + g + 8 * (i >> 1)] = wv[i];
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < kTile * kTile / 4 / kThreads; ++k) {
+        const int idx = tid + k * kThreads, l = idx / (kTile / 4), s = (idx % (kTile / 4)) * 4;
+        *reinterpret_cast<float4*>(W + std::int64_t(il * kTile + l) * a.Q + s) = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+  }
+}
+
+template <int PT, bool V4>
+void launch_bwd_mma(const Args& a) {
+  const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
+  const std::size_t bytes = mma_bwd_smem(PT * 16, a.Q);
+  allow_smem<intra_bwd_mma_kernel<PT, V4>>(bytes, "intra-chunk backward (mma)");
+  const int runs = (a.nh + a.run_len - 1) / a.run_len;
+  intra_bwd_mma_kernel<PT, V4><<<dim3(a.batch * a.nc, runs, a.Q / kTile), kThreads, bytes, st>>>(a);
+  check_launch("intra-chunk backward (mma)");
+}
+
 // ------------------------------------------------------------------ backward, the state terms per token
 
 // One block per (64 tokens l, head of the block, (row, chunk)): T1 = B_l dH^T and T2 = C_l S_in^T on tensor cores
@@ -1051,10 +1358,11 @@ bool aligned4_bwd(const Args& a) {
 
 template <int PT>
 void launch_bwd(const Args& a) {
-  if (aligned4_bwd(a))
-    launch_bwd<PT, true>(a);
+  const bool v4 = aligned4_bwd(a);
+  if (intra_form == IntraForm::wmma)
+    v4 ? launch_bwd<PT, true>(a) : launch_bwd<PT, false>(a);
   else
-    launch_bwd<PT, false>(a);
+    v4 ? launch_bwd_mma<PT, true>(a) : launch_bwd_mma<PT, false>(a);
 }
 
 template <int PT>

@@ -59,6 +59,12 @@ void chunk_scan(const Args& a);
 // (dX and the sums over l come from A = K^T dY: dX = Delta A + the diagonal, sum_{l > s} K DX = X_s . A_s).
 void intra_backward(const Args& a);
 
+// The intra-chunk backward's kernel: mma (the default: mma.sync with the tile pair's products and elementwise step
+// in registers) or wmma (the earlier WMMA kernel, whose tiles go through shared memory; kept for the tests and for
+// timing the two side by side in perf/bench.cpp).
+enum class IntraForm { mma, wmma };
+extern IntraForm intra_form;
+
 // The per-token state terms of the backward for the block of heads in `a`, with states holding S_in (the state
 // entering each chunk) and dstates dH: T1 = B dH^T, T2 = C S_in^T per (chunk, head) on tensor cores (bf16 with
 // dH and S_in resident per chunk where epilogue_writes_wdecay, else tf32 per 64-token tile), then
