@@ -679,6 +679,15 @@ void launch_bwd(const Args& a) {
 // the warp by a butterfly that ends with two of them per lane, and the four warps' parts are added by the block.
 __device__ __forceinline__ unsigned smem_u32(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
 
+constexpr float kLog2e = 1.4426950408889634f;
+// 2^x by the exp unit (as __expf forms exp): the decays exp(d) are taken as 2^(d log2 e) with the cumsums scaled by
+// log2 e once per token instead of once per element.
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Four 8 x 8 bf16 matrices from shared memory (lane i gives the address of row i % 8 of matrix i / 8); TRANS loads
 // each transposed.
 template <bool TRANS>
@@ -748,13 +757,12 @@ __global__ void __launch_bounds__(kThreads, 2) intra_bwd_mma_kernel(const Args a
   float* cbs = reinterpret_cast<float*>(dys + kTile * ldx);  // (64 l, kLdCB): C B^T of the tile pair
   float4* wt = reinterpret_cast<float4*>(cbs + kTile * kLdCB);  // ((tile - is) 8 + j) kThreads + tid
   float* rsum = reinterpret_cast<float*>(wt + std::size_t(nt) * 8 * kThreads);  // (4 warps, 64 l)
-  float* acs_s = rsum + 4 * kTile;
+  float2* lrow = reinterpret_cast<float2*>(rsum + 4 * kTile);  // per row l: (acs_l log2 e, the record's id bits)
+  float* acs_s = reinterpret_cast<float*>(lrow + kTile);        // acs_s log2 e
   float* dt_s = acs_s + kTile;
-  float* acs_l = dt_s + kTile;
-  float* diag = acs_l + kTile;
+  float* diag = dt_s + kTile;
   float* kss = diag + kTile;  // K(s, s) = (C B^T)(s, s)
   int* rec_s = reinterpret_cast<int*>(kss + kTile);
-  int* rec_l = rec_s + kTile;
 
   const int is = blockIdx.z, s0 = is * kTile, u = blockIdx.y, bc = blockIdx.x;  // tiles s outermost (see launch)
   const int b = bc / a.nc, ch = bc % a.nc, t0 = ch * a.Q, q = min(a.Q, a.L - t0);
@@ -762,6 +770,11 @@ __global__ void __launch_bounds__(kThreads, 2) intra_bwd_mma_kernel(const Args a
   const int ns = s0 < q ? min(kTile, q - s0) : 0;
   const std::int64_t nbc = std::int64_t(a.batch) * a.nc;
   const int hi0 = u * a.run_len, hi1 = min(hi0 + a.run_len, a.nh);
+  // headdim <= 64: the next tile's dY in registers (8 float4 a thread) while this tile is multiplied; at larger
+  // headdims they would not fit beside the accumulators, and the tile is staged after the previous one's barrier
+  constexpr bool kPre = PT <= 4;
+  constexpr int kPreIt = kPre ? kTile * (P / 4) / kThreads : 1;
+  float4 pre[kPreIt];
 
   if (ns > 0 && hi0 < hi1) {
     const std::int64_t row0 = std::int64_t(b) * a.L, nr = std::int64_t(a.batch) * a.L;
@@ -782,8 +795,18 @@ __global__ void __launch_bounds__(kThreads, 2) intra_bwd_mma_kernel(const Args a
       const int h = a.h0 + hi;
       const float* acs = a.acs + (std::int64_t(b) * a.H + h) * a.L;
       const float* dlt = a.delta + (std::int64_t(b) * a.H + h) * a.L;
+      const float* dyh = a.dy + (row0 + t0) * a.ldy + h * P;  // the head's dY at the chunk's first row
+      // this thread's groups of 4 of the dY tile at l0 (nl rows) into pre
+      auto fetch_dy = [&](int l0, int nl) {
+#pragma unroll
+        for (int it = 0; it < kPreIt; ++it) {
+          const int i = tid + it * kThreads, r = i / (P / 4), c = (i % (P / 4)) * 4;
+          pre[it] = r < nl ? load4<V4>(dyh + std::int64_t(l0 + r) * a.ldy + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+      };
+      if constexpr (kPre) fetch_dy(s0, ns);
       if (tid < kTile) {
-        acs_s[tid] = tid < ns ? acs[t0 + s0 + tid] : 0.f;
+        acs_s[tid] = tid < ns ? acs[t0 + s0 + tid] * kLog2e : 0.f;
         dt_s[tid] = tid < ns ? dlt[t0 + s0 + tid] : 0.f;
         diag[tid] = 0.f;
       }
@@ -800,13 +823,23 @@ __global__ void __launch_bounds__(kThreads, 2) intra_bwd_mma_kernel(const Args a
         stage_f32<kTile, kTile, true>(cbs, kLdCB, CB + std::int64_t(l0) * a.Q + s0, a.Q, kTile, kTile);
         cuda_k::cp_async_commit();
         if (prev_l0 >= 0) flush_rows(hi, prev_l0, prev_nl);
-        if (tid < kTile) {
-          acs_l[tid] = tid < nl ? acs[t0 + l0 + tid] : 0.f;
-          rec_l[tid] = tid < nl ? (a.seq ? a.seq[row0 + t0 + l0 + tid] : 0) : -2;
+        if (tid < kTile)
+          lrow[tid] = tid < nl ? make_float2(acs[t0 + l0 + tid] * kLog2e,
+                                             __int_as_float(a.seq ? a.seq[row0 + t0 + l0 + tid] : 0))
+                               : make_float2(0.f, __int_as_float(-2));
+        if constexpr (kPre) {
+#pragma unroll
+          for (int it = 0; it < kPreIt; ++it) {
+            const int i = tid + it * kThreads;
+            store4_bf16(dys + (i / (P / 4)) * ldx + (i % (P / 4)) * 4, pre[it]);
+          }
+        } else {
+          stage<kTile, P, V4>(dys, ldx, dyh + std::int64_t(l0) * a.ldy, a.ldy, nl, P);
         }
-        stage<kTile, P, V4>(dys, ldx, a.dy + (row0 + t0 + l0) * a.ldy + h * P, a.ldy, nl, P);
         cuda_k::cp_async_wait<0>();
         __syncthreads();
+        if constexpr (kPre)
+          if (l0 + kTile < q) fetch_dy(l0 + kTile, min(kTile, q - l0 - kTile));  // in flight until the next tile
 
         // DX^T = X_s dY_l^T: A = X_s (rows s, k = p), B^T = dY_l (rows l, k = p)
         float dx[8][4];
@@ -849,9 +882,10 @@ __global__ void __launch_bounds__(kThreads, 2) intra_bwd_mma_kernel(const Args a
           for (int i = 0; i < 4; ++i) {
             const int hr = i >> 1, e = i & 1, ll = 8 * j + 2 * cq + e, sl = srow[hr], dl = ll + lg;
             const float d = dx[j][i];
+            const float2 lr = lrow[ll];
             float kk = 0.f;
-            if (sl <= dl && rs_[hr] == rec_l[ll]) {  // rec_s past the chunk never equals rec_l of any row
-              const float ev = decay(acs_l[ll] - as[hr]);
+            if (sl <= dl && rs_[hr] == __float_as_int(lr.y)) {  // rec_s past the chunk never equals rec_l of a row
+              const float ev = ex2(fminf(lr.x - as[hr], 0.f));
               if (ev >= a.cutoff) {
                 const float ed = ev * ds[hr], cb = cbs[ll * kLdCB + sl];
                 wv[i] += d * ed;
