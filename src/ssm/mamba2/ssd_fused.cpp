@@ -872,39 +872,49 @@ __global__ void __launch_bounds__(kThreads, 2) intra_bwd_mma_kernel(const Args a
         }
         float rsp[16];  // rsp[2 j + e]: this thread's part of row l = 8 j + 2 cq + e's sum over s < l
         unsigned khi[4][4], klo[4][4];  // K^T as the A fragments of the 4 k-steps over l
+        // kFull: a tile pair below the diagonal (every s < every l) with all 64 rows l inside the chunk and one
+        // record: no mask, record or diagonal test per element
+        auto elementwise = [&](auto full_tag) {
+          constexpr bool kFull = decltype(full_tag)::value;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          float4* wp = wt + (jt * 8 + j) * kThreads + tid;
-          const float4 w4 = *wp;
-          float wv[4] = {w4.x, w4.y, w4.z, w4.w}, kv[4];
-          rsp[2 * j] = rsp[2 * j + 1] = 0.f;
+          for (int j = 0; j < 8; ++j) {
+            float4* wp = wt + (jt * 8 + j) * kThreads + tid;
+            const float4 w4 = *wp;
+            float wv[4] = {w4.x, w4.y, w4.z, w4.w}, kv[4];
+            rsp[2 * j] = rsp[2 * j + 1] = 0.f;
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int hr = i >> 1, e = i & 1, ll = 8 * j + 2 * cq + e, sl = srow[hr], dl = ll + lg;
-            const float d = dx[j][i];
-            const float2 lr = lrow[ll];
-            float kk = 0.f;
-            if (sl <= dl && rs_[hr] == __float_as_int(lr.y)) {  // rec_s past the chunk never equals rec_l of a row
-              const float ev = ex2(fminf(lr.x - as[hr], 0.f));
-              if (ev >= a.cutoff) {
-                const float ed = ev * ds[hr], cb = cbs[ll * kLdCB + sl];
-                wv[i] += d * ed;
-                kk = ev * cb;
-                if (sl < dl) rsp[2 * j + e] += cb * ed * d;
+            for (int i = 0; i < 4; ++i) {
+              const int hr = i >> 1, e = i & 1, ll = 8 * j + 2 * cq + e, sl = srow[hr], dl = ll + lg;
+              const float d = dx[j][i];
+              const float2 lr = lrow[ll];
+              float kk = 0.f;
+              // rec_s past the chunk never equals rec_l of a row
+              if (kFull || (sl <= dl && rs_[hr] == __float_as_int(lr.y))) {
+                const float ev = ex2(fminf(lr.x - as[hr], 0.f));
+                if (ev >= a.cutoff) {
+                  const float ed = ev * ds[hr], cb = cbs[ll * kLdCB + sl];
+                  wv[i] += d * ed;
+                  kk = ev * cb;
+                  if (kFull || sl < dl) rsp[2 * j + e] += cb * ed * d;
+                }
               }
+              if (!kFull && sl == dl) {
+                diag[sl] = d;
+                kk = 0.f;  // the diagonal goes in at fp32 in the epilogue
+              }
+              kv[i] = kk;
             }
-            if (sl == dl) {
-              diag[sl] = d;
-              kk = 0.f;  // the diagonal goes in at fp32 in the epilogue
-            }
-            kv[i] = kk;
+            *wp = make_float4(wv[0], wv[1], wv[2], wv[3]);
+            // block j is the half (j & 1) of k-step j / 2: a0 / a1 (rows g / g + 8, k 2 cq ..) from the even block,
+            // a2 / a3 from the odd one
+            split_bf16(kv[0], kv[1], khi[j / 2][2 * (j & 1)], klo[j / 2][2 * (j & 1)]);
+            split_bf16(kv[2], kv[3], khi[j / 2][2 * (j & 1) + 1], klo[j / 2][2 * (j & 1) + 1]);
           }
-          *wp = make_float4(wv[0], wv[1], wv[2], wv[3]);
-          // block j is the half (j & 1) of k-step j / 2: a0 / a1 (rows g / g + 8, k 2 cq ..) from the even block,
-          // a2 / a3 from the odd one
-          split_bf16(kv[0], kv[1], khi[j / 2][2 * (j & 1)], klo[j / 2][2 * (j & 1)]);
-          split_bf16(kv[2], kv[3], khi[j / 2][2 * (j & 1) + 1], klo[j / 2][2 * (j & 1) + 1]);
-        }
+        };
+        if (lg > 0 && nl == kTile && !a.seq)
+          elementwise(std::true_type{});
+        else
+          elementwise(std::false_type{});
         {
           const float2 r = reduce_scatter8(rsp);  // rows l = 8 g + 2 cq, + 1
           *reinterpret_cast<float2*>(rsum + warp * kTile + 8 * g + 2 * cq) = r;
