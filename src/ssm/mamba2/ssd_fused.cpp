@@ -711,7 +711,8 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// (lo, hi) rounded to a bf16 pair (lo in the low half: the lower column of a fragment), and the pair of residuals.
+// (x0, x1) rounded to a bf16 pair hi (x0 in the low half: the lower column of a fragment) and the residuals
+// x - hi rounded to the pair lo.
 __device__ __forceinline__ void split_bf16(float x0, float x1, unsigned& hi, unsigned& lo) {
   const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
   const float2 hf = __bfloat1622float2(h);
@@ -741,7 +742,7 @@ __device__ __forceinline__ float2 reduce_scatter8(const float (&v)[16]) {
 constexpr int kLdCB = kTile + 4;  // the C B^T tile's fp32 rows: (l = 2 c, s = g) of a warp's lanes in 32 banks
 
 // xs and dys (bf16), the C B^T tile (fp32), the W parts (Q / 64 tiles x 8 float4 x kThreads), the row sums' warp
-// parts (4 x 64), then seven per-token arrays.
+// parts (4 x 64), then the per-token arrays (7 words a token: 8 reserved).
 __host__ __device__ constexpr std::size_t mma_bwd_smem(int P, int Q) {
   return 2 * std::size_t(kTile) * (P + kPad) * 2 + std::size_t(kTile) * kLdCB * 4 +
          std::size_t(Q / kTile) * 8 * kThreads * 16 + 4 * kTile * 4 + 8 * kTile * 4;
