@@ -241,41 +241,43 @@ TEST_CASE("SSD fused tensor-core backward equals the fp32 GEMM formulation's wit
   };
   for (const Shape& sh : {Shape{300, 4, 16, 2, 32, 64, 8}, Shape{333, 2, 64, 1, 128, 128, 1},
                           Shape{200, 4, 128, 2, 80, 64, 2}, Shape{256, 3, 48, 1, 16, 256, 3},
-                          Shape{160, 2, 128, 1, 128, 64, 2}})
-  for (bool records : {true, false}) {
-    // k = 0: the reference; 1: fused; 2: fused with the intra-chunk backward's WMMA kernel (CUDA builds only)
-    std::vector<std::vector<double>> grads[3];
-    const bool kernels = ssd_fused::fits(int(sh.P), int(sh.N), int(sh.Q));
-    // one record a row: the native kernels' unmasked path for tile pairs below the diagonal (CUDA builds)
-    if (!records && !kernels) continue;
-    for (int k = 0; k < (kernels ? 3 : 2); ++k) {
-      Case c;
-      c.records = records;
-      c.L = sh.L;
-      c.H = sh.H;
-      c.P = sh.P;
-      c.G = sh.G;
-      c.N = sh.N;
-      c.Q = sh.Q;
-      c.dt_lo = 0.02;
-      c.algo = k == 0 ? SSDAlgo::gemm : SSDAlgo::fused;
-      c.compute = k == 0 ? GemmCompute::fp32 : GemmCompute::bf16;
-      const index_t nc = (c.L + c.Q - 1) / c.Q;
-      c.workspace = double(c.B * nc * c.Q * c.Q * sizeof(float)) * sh.workspace_heads;
-      // the fused backward sizes its blocks of heads by its own per-head arrays
-      if (k >= 1 && kernels)
-        c.workspace = ssd_fused_head_bytes(double(c.B * c.L), c.Q, sizeof(float)) * sh.workspace_heads;
-      ssd_fused::intra_form = k == 2 ? ssd_fused::IntraForm::wmma : ssd_fused::IntraForm::mma;
-      grads[k] = backward_grads(Data<float>(c));
-      ssd_fused::intra_form = ssd_fused::IntraForm::mma;
-    }
-    for (int k = 1; k < (kernels ? 3 : 2); ++k)
-      for (std::size_t i = 0; i < grads[0].size(); ++i) {
-        INFO("P=" << sh.P << " N=" << sh.N << " Q=" << sh.Q << " records=" << records << " gradient " << i
-                  << (k == 2 ? " (WMMA form)" : ""));
-        // per-token gradients (dxbc, ddt) to bf16 rounding; the parameter sums over all tokens get some cancellation
-        CHECK(rel_err(grads[k][i], grads[0][i]) < (i < 2 ? 2e-2 : 5e-2));
+                          Shape{160, 2, 128, 1, 128, 64, 2}}) {
+    for (bool records : {true, false}) {
+      // k = 0: the reference; 1: fused; 2: fused with the intra-chunk backward's WMMA kernel (CUDA builds only)
+      std::vector<std::vector<double>> grads[3];
+      const bool kernels = ssd_fused::fits(int(sh.P), int(sh.N), int(sh.Q));
+      // one record a row: the native kernels' unmasked path for tile pairs below the diagonal (CUDA builds)
+      if (!records && !kernels) continue;
+      for (int k = 0; k < (kernels ? 3 : 2); ++k) {
+        Case c;
+        c.records = records;
+        c.L = sh.L;
+        c.H = sh.H;
+        c.P = sh.P;
+        c.G = sh.G;
+        c.N = sh.N;
+        c.Q = sh.Q;
+        c.dt_lo = 0.02;
+        c.algo = k == 0 ? SSDAlgo::gemm : SSDAlgo::fused;
+        c.compute = k == 0 ? GemmCompute::fp32 : GemmCompute::bf16;
+        const index_t nc = (c.L + c.Q - 1) / c.Q;
+        c.workspace = double(c.B * nc * c.Q * c.Q * sizeof(float)) * sh.workspace_heads;
+        // the fused backward sizes its blocks of heads by its own per-head arrays
+        if (k >= 1 && kernels)
+          c.workspace = ssd_fused_head_bytes(double(c.B * c.L), c.Q, sizeof(float)) * sh.workspace_heads;
+        ssd_fused::intra_form = k == 2 ? ssd_fused::IntraForm::wmma : ssd_fused::IntraForm::mma;
+        grads[k] = backward_grads(Data<float>(c));
+        ssd_fused::intra_form = ssd_fused::IntraForm::mma;
       }
+      for (int k = 1; k < (kernels ? 3 : 2); ++k)
+        for (std::size_t i = 0; i < grads[0].size(); ++i) {
+          INFO("P=" << sh.P << " N=" << sh.N << " Q=" << sh.Q << " records=" << records << " gradient " << i
+                    << (k == 2 ? " (WMMA form)" : ""));
+          // per-token gradients (dxbc, ddt) to bf16 rounding; the parameter sums over all tokens get some
+          // cancellation
+          CHECK(rel_err(grads[k][i], grads[0][i]) < (i < 2 ? 2e-2 : 5e-2));
+        }
+    }
   }
   if (ssd_fused::fits(64, 128, 256)) {  // CUDA builds: both forms of the state epilogue ran above
     CHECK(ssd_fused::epilogue_writes_wdecay(64, 128));

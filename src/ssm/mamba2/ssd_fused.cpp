@@ -677,7 +677,9 @@ void launch_bwd(const Args& a) {
 // memory, and a tile pair needs two barriers instead of five. The thread-private parts of W (the same thread owns
 // the same (l, s) of every tile) accumulate in shared memory without barriers; the sums over s of each row l leave
 // the warp by a butterfly that ends with two of them per lane, and the four warps' parts are added by the block.
-__device__ __forceinline__ unsigned smem_u32(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
 
 constexpr float kLog2e = 1.4426950408889634f;
 // 2^x by the exp unit (as __expf forms exp): the decays exp(d) are taken as 2^(d log2 e) with the cumsums scaled by
@@ -972,7 +974,8 @@ __global__ void __launch_bounds__(kThreads, 2) intra_bwd_mma_kernel(const Args a
           const float d = dt_s[sl], k = kss[sl];
 #pragma unroll
           for (int jp = 0; jp < NB; ++jp) {
-            const float2 o = make_float2(d * (acc[jp][2 * hr] + k * gv[jp].x), d * (acc[jp][2 * hr + 1] + k * gv[jp].y));
+            const float2 o =
+                make_float2(d * (acc[jp][2 * hr] + k * gv[jp].x), d * (acc[jp][2 * hr + 1] + k * gv[jp].y));
             if constexpr (V4)
               *reinterpret_cast<float2*>(dxr + 8 * jp) = o;
             else
