@@ -452,10 +452,9 @@ void bench_ssd(int reps, const std::vector<SSDVariant>& variants) {
       record(nfb + " (backward recomputing the context)", "time", time_median(1, r, [&] { fwd_bwd(false); }) * 1e3,
              "ms");
     if (var.algo == SSDAlgo::fused && ssd_fused::fits(int(P), int(N), int(Q))) {  // the former WMMA kernel
-      ssd_fused::intra_form = ssd_fused::IntraForm::wmma;
+      const ssd_fused::IntraFormScope form(ssd_fused::IntraForm::wmma);
       record(nfb + " (intra-chunk backward: WMMA kernel)", "time", time_median(1, r, [&] { fwd_bwd(true); }) * 1e3,
              "ms");
-      ssd_fused::intra_form = ssd_fused::IntraForm::mma;
     }
     if (g_profile) {
       kprof::report(nf, [&] { ssd_forward<T>(s, in, y, View4<float>()); });

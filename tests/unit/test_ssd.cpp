@@ -265,9 +265,8 @@ TEST_CASE("SSD fused tensor-core backward equals the fp32 GEMM formulation's wit
         // the fused backward sizes its blocks of heads by its own per-head arrays
         if (k >= 1 && kernels)
           c.workspace = ssd_fused_head_bytes(double(c.B * c.L), c.Q, sizeof(float)) * sh.workspace_heads;
-        ssd_fused::intra_form = k == 2 ? ssd_fused::IntraForm::wmma : ssd_fused::IntraForm::mma;
+        const ssd_fused::IntraFormScope form(k == 2 ? ssd_fused::IntraForm::wmma : ssd_fused::IntraForm::mma);
         grads[k] = backward_grads(Data<float>(c));
-        ssd_fused::intra_form = ssd_fused::IntraForm::mma;
       }
       for (int k = 1; k < (kernels ? 3 : 2); ++k)
         for (std::size_t i = 0; i < grads[0].size(); ++i) {

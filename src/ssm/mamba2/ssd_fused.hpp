@@ -64,6 +64,14 @@ void intra_backward(const Args& a);
 // timing the two side by side in perf/bench.cpp).
 enum class IntraForm { mma, wmma };
 extern IntraForm intra_form;
+// intra_form set to `f` for the scope's life, then restored (also when the scope is left by an exception).
+struct IntraFormScope {
+  IntraForm saved;
+  explicit IntraFormScope(IntraForm f) : saved(intra_form) { intra_form = f; }
+  ~IntraFormScope() { intra_form = saved; }
+  IntraFormScope(const IntraFormScope&) = delete;
+  IntraFormScope& operator=(const IntraFormScope&) = delete;
+};
 
 // The per-token state terms of the backward for the block of heads in `a`, with states holding S_in (the state
 // entering each chunk) and dstates dH: T1 = B dH^T, T2 = C S_in^T per (chunk, head) on tensor cores (bf16 with
