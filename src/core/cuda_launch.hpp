@@ -42,6 +42,14 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
 // Device math shared by the kernels: the logistic function from the exp unit with a fast reciprocal, and a warp's
 // sum by a fixed butterfly (every lane gets the same, deterministic, total).
 __device__ __forceinline__ float sigm(float u) { return __fdividef(1.f, 1.f + __expf(-u)); }
+// 2^x by the exp unit (one MUFU.EX2; results below the normal range flush to zero): exp(d) as 2^(d log2 e), with
+// log2 e folded into a per-token or per-channel factor instead of a multiply per element.
+constexpr float kLog2e = 1.4426950408889634f;
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

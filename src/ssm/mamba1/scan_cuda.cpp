@@ -52,19 +52,14 @@ bool compiled() { return true; }
 namespace {
 
 constexpr int kCB = int(kChannels);  // channels per block
-constexpr float kLog2e = 1.4426950408889634f;
+using cuda_k::kLog2e;
 // Blocks each SM must hold (the register cap follows): 4 x 1,536 channels make 768 blocks, 5.8 per SM on an H200,
 // and every block walks the whole sequence, so they should all be resident at once.
 constexpr int kMinBlocks = 6;
 
 using cuda_k::cp_async;
 using cuda_k::cp_async_commit;
-// 2^x for x <= 0 (the decays): one MUFU.EX2, flushing results below the normal range to zero.
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
+using cuda_k::ex2;  // 2^x for the decays (x <= 0)
 
 // softplus (identity above 20, as mamba_ssm) with log1pf kept exact-rounded and exp from the exp unit (2 ulp), and
 // silu with a fast reciprocal: the per-(token, channel) work is divided over only N states, so the library's

@@ -654,16 +654,16 @@ __global__ void __launch_bounds__(kThreads, 2) intra_bwd_kernel(const Args a) {
   }
 }
 
-template <int PT, bool V4>
-void launch_bwd(const Args& a) {
+// Kernel (either intra-chunk backward form) on its grid: a block per ((row, chunk), run of heads, source tile),
+// the source tile outermost in the launch order: the blocks of tile 0, which walk every output tile, start first
+// and the short ones fill in behind them.
+template <auto Kernel>
+void launch_intra(const Args& a, std::size_t bytes, const char* what) {
   const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
-  const std::size_t bytes = bwd_smem(PT * 16, a.Q);
-  allow_smem<intra_bwd_kernel<PT, V4>>(bytes, "intra-chunk backward");
+  allow_smem<Kernel>(bytes, what);
   const int runs = (a.nh + a.run_len - 1) / a.run_len;
-  // the source tile outermost in the launch order: the blocks of tile 0, which walk every output tile, start
-  // first and the short ones fill in behind them
-  intra_bwd_kernel<PT, V4><<<dim3(a.batch * a.nc, runs, a.Q / kTile), kThreads, bytes, st>>>(a);
-  check_launch("intra-chunk backward");
+  Kernel<<<dim3(a.batch * a.nc, runs, a.Q / kTile), kThreads, bytes, st>>>(a);
+  check_launch(what);
 }
 
 // ------------------------------------------------------------------ backward, intra-chunk part: the mma.sync form
@@ -681,14 +681,9 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
-constexpr float kLog2e = 1.4426950408889634f;
-// 2^x by the exp unit (as __expf forms exp): the decays exp(d) are taken as 2^(d log2 e) with the cumsums scaled by
-// log2 e once per token instead of once per element.
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
+// decays exp(d) as 2^(d log2 e), the cumsums scaled by log2 e once per token instead of once per element
+using cuda_k::ex2;
+using cuda_k::kLog2e;
 
 // Four 8 x 8 bf16 matrices from shared memory (lane i gives the address of row i % 8 of matrix i / 8); TRANS loads
 // each transposed.
@@ -1007,16 +1002,6 @@ __global__ void __launch_bounds__(kThreads, 2) intra_bwd_mma_kernel(const Args a
       }
     }
   }
-}
-
-template <int PT, bool V4>
-void launch_bwd_mma(const Args& a) {
-  const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
-  const std::size_t bytes = mma_bwd_smem(PT * 16, a.Q);
-  allow_smem<intra_bwd_mma_kernel<PT, V4>>(bytes, "intra-chunk backward (mma)");
-  const int runs = (a.nh + a.run_len - 1) / a.run_len;
-  intra_bwd_mma_kernel<PT, V4><<<dim3(a.batch * a.nc, runs, a.Q / kTile), kThreads, bytes, st>>>(a);
-  check_launch("intra-chunk backward (mma)");
 }
 
 // ------------------------------------------------------------------ backward, the state terms per token
@@ -1407,10 +1392,15 @@ bool aligned4_bwd(const Args& a) {
 template <int PT>
 void launch_bwd(const Args& a) {
   const bool v4 = aligned4_bwd(a);
-  if (intra_form == IntraForm::wmma)
-    v4 ? launch_bwd<PT, true>(a) : launch_bwd<PT, false>(a);
-  else
-    v4 ? launch_bwd_mma<PT, true>(a) : launch_bwd_mma<PT, false>(a);
+  if (intra_form == IntraForm::wmma) {
+    const std::size_t bytes = bwd_smem(PT * 16, a.Q);
+    v4 ? launch_intra<intra_bwd_kernel<PT, true>>(a, bytes, "intra-chunk backward")
+       : launch_intra<intra_bwd_kernel<PT, false>>(a, bytes, "intra-chunk backward");
+  } else {
+    const std::size_t bytes = mma_bwd_smem(PT * 16, a.Q);
+    v4 ? launch_intra<intra_bwd_mma_kernel<PT, true>>(a, bytes, "intra-chunk backward (mma)")
+       : launch_intra<intra_bwd_mma_kernel<PT, false>>(a, bytes, "intra-chunk backward (mma)");
+  }
 }
 
 template <int PT>
