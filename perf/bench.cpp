@@ -423,6 +423,11 @@ void bench_ssd(int reps, const std::vector<SSDVariant>& variants) {
     const double t_f = time_median(1, r, [&] { ssd_forward<T>(s, in, y, View4<float>()); });
     record(nf, "time", t_f * 1e3, "ms");
     record_rates(nf, fwd_bytes, fwd_flops, t_f);
+    if (var.algo == SSDAlgo::fused && ssd_fused::fits(int(P), int(N), int(Q))) {  // the former WMMA chunk scan
+      const ssd_fused::FormScope form(ssd_fused::scan_form, ssd_fused::Form::wmma);
+      record(nf + " (chunk scan: WMMA kernel)", "time",
+             time_median(1, r, [&] { ssd_forward<T>(s, in, y, View4<float>()); }) * 1e3, "ms");
+    }
     // agreement with the first variant: max |y - y_0| / max |y_0| and the same for dx, dB, dC
     static std::vector<float> y0, dx0;
     auto host = [](const View2<T>& v) {
@@ -452,7 +457,7 @@ void bench_ssd(int reps, const std::vector<SSDVariant>& variants) {
       record(nfb + " (backward recomputing the context)", "time", time_median(1, r, [&] { fwd_bwd(false); }) * 1e3,
              "ms");
     if (var.algo == SSDAlgo::fused && ssd_fused::fits(int(P), int(N), int(Q))) {  // the former WMMA kernel
-      const ssd_fused::IntraFormScope form(ssd_fused::IntraForm::wmma);
+      const ssd_fused::FormScope form(ssd_fused::intra_form, ssd_fused::Form::wmma);
       record(nfb + " (intra-chunk backward: WMMA kernel)", "time", time_median(1, r, [&] { fwd_bwd(true); }) * 1e3,
              "ms");
     }

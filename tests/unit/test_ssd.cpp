@@ -221,11 +221,19 @@ TEST_CASE("SSD fused tensor-core forward stays within bf16 rounding of the doubl
     c.Q = sh.Q;
     c.algo = SSDAlgo::fused;
     c.compute = GemmCompute::bf16;
-    INFO("P=" << sh.P << " N=" << sh.N << " Q=" << sh.Q);
-    check_forward<float>(c, 2e-2);
-    c.records = false;
-    c.init = false;
-    check_forward<float>(c, 2e-2);
+    // the chunk scan's mma.sync kernel and (CUDA builds) its earlier WMMA form
+    const bool kernels = ssd_fused::fits(int(sh.P), int(sh.N), int(sh.Q));
+    for (ssd_fused::Form f : {ssd_fused::Form::mma, ssd_fused::Form::wmma}) {
+      if (f == ssd_fused::Form::wmma && !kernels) continue;
+      const ssd_fused::FormScope form(ssd_fused::scan_form, f);
+      INFO("P=" << sh.P << " N=" << sh.N << " Q=" << sh.Q << (f == ssd_fused::Form::wmma ? " (WMMA form)" : ""));
+      c.records = true;
+      c.init = true;
+      check_forward<float>(c, 2e-2);
+      c.records = false;
+      c.init = false;
+      check_forward<float>(c, 2e-2);
+    }
   }
 }
 
@@ -265,7 +273,7 @@ TEST_CASE("SSD fused tensor-core backward equals the fp32 GEMM formulation's wit
         // the fused backward sizes its blocks of heads by its own per-head arrays
         if (k >= 1 && kernels)
           c.workspace = ssd_fused_head_bytes(double(c.B * c.L), c.Q, sizeof(float)) * sh.workspace_heads;
-        const ssd_fused::IntraFormScope form(k == 2 ? ssd_fused::IntraForm::wmma : ssd_fused::IntraForm::mma);
+        const ssd_fused::FormScope form(ssd_fused::intra_form, k == 2 ? ssd_fused::Form::wmma : ssd_fused::Form::mma);
         grads[k] = backward_grads(Data<float>(c));
       }
       for (int k = 1; k < (kernels ? 3 : 2); ++k)

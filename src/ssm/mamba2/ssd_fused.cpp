@@ -16,7 +16,7 @@
 
 namespace mm::ssd_fused {
 
-IntraForm intra_form = IntraForm::mma;
+Form scan_form = Form::mma, intra_form = Form::mma;
 
 #if defined(KOKKOS_ENABLE_CUDA)
 namespace {
@@ -1004,6 +1004,216 @@ __global__ void __launch_bounds__(kThreads, 2) intra_bwd_mma_kernel(const Args a
   }
 }
 
+// ------------------------------------------------------------------ forward: the chunk scan on mma.sync
+//
+// One block per (head, (row, chunk)): x of the chunk's tokens and S_in are staged once in bf16 (the WMMA kernel's
+// blocks, one per 64-token output tile, staged them up to four times through fp32 slices), and every warp walks
+// 16-row output tiles of the chunk (tiles w, 7 - w, 8 + w, 15 - w, ... for warp w, so that the causal work is
+// spread evenly) with mma.sync m16n8k16 (bf16 operands, fp32 accumulation). The A operands never touch shared
+// memory: each thread loads the fp32 elements its fragment holds (rows g, g + 8 and columns 2 c, 2 c + 1,
+// 2 c + 8, 2 c + 9 of a 16 x 16 step: C for the inter-chunk term, C B^T for the intra-chunk one) straight from
+// global memory a step ahead, applies the decays, mask and Delta in registers and rounds them to bf16 pairs; the
+// B operands (S_in rows p, k = n; x rows s, k = s transposed) come from shared memory by ldmatrix. The inter-chunk
+// term's factor e_in(l) scales the accumulator's rows instead of C's elements. y = acc + D x goes out from the
+// accumulator's registers.
+template <bool V2>
+__device__ __forceinline__ float2 load2(const float* p) {
+  if constexpr (V2) return *reinterpret_cast<const float2*>(p);
+  return make_float2(p[0], p[1]);
+}
+
+template <bool V2>
+__device__ __forceinline__ void store2(float* p, float2 v) {
+  if constexpr (V2)
+    *reinterpret_cast<float2*>(p) = v;
+  else
+    p[0] = v.x, p[1] = v.y;
+}
+
+// (lo, hi) as one bf16 pair, lo in the low half (the lower column of a fragment).
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const unsigned*>(&v);
+}
+
+// dst (rows x cols bf16, row stride ldd) <- src(r, c) for r < nr, zero for r >= nr; cols a multiple of 4, src rows
+// lds apart (16-byte aligned when V4). Up to 8 groups of 4 a thread in flight at once.
+template <bool V4>
+__device__ __forceinline__ void stage_rows(bf* dst, int ldd, const float* src, std::int64_t lds, int rows, int nr,
+                                           int cols) {
+  const int c4 = cols / 4, total = rows * c4;
+  for (int i0 = 0; i0 < total; i0 += 8 * kThreads) {
+    float4 v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int i = i0 + threadIdx.x + j * kThreads, r = i / c4;
+      v[j] = i < total && r < nr ? load4<V4>(src + r * lds + (i % c4) * 4) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int i = i0 + threadIdx.x + j * kThreads;
+      if (i < total) store4_bf16(dst + (i / c4) * ldd + (i % c4) * 4, v[j]);
+    }
+  }
+}
+
+// x (Q x (P + 8) bf16), S_in (P x (N + 8) bf16), then acs log2 e, Delta and the record per token (Q each).
+__host__ __device__ constexpr std::size_t scan_mma_smem(int P, int N, int Q) {
+  return std::size_t(Q) * (P + kPad) * 2 + std::size_t(P) * (N + kPad) * 2 + 3 * std::size_t(Q) * 4;
+}
+constexpr std::size_t kMaxBlockSmem = 227 * 1024;  // an H100's / H200's opt-in limit per block
+
+template <int PT, bool V4>
+__global__ void __launch_bounds__(kThreads, 3) chunk_scan_mma_kernel(const Args a) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  constexpr int P = PT * 16, ldx = P + kPad, NB = 2 * PT;  // NB: 8-wide column blocks of P
+  const int ldn = a.N + kPad;
+  bf* xs = reinterpret_cast<bf*>(smem);  // (Q, ldx): x, zero past the chunk's end
+  bf* ss = xs + a.Q * ldx;               // (P, ldn): S_in
+  float* acs_s = reinterpret_cast<float*>(ss + P * ldn);  // acs log2 e
+  float* dt_s = acs_s + a.Q;
+  int* rec_s = reinterpret_cast<int*>(dt_s + a.Q);  // -1 past the chunk's end
+
+  const int h = blockIdx.x, bc = blockIdx.y;
+  const int b = bc / a.nc, ch = bc % a.nc, t0 = ch * a.Q, q = min(a.Q, a.L - t0), grp = h / (a.H / a.G);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, cq = lane % 4;
+  const std::int64_t row0 = std::int64_t(b) * a.L;
+  const float* xg = a.xbc + (row0 + t0) * a.ldx + a.x_col + h * P;  // x of the chunk's first token
+  {
+    const float* acs = a.acs + (std::int64_t(b) * a.H + h) * a.L + t0;
+    const float* dlt = a.delta + (std::int64_t(b) * a.H + h) * a.L + t0;
+    for (int i = tid; i < a.Q; i += kThreads) {
+      const bool in = i < q;
+      acs_s[i] = in ? acs[i] * kLog2e : 0.f;
+      dt_s[i] = in ? dlt[i] : 0.f;
+      rec_s[i] = in ? (a.seq ? a.seq[row0 + t0 + i] : 0) : -1;
+    }
+  }
+  stage_rows<V4>(xs, ldx, xg, a.ldx, a.Q, q, P);
+  // N % 16 == 0: S_in rows are 16-byte aligned
+  stage_rows<true>(ss, ldn, a.states + (std::int64_t(bc) * a.H + h) * P * a.N, a.N, P, P, a.N);
+  __syncthreads();
+
+  const int r_in = a.seq ? a.seq[row0 + (ch == 0 ? 0 : t0 - 1)] : 0;
+  const float Dh = a.D[h];
+  const float* cg = a.xbc + (row0 + t0) * a.ldx + a.c_col + grp * a.N + 2 * cq;  // C at column 2 c
+  const float* CB = a.cb + (std::int64_t(bc) * a.G + grp) * a.Q * a.Q + 2 * cq;   // C B^T at column 2 c
+  const int nm = (q + 15) / 16;
+  for (int it = 0; it < a.Q / 64; ++it) {
+    const int mt = 4 * it + ((it & 1) ? 3 - warp : warp);
+    if (mt >= nm) continue;  // past the short last chunk's end (no barrier below)
+    const int r0 = 16 * mt, l[2] = {r0 + g, r0 + g + 8};
+    const bool in[2] = {l[0] < q, l[1] < q};
+    float acc[NB][4];
+#pragma unroll
+    for (int j = 0; j < NB; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+
+    // inter-chunk term: acc = C S_in^T (k = n), then row l scaled by e_in(l)
+    {
+      const float* c0 = cg + std::int64_t(l[0]) * a.ldx;
+      const float* c1 = c0 + 8 * a.ldx;
+      auto fetch = [&](int k, float2 (&f)[4]) {
+        const float2 z = make_float2(0.f, 0.f);
+        f[0] = in[0] ? load2<V4>(c0 + k) : z;
+        f[1] = in[1] ? load2<V4>(c1 + k) : z;
+        f[2] = in[0] ? load2<V4>(c0 + k + 8) : z;
+        f[3] = in[1] ? load2<V4>(c1 + k + 8) : z;
+      };
+      float2 cur[4];
+      fetch(0, cur);
+      for (int k = 0; k < a.N; k += 16) {
+        float2 nxt[4];
+        if (k + 16 < a.N) fetch(k + 16, nxt);
+        const unsigned fa[4] = {pack_bf16(cur[0].x, cur[0].y), pack_bf16(cur[1].x, cur[1].y),
+                                pack_bf16(cur[2].x, cur[2].y), pack_bf16(cur[3].x, cur[3].y)};
+#pragma unroll
+        for (int jj = 0; jj < PT; ++jj) {
+          unsigned fb[4];  // S_in rows p = 16 jj .. (k = n): B fragments of column blocks 2 jj and 2 jj + 1
+          ldsm4<false>(fb, ss + (16 * jj + lane % 8 + (lane / 16) * 8) * ldn + k + ((lane / 8) % 2) * 8);
+          mma_bf16(acc[2 * jj], fa, fb[0], fb[1]);
+          mma_bf16(acc[2 * jj + 1], fa, fb[2], fb[3]);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) cur[i] = nxt[i];
+      }
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        float e = 0.f;
+        if (in[hr] && rec_s[l[hr]] == r_in) {
+          e = ex2(fminf(acs_s[l[hr]], 0.f));
+          e = e < a.cutoff ? 0.f : e;
+        }
+#pragma unroll
+        for (int j = 0; j < NB; ++j) acc[j][2 * hr] *= e, acc[j][2 * hr + 1] *= e;
+      }
+    }
+
+    // intra-chunk term: acc += M X over the source steps s0 <= r0, M(l, s) = (C B^T)(l, s) exp(acs_l - acs_s)
+    // Delta_s for s <= l in l's record and decays at or above the cutoff
+    {
+      const float al[2] = {acs_s[l[0]], acs_s[l[1]]};
+      const int rl[2] = {in[0] ? rec_s[l[0]] : -2, in[1] ? rec_s[l[1]] : -2};  // rows past the end: no source
+      const float* cb0 = CB + std::int64_t(l[0]) * a.Q;
+      const float* cb1 = cb0 + 8 * a.Q;
+      auto fetch = [&](int s0, float2 (&f)[4]) {
+        f[0] = load2<true>(cb0 + s0);
+        f[1] = load2<true>(cb1 + s0);
+        f[2] = load2<true>(cb0 + s0 + 8);
+        f[3] = load2<true>(cb1 + s0 + 8);
+      };
+      float2 cur[4];
+      fetch(0, cur);
+      for (int s0 = 0; s0 <= r0; s0 += 16) {
+        float2 nxt[4];
+        if (s0 + 16 <= r0) fetch(s0 + 16, nxt);
+        unsigned fa[4];
+#pragma unroll
+        for (int kh = 0; kh < 2; ++kh) {  // columns s = s0 + 2 c + 8 kh (+ 1)
+          const int s = s0 + 2 * cq + 8 * kh;
+          const float2 as = *reinterpret_cast<const float2*>(acs_s + s);
+          const float2 ds = *reinterpret_cast<const float2*>(dt_s + s);
+          const int2 rs = *reinterpret_cast<const int2*>(rec_s + s);
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) {
+            const float2 cbv = cur[2 * kh + hr];
+            float m[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float ev = ex2(fminf(al[hr] - (e ? as.y : as.x), 0.f));
+              const bool keep = s + e <= l[hr] && (e ? rs.y : rs.x) == rl[hr] && ev >= a.cutoff;
+              m[e] = keep ? (e ? cbv.y : cbv.x) * ev * (e ? ds.y : ds.x) : 0.f;
+            }
+            fa[2 * kh + hr] = pack_bf16(m[0], m[1]);
+          }
+        }
+#pragma unroll
+        for (int jj = 0; jj < PT; ++jj) {
+          unsigned fb[4];  // x rows s0 .. s0 + 15, columns 16 jj ..: transposed, B fragments of 2 jj and 2 jj + 1
+          ldsm4<true>(fb, xs + (s0 + lane % 8 + ((lane / 8) % 2) * 8) * ldx + 16 * jj + (lane / 16) * 8);
+          mma_bf16(acc[2 * jj], fa, fb[0], fb[1]);
+          mma_bf16(acc[2 * jj + 1], fa, fb[2], fb[3]);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) cur[i] = nxt[i];
+      }
+    }
+
+    // y = acc + D x for the rows inside the chunk
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      if (!in[hr]) continue;
+      const float* xr = xg + std::int64_t(l[hr]) * a.ldx + 2 * cq;
+      float* yr = a.y + (row0 + t0 + l[hr]) * a.ldy + h * P + 2 * cq;
+      float2 xv[NB];
+#pragma unroll
+      for (int j = 0; j < NB; ++j) xv[j] = load2<V4>(xr + 8 * j);
+#pragma unroll
+      for (int j = 0; j < NB; ++j)
+        store2<V4>(yr + 8 * j, make_float2(acc[j][2 * hr] + Dh * xv[j].x, acc[j][2 * hr + 1] + Dh * xv[j].y));
+    }
+  }
+}
+
 // ------------------------------------------------------------------ backward, the state terms per token
 
 // One block per (64 tokens l, head of the block, (row, chunk)): T1 = B_l dH^T and T2 = C_l S_in^T on tensor cores
@@ -1361,7 +1571,14 @@ bool aligned4(const Args& a) {
 template <int PT, bool V4>
 void launch(const Args& a, bool scan) {
   const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
-  if (scan) {
+  if (scan && scan_form == Form::mma && scan_mma_smem(PT * 16, a.N, a.Q) <= kMaxBlockSmem &&
+      std::int64_t(a.batch) * a.nc <= 65535) {
+    const std::size_t bytes = scan_mma_smem(PT * 16, a.N, a.Q);
+    allow_smem<chunk_scan_mma_kernel<PT, V4>>(bytes, "chunk scan (mma)");
+    // the heads of a chunk side by side in the launch order: they read the same C and C B^T
+    chunk_scan_mma_kernel<PT, V4><<<dim3(a.H, a.batch * a.nc), kThreads, bytes, st>>>(a);
+    check_launch("chunk scan (mma)");
+  } else if (scan) {
     const dim3 grid((a.Q + kTile - 1) / kTile, a.H, a.batch * a.nc);
     const std::size_t bytes = scan_smem(PT * 16, a.Q);
     allow_smem<chunk_scan_kernel<PT, V4>>(bytes, "chunk scan");
@@ -1392,7 +1609,7 @@ bool aligned4_bwd(const Args& a) {
 template <int PT>
 void launch_bwd(const Args& a) {
   const bool v4 = aligned4_bwd(a);
-  if (intra_form == IntraForm::wmma) {
+  if (intra_form == Form::wmma) {
     const std::size_t bytes = bwd_smem(PT * 16, a.Q);
     v4 ? launch_intra<intra_bwd_kernel<PT, true>>(a, bytes, "intra-chunk backward")
        : launch_intra<intra_bwd_kernel<PT, false>>(a, bytes, "intra-chunk backward");

@@ -1,6 +1,6 @@
 // Native CUDA tensor-core kernels of the SSD forward (SSDAlgo::fused): the chunk-local states and the chunk scan
 // (intra-chunk masked product, inter-chunk term and D x in one pass, no Q x Q workspace in global memory), with
-// bf16 operands and fp32 accumulation (WMMA 16 x 16 x 16). The portable Kokkos kernels and the GEMM formulation in
+// bf16 operands and fp32 accumulation (mma.sync m16n8k16, or WMMA 16 x 16 x 16 in the earlier forms). The portable Kokkos kernels and the GEMM formulation in
 // ssd.cpp stay the reference and the fallback: ssd.cpp calls these only on CUDA, for float activations and shapes
 // that `fits` accepts.
 #pragma once
@@ -59,18 +59,21 @@ void chunk_scan(const Args& a);
 // (dX and the sums over l come from A = K^T dY: dX = Delta A + the diagonal, sum_{l > s} K DX = X_s . A_s).
 void intra_backward(const Args& a);
 
-// The intra-chunk backward's kernel: mma (the default: mma.sync with the tile pair's products and elementwise step
-// in registers) or wmma (the earlier WMMA kernel, whose tiles go through shared memory; kept for the tests and for
-// timing the two side by side in perf/bench.cpp).
-enum class IntraForm { mma, wmma };
-extern IntraForm intra_form;
-// intra_form set to `f` for the scope's life, then restored (also when the scope is left by an exception).
-struct IntraFormScope {
-  IntraForm saved;
-  explicit IntraFormScope(IntraForm f) : saved(intra_form) { intra_form = f; }
-  ~IntraFormScope() { intra_form = saved; }
-  IntraFormScope(const IntraFormScope&) = delete;
-  IntraFormScope& operator=(const IntraFormScope&) = delete;
+// Which kernel a fused pass runs: mma (the default: mma.sync with the A operands and the elementwise steps in
+// registers) or wmma (the earlier WMMA kernels, whose tiles go through shared memory; kept for the tests and for
+// timing the two side by side in perf/bench.cpp). scan_form picks the forward's chunk scan (wmma is also taken
+// where the mma form's shared memory, x and S_in of a whole chunk, would exceed a block's limit), intra_form the
+// backward's intra-chunk kernel.
+enum class Form { mma, wmma };
+extern Form scan_form, intra_form;
+// `which` set to `f` for the scope's life, then restored (also when the scope is left by an exception).
+struct FormScope {
+  Form& which;
+  Form saved;
+  FormScope(Form& w, Form f) : which(w), saved(w) { which = f; }
+  ~FormScope() { which = saved; }
+  FormScope(const FormScope&) = delete;
+  FormScope& operator=(const FormScope&) = delete;
 };
 
 // The per-token state terms of the backward for the block of heads in `a`, with states holding S_in (the state
