@@ -1064,7 +1064,7 @@ __host__ __device__ constexpr std::size_t scan_mma_smem(int P, int N, int Q) {
 constexpr std::size_t kMaxBlockSmem = 227 * 1024;  // an H100's / H200's opt-in limit per block
 
 template <int PT, bool V4>
-__global__ void __launch_bounds__(kThreads, 3) chunk_scan_mma_kernel(const Args a) {
+__global__ void __launch_bounds__(kThreads, PT <= 4 ? 3 : 2) chunk_scan_mma_kernel(const Args a) {
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int P = PT * 16, ldx = P + kPad, NB = 2 * PT;  // NB: 8-wide column blocks of P
   const int ldn = a.N + kPad;
@@ -1105,6 +1105,7 @@ __global__ void __launch_bounds__(kThreads, 3) chunk_scan_mma_kernel(const Args 
     const int r0 = 16 * mt, l[2] = {r0 + g, r0 + g + 8};
     const bool in[2] = {l[0] < q, l[1] < q};
     float acc[NB][4];
+    float2 xv[2][NB];  // x of the tile's rows for y's D x, loaded with the diagonal intra-chunk step
 #pragma unroll
     for (int j = 0; j < NB; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 
@@ -1119,11 +1120,13 @@ __global__ void __launch_bounds__(kThreads, 3) chunk_scan_mma_kernel(const Args 
         f[2] = in[0] ? load2<V4>(c0 + k + 8) : z;
         f[3] = in[1] ? load2<V4>(c1 + k + 8) : z;
       };
-      float2 cur[4];
+      float2 cur[4], nx1[4];
+      // two steps in flight ahead of the one multiplied (the loads' latency, not the issue rate, bounded this loop)
       fetch(0, cur);
+      if (a.N > 16) fetch(16, nx1);
       for (int k = 0; k < a.N; k += 16) {
-        float2 nxt[4];
-        if (k + 16 < a.N) fetch(k + 16, nxt);
+        float2 nx2[4];
+        if (k + 32 < a.N) fetch(k + 32, nx2);
         const unsigned fa[4] = {pack_bf16(cur[0].x, cur[0].y), pack_bf16(cur[1].x, cur[1].y),
                                 pack_bf16(cur[2].x, cur[2].y), pack_bf16(cur[3].x, cur[3].y)};
 #pragma unroll
@@ -1134,7 +1137,7 @@ __global__ void __launch_bounds__(kThreads, 3) chunk_scan_mma_kernel(const Args 
           mma_bf16(acc[2 * jj + 1], fa, fb[2], fb[3]);
         }
 #pragma unroll
-        for (int i = 0; i < 4; ++i) cur[i] = nxt[i];
+        for (int i = 0; i < 4; ++i) cur[i] = nx1[i], nx1[i] = nx2[i];
       }
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
@@ -1161,11 +1164,9 @@ __global__ void __launch_bounds__(kThreads, 3) chunk_scan_mma_kernel(const Args 
         f[2] = load2<true>(cb0 + s0 + 8);
         f[3] = load2<true>(cb1 + s0 + 8);
       };
-      float2 cur[4];
-      fetch(0, cur);
-      for (int s0 = 0; s0 <= r0; s0 += 16) {
-        float2 nxt[4];
-        if (s0 + 16 <= r0) fetch(s0 + 16, nxt);
+      // the step at s0 from cur; kDiag: the diagonal step (s0 == r0), where s <= l is tested per element
+      auto step = [&](int s0, const float2 (&cur)[4], auto diag_tag) {
+        constexpr bool kDiag = decltype(diag_tag)::value;
         unsigned fa[4];
 #pragma unroll
         for (int kh = 0; kh < 2; ++kh) {  // columns s = s0 + 2 c + 8 kh (+ 1)
@@ -1180,7 +1181,7 @@ __global__ void __launch_bounds__(kThreads, 3) chunk_scan_mma_kernel(const Args 
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const float ev = ex2(fminf(al[hr] - (e ? as.y : as.x), 0.f));
-              const bool keep = s + e <= l[hr] && (e ? rs.y : rs.x) == rl[hr] && ev >= a.cutoff;
+              const bool keep = (!kDiag || s + e <= l[hr]) && (e ? rs.y : rs.x) == rl[hr] && ev >= a.cutoff;
               m[e] = keep ? (e ? cbv.y : cbv.x) * ev * (e ? ds.y : ds.x) : 0.f;
             }
             fa[2 * kh + hr] = pack_bf16(m[0], m[1]);
@@ -1193,23 +1194,35 @@ __global__ void __launch_bounds__(kThreads, 3) chunk_scan_mma_kernel(const Args 
           mma_bf16(acc[2 * jj], fa, fb[0], fb[1]);
           mma_bf16(acc[2 * jj + 1], fa, fb[2], fb[3]);
         }
+      };
+      // two steps in flight ahead of the one multiplied
+      float2 cur[4], nx1[4];
+      fetch(0, cur);
+      if (r0 >= 16) fetch(16, nx1);
+      for (int s0 = 0; s0 < r0; s0 += 16) {
+        float2 nx2[4];
+        if (s0 + 32 <= r0) fetch(s0 + 32, nx2);
+        step(s0, cur, std::false_type{});
 #pragma unroll
-        for (int i = 0; i < 4; ++i) cur[i] = nxt[i];
+        for (int i = 0; i < 4; ++i) cur[i] = nx1[i], nx1[i] = nx2[i];
       }
+      // the diagonal step, with the epilogue's x in flight
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+        for (int j = 0; j < NB; ++j)
+          xv[hr][j] = in[hr] ? load2<V4>(xg + std::int64_t(l[hr]) * a.ldx + 2 * cq + 8 * j) : make_float2(0.f, 0.f);
+      step(r0, cur, std::true_type{});
     }
 
     // y = acc + D x for the rows inside the chunk
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       if (!in[hr]) continue;
-      const float* xr = xg + std::int64_t(l[hr]) * a.ldx + 2 * cq;
       float* yr = a.y + (row0 + t0 + l[hr]) * a.ldy + h * P + 2 * cq;
-      float2 xv[NB];
-#pragma unroll
-      for (int j = 0; j < NB; ++j) xv[j] = load2<V4>(xr + 8 * j);
 #pragma unroll
       for (int j = 0; j < NB; ++j)
-        store2<V4>(yr + 8 * j, make_float2(acc[j][2 * hr] + Dh * xv[j].x, acc[j][2 * hr + 1] + Dh * xv[j].y));
+        store2<V4>(yr + 8 * j, make_float2(acc[j][2 * hr] + Dh * xv[hr][j].x, acc[j][2 * hr + 1] + Dh * xv[hr][j].y));
     }
   }
 }
