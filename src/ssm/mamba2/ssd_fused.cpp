@@ -1057,6 +1057,32 @@ __device__ __forceinline__ void stage_rows(bf* dst, int ldd, const float* src, s
   }
 }
 
+// use(i, f) for the steps i = 0 .. n - 1 of a loop whose operands (4 float2 a step, f) come from fetch(i, f): the
+// operands of KB steps are loaded as a block, and the next block is in flight while this one is used, in two
+// register buffers taken in turn (no copies between them). A ring of single steps kept too few loads in flight:
+// the steps are short, and the loop waited on global memory (ncu at 908c59c and 88dc094).
+template <int KB, class Fetch, class Use>
+__device__ __forceinline__ void pipelined(int n, Fetch&& fetch, Use&& use) {
+  float2 b0[KB][4], b1[KB][4];
+  auto fetch_block = [&](int k0, float2 (&f)[KB][4]) {
+#pragma unroll
+    for (int i = 0; i < KB; ++i)
+      if (k0 + i < n) fetch(k0 + i, f[i]);
+  };
+  auto use_block = [&](int k0, const float2 (&f)[KB][4]) {
+#pragma unroll
+    for (int i = 0; i < KB; ++i)
+      if (k0 + i < n) use(k0 + i, f[i]);
+  };
+  fetch_block(0, b0);
+  for (int k0 = 0; k0 < n; k0 += 2 * KB) {
+    fetch_block(k0 + KB, b1);
+    use_block(k0, b0);
+    fetch_block(k0 + 2 * KB, b0);
+    use_block(k0 + KB, b1);
+  }
+}
+
 // x (Q x (P + 8) bf16), S_in (P x (N + 8) bf16), then acs log2 e, Delta and the record per token (Q each).
 __host__ __device__ constexpr std::size_t scan_mma_smem(int P, int N, int Q) {
   return std::size_t(Q) * (P + kPad) * 2 + std::size_t(P) * (N + kPad) * 2 + 3 * std::size_t(Q) * 4;
@@ -1120,25 +1146,21 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 3 : 2) chunk_scan_mma_kern
         f[2] = in[0] ? load2<V4>(c0 + k + 8) : z;
         f[3] = in[1] ? load2<V4>(c1 + k + 8) : z;
       };
-      float2 cur[4], nx1[4];
-      // two steps in flight ahead of the one multiplied (the loads' latency, not the issue rate, bounded this loop)
-      fetch(0, cur);
-      if (a.N > 16) fetch(16, nx1);
-      for (int k = 0; k < a.N; k += 16) {
-        float2 nx2[4];
-        if (k + 32 < a.N) fetch(k + 32, nx2);
-        const unsigned fa[4] = {pack_bf16(cur[0].x, cur[0].y), pack_bf16(cur[1].x, cur[1].y),
-                                pack_bf16(cur[2].x, cur[2].y), pack_bf16(cur[3].x, cur[3].y)};
+      // two steps a block (32 columns of C), the next block in flight
+      pipelined<2>(
+          a.N / 16, [&](int i, float2(&f)[4]) { fetch(16 * i, f); },
+          [&](int i, const float2(&cur)[4]) {
+            const int k = 16 * i;
+            const unsigned fa[4] = {pack_bf16(cur[0].x, cur[0].y), pack_bf16(cur[1].x, cur[1].y),
+                                    pack_bf16(cur[2].x, cur[2].y), pack_bf16(cur[3].x, cur[3].y)};
 #pragma unroll
-        for (int jj = 0; jj < PT; ++jj) {
-          unsigned fb[4];  // S_in rows p = 16 jj .. (k = n): B fragments of column blocks 2 jj and 2 jj + 1
-          ldsm4<false>(fb, ss + (16 * jj + lane % 8 + (lane / 16) * 8) * ldn + k + ((lane / 8) % 2) * 8);
-          mma_bf16(acc[2 * jj], fa, fb[0], fb[1]);
-          mma_bf16(acc[2 * jj + 1], fa, fb[2], fb[3]);
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i) cur[i] = nx1[i], nx1[i] = nx2[i];
-      }
+            for (int jj = 0; jj < PT; ++jj) {
+              unsigned fb[4];  // S_in rows p = 16 jj .. (k = n): B fragments of column blocks 2 jj and 2 jj + 1
+              ldsm4<false>(fb, ss + (16 * jj + lane % 8 + (lane / 16) * 8) * ldn + k + ((lane / 8) % 2) * 8);
+              mma_bf16(acc[2 * jj], fa, fb[0], fb[1]);
+              mma_bf16(acc[2 * jj + 1], fa, fb[2], fb[3]);
+            }
+          });
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         float e = 0.f;
@@ -1195,24 +1217,19 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 3 : 2) chunk_scan_mma_kern
           mma_bf16(acc[2 * jj + 1], fa, fb[2], fb[3]);
         }
       };
-      // two steps in flight ahead of the one multiplied
-      float2 cur[4], nx1[4];
-      fetch(0, cur);
-      if (r0 >= 16) fetch(16, nx1);
-      for (int s0 = 0; s0 < r0; s0 += 16) {
-        float2 nx2[4];
-        if (s0 + 32 <= r0) fetch(s0 + 32, nx2);
-        step(s0, cur, std::false_type{});
-#pragma unroll
-        for (int i = 0; i < 4; ++i) cur[i] = nx1[i], nx1[i] = nx2[i];
-      }
+      // the diagonal step's C B^T in flight from the start; the steps below it two a block, the next in flight
+      float2 dg[4];
+      fetch(r0, dg);
+      pipelined<2>(
+          mt, [&](int i, float2(&f)[4]) { fetch(16 * i, f); },
+          [&](int i, const float2(&cur)[4]) { step(16 * i, cur, std::false_type{}); });
       // the diagonal step, with the epilogue's x in flight
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr)
 #pragma unroll
         for (int j = 0; j < NB; ++j)
           xv[hr][j] = in[hr] ? load2<V4>(xg + std::int64_t(l[hr]) * a.ldx + 2 * cq + 8 * j) : make_float2(0.f, 0.f);
-      step(r0, cur, std::true_type{});
+      step(r0, dg, std::true_type{});
     }
 
     // y = acc + D x for the rows inside the chunk
