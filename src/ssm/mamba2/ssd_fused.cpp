@@ -1012,10 +1012,12 @@ __global__ void __launch_bounds__(kThreads, 2) intra_bwd_mma_kernel(const Args a
 // spread evenly) with mma.sync m16n8k16 (bf16 operands, fp32 accumulation). The A operands never touch shared
 // memory: each thread loads the fp32 elements its fragment holds (rows g, g + 8 and columns 2 c, 2 c + 1,
 // 2 c + 8, 2 c + 9 of a 16 x 16 step: C for the inter-chunk term, C B^T for the intra-chunk one) straight from
-// global memory a step ahead, applies the decays, mask and Delta in registers and rounds them to bf16 pairs; the
-// B operands (S_in rows p, k = n; x rows s, k = s transposed) come from shared memory by ldmatrix. The inter-chunk
-// term's factor e_in(l) scales the accumulator's rows instead of C's elements. y = acc + D x goes out from the
-// accumulator's registers.
+// global memory, two steps a block with the next block in flight (pipelined), applies the decays, mask and Delta
+// in registers and rounds them to bf16 pairs; the B operands (S_in rows p, k = n; x rows s, k = s transposed) come
+// from shared memory by ldmatrix. The inter-chunk term's factor e_in(l) scales the accumulator's rows instead of
+// C's elements. y = acc + D x goes out from the accumulator's registers. At L 65,536, 24 heads, headdim 64,
+// d_state 128 on an H200: 0.88 ms against 1.18 ms for the WMMA kernel, bound by the latency of those global loads
+// (perf/RESULTS.md, twenty-first session).
 template <bool V2>
 __device__ __forceinline__ float2 load2(const float* p) {
   if constexpr (V2) return *reinterpret_cast<const float2*>(p);
@@ -1087,7 +1089,17 @@ __device__ __forceinline__ void pipelined(int n, Fetch&& fetch, Use&& use) {
 __host__ __device__ constexpr std::size_t scan_mma_smem(int P, int N, int Q) {
   return std::size_t(Q) * (P + kPad) * 2 + std::size_t(P) * (N + kPad) * 2 + 3 * std::size_t(Q) * 4;
 }
-constexpr std::size_t kMaxBlockSmem = 227 * 1024;  // an H100's / H200's opt-in limit per block
+// The device's opt-in shared-memory limit per block (227 KB on an H100 or H200), asked once.
+std::size_t max_block_smem() {
+  static const std::size_t bytes = [] {
+    int dev = 0, v = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
+      v = 48 * 1024;  // the limit every device grants
+    return std::size_t(v);
+  }();
+  return bytes;
+}
 
 template <int PT, bool V4>
 __global__ void __launch_bounds__(kThreads, PT <= 4 ? 3 : 2) chunk_scan_mma_kernel(const Args a) {
@@ -1601,7 +1613,7 @@ bool aligned4(const Args& a) {
 template <int PT, bool V4>
 void launch(const Args& a, bool scan) {
   const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
-  if (scan && scan_form == Form::mma && scan_mma_smem(PT * 16, a.N, a.Q) <= kMaxBlockSmem &&
+  if (scan && scan_form == Form::mma && scan_mma_smem(PT * 16, a.N, a.Q) <= max_block_smem() &&
       std::int64_t(a.batch) * a.nc <= 65535) {
     const std::size_t bytes = scan_mma_smem(PT * 16, a.N, a.Q);
     allow_smem<chunk_scan_mma_kernel<PT, V4>>(bytes, "chunk scan (mma)");
