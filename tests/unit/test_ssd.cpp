@@ -27,6 +27,21 @@ struct Case {
   double workspace = double(256ull << 20);  // gemm: bytes per Q x Q workspace
 };
 
+// The sizes of a fused-kernel test case (CUDA shapes); the rest of the Case as its defaults.
+struct FusedShape {
+  index_t L, H, P, G, N, Q;
+  Case to_case() const {
+    Case c;
+    c.L = L;
+    c.H = H;
+    c.P = P;
+    c.G = G;
+    c.N = N;
+    c.Q = Q;
+    return c;
+  }
+};
+
 const char* algo_name(SSDAlgo a) {
   return a == SSDAlgo::gemm ? "gemm" : a == SSDAlgo::fused ? "fused" : "portable";
 }
@@ -207,18 +222,9 @@ TEST_CASE("SSD fused tensor-core forward stays within bf16 rounding of the doubl
   // Shapes the CUDA kernels take (headdim a multiple of 16, d_state a multiple of 16, chunk a multiple of 64): a
   // short last chunk, packed records, an initial state, two groups, d_state over one 64-wide slab, headdim 64 and
   // 128. On host builds fused is the GEMM formulation in fp32 and meets the same bound with room to spare.
-  struct Shape {
-    index_t L, H, P, G, N, Q;
-  };
-  for (const Shape& sh : {Shape{300, 4, 16, 2, 32, 64}, Shape{333, 2, 64, 1, 128, 128}, Shape{200, 2, 128, 2, 80, 64},
-                          Shape{256, 3, 48, 1, 16, 256}}) {
-    Case c;
-    c.L = sh.L;
-    c.H = sh.H;
-    c.P = sh.P;
-    c.G = sh.G;
-    c.N = sh.N;
-    c.Q = sh.Q;
+  for (const FusedShape& sh : {FusedShape{300, 4, 16, 2, 32, 64}, FusedShape{333, 2, 64, 1, 128, 128},
+                               FusedShape{200, 2, 128, 2, 80, 64}, FusedShape{256, 3, 48, 1, 16, 256}}) {
+    Case c = sh.to_case();
     c.algo = SSDAlgo::fused;
     c.compute = GemmCompute::bf16;
     // the chunk scan's mma.sync kernel and (CUDA builds) its earlier WMMA form
@@ -243,13 +249,12 @@ TEST_CASE("SSD fused tensor-core backward equals the fp32 GEMM formulation's wit
   // takes the per-tile form (ssd_fused::epilogue_writes_wdecay is false there; true for the others); every
   // gradient against the gemm algorithm in fp32, which the double tests tie to finite differences. On host builds
   // both are the fp32 GEMM formulation.
-  struct Shape {
-    index_t L, H, P, G, N, Q;
+  struct Shape : FusedShape {
     double workspace_heads;  // the Q x Q workspace budget in heads (blocks of heads and runs)
   };
-  for (const Shape& sh : {Shape{300, 4, 16, 2, 32, 64, 8}, Shape{333, 2, 64, 1, 128, 128, 1},
-                          Shape{200, 4, 128, 2, 80, 64, 2}, Shape{256, 3, 48, 1, 16, 256, 3},
-                          Shape{160, 2, 128, 1, 128, 64, 2}}) {
+  for (const Shape& sh : {Shape{{300, 4, 16, 2, 32, 64}, 8}, Shape{{333, 2, 64, 1, 128, 128}, 1},
+                          Shape{{200, 4, 128, 2, 80, 64}, 2}, Shape{{256, 3, 48, 1, 16, 256}, 3},
+                          Shape{{160, 2, 128, 1, 128, 64}, 2}}) {
     for (bool records : {true, false}) {
       // k = 0: the reference; 1: fused; 2: fused with the intra-chunk backward's WMMA kernel (CUDA builds only)
       std::vector<std::vector<double>> grads[3];
@@ -257,14 +262,8 @@ TEST_CASE("SSD fused tensor-core backward equals the fp32 GEMM formulation's wit
       // one record a row: the native kernels' unmasked path for tile pairs below the diagonal (CUDA builds)
       if (!records && !kernels) continue;
       for (int k = 0; k < (kernels ? 3 : 2); ++k) {
-        Case c;
+        Case c = sh.to_case();
         c.records = records;
-        c.L = sh.L;
-        c.H = sh.H;
-        c.P = sh.P;
-        c.G = sh.G;
-        c.N = sh.N;
-        c.Q = sh.Q;
         c.dt_lo = 0.02;
         c.algo = k == 0 ? SSDAlgo::gemm : SSDAlgo::fused;
         c.compute = k == 0 ? GemmCompute::fp32 : GemmCompute::bf16;
