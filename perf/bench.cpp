@@ -423,7 +423,9 @@ void bench_ssd(int reps, const std::vector<SSDVariant>& variants) {
     const double t_f = time_median(1, r, [&] { ssd_forward<T>(s, in, y, View4<float>()); });
     record(nf, "time", t_f * 1e3, "ms");
     record_rates(nf, fwd_bytes, fwd_flops, t_f);
-    if (var.algo == SSDAlgo::fused && ssd_fused::fits(int(P), int(N), int(Q))) {  // the former WMMA chunk scan
+    // the native kernels run (CUDA, a shape they take): each also timed with its former WMMA form
+    const bool kernels = var.algo == SSDAlgo::fused && ssd_fused::fits(int(P), int(N), int(Q));
+    if (kernels) {  // the former WMMA chunk scan
       const ssd_fused::FormScope form(ssd_fused::scan_form, ssd_fused::Form::wmma);
       record(nf + " (chunk scan: WMMA kernel)", "time",
              time_median(1, r, [&] { ssd_forward<T>(s, in, y, View4<float>()); }) * 1e3, "ms");
@@ -456,7 +458,7 @@ void bench_ssd(int reps, const std::vector<SSDVariant>& variants) {
     if (var.algo != SSDAlgo::portable)
       record(nfb + " (backward recomputing the context)", "time", time_median(1, r, [&] { fwd_bwd(false); }) * 1e3,
              "ms");
-    if (var.algo == SSDAlgo::fused && ssd_fused::fits(int(P), int(N), int(Q))) {  // the former WMMA kernel
+    if (kernels) {  // the former WMMA intra-chunk backward
       const ssd_fused::FormScope form(ssd_fused::intra_form, ssd_fused::Form::wmma);
       record(nfb + " (intra-chunk backward: WMMA kernel)", "time", time_median(1, r, [&] { fwd_bwd(true); }) * 1e3,
              "ms");

@@ -1613,12 +1613,11 @@ bool aligned4(const Args& a) {
 template <int PT, bool V4>
 void launch(const Args& a, bool scan) {
   const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
-  if (scan && scan_form == Form::mma && scan_mma_smem(PT * 16, a.N, a.Q) <= max_block_smem() &&
-      std::int64_t(a.batch) * a.nc <= 65535) {
-    const std::size_t bytes = scan_mma_smem(PT * 16, a.N, a.Q);
-    allow_smem<chunk_scan_mma_kernel<PT, V4>>(bytes, "chunk scan (mma)");
+  const std::size_t mma_bytes = scan_mma_smem(PT * 16, a.N, a.Q);
+  if (scan && scan_form == Form::mma && mma_bytes <= max_block_smem() && std::int64_t(a.batch) * a.nc <= 65535) {
+    allow_smem<chunk_scan_mma_kernel<PT, V4>>(mma_bytes, "chunk scan (mma)");
     // the heads of a chunk side by side in the launch order: they read the same C and C B^T
-    chunk_scan_mma_kernel<PT, V4><<<dim3(a.H, a.batch * a.nc), kThreads, bytes, st>>>(a);
+    chunk_scan_mma_kernel<PT, V4><<<dim3(a.H, a.batch * a.nc), kThreads, mma_bytes, st>>>(a);
     check_launch("chunk scan (mma)");
   } else if (scan) {
     const dim3 grid((a.Q + kTile - 1) / kTile, a.H, a.batch * a.nc);
