@@ -3,6 +3,7 @@
 #include "core/cuda_launch.hpp"
 #include "core/error.hpp"
 #include "core/pool.hpp"
+#include "tensor/gemm.hpp"
 #include "tensor/ops.hpp"
 
 namespace mm {
@@ -98,12 +99,14 @@ __device__ __forceinline__ void load_group(const RowThreads<V, WPR>& rt, const f
 }
 
 // y = x silu(z) rstd w (both orders), rstd = 1 / sqrt(mean(v^2) + eps) over the group, v = x silu(z) (gate_first)
-// or x (gs4 float4 a group). z null: the plain RMSNorm (silu(z) = 1, norm_first).
+// or x (gs4 float4 a group). z null: the plain RMSNorm (silu(z) = 1, norm_first). yb (rows ldyb apart) not null:
+// y rounded to bf16 there as well (y null: only there), the input of a GEMM on bf16 operands.
 template <int V, int WPR>
 __global__ void __launch_bounds__(32 * kNormWarps)
     gated_norm_fwd(const float* __restrict__ x, long long ldx, const float* __restrict__ z, long long ldz,
-                   const float* __restrict__ w, float* __restrict__ y, long long ldy, float* __restrict__ rstd,
-                   long long ldr, long long n, int gs4, bool gate_first, float eps) {
+                   const float* __restrict__ w, float* __restrict__ y, long long ldy, __nv_bfloat16* __restrict__ yb,
+                   long long ldyb, float* __restrict__ rstd, long long ldr, long long n, int gs4, bool gate_first,
+                   float eps) {
   using RT = RowThreads<V, WPR>;
   __shared__ float red[kNormWarps];
   const RT rt;
@@ -130,14 +133,18 @@ __global__ void __launch_bounds__(32 * kNormWarps)
     if (!live) continue;
     const float r = 1.f / sqrtf(ss / float(4 * gs4) + eps);
     if (rt.li == 0) rstd[i * ldr + g] = r;
-    float4* y4 = reinterpret_cast<float4*>(y + i * ldy) + g * gs4;
 #pragma unroll
     for (int v = 0; v < V; ++v)
       if (rt.has(v, gs4)) {
         float4 wv = w4[rt.col(v)], o;
 #pragma unroll
         for (int k = 0; k < 4; ++k) comp(o, k) = comp(xv[v], k) * comp(sv[v], k) * r * comp(wv, k);
-        y4[rt.col(v)] = o;
+        if (y) (reinterpret_cast<float4*>(y + i * ldy) + g * gs4)[rt.col(v)] = o;
+        if (yb) {
+          const __nv_bfloat162 lo = __floats2bfloat162_rn(o.x, o.y), hi = __floats2bfloat162_rn(o.z, o.w);
+          (reinterpret_cast<uint2*>(yb + i * ldyb) + g * gs4)[rt.col(v)] =
+              make_uint2(*reinterpret_cast<const unsigned*>(&lo), *reinterpret_cast<const unsigned*>(&hi));
+        }
       }
   }
 }
@@ -255,14 +262,14 @@ unsigned norm_row_blocks(K kernel, index_t n, index_t ng, int rows_per_block) {
 // The launches (norm_fits checked by the caller; z null: the plain RMSNorm).
 void norm_forward(const char* name, const float* x, index_t ldx, const float* z, index_t ldz, const float* w,
                   float* y, index_t ldy, float* rstd, index_t ldr, index_t n, index_t width, index_t gs,
-                  bool gate_first, double eps) {
+                  bool gate_first, double eps, __nv_bfloat16* yb = nullptr, index_t ldyb = 0) {
   const index_t gs4 = gs / 4, ng = width / gs;
   auto kernel = pick_norm_kernel(gs4, gated_norm_fwd<1, 1>, gated_norm_fwd<2, 1>, gated_norm_fwd<3, 1>,
                                  gated_norm_fwd<4, 1>, gated_norm_fwd<2, 4>, gated_norm_fwd<3, 4>,
                                  gated_norm_fwd<4, 4>);
   const int rpb = norm_rows_per_block(gs4);
   launch_grid(name, dim3(norm_row_blocks(kernel, n, ng, rpb), unsigned(ng)), dim3(32 * kNormWarps), kernel, x, ldx,
-              z, ldz, w, y, ldy, rstd, ldr, n, int(gs4), gate_first, float(eps));
+              z, ldz, w, y, ldy, yb, ldyb, rstd, ldr, n, int(gs4), gate_first, float(eps));
 }
 
 void norm_backward(const char* name, const char* name_dw, const float* x, index_t ldx, const float* z, index_t ldz,
@@ -382,6 +389,32 @@ void gated_rmsnorm_forward(const GatedNormIn<T>& in, index_t width, index_t grou
       y(i, j) = static_cast<T>(P(x(i, xc + j)) * s * r * w(j));
     });
   });
+}
+
+void gated_rmsnorm_forward_bf16(const GatedNormIn<float>& in, index_t width, index_t group_size, GateOrder order,
+                                const View1<const float>& w, double eps, const View2<bf16_op_t>& yb,
+                                const View2<float>& rstd) {
+  const index_t n = yb.extent(0);
+  require(index_t(yb.extent(1)) == width, "gated_rmsnorm", "bf16 output of ", yb.extent(1), " columns for width ",
+          width);
+#if defined(KOKKOS_ENABLE_CUDA)
+  // (8-byte stores of 4 bf16: rows of a multiple of 4 columns, 8-byte aligned)
+  if (n > 0 && in.x_col % 4 == 0 && in.z_col % 4 == 0 && width % 4 == 0 &&
+      reinterpret_cast<std::uintptr_t>(yb.data()) % 8 == 0 &&
+      cuda_k::norm_fits(group_size, {{in.x.data() + in.x_col, in.x.stride(0)}, {in.z.data() + in.z_col, in.z.stride(0)},
+                                     {w.data(), 0}})) {
+    require(width % group_size == 0, "gated_rmsnorm", "width ", width, " is not divisible by group_size ", group_size);
+    cuda_k::norm_forward("gated_rmsnorm::forward", in.x.data() + in.x_col, in.x.stride(0), in.z.data() + in.z_col,
+                         in.z.stride(0), w.data(), nullptr, 0, rstd.data(), rstd.stride(0), n, width, group_size,
+                         order == GateOrder::gate_first, eps, reinterpret_cast<__nv_bfloat16*>(yb.data()), yb.stride(0));
+    return;
+  }
+#endif
+  // elsewhere: the fp32 output, then rounded
+  PoolScope ws;
+  View2<float> y = ws.take<View2<float>>("gated_rmsnorm::y_fp32", n, width);
+  gated_rmsnorm_forward<float>(in, width, group_size, order, w, eps, y, rstd);
+  par_for("gated_rmsnorm::round_bf16", n, width, KOKKOS_LAMBDA(index_t i, index_t j) { yb(i, j) = to_bf16_op(y(i, j)); });
 }
 
 template <class T>

@@ -11,6 +11,7 @@
 #pragma once
 
 #include "core/kokkos_types.hpp"
+#include "tensor/gemm.hpp"
 
 namespace mm {
 
@@ -39,6 +40,13 @@ template <class T>
 void gated_rmsnorm_forward(const GatedNormIn<T>& in, index_t width, index_t group_size, GateOrder order,
                            const View1<const acc_t<T>>& w, double eps, const View2<T>& y,
                            const View2<acc_t<T>>& rstd /* (n, width / group_size) */);
+
+// The float gated norm with y written only as its bf16 copy yb (n x width; host builds: bf16-rounded floats), the
+// input of a GEMM on bf16 copies (tensor/gemm.hpp, float_gemm_on_bf16_copies): one pass writing 2 bytes an element
+// instead of the fp32 output and the GEMM's rounding pass over it.
+void gated_rmsnorm_forward_bf16(const GatedNormIn<float>& in, index_t width, index_t group_size, GateOrder order,
+                                const View1<const float>& w, double eps, const View2<bf16_op_t>& yb,
+                                const View2<float>& rstd);
 
 // Writes dx and dz into column windows (dx_col, dz_col) of the given matrices; dw += .
 template <class T>

@@ -186,25 +186,28 @@ void gemm_float_via_bf16(Trans ta, Trans tb, float alpha, GemmIn<float> A, GemmI
 
 // The linear backward's two products with bf16 copies shared between them: token rows in blocks, each block of
 // dy rounded once for dx = dy W and dW += dy^T x (W rounded once).
+// xg: the input's bf16 copy where the caller has one (its blocks are then used in place of rounding x).
 void linear_backward_via_bf16(GemmIn<float> dy, GemmIn<float> W, GemmIn<float> x, float beta_dx, GemmOut<float> dx,
-                              float beta_dw, GemmOut<float> dW) {
+                              float beta_dw, GemmOut<float> dW, GemmIn<bf16> xg = GemmIn<bf16>()) {
   const index_t T = dy.extent(0), O = dy.extent(1), I = W.extent(1);
+  const bool given = xg.data() != nullptr;
   PoolScope ws;
   auto Wb = ws.take<View1<bf16>>("gemm::w_bf16", O * I);
   cast_bf16(W.data(), W.stride(0), O, I, Wb.data());
   const index_t rows =
       std::clamp<index_t>(g_bf16_cast_block / std::max<index_t>({O, I, 1}), 1, std::max<index_t>(T, 1));
   auto dyb = ws.take<View1<bf16>>("gemm::dy_bf16", rows * O);
-  auto xb = ws.take<View1<bf16>>("gemm::x_bf16", rows * I);
+  auto xb = given ? View1<bf16>() : ws.take<View1<bf16>>("gemm::x_bf16", rows * I);
   for (index_t t0 = 0; t0 < T; t0 += rows) {
     const index_t r = std::min(rows, T - t0);
     cast_bf16(dy.data() + t0 * dy.stride(0), dy.stride(0), r, O, dyb.data());
-    cast_bf16(x.data() + t0 * x.stride(0), x.stride(0), r, I, xb.data());
+    if (!given) cast_bf16(x.data() + t0 * x.stride(0), x.stride(0), r, I, xb.data());
+    const bf16* xr = given ? xg.data() + t0 * xg.stride(0) : xb.data();
     if (dx.extent(0) > 0)
       gemm_bf16_cublas(Trans::N, Trans::N, r, I, O, 1.0f, dyb.data(), O, Wb.data(), I, beta_dx,
                        dx.data() + t0 * dx.stride(0), CUDA_R_32F, dx.stride(0));
-    gemm_bf16_cublas(Trans::T, Trans::N, O, I, r, 1.0f, dyb.data(), O, xb.data(), I, t0 == 0 ? beta_dw : 1.0f,
-                     dW.data(), CUDA_R_32F, dW.stride(0));
+    gemm_bf16_cublas(Trans::T, Trans::N, O, I, r, 1.0f, dyb.data(), O, xr, given ? xg.stride(0) : I,
+                     t0 == 0 ? beta_dw : 1.0f, dW.data(), CUDA_R_32F, dW.stride(0));
   }
 }
 
@@ -374,6 +377,54 @@ bool float_gemm_bf16_cast() {
   return g_bf16_cast;
 #else
   return false;
+#endif
+}
+
+bool float_gemm_on_bf16_copies() { return float_gemm_bf16_cast() && g_float_compute == GemmCompute::bf16; }
+
+namespace {
+void check_linear_bf16_shapes(const char* what, index_t T, index_t I, index_t O, GemmIn<bf16_op_t> xb, GemmIn<float> W) {
+  require(index_t(xb.extent(0)) == T && index_t(xb.extent(1)) == I && index_t(W.extent(0)) == O &&
+              index_t(W.extent(1)) == I,
+          what, "shapes do not match: x (bf16 copy) ", xb.extent(0), "x", xb.extent(1), ", W ", W.extent(0), "x",
+          W.extent(1), ", rows ", T, ", outputs ", O);
+}
+}  // namespace
+
+void linear_forward_gemm_bf16x(GemmIn<bf16_op_t> xb, GemmIn<float> W, GemmOut<float> y) {
+  const index_t T = y.extent(0), O = y.extent(1), I = W.extent(1);
+  check_linear_bf16_shapes("linear_forward_gemm_bf16x", T, I, O, xb, W);
+#if defined(KOKKOS_ENABLE_CUDA)
+  if (T == 0 || O == 0) return;
+  if (I == 0) return Kokkos::deep_copy(y, 0.0f);
+  PoolScope ws;
+  auto Wb = ws.take<View1<bf16>>("gemm::w_bf16", O * I);
+  cast_bf16(W.data(), W.stride(0), O, I, Wb.data());
+  gemm_bf16_cublas(Trans::N, Trans::T, T, O, I, 1.0f, xb.data(), xb.stride(0), Wb.data(), I, 0.0f, y.data(),
+                   CUDA_R_32F, y.stride(0));
+#else
+  gemm(Trans::N, Trans::T, 1.0f, xb, W, 0.0f, y);
+#endif
+}
+
+void linear_backward_gemms_bf16x(GemmIn<float> dy, GemmIn<float> W, GemmIn<bf16_op_t> xb, float beta_dx,
+                                 GemmOut<float> dx, float beta_dw, GemmOut<float> dW) {
+  const index_t T = dy.extent(0), O = dy.extent(1), I = W.extent(1);
+  check_linear_bf16_shapes("linear_backward_gemms_bf16x", T, I, O, xb, W);
+  require(index_t(dW.extent(0)) == O && index_t(dW.extent(1)) == I &&
+              (dx.extent(0) == 0 || (index_t(dx.extent(0)) == T && index_t(dx.extent(1)) == I)),
+          "linear_backward_gemms_bf16x", "shapes do not match: dx ", dx.extent(0), "x", dx.extent(1), ", dW ",
+          dW.extent(0), "x", dW.extent(1));
+#if defined(KOKKOS_ENABLE_CUDA)
+  if (T > 0 && O > 0 && I > 0) return linear_backward_via_bf16(dy, W, GemmIn<float>(), beta_dx, dx, beta_dw, dW, xb);
+  // an empty product: dx = beta_dx dx + dy W (K = O may be 0), dW = beta_dw dW when there are no rows
+  if (dx.extent(0) > 0) gemm(Trans::N, Trans::N, 1.0f, dy, W, beta_dx, dx);
+  if (T == 0 && O > 0 && I > 0)
+    Kokkos::parallel_for(
+        "gemm::scale_dw", Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2>>({0, 0}, {O, I}),
+        KOKKOS_LAMBDA(index_t o, index_t i) { dW(o, i) *= beta_dw; });
+#else
+  linear_backward_gemms(dy, W, xb, beta_dx, dx, beta_dw, dW);
 #endif
 }
 

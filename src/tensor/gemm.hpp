@@ -110,6 +110,21 @@ using bf16_op_t = bf16;
 using bf16_op_t = float;
 #endif
 
+// Whether float gemm() runs on bf16 copies of its operands (CUDA under GemmCompute::bf16 with the cast on; never on
+// host builds). Then a kernel that produces a GEMM's input can write the bf16 copy itself, and the two calls below
+// take it in place of their own rounding pass over the input (a read of fp32 and a write of bf16 per GEMM), and a
+// copy kept for the backward takes half the memory of the fp32 activation.
+bool float_gemm_on_bf16_copies();
+
+// The linear layer's products with the input given as its bf16 copy xb (T x in; host builds: bf16-rounded floats):
+//   forward  y = xb W^T (W rounded to bf16 here, fp32 accumulation and output);
+//   backward dx = dy W + beta_dx dx (skipped when dx has no rows), dW = dy^T xb + beta_dw dW.
+// On CUDA these are the products gemm() / linear_backward_gemms() compute on bf16 copies; host builds run them in
+// fp32 on the given values.
+void linear_forward_gemm_bf16x(GemmIn<bf16_op_t> xb, GemmIn<float> W, GemmOut<float> y);
+void linear_backward_gemms_bf16x(GemmIn<float> dy, GemmIn<float> W, GemmIn<bf16_op_t> xb, float beta_dx,
+                                 GemmOut<float> dx, float beta_dw, GemmOut<float> dW);
+
 // v rounded to the nearest bf16 (ties to even), as a float; infinities and NaNs unchanged.
 KOKKOS_INLINE_FUNCTION float bf16_round(float v) {
   std::uint32_t u = Kokkos::bit_cast<std::uint32_t>(v);

@@ -348,3 +348,68 @@ TEST_CASE("linear backward GEMMs: dx and dW from one rounding of dy equal the re
   View2<float> bad("bad", O + 1, I), dx("dx", T, I);
   CHECK_THROWS_WITH(linear_backward_gemms(dy, W, x, 0.0f, dx, 1.0f, bad), ContainsSubstring("shapes do not match"));
 }
+
+TEST_CASE("linear products on a given bf16 copy of the input equal those on the rounded input", "[gemm]") {
+  // y = xb W^T, dx = dy W + 0.5 dx0, dW = dy^T xb + dW0 with xb the input rounded to bf16 by its producer. CUDA:
+  // W and dy are rounded here as the other bf16 GEMMs round them (a block of 100 elements puts the rows in blocks);
+  // host builds: fp32 products of the given values.
+  const index_t T = 37, O = 16, I = 24;
+  View2<float> dy("dy", T, O), W("W", O, I), x("x", T, I), dx0("dx0", T, I), dW0("dW0", O, I);
+  mmtest::fill_uniform(dy, 31);
+  mmtest::fill_uniform(W, 32);
+  mmtest::fill_uniform(x, 33);
+  mmtest::fill_uniform(dx0, 34);
+  mmtest::fill_uniform(dW0, 35);
+  View2<bf16_op_t> xb("xb", T, I);
+  Kokkos::parallel_for(
+      "round", Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2>>({0, 0}, {T, I}),
+      KOKKOS_LAMBDA(index_t t, index_t i) { xb(t, i) = to_bf16_op(x(t, i)); });
+  const auto g = mmtest::to_vec(dy), w = mmtest::to_vec(W), xv = mmtest::to_vec(x), dxi = mmtest::to_vec(dx0),
+             dWi = mmtest::to_vec(dW0);
+#if defined(KOKKOS_ENABLE_CUDA)
+  auto r = [](double v) { return double(bf16_round(float(v))); };
+#else
+  auto r = [](double v) { return v; };
+#endif
+  std::vector<double> y_ref(T * O), dx_ref(T * I), dW_ref(O * I);
+  for (index_t t = 0; t < T; ++t)
+    for (index_t o = 0; o < O; ++o) {
+      double s = 0;
+      for (index_t i = 0; i < I; ++i) s += double(bf16_round(float(xv[t * I + i]))) * r(w[o * I + i]);
+      y_ref[t * O + o] = s;
+    }
+  for (index_t t = 0; t < T; ++t)
+    for (index_t i = 0; i < I; ++i) {
+      double s = 0;
+      for (index_t o = 0; o < O; ++o) s += r(g[t * O + o]) * r(w[o * I + i]);
+      dx_ref[t * I + i] = s + 0.5 * dxi[t * I + i];
+    }
+  for (index_t o = 0; o < O; ++o)
+    for (index_t i = 0; i < I; ++i) {
+      double s = 0;
+      for (index_t t = 0; t < T; ++t) s += r(g[t * O + o]) * double(bf16_round(float(xv[t * I + i])));
+      dW_ref[o * I + i] = s + dWi[o * I + i];
+    }
+  const FloatGemmComputeScope scope(GemmCompute::bf16);
+  set_float_gemm_bf16_cast(true, 100);
+#if defined(KOKKOS_ENABLE_CUDA)
+  CHECK(float_gemm_on_bf16_copies());
+#else
+  CHECK_FALSE(float_gemm_on_bf16_copies());
+#endif
+  View2<float> y("y", T, O);
+  linear_forward_gemm_bf16x(xb, W, y);
+  CHECK(mmtest::rel_err(mmtest::to_vec(y), y_ref) < 1e-5);
+  for (const bool with_dx : {true, false}) {
+    View2<float> dx("dx", with_dx ? T : 0, I), dW("dW", O, I);
+    if (with_dx) Kokkos::deep_copy(dx, dx0);
+    Kokkos::deep_copy(dW, dW0);
+    linear_backward_gemms_bf16x(dy, W, xb, 0.5f, dx, 1.0f, dW);
+    INFO("with_dx=" << with_dx);
+    if (with_dx) CHECK(mmtest::rel_err(mmtest::to_vec(dx), dx_ref) < 1e-5);
+    CHECK(mmtest::rel_err(mmtest::to_vec(dW), dW_ref) < 1e-5);
+  }
+  set_float_gemm_bf16_cast(true);
+  View2<float> bad("bad", T, O + 1);
+  CHECK_THROWS_WITH(linear_forward_gemm_bf16x(xb, W, bad), ContainsSubstring("shapes do not match"));
+}

@@ -224,6 +224,15 @@ TEST_CASE("gated RMSNorm in float equals the double form (the native CUDA kernel
       CHECK(f2[0] == f[0]);
       CHECK(f2[2] == f[2]);
       CHECK(f2[3] == f[3]);
+      // y written only as its bf16 copy (the out_proj's input where the GEMMs take bf16 copies): the fp32 output
+      // rounded to nearest even, the same rstd
+      View2<bf16_op_t> yb("yb", n, E);
+      View2<float> rstdb("rstdb", n, E / gs);
+      gated_rmsnorm_forward_bf16(GatedNormIn<float>{srcf, xcol, srcf, zcol}, E, gs, order, wf, eps, yb, rstdb);
+      std::vector<double> y_rounded = f[0];
+      for (auto& v : y_rounded) v = bf16_round(float(v));
+      CHECK(to_vec(yb) == y_rounded);
+      CHECK(to_vec(rstdb) == f[1]);
     }
   }
 }

@@ -126,6 +126,53 @@ TEST_CASE("Mamba-2 mixer recompute policy gives bit-identical gradients", "[mamb
   CHECK(dus[0] == dus[1]);
 }
 
+TEST_CASE("Mamba-2 mixer with bf16 GEMMs: the out_proj input kept as the norm's bf16 copy", "[mamba2]") {
+  // Under bf16 GEMMs on CUDA the gated norm writes its output only as a bf16 copy, which out_proj's forward and
+  // weight gradient take in place of rounding an fp32 copy: the outputs and gradients stay within bf16 rounding of
+  // the fp32 GEMMs', and the recompute policy reproduces them bit for bit. Host builds compute the GEMMs in fp32
+  // and keep the fp32 output.
+  Mamba2Config cfg = tiny_mixer();
+  cfg.d_model = 16;
+  cfg.headdim = 8;  // 4 heads; groups of 16 columns (the native norm kernel's shapes)
+  const index_t B = 2, L = 19;
+  ParamStore<float> ps;
+  Mamba2Mixer<float> mixer(cfg, ps, "m.", 2);
+  ps.allocate();
+  ps.initialize(7);
+  View2<float> u("u", B * L, cfg.d_model), dout("dout", B * L, cfg.d_model);
+  fill_uniform(u, 3);
+  fill_uniform(dout, 4);
+  struct Run {
+    std::vector<double> out, du, grads;
+  };
+  auto run = [&](GemmCompute c, bool save) {
+    const FloatGemmComputeScope scope(c);
+    Mamba2Acts<float> acts;
+    View2<float> out("out", B * L, cfg.d_model), du("du", B * L, cfg.d_model);
+    mixer.forward(u, B, L, SeqIdxView(), out, acts, save);
+    if (save) {
+#if defined(KOKKOS_ENABLE_CUDA)
+      const bool copy = c == GemmCompute::bf16;
+#else
+      const bool copy = false;
+#endif
+      CHECK((acts.yn_b.extent(0) > 0) == copy);
+      CHECK((acts.yn.extent(0) > 0) == !copy);
+    }
+    ps.zero_grads();
+    mixer.backward(acts, B, L, SeqIdxView(), dout, du);
+    return Run{to_vec(out), to_vec(du), to_vec(ps.grads())};
+  };
+  const Run ref = run(GemmCompute::fp32, true), b16 = run(GemmCompute::bf16, true),
+            b16rc = run(GemmCompute::bf16, false);
+  CHECK(rel_err(b16.out, ref.out) < 3e-2);
+  CHECK(rel_err(b16.du, ref.du) < 3e-2);
+  CHECK(rel_err(b16.grads, ref.grads) < 3e-2);
+  CHECK(b16rc.out == b16.out);
+  CHECK(b16rc.du == b16.du);
+  CHECK(b16rc.grads == b16.grads);
+}
+
 TEST_CASE("Mamba-2 mixer backward with explicit states matches finite differences (initial and final state)",
           "[mamba2][gradcheck]") {
   for (index_t L : {2, 11})

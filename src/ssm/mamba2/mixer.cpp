@@ -287,21 +287,48 @@ void Mamba2Mixer<T>::take_activations(const View2<T>& u, index_t n, Mamba2Acts<T
   a.zxbcdt = ws.take<View2<T>>("mamba2::zxbcdt", n, Din_);
   a.xbc = ws.take<View2<T>>("mamba2::xbc", n, C_);
   a.y = ws.take<View2<T>>("mamba2::y", n, E_);
-  a.yn = ws.take<View2<T>>("mamba2::yn", n, E_);
+  if (bf16_out_proj())
+    a.yn_b = ws.take<View2<bf16_op_t>>("mamba2::yn_bf16", n, E_);
+  else
+    a.yn = ws.take<View2<T>>("mamba2::yn", n, E_);
   a.rstd = ws.take<View2<P>>("mamba2::rstd", n, G_);
 }
 
 template <class T>
 void Mamba2Mixer<T>::run_internals(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq,
                                    Mamba2Acts<T>& a, const View4<P>& final_ssm) const {
-  const index_t E = E_, G = G_;
+  const index_t E = E_;
   take_activations(u, batch * seqlen, a);
   linear_forward<T>(u, store_->v2(in_proj_), View1<const P>(), a.zxbcdt);
   conv1d_silu_forward<T>(Conv1dIn<T>{a.zxbcdt, E, batch, seqlen, C_, a.conv_init},
                          store_->v2(conv_w_), store_->v1(conv_b_), seq, a.xbc);
   ssd_forward<T>(ssd_shape(batch, seqlen), ssd_in(a, seq), a.y, final_ssm, &a.ssd, a.internals.get());
+  norm_forward(a);
+}
+
+// yn (or its bf16 copy yn_b) = the gated norm of y by silu(z).
+template <class T>
+void Mamba2Mixer<T>::norm_forward(Mamba2Acts<T>& a) const {
+  const index_t E = E_, G = G_;
+  if constexpr (std::is_same_v<T, float>)
+    if (a.yn_b.extent(0) > 0)
+      return gated_rmsnorm_forward_bf16(GatedNormIn<T>{a.y, 0, a.zxbcdt, 0}, E, E / G, GateOrder::gate_first,
+                                        store_->v1(norm_w_), cfg_.norm_eps, a.yn_b, a.rstd);
   gated_rmsnorm_forward<T>(GatedNormIn<T>{a.y, 0, a.zxbcdt, 0}, E, E / G, GateOrder::gate_first,
                            store_->v1(norm_w_), cfg_.norm_eps, a.yn, a.rstd);
+}
+
+// out = yn W_out^T from the kept gated-norm output, fp32 or its bf16 copy.
+template <class T>
+void Mamba2Mixer<T>::out_proj_forward(const Mamba2Acts<T>& a, const View2<T>& out) const {
+  if constexpr (std::is_same_v<T, float>)
+    if (a.yn_b.extent(0) > 0) return linear_forward_gemm_bf16x(a.yn_b, store_->v2(out_proj_), out);
+  linear_forward<T>(a.yn, store_->v2(out_proj_), View1<const P>(), out);
+}
+
+template <class T>
+bool Mamba2Mixer<T>::bf16_out_proj() const {
+  return std::is_same_v<T, float> && float_gemm_on_bf16_copies();
 }
 
 template <class T>
@@ -336,7 +363,7 @@ void Mamba2Mixer<T>::forward(const View2<T>& u, index_t batch, index_t seqlen, c
   }
   if (final) check_state(*final, batch, "Mamba2Mixer::forward (final state)");
   run_internals(u, batch, seqlen, seq, acts, final ? final->ssm : View4<P>());
-  linear_forward<T>(acts.yn, store_->v2(out_proj_), View1<const P>(), out);
+  out_proj_forward(acts, out);
   parallel::tp_allreduce_sum(*tp_, out, "Mamba2Mixer::forward");  // row-parallel out_proj: partial sums
   if (final)
     conv1d_state_out<T>(Conv1dIn<T>{acts.zxbcdt, E_, batch, seqlen, C_, acts.conv_init},
@@ -374,7 +401,11 @@ void Mamba2Mixer<T>::backward(Mamba2Acts<T>& a, index_t batch, index_t seqlen, c
   PoolScope ws;  // the gradients of the internals: cached device blocks, returned at the end
   // out_proj
   View2<T> dyn = ws.take<View2<T>>("mamba2::dyn", n, E);
-  linear_backward<T>(a.yn, store_->v2(out_proj_), dout, dyn, false, store_->g2(out_proj_), View1<P>());
+  bool done = false;
+  if constexpr (std::is_same_v<T, float>)
+    if ((done = a.yn_b.extent(0) > 0))
+      linear_backward_gemms_bf16x(dout, store_->v2(out_proj_), a.yn_b, 0.0f, dyn, 1.0f, store_->g2(out_proj_));
+  if (!done) linear_backward<T>(a.yn, store_->v2(out_proj_), dout, dyn, false, store_->g2(out_proj_), View1<P>());
   // gated norm: dy, and dz straight into the z columns of d(zxbcdt)
   View2<T> dzxbcdt = ws.take<View2<T>>("mamba2::dzxbcdt", n, Din_);
   View2<T> dy = ws.take<View2<T>>("mamba2::dy", n, E);
@@ -466,9 +497,8 @@ void Mamba2Mixer<T>::forward_cp(const View2<T>& u, index_t batch, index_t seqlen
     m2_cp_apply_state_in<T>(S_in, cont, a.ssm_init, lexp, a.xbc, ccol, a.y, batch, L, Lnz, H, Pd, N, HG,
                             ssd_shape(batch, seqlen).compute, cpws);
   }
-  gated_rmsnorm_forward<T>(GatedNormIn<T>{a.y, 0, a.zxbcdt, 0}, E, E / G, GateOrder::gate_first,
-                           store_->v1(norm_w_), cfg_.norm_eps, a.yn, a.rstd);
-  linear_forward<T>(a.yn, store_->v2(out_proj_), View1<const P>(), out);
+  norm_forward(a);
+  out_proj_forward(a, out);
   parallel::tp_allreduce_sum(*tp_, out, "Mamba2Mixer::forward");  // row-parallel out_proj: partial sums
   if (!save) {  // the recompute then runs the local code from the kept halo and incoming state
     Mamba2Acts<T> kept;

@@ -85,6 +85,9 @@ struct Mamba2Acts {
   View2<T> xbc;     // conv output
   View2<T> y;       // scan output (pre-norm)
   View2<T> yn;      // gated-norm output (out_proj input)
+  // the gated-norm output as its bf16 copy only (instead of yn), where the GEMMs run on bf16 copies of their
+  // operands (tensor/gemm.hpp, float_gemm_on_bf16_copies; T = float)
+  View2<bf16_op_t> yn_b;
   View2<acc_t<T>> rstd;
   SSDSaved<T> ssd;  // the scan's intermediates (gemm / fused algorithms), so its backward does not form them again
   // the blocks of zxbcdt, xbc, y, yn, rstd and ssd (core/pool.hpp): back to the cache when the last copy of these
@@ -163,6 +166,9 @@ class Mamba2Mixer {
                      Mamba2Acts<T>& acts, const View4<P>& final_ssm) const;
   // acts.u = u, and zxbcdt, xbc, y, yn, rstd for n tokens from a new workspace scope (acts.internals)
   void take_activations(const View2<T>& u, index_t n, Mamba2Acts<T>& acts) const;
+  void norm_forward(Mamba2Acts<T>& a) const;
+  void out_proj_forward(const Mamba2Acts<T>& a, const View2<T>& out) const;
+  bool bf16_out_proj() const;  // the gated-norm output kept as a bf16 copy only (yn_b)
   SSDShape ssd_shape(index_t batch, index_t seqlen) const;
   SSDIn<T> ssd_in(const Mamba2Acts<T>& acts, const SeqIdxView& seq) const;
   void check_state(const Mamba2State<T>& s, index_t batch, const char* what) const;
