@@ -430,11 +430,6 @@ void bench_ssd(int reps, const std::vector<SSDVariant>& variants) {
       record(nf + " (chunk scan: WMMA kernel)", "time",
              time_median(1, r, [&] { ssd_forward<T>(s, in, y, View4<float>()); }) * 1e3, "ms");
     }
-    if (kernels) {  // the former WMMA chunk state
-      const ssd_fused::FormScope form(ssd_fused::state_form, ssd_fused::Form::wmma);
-      record(nf + " (chunk state: WMMA kernel)", "time",
-             time_median(1, r, [&] { ssd_forward<T>(s, in, y, View4<float>()); }) * 1e3, "ms");
-    }
     // agreement with the first variant: max |y - y_0| / max |y_0| and the same for dx, dB, dC
     static std::vector<float> y0, dx0;
     auto host = [](const View2<T>& v) {

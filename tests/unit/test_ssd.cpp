@@ -227,11 +227,11 @@ TEST_CASE("SSD fused tensor-core forward stays within bf16 rounding of the doubl
     Case c = sh.to_case();
     c.algo = SSDAlgo::fused;
     c.compute = GemmCompute::bf16;
-    // the chunk state's and chunk scan's mma.sync kernels and (CUDA builds) their earlier WMMA forms
+    // the chunk scan's mma.sync kernel and (CUDA builds) its earlier WMMA form
     const bool kernels = ssd_fused::fits(int(sh.P), int(sh.N), int(sh.Q));
     for (ssd_fused::Form f : {ssd_fused::Form::mma, ssd_fused::Form::wmma}) {
       if (f == ssd_fused::Form::wmma && !kernels) continue;
-      const ssd_fused::FormScope scan(ssd_fused::scan_form, f), state(ssd_fused::state_form, f);
+      const ssd_fused::FormScope form(ssd_fused::scan_form, f);
       INFO("P=" << sh.P << " N=" << sh.N << " Q=" << sh.Q << (f == ssd_fused::Form::wmma ? " (WMMA form)" : ""));
       c.records = true;
       c.init = true;

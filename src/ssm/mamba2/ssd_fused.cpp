@@ -16,7 +16,7 @@
 
 namespace mm::ssd_fused {
 
-Form scan_form = Form::mma, intra_form = Form::mma, state_form = Form::mma;
+Form scan_form = Form::mma, intra_form = Form::mma;
 
 #if defined(KOKKOS_ENABLE_CUDA)
 namespace {
@@ -1256,108 +1256,6 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 3 : 2) chunk_scan_mma_kern
   }
 }
 
-// ------------------------------------------------------------------ forward: the chunk state on mma.sync
-//
-// One block per (64 columns n of the state, head, (row, chunk)), as the WMMA kernel: the chunk's B columns
-// (Q x 64) and w o x (Q x P, w_s = [same record as the chunk's last token] exp(acs_last - acs_s) Delta_s, applied
-// before the rounding to bf16, as the WMMA kernel does) are staged once in bf16 (up to 8 16-byte loads of a
-// thread in flight, instead of fp32 slices of 32 tokens with two barriers each), then warp w forms columns
-// n0 + 16 w .. + 15 of states = (w o X)^T B for every 16-row tile of P with mma.sync m16n8k16, both operands
-// from shared memory by ldmatrix (x and B transposed), and stores them from its registers.
-
-// w o x (Q x (P + 8) bf16), B (Q x (64 + 8) bf16), then w (Q floats).
-__host__ __device__ constexpr std::size_t state_mma_smem(int P, int Q) {
-  return std::size_t(Q) * (P + kPad) * 2 + std::size_t(Q) * kLdTile * 2 + std::size_t(Q) * 4;
-}
-
-// dst (rows x cols bf16, row stride ldd) <- scale(r) src(r, c) for r < nr, zero for r >= nr or c >= nc; cols and
-// nc multiples of 4, src rows lds apart (16-byte aligned when V4). Up to 8 groups of 4 a thread in flight.
-template <bool V4, class Scale>
-__device__ __forceinline__ void stage_rows_scaled(bf* dst, int ldd, const float* src, std::int64_t lds, int rows,
-                                                  int nr, int cols, int nc, Scale&& scale) {
-  const int c4 = cols / 4, total = rows * c4;
-  for (int i0 = 0; i0 < total; i0 += 8 * kThreads) {
-    float4 v[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int i = i0 + threadIdx.x + j * kThreads, r = i / c4, c = (i % c4) * 4;
-      v[j] = i < total && r < nr && c < nc ? load4<V4>(src + r * lds + c) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int i = i0 + threadIdx.x + j * kThreads, r = i / c4;
-      if (i >= total) continue;
-      const float f = scale(r);
-      store4_bf16(dst + r * ldd + (i % c4) * 4, make_float4(v[j].x * f, v[j].y * f, v[j].z * f, v[j].w * f));
-    }
-  }
-}
-
-template <int PT, bool V4>
-__global__ void __launch_bounds__(kThreads, 3) chunk_state_mma_kernel(const Args a) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  constexpr int P = PT * 16, ldx = P + kPad;
-  bf* xs = reinterpret_cast<bf*>(smem);                   // (Q, ldx): w o x, zero past the chunk's end
-  bf* bs = xs + a.Q * ldx;                                // (Q, kLdTile): B of the block's columns
-  float* w = reinterpret_cast<float*>(bs + a.Q * kLdTile);  // (Q)
-
-  const int n0 = blockIdx.x * kTile, h = blockIdx.y, bc = blockIdx.z;
-  const int b = bc / a.nc, ch = bc % a.nc, t0 = ch * a.Q, q = min(a.Q, a.L - t0), grp = h / (a.H / a.G);
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, cq = lane % 4;
-  const int nw = min(kTile, a.N - n0);
-  const std::int64_t row0 = std::int64_t(b) * a.L;
-  const float* xrow = a.xbc + (row0 + t0) * a.ldx;
-  {
-    const float* acs = a.acs + (std::int64_t(b) * a.H + h) * a.L + t0;
-    const float* dlt = a.delta + (std::int64_t(b) * a.H + h) * a.L + t0;
-    const float acs_last = acs[q - 1];
-    const int rec_last = a.seq ? a.seq[row0 + t0 + q - 1] : 0;
-    for (int s = tid; s < a.Q; s += kThreads) {
-      float v = 0.f;
-      if (s < q && (!a.seq || a.seq[row0 + t0 + s] == rec_last)) {
-        const float e = decay(acs_last - acs[s]);
-        v = e < a.cutoff ? 0.f : e * dlt[s];
-      }
-      w[s] = v;
-    }
-  }
-  // B's columns n0 .. n0 + nw - 1 (N % 16 == 0 and b_col % 4 == 0 under V4: 16-byte aligned groups)
-  stage_rows_scaled<V4>(bs, kLdTile, xrow + a.b_col + grp * a.N + n0, a.ldx, a.Q, q, kTile, nw,
-                        [](int) { return 1.f; });
-  __syncthreads();  // w
-  stage_rows_scaled<V4>(xs, ldx, xrow + a.x_col + h * P, a.ldx, a.Q, q, P, P, [w](int r) { return w[r]; });
-  __syncthreads();
-  if (warp * 16 >= nw) return;  // no columns for this warp (no barrier below)
-
-  float acc[PT][2][4];
-#pragma unroll
-  for (int i = 0; i < PT; ++i)
-#pragma unroll
-    for (int j = 0; j < 2; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
-  const int nk = (q + 15) / 16;
-  for (int kt = 0; kt < nk; ++kt) {
-    const int s0 = 16 * kt;
-    unsigned fb[4];  // B rows s0 .. s0 + 15 (k = s), columns 16 w ..: transposed, fragments of n-blocks 0 and 1
-    ldsm4<true>(fb, bs + (s0 + lane % 8 + ((lane / 8) % 2) * 8) * kLdTile + 16 * warp + (lane / 16) * 8);
-#pragma unroll
-    for (int i = 0; i < PT; ++i) {
-      unsigned fa[4];  // (w o x)^T rows p = 16 i .. (m = p, k = s): x rows s transposed
-      ldsm4<true>(fa, xs + (s0 + lane % 8 + (lane / 16) * 8) * ldx + 16 * i + ((lane / 8) % 2) * 8);
-      mma_bf16(acc[i][0], fa, fb[0], fb[1]);
-      mma_bf16(acc[i][1], fa, fb[2], fb[3]);
-    }
-  }
-  float* S = a.states + ((std::int64_t(bc) * a.H + h) * P) * a.N + n0 + 16 * warp + 2 * cq;
-#pragma unroll
-  for (int i = 0; i < PT; ++i)
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr)
-        *reinterpret_cast<float2*>(S + std::int64_t(16 * i + g + 8 * hr) * a.N + 8 * j) =
-            make_float2(acc[i][j][2 * hr], acc[i][j][2 * hr + 1]);
-}
-
 // ------------------------------------------------------------------ backward, the state terms per token
 
 // One block per (64 tokens l, head of the block, (row, chunk)): T1 = B_l dH^T and T2 = C_l S_in^T on tensor cores
@@ -1727,10 +1625,6 @@ void launch(const Args& a, bool scan) {
     allow_smem<chunk_scan_kernel<PT, V4>>(bytes, "chunk scan");
     chunk_scan_kernel<PT, V4><<<grid, kThreads, bytes, st>>>(a);
     check_launch("chunk scan");
-  } else if (const std::size_t sb = state_mma_smem(PT * 16, a.Q); state_form == Form::mma && sb <= max_block_smem()) {
-    allow_smem<chunk_state_mma_kernel<PT, V4>>(sb, "chunk state (mma)");
-    chunk_state_mma_kernel<PT, V4><<<dim3((a.N + kTile - 1) / kTile, a.H, a.batch * a.nc), kThreads, sb, st>>>(a);
-    check_launch("chunk state (mma)");
   } else {
     const dim3 grid((a.N + kTile - 1) / kTile, a.H, a.batch * a.nc);
     const std::size_t bytes = state_smem(PT * 16, a.Q);

@@ -63,10 +63,9 @@ void intra_backward(const Args& a);
 // registers) or wmma (the earlier WMMA kernels, whose tiles go through shared memory; kept for the tests and for
 // timing the two side by side in perf/bench.cpp). scan_form picks the forward's chunk scan (wmma is also taken
 // where the mma form's shared memory, x and S_in of a whole chunk, would exceed the device's limit per block, or
-// batch x chunks would exceed 65,535, its grid's second dimension), intra_form the backward's intra-chunk kernel,
-// state_form the forward's chunk state (wmma also where the mma form's B and w o x of a chunk would not fit).
+// batch x chunks would exceed 65,535, its grid's second dimension), intra_form the backward's intra-chunk kernel.
 enum class Form { mma, wmma };
-extern Form scan_form, intra_form, state_form;
+extern Form scan_form, intra_form;
 // `which` set to `f` for the scope's life, then restored (also when the scope is left by an exception).
 struct FormScope {
   Form& which;
