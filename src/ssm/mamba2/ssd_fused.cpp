@@ -1012,7 +1012,7 @@ __global__ void __launch_bounds__(kThreads, 2) intra_bwd_mma_kernel(const Args a
 // spread evenly) with mma.sync m16n8k16 (bf16 operands, fp32 accumulation). The A operands never touch shared
 // memory: each thread loads the fp32 elements its fragment holds (rows g, g + 8 and columns 2 c, 2 c + 1,
 // 2 c + 8, 2 c + 9 of a 16 x 16 step: C for the inter-chunk term, C B^T for the intra-chunk one) straight from
-// global memory, two steps a block with the next block in flight (pipelined), applies the decays, mask and Delta
+// global memory, a step or two at a time with the next in flight (pipelined), applies the decays, mask and Delta
 // in registers and rounds them to bf16 pairs; the B operands (S_in rows p, k = n; x rows s, k = s transposed) come
 // from shared memory by ldmatrix. The inter-chunk term's factor e_in(l) scales the accumulator's rows instead of
 // C's elements. y = acc + D x goes out from the accumulator's registers. At L 65,536, 24 heads, headdim 64,
@@ -1061,8 +1061,9 @@ __device__ __forceinline__ void stage_rows(bf* dst, int ldd, const float* src, s
 
 // use(i, f) for the steps i = 0 .. n - 1 of a loop whose operands (4 float2 a step, f) come from fetch(i, f): the
 // operands of KB steps are loaded as a block, and the next block is in flight while this one is used, in two
-// register buffers taken in turn (no copies between them). A ring of single steps kept too few loads in flight:
-// the steps are short, and the loop waited on global memory (ncu at 908c59c and 88dc094).
+// register buffers taken in turn (no copies between them). A ring of single steps two ahead kept too few loads in
+// flight (ncu at 908c59c and 88dc094); KB = 1 here (one step ahead, the registers bounded for 4 blocks an SM) ran
+// faster than KB = 2 at headdim 64 (kScanSteps).
 template <int KB, class Fetch, class Use>
 __device__ __forceinline__ void pipelined(int n, Fetch&& fetch, Use&& use) {
   float2 b0[KB][4], b1[KB][4];
@@ -1101,8 +1102,18 @@ std::size_t max_block_smem() {
   return bytes;
 }
 
+// Up to headdim 64, single steps with the next one in flight and the registers bounded for 4 blocks an SM (128 a
+// thread; ptxas spills 16 to 32 bytes at headdim 64; the shared memory, 57 KB a block at d_state 128 and chunk 256,
+// still admits only 3): the SSD forward ran 1.664 ms against 1.788 ms with two-step blocks at 3 blocks an SM in the
+// same run at L 65,536, 24 heads, d_state 128 on an H200 (perf/RESULTS.md, twenty-second session). Wider heads keep
+// two-step blocks at 2 blocks an SM (not measured otherwise).
+template <int PT>
+constexpr int kScanSteps = PT <= 4 ? 1 : 2;
+template <int PT>
+constexpr int kScanBlocks = PT <= 4 ? 4 : 2;
+
 template <int PT, bool V4>
-__global__ void __launch_bounds__(kThreads, PT <= 4 ? 3 : 2) chunk_scan_mma_kernel(const Args a) {
+__global__ void __launch_bounds__(kThreads, kScanBlocks<PT>) chunk_scan_mma_kernel(const Args a) {
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int P = PT * 16, ldx = P + kPad, NB = 2 * PT;  // NB: 8-wide column blocks of P
   const int ldn = a.N + kPad;
@@ -1158,8 +1169,8 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 3 : 2) chunk_scan_mma_kern
         f[2] = in[0] ? load2<V4>(c0 + k + 8) : z;
         f[3] = in[1] ? load2<V4>(c1 + k + 8) : z;
       };
-      // two steps a block (32 columns of C), the next block in flight
-      pipelined<2>(
+      // blocks of kScanSteps steps (16 columns of C each), the next block in flight
+      pipelined<kScanSteps<PT>>(
           a.N / 16, [&](int i, float2(&f)[4]) { fetch(16 * i, f); },
           [&](int i, const float2(&cur)[4]) {
             const int k = 16 * i;
@@ -1229,10 +1240,10 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 3 : 2) chunk_scan_mma_kern
           mma_bf16(acc[2 * jj + 1], fa, fb[2], fb[3]);
         }
       };
-      // the diagonal step's C B^T in flight from the start; the steps below it two a block, the next in flight
+      // the diagonal step's C B^T in flight from the start; the steps below it in blocks, the next in flight
       float2 dg[4];
       fetch(r0, dg);
-      pipelined<2>(
+      pipelined<kScanSteps<PT>>(
           mt, [&](int i, float2(&f)[4]) { fetch(16 * i, f); },
           [&](int i, const float2(&cur)[4]) { step(16 * i, cur, std::false_type{}); });
       // the diagonal step, with the epilogue's x in flight
