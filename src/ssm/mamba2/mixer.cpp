@@ -326,6 +326,15 @@ void Mamba2Mixer<T>::out_proj_forward(const Mamba2Acts<T>& a, const View2<T>& ou
   linear_forward<T>(a.yn, store_->v2(out_proj_), View1<const P>(), out);
 }
 
+// dyn = dout W_out, dW_out += dout^T yn, from the kept gated-norm output, fp32 or its bf16 copy.
+template <class T>
+void Mamba2Mixer<T>::out_proj_backward(const Mamba2Acts<T>& a, const View2<const T>& dout, const View2<T>& dyn) const {
+  if constexpr (std::is_same_v<T, float>)
+    if (a.yn_b.extent(0) > 0)
+      return linear_backward_gemms_bf16x(dout, store_->v2(out_proj_), a.yn_b, 0.0f, dyn, 1.0f, store_->g2(out_proj_));
+  linear_backward<T>(a.yn, store_->v2(out_proj_), dout, dyn, false, store_->g2(out_proj_), View1<P>());
+}
+
 template <class T>
 bool Mamba2Mixer<T>::bf16_out_proj() const {
   return std::is_same_v<T, float> && float_gemm_on_bf16_copies();
@@ -401,11 +410,7 @@ void Mamba2Mixer<T>::backward(Mamba2Acts<T>& a, index_t batch, index_t seqlen, c
   PoolScope ws;  // the gradients of the internals: cached device blocks, returned at the end
   // out_proj
   View2<T> dyn = ws.take<View2<T>>("mamba2::dyn", n, E);
-  bool done = false;
-  if constexpr (std::is_same_v<T, float>)
-    if ((done = a.yn_b.extent(0) > 0))
-      linear_backward_gemms_bf16x(dout, store_->v2(out_proj_), a.yn_b, 0.0f, dyn, 1.0f, store_->g2(out_proj_));
-  if (!done) linear_backward<T>(a.yn, store_->v2(out_proj_), dout, dyn, false, store_->g2(out_proj_), View1<P>());
+  out_proj_backward(a, dout, dyn);
   // gated norm: dy, and dz straight into the z columns of d(zxbcdt)
   View2<T> dzxbcdt = ws.take<View2<T>>("mamba2::dzxbcdt", n, Din_);
   View2<T> dy = ws.take<View2<T>>("mamba2::dy", n, E);

@@ -164,10 +164,11 @@ class Mamba2Mixer {
  private:
   void run_internals(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq,
                      Mamba2Acts<T>& acts, const View4<P>& final_ssm) const;
-  // acts.u = u, and zxbcdt, xbc, y, yn, rstd for n tokens from a new workspace scope (acts.internals)
+  // acts.u = u, and zxbcdt, xbc, y, yn (or yn_b), rstd for n tokens from a new workspace scope (acts.internals)
   void take_activations(const View2<T>& u, index_t n, Mamba2Acts<T>& acts) const;
   void norm_forward(Mamba2Acts<T>& a) const;
   void out_proj_forward(const Mamba2Acts<T>& a, const View2<T>& out) const;
+  void out_proj_backward(const Mamba2Acts<T>& a, const View2<const T>& dout, const View2<T>& dyn) const;
   bool bf16_out_proj() const;  // the gated-norm output kept as a bf16 copy only (yn_b)
   SSDShape ssd_shape(index_t batch, index_t seqlen) const;
   SSDIn<T> ssd_in(const Mamba2Acts<T>& acts, const SeqIdxView& seq) const;
