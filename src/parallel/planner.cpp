@@ -101,7 +101,9 @@ struct Dims {
   double b, L, n;        // rows, tokens per row (the rank's slice), tokens
   index_t tp, ep, cp = 1;
   double concurrency_teams;
-  double moe_b16 = 0;    // bytes of a bf16 operand on the MoE bf16 expert path (0: the path is off)
+  // bytes of a bf16 operand under bf16 GEMMs (0: fp32 GEMMs, or double data): the MoE bf16 expert path's operands
+  // and the Mamba-2 gated norm's output kept as a bf16 copy (Mamba2Acts::yn_b)
+  double moe_b16 = 0;
 };
 
 // A mixer run in windows of W tokens (ssm/windows.hpp), from the terms `x` of one window of W tokens
@@ -184,7 +186,10 @@ LayerMem mem_mamba2(const Mamba2Config& c, const Dims& d, Recompute pol) {
   const double GN = G * N, C = E + 2 * GN, din = 2 * E + 2 * GN + H;
   const double nc = std::ceil(d.L / Q);
   LayerMem m;
-  m.full = d.n * (d.t * (din + C + 2 * E) + d.a * G);
+  // zxbcdt, xbc, y, rstd, and yn: fp32, or its bf16 copy only under bf16 GEMMs (the CUDA build's 2 bytes; host
+  // builds keep the fp32 output, and sizeof(bf16_op_t) is 4 there)
+  const double yn = d.moe_b16 > 0 ? d.moe_b16 : d.t;
+  m.full = d.n * (d.t * (din + C + E) + yn * E + d.a * G);
   m.keep = pol == Recompute::none ? m.full : 0.0;
   const double states = d.a * d.b * nc * H * P * N;
   const double ctx = ssd_ctx_bytes(H, G, N, P, Q, d);

@@ -125,8 +125,9 @@ struct PlanInput {
   double runtime_reserve_bytes = 1e9;   // CUDA context, cuBLAS workspace, communication buffers (not modelled)
   index_t gpu_concurrency = 132 * 2048; // resident threads (H200: 132 SMs x 2048): sizes Kokkos' scratch pool
   double moe_load_factor = 1.0;     // assignments per rank relative to the balanced n k (router imbalance)
-  // The MoE layers' bf16 expert path (fp32 activations under [run] gemm_precision = bf16, moe/experts.hpp): bf16
-  // expert inputs, intermediates and weight copies instead of fp32 ones.
+  // [run] gemm_precision = bf16 with fp32 activations: the MoE layers' bf16 expert path (moe/experts.hpp: bf16
+  // expert inputs, intermediates and weight copies instead of fp32 ones), and the Mamba-2 layers keep their gated
+  // norm's output as a bf16 copy (Mamba2Acts::yn_b).
   bool moe_bf16 = false;
   // Held-out evaluation between steps (the drivers' [train] eval_batch_size and eval_seq_len): every rank runs
   // forward passes of eval_batch sequences of eval_seqlen tokens (0: seqlen; its cp slice under cp) while the

@@ -274,7 +274,8 @@ TEST_CASE("planner: activation estimate equals the peak the real training step a
 TEST_CASE("planner: the MoE bf16 expert path's activations equal the peak the real step allocates", "[planner]") {
   // gemm_precision = bf16: the MoE layers take the bf16 expert path (emulated on host builds, whose bf16 operands
   // are floats: the planner counts sizeof(bf16_op_t) bytes per operand, 4 here and 2 on CUDA) with its bf16 copies
-  // of the expert weights, kept with the activations
+  // of the expert weights, kept with the activations; on CUDA the Mamba-2 layer ("M2 E") keeps its gated norm's
+  // output as a bf16 copy
   const mm::FloatGemmComputeScope b16(mm::GemmCompute::bf16);
   for (const char* pat : {"E E", "M2 E"}) {
     PlanModel m = small_mixed();
