@@ -1103,9 +1103,10 @@ std::size_t max_block_smem() {
 }
 
 // Up to headdim 64, single steps with the next one in flight and the registers bounded for 4 blocks an SM (128 a
-// thread; ptxas spills 16 to 32 bytes at headdim 64; the shared memory, 57 KB a block at d_state 128 and chunk 256,
-// still admits only 3): the SSD forward ran 1.664 ms against 1.788 ms with two-step blocks at 3 blocks an SM in the
-// same run at L 65,536, 24 heads, d_state 128 on an H200 (perf/RESULTS.md, twenty-second session). Wider heads keep
+// thread; ptxas spills 16 to 32 bytes at headdim 64; the shared memory, 56 KB a block at d_state 128 and chunk 256,
+// plus 1 KB reserved a block, is exactly the SM's 228 KB at 4 blocks: whether 4 are resident was not checked with
+// ncu): the SSD forward ran 1.664 ms against 1.788 ms with two-step blocks bounded for 3 blocks an SM in the same
+// run at L 65,536, 24 heads, d_state 128 on an H200 (perf/RESULTS.md, twenty-second session). Wider heads keep
 // two-step blocks at 2 blocks an SM (not measured otherwise).
 template <int PT>
 constexpr int kScanSteps = PT <= 4 ? 1 : 2;
