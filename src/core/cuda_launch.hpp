@@ -38,6 +38,14 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
   for (int i = 0; i < 4; ++i) p[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
   return q;
 }
+// Four floats rounded to bf16 (nearest even) in 8 bytes, x in the lowest.
+__device__ __forceinline__ uint2 pack4(const float4& v) {
+  uint2 q;
+  __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(&q);
+  p[0] = __floats2bfloat162_rn(v.x, v.y);
+  p[1] = __floats2bfloat162_rn(v.z, v.w);
+  return q;
+}
 
 // Device math shared by the kernels: the logistic function from the exp unit with a fast reciprocal, and a warp's
 // sum by a fixed butterfly (every lane gets the same, deterministic, total).

@@ -140,11 +140,7 @@ __global__ void __launch_bounds__(32 * kNormWarps)
 #pragma unroll
         for (int k = 0; k < 4; ++k) comp(o, k) = comp(xv[v], k) * comp(sv[v], k) * r * comp(wv, k);
         if (y) (reinterpret_cast<float4*>(y + i * ldy) + g * gs4)[rt.col(v)] = o;
-        if (yb) {
-          const __nv_bfloat162 lo = __floats2bfloat162_rn(o.x, o.y), hi = __floats2bfloat162_rn(o.z, o.w);
-          (reinterpret_cast<uint2*>(yb + i * ldyb) + g * gs4)[rt.col(v)] =
-              make_uint2(*reinterpret_cast<const unsigned*>(&lo), *reinterpret_cast<const unsigned*>(&hi));
-        }
+        if (yb) (reinterpret_cast<uint2*>(yb + i * ldyb) + g * gs4)[rt.col(v)] = pack4(o);
       }
   }
 }

@@ -300,96 +300,111 @@ TEST_CASE("float GEMM in bf16 arithmetic: bf16 copies in blocks equal cuBLAS' ow
   CHECK_THROWS_WITH(set_float_gemm_bf16_cast(true, 0), ContainsSubstring("block"));
 }
 
+namespace {
+// The linear-layer GEMM tests' operands, dy (T x O), W (O x I), x (T x I), dx0 (T x I), dW0 (O x I), filled from
+// seeds seed .. seed + 4, with their host copies; the backward's references in double with each operand through its
+// rounding, dx = rdy(dy) rw(W) + 0.5 dx0 and dW = rdy(dy)^T rx(x) + dW0; and check_backward, which runs a backward
+// from dx0 and dW0 (with dx, and without: no rows) and compares.
+struct LinearCase {
+  static constexpr index_t T = 37, O = 16, I = 24;
+  View2<float> dy{"dy", T, O}, W{"W", O, I}, x{"x", T, I}, dx0{"dx0", T, I}, dW0{"dW0", O, I};
+  std::vector<double> g, w, xv, dxi, dWi;
+
+  explicit LinearCase(int seed) {
+    mmtest::fill_uniform(dy, seed);
+    mmtest::fill_uniform(W, seed + 1);
+    mmtest::fill_uniform(x, seed + 2);
+    mmtest::fill_uniform(dx0, seed + 3);
+    mmtest::fill_uniform(dW0, seed + 4);
+    g = mmtest::to_vec(dy), w = mmtest::to_vec(W), xv = mmtest::to_vec(x), dxi = mmtest::to_vec(dx0),
+    dWi = mmtest::to_vec(dW0);
+  }
+
+  template <class Rdy, class Rw, class Rx>
+  std::pair<std::vector<double>, std::vector<double>> backward_ref(Rdy rdy, Rw rw, Rx rx) const {
+    std::vector<double> dx_ref(T * I), dW_ref(O * I);
+    for (index_t t = 0; t < T; ++t)
+      for (index_t i = 0; i < I; ++i) {
+        double s = 0;
+        for (index_t o = 0; o < O; ++o) s += rdy(g[t * O + o]) * rw(w[o * I + i]);
+        dx_ref[t * I + i] = s + 0.5 * dxi[t * I + i];
+      }
+    for (index_t o = 0; o < O; ++o)
+      for (index_t i = 0; i < I; ++i) {
+        double s = 0;
+        for (index_t t = 0; t < T; ++t) s += rdy(g[t * O + o]) * rx(xv[t * I + i]);
+        dW_ref[o * I + i] = s + dWi[o * I + i];
+      }
+    return {dx_ref, dW_ref};
+  }
+
+  // run(dx, dW): the backward with beta_dx 0.5 and beta_dw 1
+  template <class Run>
+  void check_backward(const std::pair<std::vector<double>, std::vector<double>>& ref, Run&& run) const {
+    for (const bool with_dx : {true, false}) {
+      View2<float> dx("dx", with_dx ? T : 0, I), dW("dW", O, I);
+      if (with_dx) Kokkos::deep_copy(dx, dx0);
+      Kokkos::deep_copy(dW, dW0);
+      run(dx, dW);
+      INFO("with_dx=" << with_dx);
+      if (with_dx) CHECK(mmtest::rel_err(mmtest::to_vec(dx), ref.first) < 1e-5);
+      CHECK(mmtest::rel_err(mmtest::to_vec(dW), ref.second) < 1e-5);
+    }
+  }
+};
+
+double bf16_rounded(double v) { return double(bf16_round(float(v))); }
+}  // namespace
+
 TEST_CASE("linear backward GEMMs: dx and dW from one rounding of dy equal the reference", "[gemm]") {
   // dy (T x O), W (O x I), x (T x I): dx = dy W + 0.5 dx, dW = dy^T x + dW0, and without dx; a block of 100
   // elements puts the token rows in blocks (CUDA, bf16 arithmetic), whose dW contributions accumulate.
-  const index_t T = 37, O = 16, I = 24;
-  View2<float> dy("dy", T, O), W("W", O, I), x("x", T, I), dx0("dx0", T, I), dW0("dW0", O, I);
-  mmtest::fill_uniform(dy, 21);
-  mmtest::fill_uniform(W, 22);
-  mmtest::fill_uniform(x, 23);
-  mmtest::fill_uniform(dx0, 24);
-  mmtest::fill_uniform(dW0, 25);
-  const auto g = mmtest::to_vec(dy), w = mmtest::to_vec(W), xv = mmtest::to_vec(x), dxi = mmtest::to_vec(dx0),
-             dWi = mmtest::to_vec(dW0);
+  const LinearCase lc(21);
   for (const GemmCompute c : {GemmCompute::fp32, GemmCompute::bf16}) {
 #if defined(KOKKOS_ENABLE_CUDA)
     const bool rounds = c == GemmCompute::bf16;
 #else
     const bool rounds = false;
 #endif
-    auto r = [&](double v) { return rounds ? double(bf16_round(float(v))) : v; };
-    std::vector<double> dx_ref(T * I), dW_ref(O * I);
-    for (index_t t = 0; t < T; ++t)
-      for (index_t i = 0; i < I; ++i) {
-        double s = 0;
-        for (index_t o = 0; o < O; ++o) s += r(g[t * O + o]) * r(w[o * I + i]);
-        dx_ref[t * I + i] = s + 0.5 * dxi[t * I + i];
-      }
-    for (index_t o = 0; o < O; ++o)
-      for (index_t i = 0; i < I; ++i) {
-        double s = 0;
-        for (index_t t = 0; t < T; ++t) s += r(g[t * O + o]) * r(xv[t * I + i]);
-        dW_ref[o * I + i] = s + dWi[o * I + i];
-      }
+    auto r = [&](double v) { return rounds ? bf16_rounded(v) : v; };
+    const auto ref = lc.backward_ref(r, r, r);
     const FloatGemmComputeScope scope(c);
     set_float_gemm_bf16_cast(true, 100);
-    for (const bool with_dx : {true, false}) {
-      View2<float> dx("dx", with_dx ? T : 0, I), dW("dW", O, I);
-      if (with_dx) Kokkos::deep_copy(dx, dx0);
-      Kokkos::deep_copy(dW, dW0);
-      linear_backward_gemms(dy, W, x, 0.5f, dx, 1.0f, dW);
-      INFO("compute=" << gemm_compute_name(c) << " with_dx=" << with_dx);
-      if (with_dx) CHECK(mmtest::rel_err(mmtest::to_vec(dx), dx_ref) < 1e-5);
-      CHECK(mmtest::rel_err(mmtest::to_vec(dW), dW_ref) < 1e-5);
-    }
+    INFO("compute=" << gemm_compute_name(c));
+    lc.check_backward(ref, [&](const View2<float>& dx, const View2<float>& dW) {
+      linear_backward_gemms(lc.dy, lc.W, lc.x, 0.5f, dx, 1.0f, dW);
+    });
     set_float_gemm_bf16_cast(true);
   }
-  View2<float> bad("bad", O + 1, I), dx("dx", T, I);
-  CHECK_THROWS_WITH(linear_backward_gemms(dy, W, x, 0.0f, dx, 1.0f, bad), ContainsSubstring("shapes do not match"));
+  View2<float> bad("bad", LinearCase::O + 1, LinearCase::I), dx("dx", LinearCase::T, LinearCase::I);
+  CHECK_THROWS_WITH(linear_backward_gemms(lc.dy, lc.W, lc.x, 0.0f, dx, 1.0f, bad),
+                    ContainsSubstring("shapes do not match"));
 }
 
 TEST_CASE("linear products on a given bf16 copy of the input equal those on the rounded input", "[gemm]") {
   // y = xb W^T, dx = dy W + 0.5 dx0, dW = dy^T xb + dW0 with xb the input rounded to bf16 by its producer. CUDA:
   // W and dy are rounded here as the other bf16 GEMMs round them (a block of 100 elements puts the rows in blocks);
   // host builds: fp32 products of the given values.
-  const index_t T = 37, O = 16, I = 24;
-  View2<float> dy("dy", T, O), W("W", O, I), x("x", T, I), dx0("dx0", T, I), dW0("dW0", O, I);
-  mmtest::fill_uniform(dy, 31);
-  mmtest::fill_uniform(W, 32);
-  mmtest::fill_uniform(x, 33);
-  mmtest::fill_uniform(dx0, 34);
-  mmtest::fill_uniform(dW0, 35);
+  const LinearCase lc(31);
+  constexpr index_t T = LinearCase::T, O = LinearCase::O, I = LinearCase::I;
+  const auto x = lc.x;
   View2<bf16_op_t> xb("xb", T, I);
   Kokkos::parallel_for(
       "round", Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2>>({0, 0}, {T, I}),
       KOKKOS_LAMBDA(index_t t, index_t i) { xb(t, i) = to_bf16_op(x(t, i)); });
-  const auto g = mmtest::to_vec(dy), w = mmtest::to_vec(W), xv = mmtest::to_vec(x), dxi = mmtest::to_vec(dx0),
-             dWi = mmtest::to_vec(dW0);
 #if defined(KOKKOS_ENABLE_CUDA)
-  auto r = [](double v) { return double(bf16_round(float(v))); };
+  auto r = [](double v) { return bf16_rounded(v); };
 #else
   auto r = [](double v) { return v; };
 #endif
-  std::vector<double> y_ref(T * O), dx_ref(T * I), dW_ref(O * I);
+  std::vector<double> y_ref(T * O);
   for (index_t t = 0; t < T; ++t)
     for (index_t o = 0; o < O; ++o) {
       double s = 0;
-      for (index_t i = 0; i < I; ++i) s += double(bf16_round(float(xv[t * I + i]))) * r(w[o * I + i]);
+      for (index_t i = 0; i < I; ++i) s += bf16_rounded(lc.xv[t * I + i]) * r(lc.w[o * I + i]);
       y_ref[t * O + o] = s;
     }
-  for (index_t t = 0; t < T; ++t)
-    for (index_t i = 0; i < I; ++i) {
-      double s = 0;
-      for (index_t o = 0; o < O; ++o) s += r(g[t * O + o]) * r(w[o * I + i]);
-      dx_ref[t * I + i] = s + 0.5 * dxi[t * I + i];
-    }
-  for (index_t o = 0; o < O; ++o)
-    for (index_t i = 0; i < I; ++i) {
-      double s = 0;
-      for (index_t t = 0; t < T; ++t) s += r(g[t * O + o]) * double(bf16_round(float(xv[t * I + i])));
-      dW_ref[o * I + i] = s + dWi[o * I + i];
-    }
+  const auto ref = lc.backward_ref(r, r, bf16_rounded);
   const FloatGemmComputeScope scope(GemmCompute::bf16);
   set_float_gemm_bf16_cast(true, 100);
 #if defined(KOKKOS_ENABLE_CUDA)
@@ -398,18 +413,12 @@ TEST_CASE("linear products on a given bf16 copy of the input equal those on the 
   CHECK_FALSE(float_gemm_on_bf16_copies());
 #endif
   View2<float> y("y", T, O);
-  linear_forward_gemm_bf16x(xb, W, y);
+  linear_forward_gemm_bf16x(xb, lc.W, y);
   CHECK(mmtest::rel_err(mmtest::to_vec(y), y_ref) < 1e-5);
-  for (const bool with_dx : {true, false}) {
-    View2<float> dx("dx", with_dx ? T : 0, I), dW("dW", O, I);
-    if (with_dx) Kokkos::deep_copy(dx, dx0);
-    Kokkos::deep_copy(dW, dW0);
-    linear_backward_gemms_bf16x(dy, W, xb, 0.5f, dx, 1.0f, dW);
-    INFO("with_dx=" << with_dx);
-    if (with_dx) CHECK(mmtest::rel_err(mmtest::to_vec(dx), dx_ref) < 1e-5);
-    CHECK(mmtest::rel_err(mmtest::to_vec(dW), dW_ref) < 1e-5);
-  }
+  lc.check_backward(ref, [&](const View2<float>& dx, const View2<float>& dW) {
+    linear_backward_gemms_bf16x(lc.dy, lc.W, xb, 0.5f, dx, 1.0f, dW);
+  });
   set_float_gemm_bf16_cast(true);
   View2<float> bad("bad", T, O + 1);
-  CHECK_THROWS_WITH(linear_forward_gemm_bf16x(xb, W, bad), ContainsSubstring("shapes do not match"));
+  CHECK_THROWS_WITH(linear_forward_gemm_bf16x(xb, lc.W, bad), ContainsSubstring("shapes do not match"));
 }
