@@ -6,6 +6,7 @@
 
 #include "core/error.hpp"
 #include "core/pool.hpp"
+#include "tensor/gemm.hpp"
 #include "tensor/ops.hpp"
 
 namespace mm {
@@ -148,9 +149,11 @@ void conv_forward_runs(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, co
 // is written once the window holds dpre(s + W - 1), and the run's sums of dpre x(t - (W-1) + k) (dw) and of dpre
 // (dbias) go to partials pw(run item, c W + k) and pb(run item, c). dpre never goes to memory: a first pass that
 // wrote it and a second that read it back for dx took 14.3 ms of a 217 ms LM step on an H200.
-template <int K, int CV, class T>
+// DX, kRound: dx's element type, and whether dx is written rounded to bf16 (a bf16 copy for a GEMM on bf16 operands;
+// bf16_op_t is float on host builds, where the rounding is emulated).
+template <int K, int CV, class T, class DX = T, bool kRound = false>
 void conv_backward_runs(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, const View1<const acc_t<T>>& bias,
-                        const SeqIdxView& seq_idx, const View2<const T>& dy, const UView2<T>& dx, index_t dx_col,
+                        const SeqIdxView& seq_idx, const View2<const T>& dy, const UView2<DX>& dx, index_t dx_col,
                         const View2<acc_t<T>>& pw, const View2<acc_t<T>>& pb) {
   using P = acc_t<T>;
   const auto x = in.x;
@@ -186,7 +189,12 @@ void conv_backward_runs(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, c
       for (int j = 0; j < K; ++j)
         if (j >= K - W && gr[j] == rs)
           for (int v = 0; v < CV; ++v) d[v] += wb[j][v] * gs[j][v];
-      store_vec<CV>(&dx(b * L + s, dx_col + c), d);
+      DX* o = &dx(b * L + s, dx_col + c);
+      if constexpr (kRound) {
+        for (int v = 0; v < CV; ++v) o[v] = to_bf16_op(float(d[v]));
+      } else {
+        store_vec<CV>(o, d);
+      }
     };
     const index_t te = t1 + W - 1 < L ? t1 + W - 1 : L;
     conv_run<K, CV, T, P>(x, col, prefix, L, w, bias, seq_idx, b, t0, te, c,
@@ -247,10 +255,11 @@ void conv1d_silu_forward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, 
   });
 }
 
-template <class T>
-void conv1d_silu_backward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, const View1<const acc_t<T>>& bias,
-                          const SeqIdxView& seq_idx, const View2<const T>& dy, const UView2<T>& dx, index_t dx_col,
-                          const View2<acc_t<T>>& dw, const View1<acc_t<T>>& dbias) {
+namespace {
+template <class T, class DX, bool kRound>
+void conv_backward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, const View1<const acc_t<T>>& bias,
+                   const SeqIdxView& seq_idx, const View2<const T>& dy, const UView2<DX>& dx, index_t dx_col,
+                   const View2<acc_t<T>>& dw, const View1<acc_t<T>>& dbias) {
   using P = acc_t<T>;
   check_prefix(in, w.extent(1), "conv1d_silu_backward");
   const index_t L = in.seqlen, W = w.extent(1), C = in.channels;
@@ -266,11 +275,26 @@ void conv1d_silu_backward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w,
                      Row{dx.data(), dx_col, dx.stride(0)}};
   with_channels<T>(W <= 4, C, rows, [&](auto cv) {
     with_window(W, [&](auto k) {
-      conv_backward_runs<decltype(k)::value, decltype(cv)::value, T>(in, w, bias, seq_idx, dy, dx, dx_col, pw, pb);
+      conv_backward_runs<decltype(k)::value, decltype(cv)::value, T, DX, kRound>(in, w, bias, seq_idx, dy, dx,
+                                                                                  dx_col, pw, pb);
     });
   });
   reduce_partials<P>("conv1d::backward_dw", pw, nb, C * W, View1<P>(dw.data(), C * W), true);
   reduce_partials<P>("conv1d::backward_dbias", pb, nb, C, dbias, true);
+}
+}  // namespace
+
+template <class T>
+void conv1d_silu_backward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, const View1<const acc_t<T>>& bias,
+                          const SeqIdxView& seq_idx, const View2<const T>& dy, const UView2<T>& dx, index_t dx_col,
+                          const View2<acc_t<T>>& dw, const View1<acc_t<T>>& dbias) {
+  conv_backward<T, T, false>(in, w, bias, seq_idx, dy, dx, dx_col, dw, dbias);
+}
+
+void conv1d_silu_backward_bf16dx(const Conv1dIn<float>& in, const View2<const float>& w, const View1<const float>& bias,
+                                 const SeqIdxView& seq_idx, const View2<const float>& dy, const UView2<bf16_op_t>& dx,
+                                 index_t dx_col, const View2<float>& dw, const View1<float>& dbias) {
+  conv_backward<float, bf16_op_t, true>(in, w, bias, seq_idx, dy, dx, dx_col, dw, dbias);
 }
 
 template <class T>

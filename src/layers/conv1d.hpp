@@ -11,6 +11,7 @@
 #pragma once
 
 #include "core/kokkos_types.hpp"
+#include "tensor/gemm.hpp"
 
 namespace mm {
 
@@ -41,6 +42,12 @@ template <class T>
 void conv1d_silu_backward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, const View1<const acc_t<T>>& bias,
                           const SeqIdxView& seq_idx, const View2<const T>& dy, const UView2<T>& dx, index_t dx_col,
                           const View2<acc_t<T>>& dw, const View1<acc_t<T>>& dbias);
+
+// The float backward with dx written as a bf16 copy (the input gradient of a GEMM on bf16 operands: the Mamba-2
+// in_proj under bf16 GEMMs; host builds: bf16-rounded floats). Everything else as conv1d_silu_backward.
+void conv1d_silu_backward_bf16dx(const Conv1dIn<float>& in, const View2<const float>& w, const View1<const float>& bias,
+                                 const SeqIdxView& seq_idx, const View2<const float>& dy, const UView2<bf16_op_t>& dx,
+                                 index_t dx_col, const View2<float>& dw, const View1<float>& dbias);
 
 // The prefix of the next window: state(b, c, k) = input at position seqlen - (W-1) + k (from in.prefix where that
 // is negative), zero where it belongs to an older record than the last token. state may be in.prefix itself.

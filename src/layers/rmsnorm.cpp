@@ -153,8 +153,8 @@ __global__ void __launch_bounds__(32 * kNormWarps)
     gated_norm_bwd(const float* __restrict__ x, long long ldx, const float* __restrict__ z, long long ldz,
                    const float* __restrict__ w, const float* __restrict__ rstd, long long ldr,
                    const float* __restrict__ dy, long long lddy, float* __restrict__ dx, long long lddx,
-                   float* __restrict__ dz, long long lddz, float* __restrict__ dwpart, long long width, long long n,
-                   int gs4, bool gate_first, bool acc_dx) {
+                   float* __restrict__ dz, long long lddz, __nv_bfloat16* __restrict__ dzb, long long lddzb,
+                   float* __restrict__ dwpart, long long width, long long n, int gs4, bool gate_first, bool acc_dx) {
   using RT = RowThreads<V, WPR>;
   __shared__ float red[kNormWarps];
   const RT rt;
@@ -217,6 +217,8 @@ __global__ void __launch_bounds__(32 * kNormWarps)
         }
         dx4[rt.col(v)] = ox;
         if (dz) dz4[rt.col(v)] = oz;
+        // dz as a bf16 copy (the input gradient of a GEMM on bf16 operands)
+        if (dzb) (reinterpret_cast<uint2*>(dzb + i * lddzb) + g * gs4)[rt.col(v)] = pack4(oz);
       }
   }
   float4* p4 = reinterpret_cast<float4*>(dwpart + ((long long)blockIdx.x * RT::kRows + rt.slot) * width) + g * gs4;
@@ -271,7 +273,7 @@ void norm_forward(const char* name, const float* x, index_t ldx, const float* z,
 void norm_backward(const char* name, const char* name_dw, const float* x, index_t ldx, const float* z, index_t ldz,
                    const float* w, const float* rstd, index_t ldr, const float* dy, index_t lddy, float* dx,
                    index_t lddx, bool acc_dx, float* dz, index_t lddz, float* dw, index_t n, index_t width, index_t gs,
-                   bool gate_first) {
+                   bool gate_first, __nv_bfloat16* dzb = nullptr, index_t lddzb = 0) {
   const index_t gs4 = gs / 4, ng = width / gs;
   auto kernel = pick_norm_kernel(gs4, gated_norm_bwd<1, 1>, gated_norm_bwd<2, 1>, gated_norm_bwd<3, 1>,
                                  gated_norm_bwd<4, 1>, gated_norm_bwd<2, 4>, gated_norm_bwd<3, 4>,
@@ -282,7 +284,7 @@ void norm_backward(const char* name, const char* name_dw, const float* x, index_
   PoolScope ws;
   View1<float> part = ws.take<View1<float>>(std::string(name_dw) + "_partials", parts * width);
   launch_grid(name, dim3(rb, unsigned(ng)), dim3(32 * kNormWarps), kernel, x, ldx, z, ldz, w, rstd, ldr, dy, lddy, dx,
-              lddx, dz, lddz, part.data(), width, n, int(gs4), gate_first, acc_dx);
+              lddx, dz, lddz, dzb, lddzb, part.data(), width, n, int(gs4), gate_first, acc_dx);
   add_partials(name_dw, part.data(), parts, width, dw);
 }
 
@@ -477,6 +479,34 @@ void gated_rmsnorm_backward(const GatedNormIn<T>& in, index_t width, index_t gro
         return P(dy(i, j)) * P(x(i, xc + j)) * s * rstd(i, j / group_size);
       },
       dw, true);
+}
+
+void gated_rmsnorm_backward_bf16dz(const GatedNormIn<float>& in, index_t width, index_t group_size, GateOrder order,
+                                   const View1<const float>& w, const View2<const float>& rstd,
+                                   const View2<const float>& dy, const UView2<float>& dx, index_t dx_col,
+                                   const UView2<bf16_op_t>& dzb, index_t dz_col, const View1<float>& dw) {
+  const index_t n = dy.extent(0);
+#if defined(KOKKOS_ENABLE_CUDA)
+  // (8-byte stores of 4 bf16: the window's start a multiple of 4 columns, rows 8-byte aligned)
+  if (n > 0 && index_t(dw.extent(0)) == width && in.x_col % 4 == 0 && in.z_col % 4 == 0 && dx_col % 4 == 0 &&
+      dz_col % 4 == 0 && dzb.stride(0) % 4 == 0 && reinterpret_cast<std::uintptr_t>(dzb.data()) % 8 == 0 &&
+      cuda_k::norm_fits(group_size, {{in.x.data() + in.x_col, in.x.stride(0)}, {in.z.data() + in.z_col, in.z.stride(0)},
+                                     {dy.data(), dy.stride(0)}, {dx.data() + dx_col, dx.stride(0)}, {w.data(), 0},
+                                     {dw.data(), 0}})) {
+    cuda_k::norm_backward("gated_rmsnorm::backward", "gated_rmsnorm::backward_dw", in.x.data() + in.x_col,
+                          in.x.stride(0), in.z.data() + in.z_col, in.z.stride(0), w.data(), rstd.data(),
+                          rstd.stride(0), dy.data(), dy.stride(0), dx.data() + dx_col, dx.stride(0), false, nullptr, 0,
+                          dw.data(), n, width, group_size, order == GateOrder::gate_first,
+                          reinterpret_cast<__nv_bfloat16*>(dzb.data()) + dz_col, dzb.stride(0));
+    return;
+  }
+#endif
+  // elsewhere: dz in fp32, then rounded into its window
+  PoolScope ws;
+  View2<float> dz = ws.take<View2<float>>("gated_rmsnorm::dz_fp32", n, width);
+  gated_rmsnorm_backward<float>(in, width, group_size, order, w, rstd, dy, dx, dx_col, dz, 0, dw);
+  par_for("gated_rmsnorm::round_dz_bf16", n, width,
+          KOKKOS_LAMBDA(index_t i, index_t j) { dzb(i, dz_col + j) = to_bf16_op(dz(i, j)); });
 }
 
 #define MM_INSTANTIATE(X, T)                                                                                      \

@@ -55,4 +55,11 @@ void gated_rmsnorm_backward(const GatedNormIn<T>& in, index_t width, index_t gro
                             const View2<const T>& dy, const UView2<T>& dx, index_t dx_col, const UView2<T>& dz,
                             index_t dz_col, const View1<acc_t<T>>& dw);
 
+// The float backward with dz written as a bf16 copy into its window of dzb (the Mamba-2 in_proj's output gradient
+// under bf16 GEMMs; host builds: bf16-rounded floats); dx and dw as gated_rmsnorm_backward.
+void gated_rmsnorm_backward_bf16dz(const GatedNormIn<float>& in, index_t width, index_t group_size, GateOrder order,
+                                   const View1<const float>& w, const View2<const float>& rstd,
+                                   const View2<const float>& dy, const UView2<float>& dx, index_t dx_col,
+                                   const UView2<bf16_op_t>& dzb, index_t dz_col, const View1<float>& dw);
+
 }  // namespace mm

@@ -101,9 +101,10 @@ struct Dims {
   double b, L, n;        // rows, tokens per row (the rank's slice), tokens
   index_t tp, ep, cp = 1;
   double concurrency_teams;
-  // bytes of a bf16 operand under bf16 GEMMs (0: fp32 GEMMs, or double data): the MoE bf16 expert path's operands
-  // and the Mamba-2 gated norm's output kept as a bf16 copy (Mamba2Acts::yn_b)
-  double moe_b16 = 0;
+  double moe_b16 = 0;    // bytes of a bf16 operand on the MoE bf16 expert path (0: the path is off)
+  // bytes of an element of the Mamba-2 layers' bf16 copies under bf16 GEMMs (the gated norm's kept output, the
+  // backward's d(zxbcdt)): 2 on CUDA builds; 0 elsewhere (fp32 GEMMs, double data, host builds, which keep fp32)
+  double copy_b16 = 0;
 };
 
 // A mixer run in windows of W tokens (ssm/windows.hpp), from the terms `x` of one window of W tokens
@@ -171,14 +172,16 @@ std::pair<double, double> ssd_gemm_mem(double H, double G, double N, double P, d
   return {fwd, bwd};
 }
 
-LayerMem mem_mamba2(const Mamba2Config& c, const Dims& d, Recompute pol) {
+// explicit_states: the windows of a windowed mixer (every window but the last hands a final-state gradient to the
+// backward, which then keeps d(zxbcdt) in fp32)
+LayerMem mem_mamba2(const Mamba2Config& c, const Dims& d, Recompute pol, bool explicit_states = false) {
   if (c.window > 0 && d.L > double(c.window)) {
     Mamba2Config cw = c;
     cw.window = 0;
     const Dims dw = window_dims(d, c.window);
     const double S = d.b * (double(c.conv_dim()) / d.tp * double(c.d_conv - 1) * d.t +
                             double(c.nheads()) / d.tp * double(c.headdim) * double(c.d_state) * d.a);
-    return windowed_mem(mem_mamba2(cw, dw, Recompute::mixer), std::ceil(d.L / double(c.window)), S, dw.n,
+    return windowed_mem(mem_mamba2(cw, dw, Recompute::mixer, true), std::ceil(d.L / double(c.window)), S, dw.n,
                         double(c.d_model), d);
   }
   const double E = double(c.d_inner()) / d.tp, H = double(c.nheads()) / d.tp, G = double(c.ngroups) / d.tp;
@@ -186,15 +189,17 @@ LayerMem mem_mamba2(const Mamba2Config& c, const Dims& d, Recompute pol) {
   const double GN = G * N, C = E + 2 * GN, din = 2 * E + 2 * GN + H;
   const double nc = std::ceil(d.L / Q);
   LayerMem m;
-  // zxbcdt, xbc, y, rstd, and yn: fp32, or its bf16 copy only under bf16 GEMMs (the CUDA build's 2 bytes; host
-  // builds keep the fp32 output, and sizeof(bf16_op_t) is 4 there)
-  const double yn = d.moe_b16 > 0 ? d.moe_b16 : d.t;
+  // zxbcdt, xbc, y, rstd, and yn: fp32, or its bf16 copy only under bf16 GEMMs (mixer.cpp, Mamba2Acts::yn_b)
+  const double yn = d.copy_b16 > 0 ? d.copy_b16 : d.t;
   m.full = d.n * (d.t * (din + C + E) + yn * E + d.a * G);
   m.keep = pol == Recompute::none ? m.full : 0.0;
   const double states = d.a * d.b * nc * H * P * N;
   const double ctx = ssd_ctx_bytes(H, G, N, P, Q, d);
   m.fwd_extra = ctx;
-  const double grads = d.n * d.t * (2 * E + din + C);  // dyn, dy, dzxbcdt, dxbc
+  // dyn, dy, dzxbcdt, dxbc; under bf16 GEMMs without cp or explicit states d(zxbcdt) only as its bf16 copy, and
+  // d(dt) in a block of its own (mixer.cpp, Mamba2Mixer::bf16_in_proj_grad)
+  const bool dz_b16 = d.copy_b16 > 0 && d.cp == 1 && !explicit_states;
+  const double grads = d.n * (d.t * (2 * E + C) + (dz_b16 ? d.copy_b16 * din + d.t * H : d.t * din));
   // conv1d backward: its partial sums of dw and dbias, one row per run of kConvRun tokens (layers/conv1d.hpp)
   const double conv_bwd = d.a * d.b * std::ceil(d.L / double(kConvRun)) * C * double(c.d_conv + 1);
   // cp > 1 (mixer.cpp forward_cp / backward): after the scan, the decay weights cp_lexp (a H per token) with the
@@ -500,6 +505,9 @@ Dims lm_dims(const PlanInput& in, const Layout& l, index_t rows, bool eval) {
   d.cp = l.cp;
   d.concurrency_teams = std::max(1.0, std::floor(double(in.gpu_concurrency) / 256.0));
   d.moe_b16 = in.moe_bf16 && in.dtype_bytes == 4 ? double(sizeof(bf16_op_t)) : 0.0;
+#if defined(KOKKOS_ENABLE_CUDA)
+  d.copy_b16 = d.moe_b16;
+#endif
   return d;
 }
 

@@ -186,27 +186,31 @@ void gemm_float_via_bf16(Trans ta, Trans tb, float alpha, GemmIn<float> A, GemmI
 
 // The linear backward's two products with bf16 copies shared between them: token rows in blocks, each block of
 // dy rounded once for dx = dy W and dW += dy^T x (W rounded once).
-// xg: the input's bf16 copy where the caller has one (its blocks are then used in place of rounding x).
+// xg, dyg: bf16 copies of the input and of the output gradient where the caller has them (their blocks are then used
+// in place of rounding x or dy).
 void linear_backward_via_bf16(GemmIn<float> dy, GemmIn<float> W, GemmIn<float> x, float beta_dx, GemmOut<float> dx,
-                              float beta_dw, GemmOut<float> dW, GemmIn<bf16> xg = GemmIn<bf16>()) {
-  const index_t T = dy.extent(0), O = dy.extent(1), I = W.extent(1);
-  const bool given = xg.data() != nullptr;
+                              float beta_dw, GemmOut<float> dW, GemmIn<bf16> xg = GemmIn<bf16>(),
+                              GemmIn<bf16> dyg = GemmIn<bf16>()) {
+  const bool given = xg.data() != nullptr, dy_given = dyg.data() != nullptr;
+  const index_t T = dy_given ? dyg.extent(0) : dy.extent(0), O = W.extent(0), I = W.extent(1);
   PoolScope ws;
   auto Wb = ws.take<View1<bf16>>("gemm::w_bf16", O * I);
   cast_bf16(W.data(), W.stride(0), O, I, Wb.data());
   const index_t rows =
       std::clamp<index_t>(g_bf16_cast_block / std::max<index_t>({O, I, 1}), 1, std::max<index_t>(T, 1));
-  auto dyb = ws.take<View1<bf16>>("gemm::dy_bf16", rows * O);
+  auto dyb = dy_given ? View1<bf16>() : ws.take<View1<bf16>>("gemm::dy_bf16", rows * O);
   auto xb = given ? View1<bf16>() : ws.take<View1<bf16>>("gemm::x_bf16", rows * I);
   for (index_t t0 = 0; t0 < T; t0 += rows) {
     const index_t r = std::min(rows, T - t0);
-    cast_bf16(dy.data() + t0 * dy.stride(0), dy.stride(0), r, O, dyb.data());
+    if (!dy_given) cast_bf16(dy.data() + t0 * dy.stride(0), dy.stride(0), r, O, dyb.data());
     if (!given) cast_bf16(x.data() + t0 * x.stride(0), x.stride(0), r, I, xb.data());
     const bf16* xr = given ? xg.data() + t0 * xg.stride(0) : xb.data();
+    const bf16* dyr = dy_given ? dyg.data() + t0 * dyg.stride(0) : dyb.data();
+    const index_t lddy = dy_given ? dyg.stride(0) : O;
     if (dx.extent(0) > 0)
-      gemm_bf16_cublas(Trans::N, Trans::N, r, I, O, 1.0f, dyb.data(), O, Wb.data(), I, beta_dx,
+      gemm_bf16_cublas(Trans::N, Trans::N, r, I, O, 1.0f, dyr, lddy, Wb.data(), I, beta_dx,
                        dx.data() + t0 * dx.stride(0), CUDA_R_32F, dx.stride(0));
-    gemm_bf16_cublas(Trans::T, Trans::N, O, I, r, 1.0f, dyb.data(), O, xr, given ? xg.stride(0) : I,
+    gemm_bf16_cublas(Trans::T, Trans::N, O, I, r, 1.0f, dyr, lddy, xr, given ? xg.stride(0) : I,
                      t0 == 0 ? beta_dw : 1.0f, dW.data(), CUDA_R_32F, dW.stride(0));
   }
 }
@@ -425,6 +429,31 @@ void linear_backward_gemms_bf16x(GemmIn<float> dy, GemmIn<float> W, GemmIn<bf16_
         KOKKOS_LAMBDA(index_t o, index_t i) { dW(o, i) *= beta_dw; });
 #else
   linear_backward_gemms(dy, W, xb, beta_dx, dx, beta_dw, dW);
+#endif
+}
+
+void linear_backward_gemms_bf16dy(GemmIn<bf16_op_t> dyb, GemmIn<float> W, GemmIn<float> x, float beta_dx,
+                                  GemmOut<float> dx, float beta_dw, GemmOut<float> dW) {
+  const index_t T = dyb.extent(0), O = dyb.extent(1), I = W.extent(1);
+  require(index_t(W.extent(0)) == O && index_t(x.extent(0)) == T && index_t(x.extent(1)) == I &&
+              index_t(dW.extent(0)) == O && index_t(dW.extent(1)) == I &&
+              (dx.extent(0) == 0 || (index_t(dx.extent(0)) == T && index_t(dx.extent(1)) == I)),
+          "linear_backward_gemms_bf16dy", "shapes do not match: dy (bf16 copy) ", T, "x", O, ", W ", W.extent(0), "x",
+          I, ", x ", x.extent(0), "x", x.extent(1), ", dx ", dx.extent(0), "x", dx.extent(1), ", dW ", dW.extent(0),
+          "x", dW.extent(1));
+#if defined(KOKKOS_ENABLE_CUDA)
+  if (T > 0 && O > 0 && I > 0)
+    return linear_backward_via_bf16(GemmIn<float>(), W, x, beta_dx, dx, beta_dw, dW, GemmIn<bf16>(), dyb);
+  if (dx.extent(0) > 0 && I > 0)  // O = 0: dy W is empty, dx = beta_dx dx
+    Kokkos::parallel_for(
+        "gemm::scale_dx", Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2>>({0, 0}, {T, I}),
+        KOKKOS_LAMBDA(index_t t, index_t i) { dx(t, i) *= beta_dx; });
+  if (T == 0 && O > 0 && I > 0)
+    Kokkos::parallel_for(
+        "gemm::scale_dw", Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2>>({0, 0}, {O, I}),
+        KOKKOS_LAMBDA(index_t o, index_t i) { dW(o, i) *= beta_dw; });
+#else
+  linear_backward_gemms(dyb, W, x, beta_dx, dx, beta_dw, dW);
 #endif
 }
 

@@ -418,6 +418,18 @@ TEST_CASE("linear products on a given bf16 copy of the input equal those on the 
   lc.check_backward(ref, [&](const View2<float>& dx, const View2<float>& dW) {
     linear_backward_gemms_bf16x(lc.dy, lc.W, xb, 0.5f, dx, 1.0f, dW);
   });
+  // the output gradient given as its bf16 copy dyb: dx = dyb W + 0.5 dx0, dW = dyb^T x + dW0 (CUDA: x and W
+  // rounded as well)
+  View2<bf16_op_t> dyb("dyb", T, O);
+  const auto dy = lc.dy;
+  Kokkos::parallel_for(
+      "round", Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2>>({0, 0}, {T, O}),
+      KOKKOS_LAMBDA(index_t t, index_t o) { dyb(t, o) = to_bf16_op(dy(t, o)); });
+  const auto ref_dyb = lc.backward_ref(bf16_rounded, r, r);
+  INFO("dy given as its bf16 copy");
+  lc.check_backward(ref_dyb, [&](const View2<float>& dx, const View2<float>& dW) {
+    linear_backward_gemms_bf16dy(dyb, lc.W, lc.x, 0.5f, dx, 1.0f, dW);
+  });
   set_float_gemm_bf16_cast(true);
   View2<float> bad("bad", T, O + 1);
   CHECK_THROWS_WITH(linear_forward_gemm_bf16x(xb, lc.W, bad), ContainsSubstring("shapes do not match"));

@@ -233,6 +233,23 @@ TEST_CASE("gated RMSNorm in float equals the double form (the native CUDA kernel
       for (auto& v : y_rounded) v = bf16_round(float(v));
       CHECK(to_vec(yb) == y_rounded);
       CHECK(to_vec(rstdb) == f[1]);
+      // dz written as a bf16 copy into its window of a bf16 matrix (dx into the float source as before; dw the same)
+      {
+        View2<float> dsrcf("dsrcf_b", n, ld);
+        View2<bf16_op_t> dzb("dzb", n, ld);
+        View1<float> dwf("dwf_b", E);
+        Kokkos::deep_copy(dwf, 0.25f);
+        gated_rmsnorm_backward_bf16dz(GatedNormIn<float>{srcf, xcol, srcf, zcol}, E, gs, order, wf, rstdb, dyf,
+                                      dsrcf, xcol, dzb, zcol, dwf);
+        const auto dx = to_vec(dsrcf), dzv = to_vec(dzb);
+        for (index_t i = 0; i < n; ++i)
+          for (index_t j = 0; j < E; ++j) {
+            INFO("row " << i << " column " << j);
+            REQUIRE(dx[i * ld + xcol + j] == f[2][i * ld + xcol + j]);
+            REQUIRE(dzv[i * ld + zcol + j] == double(bf16_round(float(f[2][i * ld + zcol + j]))));
+          }
+        CHECK(to_vec(dwf) == f[3]);
+      }
     }
   }
 }
@@ -405,5 +422,16 @@ TEST_CASE("conv1d + SiLU in float, 4 channels a work item, equals the double for
     CHECK(rel_err(to_vec(dsrcf), to_vec(dsrc)) < 1e-5);
     CHECK(rel_err(to_vec(dwf), to_vec(dw)) < 1e-5);
     CHECK(rel_err(to_vec(dbf), to_vec(db)) < 1e-5);
+    // dx written as a bf16 copy (the Mamba-2 in_proj's output gradient under bf16 GEMMs): the float dx rounded to
+    // nearest even in its window, the columns outside it untouched (zero); dw and dbias the same as the float form's
+    View2<bf16_op_t> dsrcb("dsrcb", B * L, ld);
+    View2<float> dwb("dwb", C, W);
+    View1<float> dbb("dbb", C);
+    conv1d_silu_backward_bf16dx(Conv1dIn<float>{srcf, col, B, L, C, pref}, wf, biasf, seq, dyf, dsrcb, col, dwb, dbb);
+    std::vector<double> rounded = to_vec(dsrcf);
+    for (auto& v : rounded) v = bf16_round(float(v));
+    CHECK(to_vec(dsrcb) == rounded);
+    CHECK(to_vec(dwb) == to_vec(dwf));
+    CHECK(to_vec(dbb) == to_vec(dbf));
   }
 }

@@ -341,6 +341,11 @@ bool Mamba2Mixer<T>::bf16_out_proj() const {
 }
 
 template <class T>
+bool Mamba2Mixer<T>::bf16_in_proj_grad(bool explicit_final_state) const {
+  return bf16_out_proj() && cp_->size() == 1 && !explicit_final_state;
+}
+
+template <class T>
 void Mamba2Mixer<T>::forward(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq,
                              const View2<T>& out, Mamba2Acts<T>& acts, bool save) const {
   forward(u, batch, seqlen, seq, out, acts, save, nullptr, nullptr);
@@ -411,16 +416,29 @@ void Mamba2Mixer<T>::backward(Mamba2Acts<T>& a, index_t batch, index_t seqlen, c
   // out_proj
   View2<T> dyn = ws.take<View2<T>>("mamba2::dyn", n, E);
   out_proj_backward(a, dout, dyn);
+  // d(zxbcdt), in_proj's output gradient: fp32, or under bf16 GEMMs only the bf16 copy in_proj's backward takes,
+  // written by its producers (the gated norm's dz, the conv's d(xBC), the scan's d(dt) rounded from a narrow fp32
+  // block) where nothing adds to it after the conv (one rank along the sequence, no explicit final state)
+  const bool gb = bf16_in_proj_grad(dfinal_state != nullptr);
+  View2<T> dzxbcdt = gb ? View2<T>() : ws.take<View2<T>>("mamba2::dzxbcdt", n, Din_);
+  View2<bf16_op_t> dzb = gb ? ws.take<View2<bf16_op_t>>("mamba2::dzxbcdt_bf16", n, Din_) : View2<bf16_op_t>();
+  View2<T> ddt = gb ? ws.take<View2<T>>("mamba2::ddt", n, H_) : View2<T>();
   // gated norm: dy, and dz straight into the z columns of d(zxbcdt)
-  View2<T> dzxbcdt = ws.take<View2<T>>("mamba2::dzxbcdt", n, Din_);
   View2<T> dy = ws.take<View2<T>>("mamba2::dy", n, E);
-  gated_rmsnorm_backward<T>(GatedNormIn<T>{a.y, 0, a.zxbcdt, 0}, E, E / G, GateOrder::gate_first,
-                            store_->v1(norm_w_), a.rstd, dyn, dy, 0, dzxbcdt, 0, store_->g1(norm_w_));
-  // scan: d(xBC) and d(dt) (written into the dt columns of d(zxbcdt))
+  bool norm_done = false;
+  if constexpr (std::is_same_v<T, float>)
+    if ((norm_done = gb))
+      gated_rmsnorm_backward_bf16dz(GatedNormIn<T>{a.y, 0, a.zxbcdt, 0}, E, E / G, GateOrder::gate_first,
+                                    store_->v1(norm_w_), a.rstd, dyn, dy, 0, dzb, 0, store_->g1(norm_w_));
+  if (!norm_done)
+    gated_rmsnorm_backward<T>(GatedNormIn<T>{a.y, 0, a.zxbcdt, 0}, E, E / G, GateOrder::gate_first,
+                              store_->v1(norm_w_), a.rstd, dyn, dy, 0, dzxbcdt, 0, store_->g1(norm_w_));
+  // scan: d(xBC) and d(dt) (written into the dt columns of d(zxbcdt), or into ddt)
   View2<T> dxbc = ws.take<View2<T>>("mamba2::dxbc", n, C_);
   SSDGrad<T> g;
   g.dxbc = dxbc;
-  g.ddt = dzxbcdt;
+  g.ddt = gb ? ddt : dzxbcdt;
+  if (gb) g.ddt_col = 0;
   g.dA_log = store_->g1(A_log_);
   g.ddt_bias = store_->g1(dt_bias_);
   g.dD = store_->g1(D_);
@@ -448,8 +466,17 @@ void Mamba2Mixer<T>::backward(Mamba2Acts<T>& a, index_t batch, index_t seqlen, c
   }
   ssd_backward<T>(ssd_shape(batch, seqlen), ssd_in(a, seq), dy, dfinal, g, &a.ssd);
   // conv: d([x | B | C]) into its columns of d(zxbcdt)
-  conv1d_silu_backward<T>(Conv1dIn<T>{a.zxbcdt, E, batch, seqlen, C_, a.conv_init}, store_->v2(conv_w_),
-                          store_->v1(conv_b_), seq, dxbc, dzxbcdt, E, store_->g2(conv_w_), store_->g1(conv_b_));
+  bool conv_done = false;
+  if constexpr (std::is_same_v<T, float>)
+    if ((conv_done = gb)) {
+      const index_t dtc = 2 * E + 2 * G * cfg_.d_state;  // d(dt)'s columns
+      par_for("mamba2::ddt_bf16", n, H_, KOKKOS_LAMBDA(index_t i, index_t h) { dzb(i, dtc + h) = to_bf16_op(ddt(i, h)); });
+      conv1d_silu_backward_bf16dx(Conv1dIn<T>{a.zxbcdt, E, batch, seqlen, C_, a.conv_init}, store_->v2(conv_w_),
+                                  store_->v1(conv_b_), seq, dxbc, dzb, E, store_->g2(conv_w_), store_->g1(conv_b_));
+    }
+  if (!conv_done)
+    conv1d_silu_backward<T>(Conv1dIn<T>{a.zxbcdt, E, batch, seqlen, C_, a.conv_init}, store_->v2(conv_w_),
+                            store_->v1(conv_b_), seq, dxbc, dzxbcdt, E, store_->g2(conv_w_), store_->g1(conv_b_));
   if (dinit_state)  // the conv prefix fed the outputs of token 0's record
     windows::conv_init_backward<T>(Conv1dIn<T>{a.zxbcdt, E, batch, seqlen, C_, a.conv_init}, store_->v2(conv_w_),
                                    store_->v1(conv_b_), seq, dxbc, dinit_state->conv);
@@ -463,7 +490,10 @@ void Mamba2Mixer<T>::backward(Mamba2Acts<T>& a, index_t batch, index_t seqlen, c
     parallel::cp_conv_halo_backward<T>(*cp_, dprefix, dzxbcdt, E, batch, seqlen);
   }
   // in_proj
-  linear_backward<T>(a.u, store_->v2(in_proj_), dzxbcdt, du, false, store_->g2(in_proj_), View1<P>());
+  bool in_done = false;
+  if constexpr (std::is_same_v<T, float>)
+    if ((in_done = gb)) linear_backward_gemms_bf16dy(dzb, store_->v2(in_proj_), a.u, 0.0f, du, 1.0f, store_->g2(in_proj_));
+  if (!in_done) linear_backward<T>(a.u, store_->v2(in_proj_), dzxbcdt, du, false, store_->g2(in_proj_), View1<P>());
   parallel::tp_allreduce_sum(*tp_, du, "Mamba2Mixer::backward");  // column-parallel in_proj: partial sums
 }
 

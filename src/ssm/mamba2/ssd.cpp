@@ -773,6 +773,7 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
 
   const auto dxbc = gr.dxbc;
   const auto ddt = gr.ddt;
+  const index_t ddt_col = gr.ddt_col >= 0 ? gr.ddt_col : c.dt_col;
   const index_t ldd = index_t(dxbc.stride(0));
   T* dX = dxbc.data();
   // the state terms of dB and dC, summed over a group's heads by the K dimension:
@@ -1035,7 +1036,7 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
               dla(b, h, t0 + il) = du(il);
               dwt(b, h, t0 + il) = base(il);
             } else {
-              ddt(b * c.L + t0 + il, c.dt_col + h) = du(il);
+              ddt(b * c.L + t0 + il, ddt_col + h) = du(il);
             }
           });
         },
@@ -1204,6 +1205,7 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
   View4<P> partial = ws.take<View4<P>>("ssd::partial", c.Bsz, c.nc, c.H, 3);
   const auto dxbc = gr.dxbc;
   const auto ddt = gr.ddt;
+  const index_t ddt_col = gr.ddt_col >= 0 ? gr.ddt_col : c.dt_col;
   const auto dla = gr.dlog_decay;
   const auto dwt = gr.dweight;
   const index_t Q = c.Q;
@@ -1378,7 +1380,7 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
             const P u = P(c.dt(c.row(b, j), c.dt_col + h)) + c.dt_bias(h);
             const P sp = softplus(u);
             const P du = (sp >= c.dt_lo && sp <= c.dt_hi) ? ddel * dsoftplus(u) : P(0);
-            ddt(c.row(b, j), c.dt_col + h) = static_cast<T>(du);
+            ddt(c.row(b, j), ddt_col + h) = static_cast<T>(du);
             dA += run * dlt;
             dbias += du;
           }

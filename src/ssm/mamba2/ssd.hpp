@@ -68,7 +68,8 @@ struct SSDIn {
 template <class T>
 struct SSDGrad {
   View2<T> dxbc;  // dx, dB, dC are written into the same columns as the inputs
-  View2<T> ddt;   // d(raw dt) written at the same column as dt
+  View2<T> ddt;   // d(raw dt) written at the same column as dt, or from column ddt_col where that is >= 0
+  index_t ddt_col = -1;
   View1<acc_t<T>> dA_log, ddt_bias, dD;  // accumulated (+=)
   View4<acc_t<T>> dinit_state;           // written when non-empty
   // With SSDIn::per_token(): the gradients of log_decay and weight (batch, H, L) are written here instead of ddt,
