@@ -362,6 +362,39 @@ TEST_CASE("Mamba-3 SISO through the fused SSD kernels stays within bf16 rounding
   }
 }
 
+TEST_CASE("Mamba-3 SISO through the SSD in fp32: the token passes agree with the recurrence and the portable kernels",
+          "[mamba3]") {
+  // float, rank 1, headdim and d_state multiples of 4: on CUDA the rotation, the trapezoid's diagonal and their
+  // backwards run as native kernels (quads of dimensions a lane); elsewhere the portable row kernels. Both pairings,
+  // partial (S = 3: a quad half rotated) and full rotary, 4 heads in 2 groups, packed records, an initial carry and
+  // final-carry gradients (the last token's k and v terms). The forward against the double recurrence, every
+  // gradient against the portable route's in fp32.
+  for (const bool halved : {false, true})
+    for (const index_t S : {3, 8}) {
+      M3Case c;
+      c.L = 70;
+      c.H = 4;
+      c.G = 2;
+      c.P = 8;
+      c.N = 16;
+      c.S = S;
+      c.Q = 16;
+      c.halved = halved;
+      c.seq = make_records(c.B, c.L, {{20, 33}, {}});
+      c.algo = SSDAlgo::gemm;
+      c.compute = GemmCompute::fp32;
+      INFO("halved=" << halved << " S=" << S);
+      CHECK(scan_error<float>(c) < 1e-4);
+      const auto ssd = scan_grads_float(c);
+      c.algo = SSDAlgo::portable;
+      const auto portable = scan_grads_float(c);
+      for (std::size_t i = 0; i < ssd.size(); ++i) {
+        INFO("gradient " << i);
+        CHECK(rel_err(ssd[i], portable[i]) < (i < 3 ? 1e-4 : 1e-3));
+      }
+    }
+}
+
 TEST_CASE("Mamba-3 with lambda = 1 and no rotary reduces to Mamba-2's SSD recurrence", "[mamba3]") {
   // trap = 800 gives sigmoid(trap) == 1 exactly in double (the beta term vanishes: exponential-Euler); no angles;
   // zero biases; dd_A chosen per head so that heavy_tail(dd_A) = exp(A_log_h) (a constant A per head).
@@ -674,6 +707,69 @@ TEST_CASE("Mamba-3 mixer backward matches finite differences for the input, the 
       chk("init v", init.carry.v, to_vec(dinit.carry.v), 24);
       WARN("mixer FD check (" << variant_name(cfg) << "): worst rel err " << worst);
     }
+}
+
+namespace {
+// dst = src rounded to float, element by element of two views of one shape and contiguous layout
+template <class Src, class Dst>
+void to_float(const Src& src, const Dst& dst) {
+  REQUIRE(src.size() == dst.size());
+  par_for("test::to_float", index_t(src.size()), KOKKOS_LAMBDA(index_t i) { dst.data()[i] = float(src.data()[i]); });
+}
+}  // namespace
+
+TEST_CASE("Mamba-3 mixer in float equals the double mixer with the same parameters (SISO, forward and backward)",
+          "[mamba3]") {
+  // headdim 4 and d_state 16 (in_proj's 112 columns): the float SISO mixer takes the quad kernels of the gate and
+  // the rotation (CUDA: also the diagonal's, through the SSD); the double one the row kernels. Parameters copied
+  // from the double store, an initial state and final-state gradients.
+  for (const bool norm : {false, true}) {
+    Mamba3Config cfg = tiny_m3(false, norm);
+    cfg.d_model = 8;
+    cfg.d_state = 16;
+    cfg.headdim = 4;
+    cfg.chunk_size = 8;
+    INFO(variant_name(cfg));
+    MixerRig rig(cfg);
+    ParamStore<float> psf;
+    Mamba3Mixer<float> mf(cfg, psf, "m.", 2);
+    psf.allocate();
+    REQUIRE(psf.values().extent(0) == rig.ps.values().extent(0));
+    to_float(rig.ps.values(), psf.values());
+    const index_t B = 2, L = 21, D = cfg.d_model;
+    View2<double> u("u", B * L, D), out("out", B * L, D), dout("dout", B * L, D), du("du", B * L, D);
+    View2<float> uf("uf", B * L, D), outf("outf", B * L, D), doutf("doutf", B * L, D), duf("duf", B * L, D);
+    fill_uniform(u, 1);
+    fill_uniform(dout, 2);
+    to_float(u, uf);
+    to_float(dout, doutf);
+    const auto init = rig.random_state(B, 40), dfin = rig.random_state(B, 50);
+    auto initf = mf.make_state(B), dfinf = mf.make_state(B);
+    to_float(init.carry.phi, initf.carry.phi), to_float(init.carry.S, initf.carry.S);
+    to_float(init.carry.k, initf.carry.k), to_float(init.carry.v, initf.carry.v);
+    to_float(dfin.carry.phi, dfinf.carry.phi), to_float(dfin.carry.S, dfinf.carry.S);
+    to_float(dfin.carry.k, dfinf.carry.k), to_float(dfin.carry.v, dfinf.carry.v);
+    Kokkos::fence();
+    auto fin = rig.mixer.make_state(B), dinit = rig.mixer.make_state(B);
+    auto finf = mf.make_state(B), dinitf = mf.make_state(B);
+    Mamba3Acts<double> acts;
+    Mamba3Acts<float> actsf;
+    rig.mixer.forward(u, B, L, out, acts, true, &init, &fin);
+    mf.forward(uf, B, L, outf, actsf, true, &initf, &finf);
+    rig.ps.zero_grads();
+    psf.zero_grads();
+    rig.mixer.backward(acts, B, L, dout, du, &dfin, &dinit);
+    mf.backward(actsf, B, L, doutf, duf, &dfinf, &dinitf);
+    CHECK(rel_err(to_vec(outf), to_vec(out)) < 1e-5);
+    CHECK(rel_err(to_vec(finf.carry.S), to_vec(fin.carry.S)) < 1e-5);
+    CHECK(rel_err(to_vec(duf), to_vec(du)) < 1e-4);
+    CHECK(rel_err(to_vec(dinitf.carry.S), to_vec(dinit.carry.S)) < 1e-4);
+    CHECK(rel_err(to_vec(dinitf.carry.phi), to_vec(dinit.carry.phi)) < 1e-4);
+    for (const auto& e : rig.ps.entries()) {
+      INFO("gradient of " << e.name);
+      CHECK(rel_err(to_vec(psf.g1(psf.index(e.name))), to_vec(rig.ps.g1(rig.ps.index(e.name)))) < 1e-4);
+    }
+  }
 }
 
 TEST_CASE("Mamba-3 MIMO with rank 1 equals SISO", "[mamba3]") {

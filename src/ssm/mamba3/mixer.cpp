@@ -251,6 +251,20 @@ void per_head_rank(const char* label, index_t n, index_t H, index_t R, const F& 
   });
 }
 
+// Whether the gate's passes can take quads of columns (float SISO: no MIMO projections, headdim a multiple of 4,
+// y, the in_proj output (z at column 0) and `more` float4-aligned rows).
+template <class T>
+bool gate_quads_ok(const Gate<T>& gt, std::initializer_list<std::pair<const void*, long long>> more) {
+  if constexpr (!std::is_same_v<T, float>) {
+    return false;
+  } else {
+    if (gt.mimo || gt.R != 1 || gt.Pd % 4 != 0 || (gt.norm && !aligned16(gt.w.data()))) return false;
+    for (const auto& [p, ld] : more)
+      if (!float4_rows({{p, ld}})) return false;
+    return float4_rows({{gt.y.data(), gt.y.stride(0)}, {gt.proj.data(), gt.proj.stride(0)}});
+  }
+}
+
 // Gate (and the per-head norm, whose rstd it stores first) and the MIMO down-projection into o; elementwise over
 // (token, column) so that a warp reads and writes contiguous columns.
 template <class T>
@@ -265,6 +279,21 @@ void gate_forward(const Gate<T>& gt, acc_t<T> eps, const View2<T>& o) {
           Kokkos::ThreadVectorRange(tm, gt.Pd), [&](index_t p, P& a) { a += P(yr[p]) * P(yr[p]); }, ss);
       Kokkos::single(Kokkos::PerThread(tm), [&]() { gt.rstd(i, h * gt.R + r) = P(1) / Kokkos::sqrt(ss / P(gt.Pd) + eps); });
     });
+  if (gate_quads_ok(gt, {{o.data(), o.stride(0)}})) {  // SISO: quads of columns, 16-byte accesses on GPUs
+    par_for("mamba3::gate", n, gt.H * gt.Pd / 4, KOKKOS_LAMBDA(index_t i, index_t qu) {
+      const index_t hp = 4 * qu, h = hp / gt.Pd;
+      P yv[4], zv[4], sc[4] = {P(1), P(1), P(1), P(1)}, ov[4];
+      load_vec<4>(&gt.y(i, hp), yv);
+      load_vec<4>(&gt.proj(i, hp), zv);
+      if (gt.norm) {
+        load_vec<4>(&gt.w(hp), sc);
+        for (int e = 0; e < 4; ++e) sc[e] *= gt.rstd(i, h);
+      }
+      for (int e = 0; e < 4; ++e) ov[e] = yv[e] * sc[e] * silu(zv[e]);
+      store_vec<4>(&o(i, hp), ov);
+    });
+    return;
+  }
   par_for("mamba3::gate", n, gt.H * gt.Pd, KOKKOS_LAMBDA(index_t i, index_t hp) {
     const index_t h = hp / gt.Pd, p = hp % gt.Pd;
     P acc = 0;
@@ -418,26 +447,45 @@ void Mamba3Mixer<T>::backward(Mamba3Acts<T>& a, index_t batch, index_t seqlen, c
       Kokkos::single(Kokkos::PerThread(tm), [&]() { dots(i, h * gt.R + r) = dot; });
     });
   }
-  par_for("mamba3::gate_bwd", n, H * Pd, KOKKOS_LAMBDA(index_t i, index_t hp) {
-    const index_t h = hp / gt.Pd, p = hp % gt.Pd;
-    P dzsum = 0;
-    for (index_t r = 0; r < gt.R; ++r) {
-      const P G_ = P(dO(i, hp)) * gt.mo_of(h, r, p);
-      const P z2 = gt.zz(i, h, r, p), s = silu(z2);
-      P dyv;
-      if (gt.norm) {
-        const P rs = gt.rstd(i, h * gt.R + r);
-        const P nrm = P(gt.y(i, (h * gt.R + r) * gt.Pd + p)) * rs;
-        dyv = rs * (G_ * s * gt.w(h * gt.Pd + p) - nrm * dots(i, h * gt.R + r) / P(gt.Pd));
-      } else {
-        dyv = G_ * s;
+  if (gate_quads_ok(gt, {{dO.data(), dO.stride(0)}, {dy.data(), dy.stride(0)}, {dproj.data(), dproj.stride(0)}})) {
+    par_for("mamba3::gate_bwd", n, H * Pd / 4, KOKKOS_LAMBDA(index_t i, index_t qu) {
+      const index_t hp = 4 * qu, h = hp / gt.Pd;
+      P g[4], yv[4], zv[4], wv[4] = {P(1), P(1), P(1), P(1)}, dyv[4], dzv[4];
+      load_vec<4>(&dO(i, hp), g);
+      load_vec<4>(&gt.y(i, hp), yv);
+      load_vec<4>(&gt.proj(i, hp), zv);
+      const P rs = gt.norm ? gt.rstd(i, h) : P(1), mdot = gt.norm ? dots(i, h) / P(gt.Pd) : P(0);
+      if (gt.norm) load_vec<4>(&gt.w(hp), wv);
+      for (int e = 0; e < 4; ++e) {
+        const P s = silu(zv[e]), nrm = yv[e] * rs;
+        dyv[e] = gt.norm ? rs * (g[e] * s * wv[e] - nrm * mdot) : g[e] * s;
+        dzv[e] = g[e] * nrm * wv[e] * dsilu(zv[e]);
       }
-      dy(i, (h * gt.R + r) * gt.Pd + p) = static_cast<T>(dyv);
-      const P dzz = G_ * gt.yw(i, h, r, p) * dsilu(z2);
-      dzsum += gt.mimo ? dzz * gt.mz((h * gt.R + r) * gt.Pd + p) : dzz;
-    }
-    dproj(i, hp) = static_cast<T>(dzsum);
-  });
+      store_vec<4>(&dy(i, hp), dyv);
+      store_vec<4>(&dproj(i, hp), dzv);
+    });
+  } else {
+    par_for("mamba3::gate_bwd", n, H * Pd, KOKKOS_LAMBDA(index_t i, index_t hp) {
+      const index_t h = hp / gt.Pd, p = hp % gt.Pd;
+      P dzsum = 0;
+      for (index_t r = 0; r < gt.R; ++r) {
+        const P G_ = P(dO(i, hp)) * gt.mo_of(h, r, p);
+        const P z2 = gt.zz(i, h, r, p), s = silu(z2);
+        P dyv;
+        if (gt.norm) {
+          const P rs = gt.rstd(i, h * gt.R + r);
+          const P nrm = P(gt.y(i, (h * gt.R + r) * gt.Pd + p)) * rs;
+          dyv = rs * (G_ * s * gt.w(h * gt.Pd + p) - nrm * dots(i, h * gt.R + r) / P(gt.Pd));
+        } else {
+          dyv = G_ * s;
+        }
+        dy(i, (h * gt.R + r) * gt.Pd + p) = static_cast<T>(dyv);
+        const P dzz = G_ * gt.yw(i, h, r, p) * dsilu(z2);
+        dzsum += gt.mimo ? dzz * gt.mz((h * gt.R + r) * gt.Pd + p) : dzz;
+      }
+      dproj(i, hp) = static_cast<T>(dzsum);
+    });
+  }
   }
   if (gt.norm) {
     const index_t Rr = R, Pp = Pd;

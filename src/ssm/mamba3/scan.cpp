@@ -269,10 +269,261 @@ void phases(const Ctx<T>& c, const View3<acc_t<T>>& init_phi) {
   });
 }
 
+// ---------------------------------------------------------------- the token passes on quads (float, rank 1)
+// The rotation, the trapezoid's diagonal and their backwards with each vector lane on quads of four consecutive
+// state (or head) dimensions: one 16-byte load or store a quad on GPUs (load_vec), and sine and cosine once per
+// angle. The row kernels further below (4 bytes a lane, sine and cosine per element of a pair) ran at 25-40 % of
+// the copy bandwidth on an H200 and stay for other types, ranks and shapes.
+template <class T>
+KOKKOS_INLINE_FUNCTION void rot_pair(T& x0, T& x1, T s, T c) {
+  const T a = x0 * c - x1 * s, b = x0 * s + x1 * c;
+  x0 = a;
+  x1 = b;
+}
+
+// Whether the quad kernels apply to c: float, rank 1, N and Pd multiples of 4 (halved pairs: N a multiple of 8),
+// every column offset and row stride a multiple of 4 floats and every row 16-byte aligned; `more` are further
+// (first row, row stride) pairs to check.
+template <class T>
+bool quads_ok(const Ctx<T>& c, std::initializer_list<std::pair<const void*, long long>> more = {}) {
+  if constexpr (!std::is_same_v<T, float>) {
+    return false;
+  } else {
+    if (c.R != 1 || c.N % 4 != 0 || c.Pd % 4 != 0 || (c.halved && c.N % 8 != 0) || c.q_col % 4 != 0 ||
+        c.k_col % 4 != 0 || c.v_col % 4 != 0 || c.q_off % 4 != 0 || c.k_off % 4 != 0)
+      return false;
+    for (const auto& [p, ld] : more)
+      if (!float4_rows({{p, ld}})) return false;
+    return float4_rows({{c.qk.data(), c.qk.stride(0)}, {c.v.data(), c.v.stride(0)}, {c.qkv.data(), c.qkv.stride(0)},
+                        {c.q_bias.data(), 0}, {c.k_bias.data(), 0}});
+  }
+}
+
+// q~ = Rot(phi) (q + q_bias), k~ = Rot(phi) (k + k_bias); the SSD route also copies v to the x columns.
+template <class T>
+void rotate_quads(const Ctx<T>& c) {
+  using P = acc_t<T>;
+  par_for_rows("mamba3::rotate", c.Bsz * c.L * c.H, KOKKOS_LAMBDA(const Team& tm, index_t i) {
+    const index_t rw = i / c.H, h = i % c.H, b = rw / c.L, t = rw % c.L, g = h / c.hpg, N = c.N;
+    if (c.ssd) {
+      const T* vi = c.vrow(rw, h, 0);
+      P* xo = &c.qkv(rw, h * c.Pd);
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.Pd / 4), [&](index_t j) {
+        P x[4];
+        load_vec<4>(vi + 4 * j, x);
+        store_vec<4>(xo + 4 * j, x);
+      });
+    }
+    const T* qi = &c.qk(rw, c.q_col + g * N);
+    const T* ki = &c.qk(rw, c.k_col + g * N);
+    const P* qb = c.q_bias.data() + h * N;
+    const P* kb = c.k_bias.data() + h * N;
+    P* qo = c.qkv.data() + rw * c.qkv.stride(0) + c.q_off + h * N;
+    P* ko = c.qkv.data() + rw * c.qkv.stride(0) + c.k_off + h * N;
+    const P* ph = c.phi.data() + b * c.phi.stride(0) + h * c.phi.stride(1) + t * c.phi.stride(2);
+    // quad qu (halved: of the first half, with the same quad of the second) biased into x0 (x1)
+    auto biased = [&](const T* in, const P* bias, index_t at, P (&x)[4]) {
+      P bb[4];
+      load_vec<4>(in + at, x);
+      load_vec<4>(bias + at, bb);
+      for (int e = 0; e < 4; ++e) x[e] += bb[e];
+    };
+    if (!c.halved) {  // quad j: pairs (4j, 4j + 1) and (4j + 2, 4j + 3), angles 2j and 2j + 1
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, N / 4), [&](index_t j) {
+        P q[4], k[4];
+        biased(qi, qb, 4 * j, q);
+        biased(ki, kb, 4 * j, k);
+        for (int e = 0; e < 2 && 2 * j + e < c.S; ++e) {
+          const P s = Kokkos::sin(ph[2 * j + e]), co = Kokkos::cos(ph[2 * j + e]);
+          rot_pair(q[2 * e], q[2 * e + 1], s, co);
+          rot_pair(k[2 * e], k[2 * e + 1], s, co);
+        }
+        store_vec<4>(qo + 4 * j, q);
+        store_vec<4>(ko + 4 * j, k);
+      });
+    } else {  // quad j of the first half with quad j of the second: pairs (4j + e, N/2 + 4j + e), angles 4j + e
+      const index_t hn = N / 2;
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, hn / 4), [&](index_t j) {
+        P q0[4], q1[4], k0[4], k1[4];
+        biased(qi, qb, 4 * j, q0);
+        biased(qi, qb, hn + 4 * j, q1);
+        biased(ki, kb, 4 * j, k0);
+        biased(ki, kb, hn + 4 * j, k1);
+        for (int e = 0; e < 4 && 4 * j + e < c.S; ++e) {
+          const P s = Kokkos::sin(ph[4 * j + e]), co = Kokkos::cos(ph[4 * j + e]);
+          rot_pair(q0[e], q1[e], s, co);
+          rot_pair(k0[e], k1[e], s, co);
+        }
+        store_vec<4>(qo + 4 * j, q0);
+        store_vec<4>(qo + hn + 4 * j, q1);
+        store_vec<4>(ko + 4 * j, k0);
+        store_vec<4>(ko + hn + 4 * j, k1);
+      });
+    }
+  });
+}
+
+// q~ . k~ of row rw, head h (rank 1), summed over the vector lanes
+template <class T>
+KOKKOS_INLINE_FUNCTION acc_t<T> qk_dot(const Team& tm, const Ctx<T>& c, index_t rw, index_t h) {
+  using P = acc_t<T>;
+  const P* q = c.qrow(rw, h, 0);
+  const P* k = c.krow(rw, h, 0);
+  P qk = 0;
+  Kokkos::parallel_reduce(
+      Kokkos::ThreadVectorRange(tm, c.N / 4),
+      [&](index_t j, P& a) {
+        P x[4], y[4];
+        load_vec<4>(q + 4 * j, x);
+        load_vec<4>(k + 4 * j, y);
+        a += x[0] * y[0] + x[1] * y[1] + x[2] * y[2] + x[3] * y[3];
+      },
+      qk);
+  return qk;
+}
+
+// y += (gamma_t - w_t) (q~ . k~) v (v: the x columns of qkv)
+template <class T>
+void diagonal_quads(const Ctx<T>& c, const View2<T>& y) {
+  using P = acc_t<T>;
+  par_for_rows("mamba3::diagonal", c.Bsz * c.L * c.H, KOKKOS_LAMBDA(const Team& tm, index_t i) {
+    const index_t rw = i / c.H, h = i % c.H, b = rw / c.L, t = rw % c.L;
+    const P f = (c.gamma(b, h, t) - c.w(b, h, t)) * qk_dot(tm, c, rw, h);
+    const P* v = &c.qkv(rw, h * c.Pd);
+    T* yt = &y(rw, h * c.Pd);
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.Pd / 4), [&](index_t j) {
+      P vv[4], o[4];
+      load_vec<4>(v + 4 * j, vv);
+      load_vec<4>(yt + 4 * j, o);
+      for (int e = 0; e < 4; ++e) o[e] += f * vv[e];
+      store_vec<4>(yt + 4 * j, o);
+    });
+  });
+}
+
+// The diagonal's backward on quads (see backward_ssd): ddg, dw, dq~ and dk~ (in dqkv, with the final carry's k
+// gradient at the last token) and dv (into dvo's columns v_col + h Pd, with the final carry's v gradient).
+template <class T>
+void diagonal_bwd_quads(const Ctx<T>& c, const View2<const T>& dy, const View2<acc_t<T>>& dqkv,
+                        const View3<acc_t<T>>& ddg, const View3<acc_t<T>>& dw, const View2<T>& dvo, index_t v_col,
+                        const Mamba3Carry<acc_t<T>>& dfin) {
+  using P = acc_t<T>;
+  const bool has_dfinal = !dfin.empty();
+  const auto fv = dfin.v;
+  const auto fk = dfin.k;
+  par_for_rows("mamba3::diagonal_bwd", c.Bsz * c.L * c.H, KOKKOS_LAMBDA(const Team& tm, index_t i) {
+    const index_t rw = i / c.H, h = i % c.H, b = rw / c.L, t = rw % c.L, N = c.N, Pd = c.Pd;
+    const P* q = c.qrow(rw, h, 0);
+    const P* k = c.krow(rw, h, 0);
+    const P* v = &c.qkv(rw, h * Pd);
+    const T* dyt = &dy(rw, h * Pd);
+    const P qk = qk_dot(tm, c, rw, h);
+    P dyv = 0;
+    Kokkos::parallel_reduce(
+        Kokkos::ThreadVectorRange(tm, Pd / 4),
+        [&](index_t j, P& a) {
+          P x[4], y[4];
+          load_vec<4>(dyt + 4 * j, x);
+          load_vec<4>(v + 4 * j, y);
+          a += x[0] * y[0] + x[1] * y[1] + x[2] * y[2] + x[3] * y[3];
+        },
+        dyv);
+    const P f = c.gamma(b, h, t) - c.w(b, h, t), m = qk * dyv, fd = f * dyv, fq = f * qk;
+    Kokkos::single(Kokkos::PerThread(tm), [&]() {
+      ddg(b, h, t) = m;
+      dw(b, h, t) -= m;  // the SSD counted the diagonal with weight w_t
+    });
+    const bool last = has_dfinal && t == c.L - 1;
+    P* dq = dqkv.data() + rw * dqkv.stride(0) + c.q_off + h * N;
+    P* dk = dqkv.data() + rw * dqkv.stride(0) + c.k_off + h * N;
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, N / 4), [&](index_t j) {
+      P qq[4], kk[4], gq[4], gk[4];
+      load_vec<4>(q + 4 * j, qq);
+      load_vec<4>(k + 4 * j, kk);
+      load_vec<4>(dq + 4 * j, gq);
+      load_vec<4>(dk + 4 * j, gk);
+      for (int e = 0; e < 4; ++e) {
+        gq[e] += fd * kk[e];
+        gk[e] += fd * qq[e] + (last ? fk(b, h, 0, 4 * j + e) : P(0));
+      }
+      store_vec<4>(dq + 4 * j, gq);
+      store_vec<4>(dk + 4 * j, gk);
+    });
+    const P* dx = &dqkv(rw, h * Pd);
+    T* dvr = &dvo(rw, v_col + h * Pd);
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, Pd / 4), [&](index_t j) {
+      P xx[4], gy[4], o[4];
+      load_vec<4>(dx + 4 * j, xx);
+      load_vec<4>(dyt + 4 * j, gy);
+      for (int e = 0; e < 4; ++e) o[e] = xx[e] + fq * gy[e] + (last ? fv(b, h, 0, 4 * j + e) : P(0));
+      store_vec<4>(dvr + 4 * j, o);
+    });
+  });
+}
+
+// The rotation's backward on quads, in place on dqkv's q~ and k~ gradients (un-rotated), and
+// dphi = sum over q and k of -g0 y1 + g1 y0 per angle.
+template <class T>
+void rotate_bwd_quads(const Ctx<T>& c, const View2<acc_t<T>>& dqkv, const View4<acc_t<T>>& dphi) {
+  using P = acc_t<T>;
+  par_for_rows("mamba3::rotate_bwd", c.Bsz * c.L * c.H, KOKKOS_LAMBDA(const Team& tm, index_t i) {
+    const index_t rw = i / c.H, h = i % c.H, b = rw / c.L, t = rw % c.L, N = c.N;
+    const P* row = c.qkv.data() + rw * c.qkv.stride(0);
+    P* drow = dqkv.data() + rw * dqkv.stride(0);
+    const P* ph = c.phi.data() + b * c.phi.stride(0) + h * c.phi.stride(1) + t * c.phi.stride(2);
+    P* dph = dphi.data() + b * dphi.stride(0) + h * dphi.stride(1) + t * dphi.stride(2);
+    const index_t offs[2] = {c.q_off + h * N, c.k_off + h * N};
+    // back-rotates (g0, g1) by the angle, adding the angle's gradient from the rotated (y0, y1) to acc
+    auto back = [](P& g0, P& g1, P y0, P y1, P s, P co, P& acc) {
+      acc += -g0 * y1 + g1 * y0;
+      const P a0 = g0 * co + g1 * s, a1 = -g0 * s + g1 * co;
+      g0 = a0;
+      g1 = a1;
+    };
+    if (!c.halved) {  // quad j: angles 2j, 2j + 1
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, (c.S + 1) / 2), [&](index_t j) {
+        const int ne = 2 * j + 1 < c.S ? 2 : 1;
+        P s[2], co[2], acc[2] = {P(0), P(0)};
+        for (int e = 0; e < ne; ++e) s[e] = Kokkos::sin(ph[2 * j + e]), co[e] = Kokkos::cos(ph[2 * j + e]);
+        for (int wq = 0; wq < 2; ++wq) {
+          P y[4], g[4];
+          load_vec<4>(row + offs[wq] + 4 * j, y);
+          load_vec<4>(drow + offs[wq] + 4 * j, g);
+          for (int e = 0; e < ne; ++e) back(g[2 * e], g[2 * e + 1], y[2 * e], y[2 * e + 1], s[e], co[e], acc[e]);
+          store_vec<4>(drow + offs[wq] + 4 * j, g);
+        }
+        for (int e = 0; e < ne; ++e) dph[2 * j + e] = acc[e];
+      });
+    } else {  // quad j of each half: angles 4j + e
+      const index_t hn = N / 2;
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, (c.S + 3) / 4), [&](index_t j) {
+        const int ne = 4 * j + 4 <= c.S ? 4 : int(c.S - 4 * j);
+        P s[4], co[4], acc[4] = {P(0), P(0), P(0), P(0)};
+        for (int e = 0; e < ne; ++e) s[e] = Kokkos::sin(ph[4 * j + e]), co[e] = Kokkos::cos(ph[4 * j + e]);
+        for (int wq = 0; wq < 2; ++wq) {
+          P y0[4], y1[4], g0[4], g1[4];
+          load_vec<4>(row + offs[wq] + 4 * j, y0);
+          load_vec<4>(row + offs[wq] + hn + 4 * j, y1);
+          load_vec<4>(drow + offs[wq] + 4 * j, g0);
+          load_vec<4>(drow + offs[wq] + hn + 4 * j, g1);
+          for (int e = 0; e < ne; ++e) back(g0[e], g1[e], y0[e], y1[e], s[e], co[e], acc[e]);
+          store_vec<4>(drow + offs[wq] + 4 * j, g0);
+          store_vec<4>(drow + offs[wq] + hn + 4 * j, g1);
+        }
+        for (int e = 0; e < ne; ++e) dph[4 * j + e] = acc[e];
+      });
+    }
+  });
+}
+
 // q~ = Rot(phi) (qn + q_bias), k~ = Rot(phi) (kn + k_bias), per token, head and rank.
 template <class T>
 void rotate(const Ctx<T>& c) {
   using P = acc_t<T>;
+  if (quads_ok(c)) {
+    rotate_quads(c);
+    return;
+  }
   // one (token, head, rank) per thread, lanes over the state dimensions: each lane forms its own element of the
   // rotated pair (a row is read and written contiguously)
   par_for_rows("mamba3::rotate", c.Bsz * c.L * c.H * c.R, KOKKOS_LAMBDA(const Team& tm, index_t i) {
@@ -426,6 +677,10 @@ void forward_ssd(const Ctx<T>& c, const Mamba3ScanShape& s, const Mamba3Carry<ac
                  const View4<acc_t<T>>& final_S, PoolScope& ws) {
   using P = acc_t<T>;
   ssd_forward<T>(ssd_shape(c, s), ssd_in(c, entering_states(c, init, ws)), y, final_S);
+  if (quads_ok(c, {{y.data(), y.stride(0)}})) {
+    diagonal_quads(c, y);
+    return;
+  }
   par_for_rows("mamba3::diagonal", c.Bsz * c.L * c.H, KOKKOS_LAMBDA(const Team& tm, index_t i) {
     const index_t rw = i / c.H, h = i % c.H, b = rw / c.L, t = rw % c.L;
     const P* q = c.qrow(rw, h, 0);
@@ -778,6 +1033,10 @@ void backward_ssd(const Ctx<T>& c, const Mamba3ScanShape& s, const Mamba3ScanIn<
   const auto fk = dfin.k;
   const auto dvo = gr.dv;
   const index_t v_col = in.v_col;
+  if (quads_ok(c, {{dy.data(), dy.stride(0)}, {dqkv.data(), dqkv.stride(0)}, {dvo.data(), dvo.stride(0)}})) {
+    diagonal_bwd_quads(c, dy, dqkv, ddg, dw, dvo, v_col, dfin);
+    return;
+  }
   par_for_rows("mamba3::diagonal_bwd", c.Bsz * c.L * c.H, KOKKOS_LAMBDA(const Team& tm, index_t i) {
     const index_t rw = i / c.H, h = i % c.H, b = rw / c.L, t = rw % c.L;
     const P* q = c.qrow(rw, h, 0);
@@ -873,25 +1132,28 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
   // Rotation backward: dphi (direct) and the un-rotated gradients of the biased q, k (in place in dqkv); one
   // (token, head) per thread, lanes over the angles.
   View4<P> dphi = ws.take<View4<P>>("mamba3::dphi", c.Bsz, c.H, c.L, c.S);
-  par_for_rows("mamba3::rotate_bwd", rows * c.H, KOKKOS_LAMBDA(const Team& tm, index_t j) {
-    const index_t rw = j / c.H, h = j % c.H, b = rw / c.L, t = rw % c.L;
-    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.S), [&](index_t i) {
-      index_t i0, i1;
-      c.pair(i, i0, i1);
-      const P ph = c.phi(b, h, t, i), cs = Kokkos::cos(ph), sn = Kokkos::sin(ph);
-      P acc = 0;
-      for (index_t r = 0; r < c.R; ++r)
-        for (int which = 0; which < 2; ++which) {
-          const index_t base = (which == 0 ? c.q_off : c.k_off) + (h * c.R + r) * c.N;
-          const P y0 = c.qkv(rw, base + i0), y1 = c.qkv(rw, base + i1);
-          const P g0 = dqkv(rw, base + i0), g1 = dqkv(rw, base + i1);
-          acc += -g0 * y1 + g1 * y0;
-          dqkv(rw, base + i0) = g0 * cs + g1 * sn;
-          dqkv(rw, base + i1) = -g0 * sn + g1 * cs;
-        }
-      dphi(b, h, t, i) = acc;
+  const bool rotated = quads_ok(c, {{dqkv.data(), dqkv.stride(0)}});
+  if (rotated) rotate_bwd_quads(c, dqkv, dphi);
+  if (!rotated)
+    par_for_rows("mamba3::rotate_bwd", rows * c.H, KOKKOS_LAMBDA(const Team& tm, index_t j) {
+      const index_t rw = j / c.H, h = j % c.H, b = rw / c.L, t = rw % c.L;
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.S), [&](index_t i) {
+        index_t i0, i1;
+        c.pair(i, i0, i1);
+        const P ph = c.phi(b, h, t, i), cs = Kokkos::cos(ph), sn = Kokkos::sin(ph);
+        P acc = 0;
+        for (index_t r = 0; r < c.R; ++r)
+          for (int which = 0; which < 2; ++which) {
+            const index_t base = (which == 0 ? c.q_off : c.k_off) + (h * c.R + r) * c.N;
+            const P y0 = c.qkv(rw, base + i0), y1 = c.qkv(rw, base + i1);
+            const P g0 = dqkv(rw, base + i0), g1 = dqkv(rw, base + i1);
+            acc += -g0 * y1 + g1 * y0;
+            dqkv(rw, base + i0) = g0 * cs + g1 * sn;
+            dqkv(rw, base + i1) = -g0 * sn + g1 * cs;
+          }
+        dphi(b, h, t, i) = acc;
+      });
     });
-  });
 
   // Phase cumsum backward, in place: dphi(t) becomes the total gradient of the increment at t,
   //   run_t = dphi_t + [t + 1 continues t's record] run_{t+1}   (run_L = the final phase's gradient),
