@@ -59,6 +59,9 @@ struct Ctx {
   View2<P> qkv;
   index_t q_off, k_off;
   bool ssd;
+  // SSD route on quads (quads_ok): q~ . k~ per (row, head), formed by the rotation for the diagonal's passes, and
+  // the backward's (gamma_t - w_t) (dy . v) per (row, head), applied to dq~ and dk~ by the rotation's backward
+  View2<P> qkd, fdv;
   View5<P> states;                  // (batch, nchunks, H, P, N): chunk-local states, then the state entering
 
   KOKKOS_INLINE_FUNCTION index_t row(index_t b, index_t t) const { return b * L + t; }
@@ -102,6 +105,24 @@ struct Ctx {
     return &qkv(rw, k_off + (h * R + r) * N);
   }
 };
+
+// Whether the quad kernels apply to c: float, rank 1, N and Pd multiples of 4 (halved pairs: N a multiple of 8),
+// every column offset and row stride a multiple of 4 floats and every row 16-byte aligned; `more` are further
+// (first row, row stride) pairs to check.
+template <class T>
+bool quads_ok(const Ctx<T>& c, std::initializer_list<std::pair<const void*, long long>> more = {}) {
+  if constexpr (!std::is_same_v<T, float>) {
+    return false;
+  } else {
+    if (c.R != 1 || c.N % 4 != 0 || c.Pd % 4 != 0 || (c.halved && c.N % 8 != 0) || c.q_col % 4 != 0 ||
+        c.k_col % 4 != 0 || c.v_col % 4 != 0 || c.q_off % 4 != 0 || c.k_off % 4 != 0)
+      return false;
+    for (const auto& [p, ld] : more)
+      if (!float4_rows({{p, ld}})) return false;
+    return float4_rows({{c.qk.data(), c.qk.stride(0)}, {c.v.data(), c.v.stride(0)}, {c.qkv.data(), c.qkv.stride(0)},
+                        {c.q_bias.data(), 0}, {c.k_bias.data(), 0}});
+  }
+}
 
 template <class T>
 Ctx<T> make_ctx(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, PoolScope& ws) {
@@ -179,6 +200,10 @@ Ctx<T> make_ctx(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, PoolScope& 
     c.ad = v3("mamba3::a_delta");
   } else {  // the portable kernels' chunk states (the SSD keeps its own)
     c.states = ws.take<View5<P>>("mamba3::states", s.batch, c.nc, s.nheads, s.headdim, s.dstate);
+  }
+  if (c.ssd && quads_ok(c)) {
+    c.qkd = ws.take<View2<P>>("mamba3::qk_dots", rows, s.nheads);
+    c.fdv = ws.take<View2<P>>("mamba3::diag_dy_v", rows, s.nheads);
   }
   return c;
 }
@@ -281,24 +306,6 @@ KOKKOS_INLINE_FUNCTION void rot_pair(T& x0, T& x1, T s, T c) {
   x1 = b;
 }
 
-// Whether the quad kernels apply to c: float, rank 1, N and Pd multiples of 4 (halved pairs: N a multiple of 8),
-// every column offset and row stride a multiple of 4 floats and every row 16-byte aligned; `more` are further
-// (first row, row stride) pairs to check.
-template <class T>
-bool quads_ok(const Ctx<T>& c, std::initializer_list<std::pair<const void*, long long>> more = {}) {
-  if constexpr (!std::is_same_v<T, float>) {
-    return false;
-  } else {
-    if (c.R != 1 || c.N % 4 != 0 || c.Pd % 4 != 0 || (c.halved && c.N % 8 != 0) || c.q_col % 4 != 0 ||
-        c.k_col % 4 != 0 || c.v_col % 4 != 0 || c.q_off % 4 != 0 || c.k_off % 4 != 0)
-      return false;
-    for (const auto& [p, ld] : more)
-      if (!float4_rows({{p, ld}})) return false;
-    return float4_rows({{c.qk.data(), c.qk.stride(0)}, {c.v.data(), c.v.stride(0)}, {c.qkv.data(), c.qkv.stride(0)},
-                        {c.q_bias.data(), 0}, {c.k_bias.data(), 0}});
-  }
-}
-
 // q~ = Rot(phi) (q + q_bias), k~ = Rot(phi) (k + k_bias); the SSD route also copies v to the x columns.
 template <class T>
 void rotate_quads(const Ctx<T>& c) {
@@ -328,38 +335,48 @@ void rotate_quads(const Ctx<T>& c) {
       load_vec<4>(bias + at, bb);
       for (int e = 0; e < 4; ++e) x[e] += bb[e];
     };
+    P qk = 0;  // q~ . k~ (the diagonal's passes read it instead of both rows)
     if (!c.halved) {  // quad j: pairs (4j, 4j + 1) and (4j + 2, 4j + 3), angles 2j and 2j + 1
-      Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, N / 4), [&](index_t j) {
-        P q[4], k[4];
-        biased(qi, qb, 4 * j, q);
-        biased(ki, kb, 4 * j, k);
-        for (int e = 0; e < 2 && 2 * j + e < c.S; ++e) {
-          const P s = Kokkos::sin(ph[2 * j + e]), co = Kokkos::cos(ph[2 * j + e]);
-          rot_pair(q[2 * e], q[2 * e + 1], s, co);
-          rot_pair(k[2 * e], k[2 * e + 1], s, co);
-        }
-        store_vec<4>(qo + 4 * j, q);
-        store_vec<4>(ko + 4 * j, k);
-      });
+      Kokkos::parallel_reduce(
+          Kokkos::ThreadVectorRange(tm, N / 4),
+          [&](index_t j, P& acc) {
+            P q[4], k[4];
+            biased(qi, qb, 4 * j, q);
+            biased(ki, kb, 4 * j, k);
+            for (int e = 0; e < 2 && 2 * j + e < c.S; ++e) {
+              const P s = Kokkos::sin(ph[2 * j + e]), co = Kokkos::cos(ph[2 * j + e]);
+              rot_pair(q[2 * e], q[2 * e + 1], s, co);
+              rot_pair(k[2 * e], k[2 * e + 1], s, co);
+            }
+            store_vec<4>(qo + 4 * j, q);
+            store_vec<4>(ko + 4 * j, k);
+            acc += q[0] * k[0] + q[1] * k[1] + q[2] * k[2] + q[3] * k[3];
+          },
+          qk);
     } else {  // quad j of the first half with quad j of the second: pairs (4j + e, N/2 + 4j + e), angles 4j + e
       const index_t hn = N / 2;
-      Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, hn / 4), [&](index_t j) {
-        P q0[4], q1[4], k0[4], k1[4];
-        biased(qi, qb, 4 * j, q0);
-        biased(qi, qb, hn + 4 * j, q1);
-        biased(ki, kb, 4 * j, k0);
-        biased(ki, kb, hn + 4 * j, k1);
-        for (int e = 0; e < 4 && 4 * j + e < c.S; ++e) {
-          const P s = Kokkos::sin(ph[4 * j + e]), co = Kokkos::cos(ph[4 * j + e]);
-          rot_pair(q0[e], q1[e], s, co);
-          rot_pair(k0[e], k1[e], s, co);
-        }
-        store_vec<4>(qo + 4 * j, q0);
-        store_vec<4>(qo + hn + 4 * j, q1);
-        store_vec<4>(ko + 4 * j, k0);
-        store_vec<4>(ko + hn + 4 * j, k1);
-      });
+      Kokkos::parallel_reduce(
+          Kokkos::ThreadVectorRange(tm, hn / 4),
+          [&](index_t j, P& acc) {
+            P q0[4], q1[4], k0[4], k1[4];
+            biased(qi, qb, 4 * j, q0);
+            biased(qi, qb, hn + 4 * j, q1);
+            biased(ki, kb, 4 * j, k0);
+            biased(ki, kb, hn + 4 * j, k1);
+            for (int e = 0; e < 4 && 4 * j + e < c.S; ++e) {
+              const P s = Kokkos::sin(ph[4 * j + e]), co = Kokkos::cos(ph[4 * j + e]);
+              rot_pair(q0[e], q1[e], s, co);
+              rot_pair(k0[e], k1[e], s, co);
+            }
+            store_vec<4>(qo + 4 * j, q0);
+            store_vec<4>(qo + hn + 4 * j, q1);
+            store_vec<4>(ko + 4 * j, k0);
+            store_vec<4>(ko + hn + 4 * j, k1);
+            for (int e = 0; e < 4; ++e) acc += q0[e] * k0[e] + q1[e] * k1[e];
+          },
+          qk);
     }
+    if (c.qkd.extent(0) > 0) Kokkos::single(Kokkos::PerThread(tm), [&]() { c.qkd(rw, h) = qk; });
   });
 }
 
@@ -388,7 +405,7 @@ void diagonal_quads(const Ctx<T>& c, const View2<T>& y) {
   using P = acc_t<T>;
   par_for_rows("mamba3::diagonal", c.Bsz * c.L * c.H, KOKKOS_LAMBDA(const Team& tm, index_t i) {
     const index_t rw = i / c.H, h = i % c.H, b = rw / c.L, t = rw % c.L;
-    const P f = (c.gamma(b, h, t) - c.w(b, h, t)) * qk_dot(tm, c, rw, h);
+    const P f = (c.gamma(b, h, t) - c.w(b, h, t)) * (c.qkd.extent(0) > 0 ? c.qkd(rw, h) : qk_dot(tm, c, rw, h));
     const P* v = &c.qkv(rw, h * c.Pd);
     T* yt = &y(rw, h * c.Pd);
     Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.Pd / 4), [&](index_t j) {
@@ -401,8 +418,9 @@ void diagonal_quads(const Ctx<T>& c, const View2<T>& y) {
   });
 }
 
-// The diagonal's backward on quads (see backward_ssd): ddg, dw, dq~ and dk~ (in dqkv, with the final carry's k
-// gradient at the last token) and dv (into dvo's columns v_col + h Pd, with the final carry's v gradient).
+// The diagonal's backward on quads (see backward_ssd), from the rotation's q~ . k~: ddg, dw, dv (into dvo's
+// columns v_col + h Pd, with the final carry's v gradient) and fdv = (gamma_t - w_t) (dy . v), whose terms in dq~
+// and dk~ the rotation's backward adds (rotate_bwd_quads, with the final carry's k gradient).
 template <class T>
 void diagonal_bwd_quads(const Ctx<T>& c, const View2<const T>& dy, const View2<acc_t<T>>& dqkv,
                         const View3<acc_t<T>>& ddg, const View3<acc_t<T>>& dw, const View2<T>& dvo, index_t v_col,
@@ -410,14 +428,11 @@ void diagonal_bwd_quads(const Ctx<T>& c, const View2<const T>& dy, const View2<a
   using P = acc_t<T>;
   const bool has_dfinal = !dfin.empty();
   const auto fv = dfin.v;
-  const auto fk = dfin.k;
   par_for_rows("mamba3::diagonal_bwd", c.Bsz * c.L * c.H, KOKKOS_LAMBDA(const Team& tm, index_t i) {
-    const index_t rw = i / c.H, h = i % c.H, b = rw / c.L, t = rw % c.L, N = c.N, Pd = c.Pd;
-    const P* q = c.qrow(rw, h, 0);
-    const P* k = c.krow(rw, h, 0);
+    const index_t rw = i / c.H, h = i % c.H, b = rw / c.L, t = rw % c.L, Pd = c.Pd;
     const P* v = &c.qkv(rw, h * Pd);
     const T* dyt = &dy(rw, h * Pd);
-    const P qk = qk_dot(tm, c, rw, h);
+    const P qk = c.qkd(rw, h);
     P dyv = 0;
     Kokkos::parallel_reduce(
         Kokkos::ThreadVectorRange(tm, Pd / 4),
@@ -428,27 +443,13 @@ void diagonal_bwd_quads(const Ctx<T>& c, const View2<const T>& dy, const View2<a
           a += x[0] * y[0] + x[1] * y[1] + x[2] * y[2] + x[3] * y[3];
         },
         dyv);
-    const P f = c.gamma(b, h, t) - c.w(b, h, t), m = qk * dyv, fd = f * dyv, fq = f * qk;
+    const P f = c.gamma(b, h, t) - c.w(b, h, t), m = qk * dyv, fq = f * qk;
     Kokkos::single(Kokkos::PerThread(tm), [&]() {
       ddg(b, h, t) = m;
       dw(b, h, t) -= m;  // the SSD counted the diagonal with weight w_t
+      c.fdv(rw, h) = f * dyv;
     });
     const bool last = has_dfinal && t == c.L - 1;
-    P* dq = dqkv.data() + rw * dqkv.stride(0) + c.q_off + h * N;
-    P* dk = dqkv.data() + rw * dqkv.stride(0) + c.k_off + h * N;
-    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, N / 4), [&](index_t j) {
-      P qq[4], kk[4], gq[4], gk[4];
-      load_vec<4>(q + 4 * j, qq);
-      load_vec<4>(k + 4 * j, kk);
-      load_vec<4>(dq + 4 * j, gq);
-      load_vec<4>(dk + 4 * j, gk);
-      for (int e = 0; e < 4; ++e) {
-        gq[e] += fd * kk[e];
-        gk[e] += fd * qq[e] + (last ? fk(b, h, 0, 4 * j + e) : P(0));
-      }
-      store_vec<4>(dq + 4 * j, gq);
-      store_vec<4>(dk + 4 * j, gk);
-    });
     const P* dx = &dqkv(rw, h * Pd);
     T* dvr = &dvo(rw, v_col + h * Pd);
     Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, Pd / 4), [&](index_t j) {
@@ -462,17 +463,26 @@ void diagonal_bwd_quads(const Ctx<T>& c, const View2<const T>& dy, const View2<a
 }
 
 // The rotation's backward on quads, in place on dqkv's q~ and k~ gradients (un-rotated), and
-// dphi = sum over q and k of -g0 y1 + g1 y0 per angle.
+// dphi = sum over q and k of -g0 y1 + g1 y0 per angle. With `diag` the diagonal's terms are added to the q~ and k~
+// gradients first: dq~ += fdv k~, dk~ += fdv q~ (+ the final carry's k gradient at the last token of a row).
 template <class T>
-void rotate_bwd_quads(const Ctx<T>& c, const View2<acc_t<T>>& dqkv, const View4<acc_t<T>>& dphi) {
+void rotate_bwd_quads(const Ctx<T>& c, const View2<acc_t<T>>& dqkv, const View4<acc_t<T>>& dphi, bool diag,
+                      const Mamba3Carry<acc_t<T>>& dfin) {
   using P = acc_t<T>;
+  const bool has_fk = diag && !dfin.empty();
+  const auto fk = dfin.k;
   par_for_rows("mamba3::rotate_bwd", c.Bsz * c.L * c.H, KOKKOS_LAMBDA(const Team& tm, index_t i) {
     const index_t rw = i / c.H, h = i % c.H, b = rw / c.L, t = rw % c.L, N = c.N;
     const P* row = c.qkv.data() + rw * c.qkv.stride(0);
     P* drow = dqkv.data() + rw * dqkv.stride(0);
     const P* ph = c.phi.data() + b * c.phi.stride(0) + h * c.phi.stride(1) + t * c.phi.stride(2);
     P* dph = dphi.data() + b * dphi.stride(0) + h * dphi.stride(1) + t * dphi.stride(2);
-    const index_t offs[2] = {c.q_off + h * N, c.k_off + h * N};
+    const P* yq = row + c.q_off + h * N;
+    const P* yk = row + c.k_off + h * N;
+    P* gq = drow + c.q_off + h * N;
+    P* gk = drow + c.k_off + h * N;
+    const P fd = diag ? c.fdv(rw, h) : P(0);
+    const bool last = has_fk && t == c.L - 1;
     // back-rotates (g0, g1) by the angle, adding the angle's gradient from the rotated (y0, y1) to acc
     auto back = [](P& g0, P& g1, P y0, P y1, P s, P co, P& acc) {
       acc += -g0 * y1 + g1 * y0;
@@ -480,37 +490,62 @@ void rotate_bwd_quads(const Ctx<T>& c, const View2<acc_t<T>>& dqkv, const View4<
       g0 = a0;
       g1 = a1;
     };
-    if (!c.halved) {  // quad j: angles 2j, 2j + 1
-      Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, (c.S + 1) / 2), [&](index_t j) {
-        const int ne = 2 * j + 1 < c.S ? 2 : 1;
-        P s[2], co[2], acc[2] = {P(0), P(0)};
-        for (int e = 0; e < ne; ++e) s[e] = Kokkos::sin(ph[2 * j + e]), co[e] = Kokkos::cos(ph[2 * j + e]);
-        for (int wq = 0; wq < 2; ++wq) {
-          P y[4], g[4];
-          load_vec<4>(row + offs[wq] + 4 * j, y);
-          load_vec<4>(drow + offs[wq] + 4 * j, g);
-          for (int e = 0; e < ne; ++e) back(g[2 * e], g[2 * e + 1], y[2 * e], y[2 * e + 1], s[e], co[e], acc[e]);
-          store_vec<4>(drow + offs[wq] + 4 * j, g);
+    const index_t hn = c.halved ? N / 2 : 0;
+    if (!c.halved) {  // quad j: angles 2j, 2j + 1 (without the diagonal only the quads that hold angles)
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, diag ? N / 4 : (c.S + 1) / 2), [&](index_t j) {
+        const index_t left = c.S - 2 * j;
+        const int ne = left >= 2 ? 2 : left > 0 ? int(left) : 0;
+        P q[4], k[4], dq[4], dk[4];
+        load_vec<4>(yq + 4 * j, q);
+        load_vec<4>(yk + 4 * j, k);
+        load_vec<4>(gq + 4 * j, dq);
+        load_vec<4>(gk + 4 * j, dk);
+        if (diag)
+          for (int e = 0; e < 4; ++e) {
+            dq[e] += fd * k[e];
+            dk[e] += fd * q[e] + (last ? fk(b, h, 0, 4 * j + e) : P(0));
+          }
+        for (int e = 0; e < ne; ++e) {
+          const P s = Kokkos::sin(ph[2 * j + e]), co = Kokkos::cos(ph[2 * j + e]);
+          P acc = 0;
+          back(dq[2 * e], dq[2 * e + 1], q[2 * e], q[2 * e + 1], s, co, acc);
+          back(dk[2 * e], dk[2 * e + 1], k[2 * e], k[2 * e + 1], s, co, acc);
+          dph[2 * j + e] = acc;
         }
-        for (int e = 0; e < ne; ++e) dph[2 * j + e] = acc[e];
+        store_vec<4>(gq + 4 * j, dq);
+        store_vec<4>(gk + 4 * j, dk);
       });
     } else {  // quad j of each half: angles 4j + e
-      const index_t hn = N / 2;
-      Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, (c.S + 3) / 4), [&](index_t j) {
-        const int ne = 4 * j + 4 <= c.S ? 4 : int(c.S - 4 * j);
-        P s[4], co[4], acc[4] = {P(0), P(0), P(0), P(0)};
-        for (int e = 0; e < ne; ++e) s[e] = Kokkos::sin(ph[4 * j + e]), co[e] = Kokkos::cos(ph[4 * j + e]);
-        for (int wq = 0; wq < 2; ++wq) {
-          P y0[4], y1[4], g0[4], g1[4];
-          load_vec<4>(row + offs[wq] + 4 * j, y0);
-          load_vec<4>(row + offs[wq] + hn + 4 * j, y1);
-          load_vec<4>(drow + offs[wq] + 4 * j, g0);
-          load_vec<4>(drow + offs[wq] + hn + 4 * j, g1);
-          for (int e = 0; e < ne; ++e) back(g0[e], g1[e], y0[e], y1[e], s[e], co[e], acc[e]);
-          store_vec<4>(drow + offs[wq] + 4 * j, g0);
-          store_vec<4>(drow + offs[wq] + hn + 4 * j, g1);
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, diag ? hn / 4 : (c.S + 3) / 4), [&](index_t j) {
+        const index_t left = c.S - 4 * j;
+        const int ne = left >= 4 ? 4 : left > 0 ? int(left) : 0;
+        P q0[4], q1[4], k0[4], k1[4], dq0[4], dq1[4], dk0[4], dk1[4];
+        load_vec<4>(yq + 4 * j, q0);
+        load_vec<4>(yq + hn + 4 * j, q1);
+        load_vec<4>(yk + 4 * j, k0);
+        load_vec<4>(yk + hn + 4 * j, k1);
+        load_vec<4>(gq + 4 * j, dq0);
+        load_vec<4>(gq + hn + 4 * j, dq1);
+        load_vec<4>(gk + 4 * j, dk0);
+        load_vec<4>(gk + hn + 4 * j, dk1);
+        if (diag)
+          for (int e = 0; e < 4; ++e) {
+            dq0[e] += fd * k0[e];
+            dq1[e] += fd * k1[e];
+            dk0[e] += fd * q0[e] + (last ? fk(b, h, 0, 4 * j + e) : P(0));
+            dk1[e] += fd * q1[e] + (last ? fk(b, h, 0, hn + 4 * j + e) : P(0));
+          }
+        for (int e = 0; e < ne; ++e) {
+          const P s = Kokkos::sin(ph[4 * j + e]), co = Kokkos::cos(ph[4 * j + e]);
+          P acc = 0;
+          back(dq0[e], dq1[e], q0[e], q1[e], s, co, acc);
+          back(dk0[e], dk1[e], k0[e], k1[e], s, co, acc);
+          dph[4 * j + e] = acc;
         }
-        for (int e = 0; e < ne; ++e) dph[4 * j + e] = acc[e];
+        store_vec<4>(gq + 4 * j, dq0);
+        store_vec<4>(gq + hn + 4 * j, dq1);
+        store_vec<4>(gk + 4 * j, dk0);
+        store_vec<4>(gk + hn + 4 * j, dk1);
       });
     }
   });
@@ -1016,7 +1051,7 @@ void backward_portable(const Ctx<T>& c, const Mamba3ScanIn<T>& in, const View2<c
 // gradients of the decay exponents and weights), then the diagonal's correction (gamma_t - w_t) (q~ . k~) v and the
 // final carry's k and v (those of each row's last token).
 template <class T>
-void backward_ssd(const Ctx<T>& c, const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, const View2<const T>& dy,
+bool backward_ssd(const Ctx<T>& c, const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, const View2<const T>& dy,
                   const Mamba3Carry<acc_t<T>>& dfin, const Mamba3ScanGrad<T>& gr, const View2<acc_t<T>>& dqkv,
                   const View3<acc_t<T>>& da, const View3<acc_t<T>>& dw, const View3<acc_t<T>>& ddg,
                   const View4<acc_t<T>>& dsh0, PoolScope& ws) {
@@ -1033,9 +1068,10 @@ void backward_ssd(const Ctx<T>& c, const Mamba3ScanShape& s, const Mamba3ScanIn<
   const auto fk = dfin.k;
   const auto dvo = gr.dv;
   const index_t v_col = in.v_col;
-  if (quads_ok(c, {{dy.data(), dy.stride(0)}, {dqkv.data(), dqkv.stride(0)}, {dvo.data(), dvo.stride(0)}})) {
+  if (c.qkd.extent(0) > 0 &&
+      quads_ok(c, {{dy.data(), dy.stride(0)}, {dqkv.data(), dqkv.stride(0)}, {dvo.data(), dvo.stride(0)}})) {
     diagonal_bwd_quads(c, dy, dqkv, ddg, dw, dvo, v_col, dfin);
-    return;
+    return true;  // the terms in dq~ and dk~ are the rotation backward's to add
   }
   par_for_rows("mamba3::diagonal_bwd", c.Bsz * c.L * c.H, KOKKOS_LAMBDA(const Team& tm, index_t i) {
     const index_t rw = i / c.H, h = i % c.H, b = rw / c.L, t = rw % c.L;
@@ -1064,6 +1100,7 @@ void backward_ssd(const Ctx<T>& c, const Mamba3ScanShape& s, const Mamba3ScanIn<
       dvo(rw, v_col + h * c.Pd + p) = static_cast<T>(dx[p] + f * qk * P(dyt[p]) + (last ? fv(b, h, 0, p) : P(0)));
     });
   });
+  return false;
 }
 
 }  // namespace
@@ -1088,8 +1125,9 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
   View3<P> da = ws.take<View3<P>>("mamba3::da", c.Bsz, c.H, c.L);
   View3<P> dw = ws.take<View3<P>>("mamba3::dw", c.Bsz, c.H, c.L);
   View3<P> ddg = ws.take<View3<P>>("mamba3::ddiag", c.Bsz, c.H, c.L);
+  bool diag_pending = false;  // the diagonal's dq~ and dk~ terms left to the rotation's backward
   if (c.ssd)
-    backward_ssd(c, s, in, dy, dfin, gr, dqkv, da, dw, ddg, dsh0, ws);
+    diag_pending = backward_ssd(c, s, in, dy, dfin, gr, dqkv, da, dw, ddg, dsh0, ws);
   else
     backward_portable(c, in, dy, dfin, gr, dqkv, da, dw, ddg, dsh0);
 
@@ -1133,7 +1171,8 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
   // (token, head) per thread, lanes over the angles.
   View4<P> dphi = ws.take<View4<P>>("mamba3::dphi", c.Bsz, c.H, c.L, c.S);
   const bool rotated = quads_ok(c, {{dqkv.data(), dqkv.stride(0)}});
-  if (rotated) rotate_bwd_quads(c, dqkv, dphi);
+  require(rotated || !diag_pending, "mamba3_scan_backward", "internal: the diagonal's terms need the quad kernels");
+  if (rotated) rotate_bwd_quads(c, dqkv, dphi, diag_pending, dfin);
   if (!rotated)
     par_for_rows("mamba3::rotate_bwd", rows * c.H, KOKKOS_LAMBDA(const Team& tm, index_t j) {
       const index_t rw = j / c.H, h = j % c.H, b = rw / c.L, t = rw % c.L;
