@@ -297,8 +297,9 @@ void phases(const Ctx<T>& c, const View3<acc_t<T>>& init_phi) {
 // ---------------------------------------------------------------- the token passes on quads (float, rank 1)
 // The rotation, the trapezoid's diagonal and their backwards with each vector lane on quads of four consecutive
 // state (or head) dimensions: one 16-byte load or store a quad on GPUs (load_vec), and sine and cosine once per
-// angle. The row kernels further below (4 bytes a lane, sine and cosine per element of a pair) ran at 25-40 % of
-// the copy bandwidth on an H200 and stay for other types, ranks and shapes.
+// angle. On the SSD route the rotation also forms q~ . k~ (c.qkd) for the diagonal's passes, and the rotation's
+// backward adds the diagonal's dq~ and dk~ terms. The row kernels further below (4 bytes a lane, sine and cosine per
+// element of a pair) ran at 25-40 % of the copy bandwidth on an H200 and stay for other types, ranks and shapes.
 template <class T>
 KOKKOS_INLINE_FUNCTION void rot_pair(T& x0, T& x1, T s, T c) {
   const T a = x0 * c - x1 * s, b = x0 * s + x1 * c;
@@ -328,7 +329,7 @@ void rotate_quads(const Ctx<T>& c) {
     P* qo = c.qkv.data() + rw * c.qkv.stride(0) + c.q_off + h * N;
     P* ko = c.qkv.data() + rw * c.qkv.stride(0) + c.k_off + h * N;
     const P* ph = c.phi.data() + b * c.phi.stride(0) + h * c.phi.stride(1) + t * c.phi.stride(2);
-    // quad qu (halved: of the first half, with the same quad of the second) biased into x0 (x1)
+    // x = the quad of `in` at element `at` plus its bias
     auto biased = [&](const T* in, const P* bias, index_t at, P (&x)[4]) {
       P bb[4];
       load_vec<4>(in + at, x);
@@ -380,32 +381,13 @@ void rotate_quads(const Ctx<T>& c) {
   });
 }
 
-// q~ . k~ of row rw, head h (rank 1), summed over the vector lanes
-template <class T>
-KOKKOS_INLINE_FUNCTION acc_t<T> qk_dot(const Team& tm, const Ctx<T>& c, index_t rw, index_t h) {
-  using P = acc_t<T>;
-  const P* q = c.qrow(rw, h, 0);
-  const P* k = c.krow(rw, h, 0);
-  P qk = 0;
-  Kokkos::parallel_reduce(
-      Kokkos::ThreadVectorRange(tm, c.N / 4),
-      [&](index_t j, P& a) {
-        P x[4], y[4];
-        load_vec<4>(q + 4 * j, x);
-        load_vec<4>(k + 4 * j, y);
-        a += x[0] * y[0] + x[1] * y[1] + x[2] * y[2] + x[3] * y[3];
-      },
-      qk);
-  return qk;
-}
-
-// y += (gamma_t - w_t) (q~ . k~) v (v: the x columns of qkv)
+// y += (gamma_t - w_t) (q~ . k~) v (v: the x columns of qkv; q~ . k~ from the rotation, c.qkd)
 template <class T>
 void diagonal_quads(const Ctx<T>& c, const View2<T>& y) {
   using P = acc_t<T>;
   par_for_rows("mamba3::diagonal", c.Bsz * c.L * c.H, KOKKOS_LAMBDA(const Team& tm, index_t i) {
     const index_t rw = i / c.H, h = i % c.H, b = rw / c.L, t = rw % c.L;
-    const P f = (c.gamma(b, h, t) - c.w(b, h, t)) * (c.qkd.extent(0) > 0 ? c.qkd(rw, h) : qk_dot(tm, c, rw, h));
+    const P f = (c.gamma(b, h, t) - c.w(b, h, t)) * c.qkd(rw, h);
     const P* v = &c.qkv(rw, h * c.Pd);
     T* yt = &y(rw, h * c.Pd);
     Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.Pd / 4), [&](index_t j) {
@@ -712,7 +694,7 @@ void forward_ssd(const Ctx<T>& c, const Mamba3ScanShape& s, const Mamba3Carry<ac
                  const View4<acc_t<T>>& final_S, PoolScope& ws) {
   using P = acc_t<T>;
   ssd_forward<T>(ssd_shape(c, s), ssd_in(c, entering_states(c, init, ws)), y, final_S);
-  if (quads_ok(c, {{y.data(), y.stride(0)}})) {
+  if (c.qkd.extent(0) > 0 && quads_ok(c, {{y.data(), y.stride(0)}})) {
     diagonal_quads(c, y);
     return;
   }
