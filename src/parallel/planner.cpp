@@ -299,14 +299,14 @@ LayerMem mem_mamba3(const Mamba3Config& c, const Dims& d, Recompute pol) {
   ss.algo = c.scan_algo;
   ss.compute = c.scan_compute;
   if (ss.via_ssd()) {
-    // SISO through the SSD (scan.cpp): Delta, lambda, A, w, A Delta, the phases and [v | k~ | q~] per head, then
-    // the SSD's own buffers with one group per head; the backward's dsh0, d[v | k~ | q~] and three per-token
-    // gradients around the SSD's backward
+    // SISO through the SSD (scan.cpp): Delta, lambda, A, w, A Delta, the phases, [v | k~ | q~] per head and two
+    // per-(token, head) values (q~ . k~ and the diagonal's backward factor), then the SSD's own buffers with one
+    // group per head; the backward's dsh0, d[v | k~ | q~] and three per-token gradients around the SSD's backward
     SSDShape sh;
     sh.algo = c.scan_algo;
     sh.compute = c.scan_compute;
     const auto [fwd, bwd] = ssd_gemm_mem(H, H, N, P, Q, sh, d);
-    const double ctx = d.a * d.n * (5 * H + H * S + H * P + 2 * H * N);
+    const double ctx = d.a * d.n * (7 * H + H * S + H * P + 2 * H * N);
     m.fwd_extra = ctx + std::max(carry, fwd);
     m.bwd_extra = grads + ctx + d.a * d.b * H * P * N + d.a * d.n * (H * P + 2 * H * N + 3 * H) + bwd;
     return m;

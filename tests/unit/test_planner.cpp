@@ -225,6 +225,15 @@ std::vector<PlanModel> activation_models() {
     models.push_back(x);
   }
   {
+    PlanModel x = small_mixed();  // Mamba-3 SISO through the SSD's GEMM formulation (its quad token kernels)
+    x.layers.pattern = mm::parse_layer_pattern("M3 M3", "test");
+    x.n_layer = 2;
+    x.layers.mamba3.is_mimo = false;
+    x.layers.mamba3.is_outproj_norm = false;
+    x.layers.mamba3.scan_algo = mm::SSDAlgo::gemm;
+    models.push_back(x);
+  }
+  {
     PlanModel x = small_mixed();
     x.layers.pattern = mm::parse_layer_pattern("E M2", "test");
     x.n_layer = 2;

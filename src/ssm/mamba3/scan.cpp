@@ -59,8 +59,8 @@ struct Ctx {
   View2<P> qkv;
   index_t q_off, k_off;
   bool ssd;
-  // SSD route on quads (quads_ok): q~ . k~ per (row, head), formed by the rotation for the diagonal's passes, and
-  // the backward's (gamma_t - w_t) (dy . v) per (row, head), applied to dq~ and dk~ by the rotation's backward
+  // SSD route (used where quads_ok): q~ . k~ per (row, head), formed by the rotation for the diagonal's passes,
+  // and the backward's (gamma_t - w_t) (dy . v) per (row, head), applied to dq~ and dk~ by the rotation's backward
   View2<P> qkd, fdv;
   View5<P> states;                  // (batch, nchunks, H, P, N): chunk-local states, then the state entering
 
@@ -201,7 +201,7 @@ Ctx<T> make_ctx(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, PoolScope& 
   } else {  // the portable kernels' chunk states (the SSD keeps its own)
     c.states = ws.take<View5<P>>("mamba3::states", s.batch, c.nc, s.nheads, s.headdim, s.dstate);
   }
-  if (c.ssd && quads_ok(c)) {
+  if (c.ssd) {  // used where the quad kernels apply (the planner counts them on every SSD route)
     c.qkd = ws.take<View2<P>>("mamba3::qk_dots", rows, s.nheads);
     c.fdv = ws.take<View2<P>>("mamba3::diag_dy_v", rows, s.nheads);
   }
