@@ -184,6 +184,11 @@ void gemm_float_via_bf16(Trans ta, Trans tb, float alpha, GemmIn<float> A, GemmI
   }
 }
 
+// C *= beta in place (the outputs of an empty product: no rows, or an empty K)
+void scale_in_place(const char* label, GemmOut<float> C, float beta) {
+  par_for(label, C.extent(0), C.extent(1), KOKKOS_LAMBDA(index_t i, index_t j) { C(i, j) *= beta; });
+}
+
 // The linear backward's two products with bf16 copies shared between them: token rows in blocks, each block of
 // dy rounded once for dx = dy W and dW += dy^T x (W rounded once).
 // xg, dyg: bf16 copies of the input and of the output gradient where the caller has them (their blocks are then used
@@ -423,10 +428,7 @@ void linear_backward_gemms_bf16x(GemmIn<float> dy, GemmIn<float> W, GemmIn<bf16_
   if (T > 0 && O > 0 && I > 0) return linear_backward_via_bf16(dy, W, GemmIn<float>(), beta_dx, dx, beta_dw, dW, xb);
   // an empty product: dx = beta_dx dx + dy W (K = O may be 0), dW = beta_dw dW when there are no rows
   if (dx.extent(0) > 0) gemm(Trans::N, Trans::N, 1.0f, dy, W, beta_dx, dx);
-  if (T == 0 && O > 0 && I > 0)
-    Kokkos::parallel_for(
-        "gemm::scale_dw", Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2>>({0, 0}, {O, I}),
-        KOKKOS_LAMBDA(index_t o, index_t i) { dW(o, i) *= beta_dw; });
+  if (T == 0 && O > 0 && I > 0) scale_in_place("gemm::scale_dw", dW, beta_dw);
 #else
   linear_backward_gemms(dy, W, xb, beta_dx, dx, beta_dw, dW);
 #endif
@@ -444,14 +446,8 @@ void linear_backward_gemms_bf16dy(GemmIn<bf16_op_t> dyb, GemmIn<float> W, GemmIn
 #if defined(KOKKOS_ENABLE_CUDA)
   if (T > 0 && O > 0 && I > 0)
     return linear_backward_via_bf16(GemmIn<float>(), W, x, beta_dx, dx, beta_dw, dW, GemmIn<bf16>(), dyb);
-  if (dx.extent(0) > 0 && I > 0)  // O = 0: dy W is empty, dx = beta_dx dx
-    Kokkos::parallel_for(
-        "gemm::scale_dx", Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2>>({0, 0}, {T, I}),
-        KOKKOS_LAMBDA(index_t t, index_t i) { dx(t, i) *= beta_dx; });
-  if (T == 0 && O > 0 && I > 0)
-    Kokkos::parallel_for(
-        "gemm::scale_dw", Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2>>({0, 0}, {O, I}),
-        KOKKOS_LAMBDA(index_t o, index_t i) { dW(o, i) *= beta_dw; });
+  if (dx.extent(0) > 0 && I > 0) scale_in_place("gemm::scale_dx", dx, beta_dx);  // O = 0: dx = beta_dx dx
+  if (T == 0 && O > 0 && I > 0) scale_in_place("gemm::scale_dw", dW, beta_dw);
 #else
   linear_backward_gemms(dyb, W, x, beta_dx, dx, beta_dw, dW);
 #endif
