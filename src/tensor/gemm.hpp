@@ -147,6 +147,26 @@ KOKKOS_INLINE_FUNCTION bf16_op_t to_bf16_op(float v) {
 }
 KOKKOS_INLINE_FUNCTION float from_bf16_op(bf16_op_t v) { return float(v); }
 
+// VW values rounded to bf16 operand storage at p: on the device for VW = 4 one 8-byte store (the caller checked
+// that p is 8-byte aligned), element by element otherwise.
+template <int VW, class P>
+KOKKOS_INLINE_FUNCTION void store_bf16_op_vec(bf16_op_t* p, const P (&in)[VW]) {
+#if defined(__CUDA_ARCH__)
+  constexpr bool packed = VW == 4;
+#else
+  constexpr bool packed = false;
+#endif
+  if constexpr (packed) {
+    struct alignas(8) Pack {
+      bf16_op_t v[4];
+    } q;
+    for (int k = 0; k < 4; ++k) q.v[k] = to_bf16_op(float(in[k]));
+    *reinterpret_cast<Pack*>(p) = q;
+  } else {
+    for (int k = 0; k < VW; ++k) p[k] = to_bf16_op(float(in[k]));
+  }
+}
+
 // Row-major C (m x n) = alpha op(A) op(B) + beta C on raw pointers into the default memory space, op(A) m x k,
 // op(B) k x n, row strides lda, ldb, ldc (so a column block of a wider matrix is an operand): bf16 operands, fp32
 // accumulation. gemm_bf16_f32 writes C in fp32, gemm_bf16_b16 in bf16 (rounded). CUDA: cublasGemmEx (CUDA_R_16BF
