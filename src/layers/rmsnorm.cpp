@@ -314,6 +314,27 @@ void rmsnorm_forward(const View2<const X>& x, const View1<const acc_t<T>>& w, do
   });
 }
 
+void rmsnorm_forward_bf16(const View2<const float>& x, const View1<const float>& w, double eps,
+                          const View2<bf16_op_t>& yb, const View1<float>& rstd) {
+  const index_t n = x.extent(0), d = x.extent(1);
+  require(index_t(yb.extent(0)) == n && index_t(yb.extent(1)) == d, "rmsnorm", "bf16 output of ", yb.extent(0), "x",
+          yb.extent(1), " for an input of ", n, "x", d);
+#if defined(KOKKOS_ENABLE_CUDA)
+  // (8-byte stores of 4 bf16: rows of a multiple of 4 columns, 8-byte aligned)
+  if (n > 0 && d % 4 == 0 && yb.stride(0) % 4 == 0 && reinterpret_cast<std::uintptr_t>(yb.data()) % 8 == 0 &&
+      cuda_k::norm_fits(d, {{x.data(), x.stride(0)}, {w.data(), 0}})) {
+    cuda_k::norm_forward("rmsnorm::forward", x.data(), x.stride(0), nullptr, 0, w.data(), nullptr, 0, rstd.data(), 1,
+                         n, d, d, false, eps, reinterpret_cast<__nv_bfloat16*>(yb.data()), yb.stride(0));
+    return;
+  }
+#endif
+  // elsewhere: the fp32 output, then rounded
+  PoolScope ws;
+  View2<float> y = ws.take<View2<float>>("rmsnorm::y_fp32", n, d);
+  rmsnorm_forward<float, float>(x, w, eps, y, rstd);
+  par_for("rmsnorm::round_bf16", n, d, KOKKOS_LAMBDA(index_t i, index_t j) { yb(i, j) = to_bf16_op(y(i, j)); });
+}
+
 template <class X, class T>
 void rmsnorm_backward(const View2<const X>& x, const View1<const acc_t<T>>& w, const View1<const acc_t<T>>& rstd,
                       const View2<const T>& dy, const View2<X>& dx, bool accumulate_dx,

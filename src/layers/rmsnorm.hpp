@@ -19,6 +19,13 @@ template <class X, class T>
 void rmsnorm_forward(const View2<const X>& x, const View1<const acc_t<T>>& w, double eps, const View2<T>& y,
                      const View1<acc_t<T>>& rstd);
 
+// The float RMSNorm with y written only as its bf16 copy yb (host builds: bf16-rounded floats): the backbone's
+// block input for a layer whose GEMMs take it on bf16 operands (tensor/gemm.hpp, float_gemm_on_bf16_copies), one
+// pass writing 2 bytes an element instead of the fp32 output and the GEMM's rounding pass over it. yb holds the
+// values the fp32 form would give, each rounded to bf16.
+void rmsnorm_forward_bf16(const View2<const float>& x, const View1<const float>& w, double eps,
+                          const View2<bf16_op_t>& yb, const View1<float>& rstd);
+
 // dx = (accumulate_dx ? dx : 0) + d/dx ; dw += d/dw.
 template <class X, class T>
 void rmsnorm_backward(const View2<const X>& x, const View1<const acc_t<T>>& w, const View1<const acc_t<T>>& rstd,

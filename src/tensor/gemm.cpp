@@ -453,6 +453,24 @@ void linear_backward_gemms_bf16dy(GemmIn<bf16_op_t> dyb, GemmIn<float> W, GemmIn
 #endif
 }
 
+void linear_backward_gemms_bf16(GemmIn<bf16_op_t> dyb, GemmIn<float> W, GemmIn<bf16_op_t> xb, float beta_dx,
+                                GemmOut<float> dx, float beta_dw, GemmOut<float> dW) {
+  const index_t T = dyb.extent(0), O = dyb.extent(1), I = W.extent(1);
+  check_linear_bf16_shapes("linear_backward_gemms_bf16", T, I, O, xb, W);
+  require(index_t(dW.extent(0)) == O && index_t(dW.extent(1)) == I &&
+              (dx.extent(0) == 0 || (index_t(dx.extent(0)) == T && index_t(dx.extent(1)) == I)),
+          "linear_backward_gemms_bf16", "shapes do not match: dy (bf16 copy) ", T, "x", O, ", dx ", dx.extent(0), "x",
+          dx.extent(1), ", dW ", dW.extent(0), "x", dW.extent(1));
+#if defined(KOKKOS_ENABLE_CUDA)
+  if (T > 0 && O > 0 && I > 0)
+    return linear_backward_via_bf16(GemmIn<float>(), W, GemmIn<float>(), beta_dx, dx, beta_dw, dW, xb, dyb);
+  if (dx.extent(0) > 0 && I > 0) scale_in_place("gemm::scale_dx", dx, beta_dx);  // O = 0: dx = beta_dx dx
+  if (T == 0 && O > 0 && I > 0) scale_in_place("gemm::scale_dw", dW, beta_dw);
+#else
+  linear_backward_gemms(dyb, W, xb, beta_dx, dx, beta_dw, dW);
+#endif
+}
+
 GemmCompute parse_gemm_compute(const std::string& s, const std::string& what) {
   if (s == "fp32") return GemmCompute::fp32;
   if (s == "tf32") return GemmCompute::tf32;

@@ -128,6 +128,9 @@ void linear_backward_gemms_bf16x(GemmIn<float> dy, GemmIn<float> W, GemmIn<bf16_
 // dW = dyb^T x + beta_dw dW (x and W rounded here on CUDA; host builds: fp32 products of the given values).
 void linear_backward_gemms_bf16dy(GemmIn<bf16_op_t> dyb, GemmIn<float> W, GemmIn<float> x, float beta_dx,
                                   GemmOut<float> dx, float beta_dw, GemmOut<float> dW);
+// ... and with both given as bf16 copies (only W rounded here on CUDA).
+void linear_backward_gemms_bf16(GemmIn<bf16_op_t> dyb, GemmIn<float> W, GemmIn<bf16_op_t> xb, float beta_dx,
+                                GemmOut<float> dx, float beta_dw, GemmOut<float> dW);
 
 // v rounded to the nearest bf16 (ties to even), as a float; infinities and NaNs unchanged.
 KOKKOS_INLINE_FUNCTION float bf16_round(float v) {

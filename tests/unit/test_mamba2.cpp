@@ -173,6 +173,74 @@ TEST_CASE("Mamba-2 mixer with bf16 GEMMs: the out_proj input kept as the norm's 
   CHECK(b16rc.grads == b16.grads);
 }
 
+TEST_CASE("Mamba-2 mixer given its input only as a bf16 copy equals the mixer on the rounded fp32 input",
+          "[mamba2]") {
+  // forward_bf16_input (the backbone's block norm written in bf16 under bf16 GEMMs): in_proj's forward and weight
+  // gradient read the copy in place of rounding an fp32 input. On CUDA under bf16 GEMMs the products are the ones the
+  // fp32 input's rounding feeds them, so outputs and gradients are equal bit for bit; host builds compute both in
+  // fp32 on the same values. The recompute policy reproduces them bit for bit.
+  Mamba2Config cfg = tiny_mixer();
+  cfg.d_model = 16;
+  cfg.headdim = 8;
+  const index_t B = 2, L = 19, n = B * L, D = cfg.d_model;
+  ParamStore<float> ps;
+  Mamba2Mixer<float> mixer(cfg, ps, "m.", 2);
+  ps.allocate();
+  ps.initialize(5);
+  View2<float> u("u", n, D), ur("ur", n, D), dout("dout", n, D);
+  fill_uniform(u, 8);
+  fill_uniform(dout, 9);
+  View2<bf16_op_t> ub("ub", n, D);
+  par_for("test::round_u", n, D, KOKKOS_LAMBDA(index_t i, index_t j) {
+    ub(i, j) = to_bf16_op(u(i, j));
+    ur(i, j) = bf16_round(u(i, j));
+  });
+  struct Run {
+    std::vector<double> out, du, grads;
+  };
+  auto run = [&](bool copy, bool save) {
+    Mamba2Acts<float> acts;
+    View2<float> out("out", n, D), du("du", n, D);
+    if (copy) {
+      mixer.forward_bf16_input(ub, B, L, SeqIdxView(), out, acts, save);
+      CHECK(acts.u.extent(0) == 0);
+      CHECK(acts.u_b.extent(0) == std::size_t(n));
+    } else {
+      mixer.forward(ur, B, L, SeqIdxView(), out, acts, save);
+    }
+    ps.zero_grads();
+    mixer.backward(acts, B, L, SeqIdxView(), dout, du);
+    return Run{to_vec(out), to_vec(du), to_vec(ps.grads())};
+  };
+  for (GemmCompute c : {GemmCompute::fp32, GemmCompute::bf16}) {
+    const FloatGemmComputeScope scope(c);
+#if defined(KOKKOS_ENABLE_CUDA)
+    // (fp32 GEMMs on CUDA would round the copy's products differently from the fp32 input's: bf16 only)
+    if (c != GemmCompute::bf16) continue;
+#endif
+    CHECK(mixer.takes_bf16_input(L) == float_gemm_on_bf16_copies());
+    INFO("compute " << gemm_compute_name(c));
+    const Run ref = run(false, true), got = run(true, true), rec = run(true, false);
+    CHECK(got.out == ref.out);
+    CHECK(got.du == ref.du);
+    CHECK(got.grads == ref.grads);
+    CHECK(rec.out == got.out);
+    CHECK(rec.du == got.du);
+    CHECK(rec.grads == got.grads);
+  }
+  // cp = 1 but windowed at this length: refused, naming the call
+  Mamba2Config wc = cfg;
+  wc.window = 8;
+  ParamStore<float> ps2;
+  Mamba2Mixer<float> windowed(wc, ps2, "w.", 2);
+  ps2.allocate();
+  Mamba2Acts<float> acts;
+  View2<float> out("out", n, D);
+  CHECK_FALSE(windowed.takes_bf16_input(L));
+  CHECK_THROWS_WITH(windowed.forward_bf16_input(ub, B, L, SeqIdxView(), out, acts, true),
+                    ContainsSubstring("forward_bf16_input") && ContainsSubstring("window"));
+}
+
 TEST_CASE("Mamba-2 mixer backward with explicit states matches finite differences (initial and final state)",
           "[mamba2][gradcheck]") {
   for (index_t L : {2, 11})

@@ -299,7 +299,10 @@ void Mamba2Mixer<T>::run_internals(const View2<T>& u, index_t batch, index_t seq
                                    Mamba2Acts<T>& a, const View4<P>& final_ssm) const {
   const index_t E = E_;
   take_activations(u, batch * seqlen, a);
-  linear_forward<T>(u, store_->v2(in_proj_), View1<const P>(), a.zxbcdt);
+  bool in_done = false;
+  if constexpr (std::is_same_v<T, float>)
+    if ((in_done = a.u_b.extent(0) > 0)) linear_forward_gemm_bf16x(a.u_b, store_->v2(in_proj_), a.zxbcdt);
+  if (!in_done) linear_forward<T>(u, store_->v2(in_proj_), View1<const P>(), a.zxbcdt);
   conv1d_silu_forward<T>(Conv1dIn<T>{a.zxbcdt, E, batch, seqlen, C_, a.conv_init},
                          store_->v2(conv_w_), store_->v1(conv_b_), seq, a.xbc);
   ssd_forward<T>(ssd_shape(batch, seqlen), ssd_in(a, seq), a.y, final_ssm, &a.ssd, a.internals.get());
@@ -387,6 +390,35 @@ void Mamba2Mixer<T>::forward(const View2<T>& u, index_t batch, index_t seqlen, c
     kept.u = u;
     kept.conv_init = acts.conv_init;
     kept.ssm_init = acts.ssm_init;
+    acts = kept;
+  }
+}
+
+template <class T>
+bool Mamba2Mixer<T>::takes_bf16_input(index_t seqlen) const {
+  return bf16_out_proj() && cp_->size() == 1 && !windowed(seqlen);
+}
+
+template <class T>
+void Mamba2Mixer<T>::forward_bf16_input(const View2<bf16_op_t>& ub, index_t batch, index_t seqlen,
+                                        const SeqIdxView& seq, const View2<T>& out, Mamba2Acts<T>& acts,
+                                        bool save) const {
+  constexpr const char* ctx = "Mamba2Mixer::forward_bf16_input";
+  require(std::is_same_v<T, float>, ctx, "the input's bf16 copy is taken by float mixers only");
+  require(cp_->size() == 1 && !windowed(seqlen), ctx,
+          "needs cp = 1 and no windows at this length (cp = ", cp_->size(), ", window ", cfg_.window, ", seqlen ",
+          seqlen, ")");
+  require(index_t(ub.extent(0)) == batch * seqlen && index_t(ub.extent(1)) == cfg_.d_model, ctx,
+          "the input must be (batch * seqlen, d_model) = (", batch * seqlen, ", ", cfg_.d_model, "), it is (",
+          ub.extent(0), ", ", ub.extent(1), ")");
+  acts = Mamba2Acts<T>{};
+  acts.u_b = ub;
+  run_internals(View2<T>(), batch, seqlen, seq, acts, View4<P>());
+  out_proj_forward(acts, out);
+  parallel::tp_allreduce_sum(*tp_, out, "Mamba2Mixer::forward");  // row-parallel out_proj: partial sums
+  if (!save) {
+    Mamba2Acts<T> kept;
+    kept.u_b = ub;
     acts = kept;
   }
 }
@@ -491,8 +523,16 @@ void Mamba2Mixer<T>::backward(Mamba2Acts<T>& a, index_t batch, index_t seqlen, c
   }
   // in_proj
   bool in_done = false;
-  if constexpr (std::is_same_v<T, float>)
-    if ((in_done = gb)) linear_backward_gemms_bf16dy(dzb, store_->v2(in_proj_), a.u, 0.0f, du, 1.0f, store_->g2(in_proj_));
+  if constexpr (std::is_same_v<T, float>) {
+    const bool ub = a.u_b.extent(0) > 0;
+    in_done = gb || ub;
+    if (gb && ub)
+      linear_backward_gemms_bf16(dzb, store_->v2(in_proj_), a.u_b, 0.0f, du, 1.0f, store_->g2(in_proj_));
+    else if (gb)
+      linear_backward_gemms_bf16dy(dzb, store_->v2(in_proj_), a.u, 0.0f, du, 1.0f, store_->g2(in_proj_));
+    else if (ub)
+      linear_backward_gemms_bf16x(dzxbcdt, store_->v2(in_proj_), a.u_b, 0.0f, du, 1.0f, store_->g2(in_proj_));
+  }
   if (!in_done) linear_backward<T>(a.u, store_->v2(in_proj_), dzxbcdt, du, false, store_->g2(in_proj_), View1<P>());
   parallel::tp_allreduce_sum(*tp_, du, "Mamba2Mixer::backward");  // column-parallel in_proj: partial sums
 }

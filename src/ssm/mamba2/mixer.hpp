@@ -88,6 +88,9 @@ struct Mamba2Acts {
   // the gated-norm output as its bf16 copy only (instead of yn), where the GEMMs run on bf16 copies of their
   // operands (tensor/gemm.hpp, float_gemm_on_bf16_copies; T = float)
   View2<bf16_op_t> yn_b;
+  // the input as its bf16 copy only (instead of u), from forward_bf16_input: in_proj's forward and weight gradient
+  // read it
+  View2<bf16_op_t> u_b;
   View2<acc_t<T>> rstd;
   SSDSaved<T> ssd;  // the scan's intermediates (gemm / fused algorithms), so its backward does not form them again
   // the blocks of zxbcdt, xbc, y, yn, rstd and ssd (core/pool.hpp): back to the cache when the last copy of these
@@ -137,6 +140,18 @@ class Mamba2Mixer {
   // the gradients for the given (fixed) initial state.
   void forward(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq, const View2<T>& out,
                Mamba2Acts<T>& acts, bool save, const Mamba2State<T>* init, Mamba2State<T>* final) const;
+
+  // Whether forward_bf16_input may run at this length: T = float, GEMMs on bf16 copies of their operands
+  // (tensor/gemm.hpp, float_gemm_on_bf16_copies: CUDA only), one rank along the sequence, no windows.
+  bool takes_bf16_input(index_t seqlen) const;
+
+  // forward(u, ..., save) with the input given only as its bf16 copy ub (B*L, D; host builds: bf16-rounded floats),
+  // the backbone's block norm written in bf16 under bf16 GEMMs: in_proj's forward and weight gradient read ub in
+  // place of rounding an fp32 input, so the caller keeps 2 bytes an element of the input instead of 4, and the
+  // backward (acts.u_b = ub, acts.u empty) needs nothing else of it. The results are forward()'s on an fp32 input
+  // holding the rounded values. T = float, cp = 1, no windows at this length (else an error).
+  void forward_bf16_input(const View2<bf16_op_t>& ub, index_t batch, index_t seqlen, const SeqIdxView& seq,
+                          const View2<T>& out, Mamba2Acts<T>& acts, bool save) const;
 
   // Windows (config window W > 0, seqlen > W, cp = 1, no explicit states): forward() and backward() run the
   // sequence in windows of W tokens with carried states (ssm/windows.hpp); the layer's working memory then
