@@ -97,6 +97,8 @@ MM_UNROLL
         if constexpr (kEx) load_vec<CV>(&ey(b * L + tg + u, c), en[u]);
       } else {
         for (int v = 0; v < CV; ++v) xn[u][v] = P(0);
+        if constexpr (kEx)
+          for (int v = 0; v < CV; ++v) en[u][v] = P(0);
       }
       rn[u] = in && recs ? seq(b, tg + u) : 0;
     }

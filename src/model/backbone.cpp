@@ -237,6 +237,30 @@ index_t MambaBackbone<T>::active_param_count() const {
 }
 
 template <class T>
+bool MambaBackbone<T>::bf16_input(index_t l, index_t seqlen) const {
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<R, float>)
+    return kinds_[l] == LayerKind::mamba2 && layers_[l]->m2->takes_bf16_input(seqlen);
+  return false;
+}
+
+template <class T>
+void MambaBackbone<T>::norm_input(index_t l, const View2<R>& h, index_t n, Acts& a) {
+  const index_t D = cfg_.d_model;
+  xn_ws_[l] = std::make_unique<PoolScope>();
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<R, float>) {
+    if (bf16_input(l, seqlen_)) {
+      xnb_[l] = xn_ws_[l]->take<View2<bf16_op_t>>("backbone::xn_bf16", n, D);
+      rmsnorm_forward_bf16(h, store_->v1(norm_[l]), eps_, xnb_[l], rstd_[l]);
+      a.m2.u_b = xnb_[l];
+      return;
+    }
+  }
+  xn_[l] = xn_ws_[l]->take<View2<T>>("backbone::xn", n, D);
+  rmsnorm_forward<R, T>(h, store_->v1(norm_[l]), eps_, xn_[l], rstd_[l]);
+  set_layer_input(a, kinds_[l], xn_[l]);
+}
+
+template <class T>
 double MambaBackbone<T>::layer_forward(index_t l, const View2<T>& xn, index_t batch, index_t seqlen,
                                        const SeqIdxView& seq, const View2<T>& m, Acts& a, bool save, bool train,
                                        LayerState<T>* state) {
@@ -293,6 +317,7 @@ void MambaBackbone<T>::forward(const View2<R>& h, index_t batch, index_t seqlen,
   h_.assign(train ? NL + 1 : 1, View2<R>());
   rstd_.assign(NL, View1<P>());
   xn_.assign(NL, View2<T>());
+  xnb_.assign(NL, View2<bf16_op_t>());
   rstd_f_ = View1<P>();
   acts_.clear();
   xn_ws_.clear();
@@ -305,16 +330,23 @@ void MambaBackbone<T>::forward(const View2<R>& h, index_t batch, index_t seqlen,
   View2<T> m = local.take<View2<T>>("backbone::mixer_out", n, D);
   for (index_t l = 0; l < NL; ++l) {
     const View2<R> hin = train ? h_[l] : h;
-    xn_ws_[l] = std::make_unique<PoolScope>();
-    xn_[l] = xn_ws_[l]->take<View2<T>>("backbone::xn", n, D);
     rstd_[l] = step_ws_->take<View1<P>>("backbone::rstd", n);
-    rmsnorm_forward<R, T>(hin, store_->v1(norm_[l]), eps_, xn_[l], rstd_[l]);
-    last_aux_ += layer_forward(l, xn_[l], batch, seqlen, seq, m, *acts_[l], save, train, nullptr);
+    if (train && bf16_input(l, seqlen)) {
+      norm_input(l, hin, n, *acts_[l]);
+      layers_[l]->m2->forward_bf16_input(xnb_[l], batch, seqlen, seq, m, acts_[l]->m2, save);
+    } else {
+      xn_ws_[l] = std::make_unique<PoolScope>();
+      xn_[l] = xn_ws_[l]->take<View2<T>>("backbone::xn", n, D);
+      rmsnorm_forward<R, T>(hin, store_->v1(norm_[l]), eps_, xn_[l], rstd_[l]);
+      last_aux_ += layer_forward(l, xn_[l], batch, seqlen, seq, m, *acts_[l], save, train, nullptr);
+    }
     // under the mixer policy every layer keeps only xn_l of what reads it (as its input), and backward()
     // recomputes xn_l from h_l: drop both references so the memory is freed now
     if (train && !save) {
       xn_[l] = View2<T>();
+      xnb_[l] = View2<bf16_op_t>();
       set_layer_input(*acts_[l], kinds_[l], View2<T>());
+      acts_[l]->m2.u_b = View2<bf16_op_t>();
       xn_ws_[l].reset();
     }
     const View2<R> hout = train ? (h_[l + 1] = step_ws_->take<View2<R>>("backbone::h", n, D)) : h;
@@ -340,14 +372,9 @@ void MambaBackbone<T>::backward(const View2<const T>& dout, const View2<R>& dh, 
     // the residual passes dh through unchanged: it is also d(layer output); then through the pre-norm into dh
     Layer& L = *layers_[l];
     Acts& a = *acts_[l];
-    if (xn_[l].extent(0) == 0) {
-      // mixer policy: the same kernel on the same h_l and weight gives xn_l bit for bit (rstd_l is rewritten with
-      // the values it holds)
-      xn_ws_[l] = std::make_unique<PoolScope>();
-      xn_[l] = xn_ws_[l]->take<View2<T>>("backbone::xn", n, D);
-      rmsnorm_forward<R, T>(h_[l], store_->v1(norm_[l]), eps_, xn_[l], rstd_[l]);
-      set_layer_input(a, L.kind, xn_[l]);
-    }
+    // mixer policy: the same kernel on the same h_l and weight gives xn_l bit for bit (rstd_l is rewritten with
+    // the values it holds)
+    if (xn_[l].extent(0) == 0 && xnb_[l].extent(0) == 0) norm_input(l, h_[l], n, a);
     switch (L.kind) {
       case LayerKind::mamba1: L.m1->backward(a.m1, batch_, seqlen_, seq_, dh, dxn); break;
       case LayerKind::mamba2: L.m2->backward(a.m2, batch_, seqlen_, seq_, dh, dxn); break;
@@ -357,12 +384,14 @@ void MambaBackbone<T>::backward(const View2<const T>& dout, const View2<R>& dh, 
     }
     acts_[l].reset();
     xn_[l] = View2<T>();
+    xnb_[l] = View2<bf16_op_t>();
     xn_ws_[l].reset();
     rmsnorm_backward<R, T>(h_[l], store_->v1(norm_[l]), rstd_[l], dxn, dh, true, store_->g1(norm_[l]));
     if (grads_ready_) grads_ready_(store_->entries()[norm_[l]].offset);
   }
   h_.clear();
   xn_.clear();
+  xnb_.clear();
   rstd_.clear();
   rstd_f_ = View1<P>();
   acts_.clear();

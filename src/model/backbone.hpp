@@ -14,7 +14,9 @@
 // block's residual input h_l and rstd_l (plus what a layer keeps beyond its input: MoE routing, the jittered router
 // input, decode/cp initial states). The normed input xn_l = RMSNorm_l(h_l), which is also the layer's input, is
 // dropped after the block's forward and recomputed by backward() with the same kernel (bit-identical) just before
-// the layer's backward, which then rebuilds the layer's activations from it.
+// the layer's backward, which then rebuilds the layer's activations from it. Where a Mamba-2 layer's GEMMs run on
+// bf16 copies (Mamba2Mixer::takes_bf16_input: CUDA, float, bf16 GEMMs, cp = 1, no windows), xn_l is written only as
+// its bf16 copy (the norm's output rounded, which is what in_proj's GEMMs take) and kept or recomputed as such.
 // a forward without training keeps nothing and updates the residual stream in place. MoE layers return auxiliary
 // losses (load balancing, z-loss): the backbone sums them (last_aux()) and backward() takes their gradient scale;
 // routing statistics of the training forwards are accumulated until end_step(), which also applies the expert-bias
@@ -147,6 +149,11 @@ class MambaBackbone {
   void check_state(const BackboneState<T>& s, index_t batch) const;
   // The layer's input reference in its acts (Mamba*Acts::u, MoEActs::x, DenseFFNActs::x): set to xn, or cleared.
   static void set_layer_input(Acts& a, LayerKind kind, const View2<T>& xn);
+  // Whether block l's training forward writes xn_l only as its bf16 copy (xnb_[l]): a Mamba-2 layer that takes it.
+  bool bf16_input(index_t l, index_t seqlen) const;
+  // xn_l = RMSNorm_l(h_l) into a new block of xn_ws_[l] (fp32 xn_[l], or the bf16 xnb_[l] where bf16_input), set as
+  // the layer's input in `a`
+  void norm_input(index_t l, const View2<R>& h, index_t n, Acts& a);
   // One block's layer on xn (n rows) -> m; decode states optional (nullptr: zero / not wanted).
   double layer_forward(index_t l, const View2<T>& xn, index_t batch, index_t seqlen, const SeqIdxView& seq,
                        const View2<T>& m, Acts& a, bool save, bool train, LayerState<T>* state);
@@ -170,6 +177,7 @@ class MambaBackbone {
   std::vector<View2<R>> h_;
   std::vector<View1<P>> rstd_;
   std::vector<View2<T>> xn_;
+  std::vector<View2<bf16_op_t>> xnb_;  // xn_l as its bf16 copy only (bf16_input(l))
   std::vector<std::unique_ptr<Acts>> acts_;
   View1<P> rstd_f_;
   // the blocks (core/pool.hpp) of h_, rstd_ and rstd_f_ (from forward() to the end of backward() or the next

@@ -94,6 +94,7 @@ struct LayerMem {
   double rec_extra = -1; // transient beyond `full` while the backward recomputes (-1: as fwd_extra)
   double bwd_extra = 0;  // backward transient beyond the (kept or recomputed) activations
   double scratch = 0;    // Kokkos level-1 team scratch (pooled: the largest launch counts)
+  double xn_elem = 0;    // bytes of an element of the block's normed input xn kept for the layer (0: d.t)
 };
 
 struct Dims {
@@ -189,6 +190,9 @@ LayerMem mem_mamba2(const Mamba2Config& c, const Dims& d, Recompute pol, bool ex
   const double GN = G * N, C = E + 2 * GN, din = 2 * E + 2 * GN + H;
   const double nc = std::ceil(d.L / Q);
   LayerMem m;
+  // the block's input xn_l only as its bf16 copy under bf16 GEMMs without cp (backbone.cpp, bf16_input; this
+  // unwindowed form with explicit states is a window's, whose input is the window's own copy)
+  if (d.copy_b16 > 0 && d.cp == 1 && !explicit_states) m.xn_elem = d.copy_b16;
   // zxbcdt, xbc, y, rstd, and yn: fp32, or its bf16 copy only under bf16 GEMMs (mixer.cpp, Mamba2Acts::yn_b)
   const double yn = d.copy_b16 > 0 ? d.copy_b16 : d.t;
   m.full = d.n * (d.t * (din + C + E) + yn * E + d.a * G);
@@ -576,26 +580,26 @@ Plan estimate(const PlanInput& in, const Layout& layout_in, index_t micro_batch,
   const std::vector<LayerMem> lm = layer_mems(in, d, policy);
   // kept per block: h_{l+1}, rstd_l and, under policy none only, xn_l (under mixer the backbone drops xn_l after the
   // block's forward and recomputes it just before the layer's backward)
-  const double xn = d.n * t * D;
+  // (xn_l in fp32, or as a bf16 copy for the layers that take one: LayerMem::xn_elem)
+  const auto xn_of = [&](const LayerMem& x) { return d.n * (x.xn_elem > 0 ? x.xn_elem : t) * D; };
   const bool keep_xn = policy == Recompute::none;
-  const double block = d.n * (a * D + a) + (keep_xn ? xn : 0.0);
-  const double lm_h = d.n * (a * D + 12);          // lm::h (= h_0) and the batch
+  const double block = d.n * (a * D + a);  // + xn_l when kept
+  const double lm_h = d.n * (a * D + 12);  // lm::h (= h_0) and the batch
   // forward: kept so far + hf + the backbone's m + the current layer's full activations and scan context
   // (the layer's h_{l+1} is allocated after its forward has dropped what it does not keep)
   double fwd_peak = 0, kept = 0;
   for (const LayerMem& x : lm) {
-    fwd_peak = std::max(fwd_peak, lm_h + d.n * 2 * t * D + kept + d.n * (t * D + a) + x.full + x.fwd_extra);
-    kept += block + x.keep;
+    fwd_peak = std::max(fwd_peak, lm_h + d.n * 2 * t * D + kept + xn_of(x) + d.n * a + x.full + x.fwd_extra);
+    kept += block + (keep_xn ? xn_of(x) : 0.0) + x.keep;
   }
   // backward: all blocks' h, rstd + the LM head's buffers (hf, rstd_f, logits, dlogits, dhf, dh, dxn) + the layers
   // not yet done + the live xn + the current layer's recomputed activations and backward transient
   const double head = d.n * (t * D + a + 2 * t * V + t * D + a * D + t * D);
   // (xn_l, kept or recomputed, is freed right after the layer's backward: at layer l only xn_0 .. xn_l are live)
-  double base = lm_h + head + (block - (keep_xn ? xn : 0.0)) * double(lm.size()), below = 0, bwd_peak = 0,
-         scratch = 0, xn_live = 0;
+  double base = lm_h + head + block * double(lm.size()), below = 0, bwd_peak = 0, scratch = 0, xn_live = 0;
   for (const LayerMem& x : lm) {
     below += x.keep;
-    xn_live = keep_xn ? xn_live + xn : xn;
+    xn_live = keep_xn ? xn_live + xn_of(x) : xn_of(x);
     const bool rebuilt = x.full > x.keep;
     const double rec = rebuilt ? (x.rec_extra >= 0 ? x.rec_extra : x.fwd_extra) : 0.0;
     bwd_peak = std::max(bwd_peak, base + below + xn_live + (x.full - x.keep) + std::max(rec, x.bwd_extra));

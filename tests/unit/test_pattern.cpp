@@ -436,5 +436,8 @@ TEST_CASE("recompute policy mixer gives losses and gradients bit-identical to po
     check_policies_bitwise<double>(pattern, false);
     check_policies_bitwise<float>(pattern, false);
     check_policies_bitwise<double>(pattern, true);
+    // under bf16 GEMMs (on CUDA the Mamba-2 layers then take xn_l as a bf16 copy, kept or recomputed)
+    const FloatGemmComputeScope b16(GemmCompute::bf16);
+    check_policies_bitwise<float>(pattern, false);
   }
 }
