@@ -57,20 +57,23 @@ namespace {
 // kEx: f also gets e[v] = ey(row, c + v), loaded with the window's inputs ahead of their use (the backward's dy: a
 // load issued only after the window's step left one dependent load in flight per step, and the backward ran at
 // 37 % of the H200's copy bandwidth against the forward's 70 %).
-template <int K, int CV, bool kEx, class T, class P, class F>
+// kRecs: whether record ids are given (seq not empty); without them the ids are constant zeros and their registers
+// and comparisons fold away. wr: the taps from load_taps (tap k of W in slot K - W + k, zeros before), which the
+// backward's dx also reads (one copy of the weights in registers: the backward used ~165 registers a thread, half
+// the forward's occupancy).
+template <int K, int CV, bool kEx, bool kRecs, class T, class P, class F>
 KOKKOS_INLINE_FUNCTION void conv_run(const View2<const T>& x, index_t col, const View3<const T>& prefix, index_t L,
-                                     const View2<const P>& w, const View1<const P>& bias, const SeqIdxView& seq,
-                                     index_t b, index_t t0, index_t t1, index_t c, const View2<const T>& ey,
-                                     const F& f) {
-  const index_t W = w.extent(1);
-  const bool recs = seq.extent(0) > 0, pre_given = prefix.extent(0) > 0;
-  P wr[K][CV], xs[K][CV];
+                                     const P (&wr)[K][CV], index_t W, const View1<const P>& bias,
+                                     const SeqIdxView& seq, index_t b, index_t t0, index_t t1, index_t c,
+                                     const View2<const T>& ey, const F& f) {
+  constexpr bool recs = kRecs;
+  const bool pre_given = prefix.extent(0) > 0;
+  P xs[K][CV];
   int rs[K];
   const int r0 = recs ? seq(b, 0) : 0;
   // slot j holds position t - (K - 1) + j, tap k of W sits in slot K - W + k; before the first token the window
   // stands at t0 - 1 (slot 0 is shifted out at once)
   for (int j = 0; j < K; ++j) {
-    for (int v = 0; v < CV; ++v) wr[j][v] = j >= K - W ? w(c + v, j - (K - W)) : P(0);
     const index_t s = t0 - K + j;
     if (j == 0) continue;
     if (s >= 0) {
@@ -123,6 +126,14 @@ MM_UNROLL
     }
   }
 }
+
+// wr[j][v] = tap j - (K - W) of channel c + v for slots j >= K - W, zeros before (conv_run's layout).
+template <int K, int CV, class P>
+KOKKOS_INLINE_FUNCTION void load_taps(const View2<const P>& w, index_t c, P (&wr)[K][CV]) {
+  const index_t W = w.extent(1);
+  for (int j = 0; j < K; ++j)
+    for (int v = 0; v < CV; ++v) wr[j][v] = j >= K - W ? w(c + v, j - (K - W)) : P(0);
+}
 }  // namespace
 
 namespace {
@@ -134,7 +145,7 @@ KOKKOS_INLINE_FUNCTION void run_of(index_t br, index_t nr, index_t L, index_t& b
 }
 
 // y(row, c) = silu(pre) for every output, over runs with a K-slot window, CV channels a work item.
-template <int K, int CV, class T>
+template <int K, int CV, bool kRecs, class T>
 void conv_forward_runs(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, const View1<const acc_t<T>>& bias,
                        const SeqIdxView& seq_idx, const View2<T>& y) {
   using P = acc_t<T>;
@@ -145,12 +156,15 @@ void conv_forward_runs(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, co
     index_t b, t0, t1;
     run_of(br, nr, L, b, t0, t1);
     const index_t c = cg * CV;
-    conv_run<K, CV, false, T, P>(x, col, prefix, L, w, bias, seq_idx, b, t0, t1, c, View2<const T>(),
-                                 [&](index_t row, const P (&pre)[CV], const P (&)[K][CV], const int*) {
-                            P o[CV];
-                            for (int v = 0; v < CV; ++v) o[v] = silu(pre[v]);
-                            store_vec<CV>(&y(row, c), o);
-                          });
+    P wr[K][CV];
+    load_taps<K, CV>(w, c, wr);
+    conv_run<K, CV, false, kRecs, T, P>(x, col, prefix, L, wr, w.extent(1), bias, seq_idx, b, t0, t1, c,
+                                        View2<const T>(),
+                                        [&](index_t row, const P (&pre)[CV], const P (&)[K][CV], const int*) {
+                                          P o[CV];
+                                          for (int v = 0; v < CV; ++v) o[v] = silu(pre[v]);
+                                          store_vec<CV>(&y(row, c), o);
+                                        });
   });
 }
 
@@ -162,7 +176,9 @@ void conv_forward_runs(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, co
 // wrote it and a second that read it back for dx took 14.3 ms of a 217 ms LM step on an H200.
 // DX, kRound: dx's element type, and whether dx is written rounded to bf16 (a bf16 copy for a GEMM on bf16 operands;
 // bf16_op_t is float on host builds, where the rounding is emulated).
-template <int K, int CV, class T, class DX = T, bool kRound = false>
+// kFull: W = K (d_conv 4 on the 4-slot window), where dx's taps are the forward's in reverse slot order and the
+// work item keeps one copy of them.
+template <int K, int CV, bool kRecs, bool kFull, class T, class DX = T, bool kRound = false>
 void conv_backward_runs(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, const View1<const acc_t<T>>& bias,
                         const SeqIdxView& seq_idx, const View2<const T>& dy, const UView2<DX>& dx, index_t dx_col,
                         const View2<acc_t<T>>& pw, const View2<acc_t<T>>& pb) {
@@ -175,12 +191,15 @@ void conv_backward_runs(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, c
     run_of(br, nr, L, b, t0, t1);
     const index_t c = cg * CV;
     P acc[K + 1][CV] = {};
-    // wb[j] = w(c, K-1-j): the tap by which dpre in slot j (position t - (K-1-j)) feeds dx(t - (W-1))
-    P wb[K][CV], gs[K][CV];
+    P wr[K][CV];
+    load_taps<K, CV>(w, c, wr);
+    // wb[j] = w(c, K-1-j): the tap by which dpre in slot j (position t - (K-1-j)) feeds dx(t - (W-1)); with
+    // kFull that is wr[K-1-j]
+    P wb[kFull ? 1 : K][CV], gs[K][CV];
     int gr[K];
     for (int j = 0; j < K; ++j) {
       for (int v = 0; v < CV; ++v) {
-        wb[j][v] = K - 1 - j < W ? w(c + v, K - 1 - j) : P(0);
+        if (!kFull) wb[kFull ? 0 : j][v] = K - 1 - j < W ? w(c + v, K - 1 - j) : P(0);
         gs[j][v] = P(0);
       }
       gr[j] = 0;
@@ -199,7 +218,12 @@ void conv_backward_runs(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, c
       P d[CV] = {};
       for (int j = 0; j < K; ++j)
         if (j >= K - W && gr[j] == rs)
-          for (int v = 0; v < CV; ++v) d[v] += wb[j][v] * gs[j][v];
+          for (int v = 0; v < CV; ++v) {
+            if constexpr (kFull)
+              d[v] += wr[K - 1 - j][v] * gs[j][v];
+            else
+              d[v] += wb[j][v] * gs[j][v];
+          }
       DX* o = &dx(b * L + s, dx_col + c);
       if constexpr (kRound) {
         store_bf16_op_vec<CV>(o, d);
@@ -208,9 +232,9 @@ void conv_backward_runs(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, c
       }
     };
     const index_t te = t1 + W - 1 < L ? t1 + W - 1 : L;
-    conv_run<K, CV, true, T, P>(x, col, prefix, L, w, bias, seq_idx, b, t0, te, c, dy,
-                                [&](index_t row, const P (&pre)[CV], const P (&xs)[K][CV], const int* rs,
-                                    const P (&e)[CV]) {
+    conv_run<K, CV, true, kRecs, T, P>(x, col, prefix, L, wr, W, bias, seq_idx, b, t0, te, c, dy,
+                                       [&](index_t row, const P (&pre)[CV], const P (&xs)[K][CV], const int* rs,
+                                           const P (&e)[CV]) {
                             P g[CV];
                             for (int v = 0; v < CV; ++v) g[v] = e[v] * dsilu(pre[v]);
                             const index_t t = row - b * L;
@@ -251,6 +275,12 @@ void with_window(index_t W, const F& f) {
   if (W <= 4) f(std::integral_constant<int, 4>());
   else f(std::integral_constant<int, int(kMaxConvWidth)>());
 }
+// f(std::bool_constant<b>) for a runtime b (a kernel specialised on it).
+template <class F>
+void with_flag(bool b, const F& f) {
+  if (b) f(std::true_type());
+  else f(std::false_type());
+}
 }  // namespace
 
 template <class T>
@@ -261,7 +291,9 @@ void conv1d_silu_forward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, 
   const auto rows = {Row{in.x.data(), in.col, in.x.stride(0)}, Row{y.data(), 0, y.stride(0)}};
   with_channels<T>(true, in.channels, rows, [&](auto cv) {
     with_window(w.extent(1), [&](auto k) {
-      conv_forward_runs<decltype(k)::value, decltype(cv)::value, T>(in, w, bias, seq_idx, y);
+      with_flag(seq_idx.extent(0) > 0, [&](auto recs) {
+        conv_forward_runs<decltype(k)::value, decltype(cv)::value, decltype(recs)::value, T>(in, w, bias, seq_idx, y);
+      });
     });
   });
 }
@@ -286,8 +318,13 @@ void conv_backward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, const 
                      Row{dx.data(), dx_col, dx.stride(0)}};
   with_channels<T>(W <= 4, C, rows, [&](auto cv) {
     with_window(W, [&](auto k) {
-      conv_backward_runs<decltype(k)::value, decltype(cv)::value, T, DX, kRound>(in, w, bias, seq_idx, dy, dx,
-                                                                                  dx_col, pw, pb);
+      constexpr int K = decltype(k)::value, CV = decltype(cv)::value;
+      with_flag(seq_idx.extent(0) > 0, [&](auto recs) {
+        with_flag(W == K, [&](auto full) {
+          conv_backward_runs<K, CV, decltype(recs)::value, decltype(full)::value, T, DX, kRound>(
+              in, w, bias, seq_idx, dy, dx, dx_col, pw, pb);
+        });
+      });
     });
   });
   reduce_partials<P>("conv1d::backward_dw", pw, nb, C * W, View1<P>(dw.data(), C * W), true);

@@ -294,14 +294,15 @@ TEST_CASE("causal depthwise conv1d + SiLU matches the reference (with records) a
           "[layers]") {
   // Lengths beyond one run of the kernels (64 tokens; a shorter last run), widths 2, 4 and 6 (the wider window),
   // with and without a prefix (the inputs before token 0, of token 0's record).
+  // recs false: no record ids (the kernels' specialisation without them; one record per row).
   struct Shape {
     index_t L, W;
-    bool prefix;
+    bool prefix, recs = true;
   };
   for (Shape sh : {Shape{11, 4, false}, Shape{150, 4, true}, Shape{150, 6, false}, Shape{70, 2, true},
-                   Shape{130, 5, true}}) {
+                   Shape{130, 5, true}, Shape{150, 4, true, false}, Shape{70, 3, true, false}}) {
     const index_t B = 2, L = sh.L, C = 3, W = sh.W, ld = 8, col = 2;
-    INFO("L=" << L << " W=" << W << " prefix=" << sh.prefix);
+    INFO("L=" << L << " W=" << W << " prefix=" << sh.prefix << " records=" << sh.recs);
     View2<double> src("src", B * L, ld), y("y", B * L, C), dy("dy", B * L, C), dsrc("dsrc", B * L, ld);
     View2<double> w("w", C, W), dw("dw", C, W);
     View1<double> bias("bias", C), dbias("dbias", C);
@@ -311,9 +312,9 @@ TEST_CASE("causal depthwise conv1d + SiLU matches the reference (with records) a
     fill_uniform(bias, 3);
     fill_uniform(dy, 4);
     fill_uniform(pre, 5);
-    Kokkos::View<std::int32_t**, Layout, Mem> seq("seq", B, L);
-    std::vector<int> sq(B * L);
-    {
+    Kokkos::View<std::int32_t**, Layout, Mem> seq("seq", sh.recs ? B : 0, sh.recs ? L : 0);
+    std::vector<int> sq(B * L, 0);
+    if (sh.recs) {
       auto h = Kokkos::create_mirror_view(seq);
       for (index_t b = 0; b < B; ++b)
         for (index_t t = 0; t < L; ++t) sq[b * L + t] = h(b, t) = b == 0 ? int(t >= 5) + int(t >= 66) : 3;
@@ -383,55 +384,57 @@ TEST_CASE("cross-entropy matches the reference, ignores masked targets, and its 
 
 TEST_CASE("conv1d + SiLU in float, 4 channels a work item, equals the double form", "[layers]") {
   // 8 channels at column 4 of rows of 16 (the 16-byte path on CUDA, the same arrays of 4 channels on the host),
-  // records across a run boundary, a prefix, widths 4 and 6; against the double form (1 channel a work item).
-  for (const index_t W : {4, 6}) {
-    const index_t B = 2, L = 150, C = 8, ld = 16, col = 4;
-    INFO("W=" << W);
-    View2<double> src("src", B * L, ld), dy("dy", B * L, C), w("w", C, W);
-    View1<double> bias("bias", C);
-    View3<double> pre("prefix", B, C, W - 1);
-    fill_uniform(src, 31);
-    fill_uniform(dy, 32);
-    fill_uniform(w, 33);
-    fill_uniform(bias, 34);
-    fill_uniform(pre, 35);
-    Kokkos::View<std::int32_t**, Layout, Mem> seq("seq", B, L);
-    {
-      auto h = Kokkos::create_mirror_view(seq);
-      for (index_t b = 0; b < B; ++b)
-        for (index_t t = 0; t < L; ++t) h(b, t) = b == 0 ? int(t >= 62) + int(t >= 100) : 1;
-      Kokkos::deep_copy(seq, h);
+  // records across a run boundary or none, a prefix, widths 4 (the full 4-slot window), 3 and 6; against the double
+  // form (1 channel a work item).
+  for (const index_t W : {4, 6, 3})
+    for (const bool recs : {true, false}) {
+      const index_t B = 2, L = 150, C = 8, ld = 16, col = 4;
+      INFO("W=" << W << " records=" << recs);
+      View2<double> src("src", B * L, ld), dy("dy", B * L, C), w("w", C, W);
+      View1<double> bias("bias", C);
+      View3<double> pre("prefix", B, C, W - 1);
+      fill_uniform(src, 31);
+      fill_uniform(dy, 32);
+      fill_uniform(w, 33);
+      fill_uniform(bias, 34);
+      fill_uniform(pre, 35);
+      Kokkos::View<std::int32_t**, Layout, Mem> seq("seq", recs ? B : 0, recs ? L : 0);
+      if (recs) {
+        auto h = Kokkos::create_mirror_view(seq);
+        for (index_t b = 0; b < B; ++b)
+          for (index_t t = 0; t < L; ++t) h(b, t) = b == 0 ? int(t >= 62) + int(t >= 100) : 1;
+        Kokkos::deep_copy(seq, h);
+      }
+      View2<float> srcf("srcf", B * L, ld), dyf("dyf", B * L, C), wf("wf", C, W);
+      View1<float> biasf("biasf", C);
+      View3<float> pref("preff", B, C, W - 1);
+      copy_convert("test::f", srcf, src);
+      copy_convert("test::f", dyf, dy);
+      copy_convert("test::f", wf, w);
+      copy_convert("test::f", biasf, bias);
+      copy_convert("test::f", pref, pre);
+      View2<double> y("y", B * L, C), dsrc("dsrc", B * L, ld), dw("dw", C, W);
+      View1<double> db("db", C);
+      View2<float> yf("yf", B * L, C), dsrcf("dsrcf", B * L, ld), dwf("dwf", C, W);
+      View1<float> dbf("dbf", C);
+      conv1d_silu_forward<double>(Conv1dIn<double>{src, col, B, L, C, pre}, w, bias, seq, y);
+      conv1d_silu_backward<double>(Conv1dIn<double>{src, col, B, L, C, pre}, w, bias, seq, dy, dsrc, col, dw, db);
+      conv1d_silu_forward<float>(Conv1dIn<float>{srcf, col, B, L, C, pref}, wf, biasf, seq, yf);
+      conv1d_silu_backward<float>(Conv1dIn<float>{srcf, col, B, L, C, pref}, wf, biasf, seq, dyf, dsrcf, col, dwf, dbf);
+      CHECK(rel_err(to_vec(yf), to_vec(y)) < 1e-5);
+      CHECK(rel_err(to_vec(dsrcf), to_vec(dsrc)) < 1e-5);
+      CHECK(rel_err(to_vec(dwf), to_vec(dw)) < 1e-5);
+      CHECK(rel_err(to_vec(dbf), to_vec(db)) < 1e-5);
+      // dx written as a bf16 copy (the Mamba-2 in_proj's output gradient under bf16 GEMMs): the float dx rounded to
+      // nearest even in its window, the columns outside it untouched (zero); dw and dbias the same as the float form's
+      View2<bf16_op_t> dsrcb("dsrcb", B * L, ld);
+      View2<float> dwb("dwb", C, W);
+      View1<float> dbb("dbb", C);
+      conv1d_silu_backward_bf16dx(Conv1dIn<float>{srcf, col, B, L, C, pref}, wf, biasf, seq, dyf, dsrcb, col, dwb, dbb);
+      std::vector<double> rounded = to_vec(dsrcf);
+      for (auto& v : rounded) v = bf16_round(float(v));
+      CHECK(to_vec(dsrcb) == rounded);
+      CHECK(to_vec(dwb) == to_vec(dwf));
+      CHECK(to_vec(dbb) == to_vec(dbf));
     }
-    View2<float> srcf("srcf", B * L, ld), dyf("dyf", B * L, C), wf("wf", C, W);
-    View1<float> biasf("biasf", C);
-    View3<float> pref("preff", B, C, W - 1);
-    copy_convert("test::f", srcf, src);
-    copy_convert("test::f", dyf, dy);
-    copy_convert("test::f", wf, w);
-    copy_convert("test::f", biasf, bias);
-    copy_convert("test::f", pref, pre);
-    View2<double> y("y", B * L, C), dsrc("dsrc", B * L, ld), dw("dw", C, W);
-    View1<double> db("db", C);
-    View2<float> yf("yf", B * L, C), dsrcf("dsrcf", B * L, ld), dwf("dwf", C, W);
-    View1<float> dbf("dbf", C);
-    conv1d_silu_forward<double>(Conv1dIn<double>{src, col, B, L, C, pre}, w, bias, seq, y);
-    conv1d_silu_backward<double>(Conv1dIn<double>{src, col, B, L, C, pre}, w, bias, seq, dy, dsrc, col, dw, db);
-    conv1d_silu_forward<float>(Conv1dIn<float>{srcf, col, B, L, C, pref}, wf, biasf, seq, yf);
-    conv1d_silu_backward<float>(Conv1dIn<float>{srcf, col, B, L, C, pref}, wf, biasf, seq, dyf, dsrcf, col, dwf, dbf);
-    CHECK(rel_err(to_vec(yf), to_vec(y)) < 1e-5);
-    CHECK(rel_err(to_vec(dsrcf), to_vec(dsrc)) < 1e-5);
-    CHECK(rel_err(to_vec(dwf), to_vec(dw)) < 1e-5);
-    CHECK(rel_err(to_vec(dbf), to_vec(db)) < 1e-5);
-    // dx written as a bf16 copy (the Mamba-2 in_proj's output gradient under bf16 GEMMs): the float dx rounded to
-    // nearest even in its window, the columns outside it untouched (zero); dw and dbias the same as the float form's
-    View2<bf16_op_t> dsrcb("dsrcb", B * L, ld);
-    View2<float> dwb("dwb", C, W);
-    View1<float> dbb("dbb", C);
-    conv1d_silu_backward_bf16dx(Conv1dIn<float>{srcf, col, B, L, C, pref}, wf, biasf, seq, dyf, dsrcb, col, dwb, dbb);
-    std::vector<double> rounded = to_vec(dsrcf);
-    for (auto& v : rounded) v = bf16_round(float(v));
-    CHECK(to_vec(dsrcb) == rounded);
-    CHECK(to_vec(dwb) == to_vec(dwf));
-    CHECK(to_vec(dbb) == to_vec(dbf));
-  }
 }
