@@ -148,8 +148,9 @@ inline void par_for(const char* label, index_t n, const F& f) {
 // with consecutive threads on consecutive j (coalesced rows; 32-bit index division where the size allows):
 // Kokkos' CUDA MDRange puts i on threadIdx.x, so lanes of a warp would read rows n1 apart (the SSD's state
 // passing took 5-7 ms instead of ~0.2 ms that way). On host backends an MDRange, which iterates in tiles without
-// a division per element.
-template <class F>
+// a division per element. Bounds: the launch bounds (Kokkos::LaunchBounds<max threads, min blocks>; the default
+// leaves the register count to the compiler), e.g. for a kernel whose registers would cut its occupancy.
+template <class Bounds = Kokkos::LaunchBounds<>, class F>
 inline void par_for(const char* label, index_t n0, index_t n1, const F& f) {
   if (n0 <= 0 || n1 <= 0) return;
 #if defined(KOKKOS_ENABLE_CUDA)
@@ -157,19 +158,20 @@ inline void par_for(const char* label, index_t n0, index_t n1, const F& f) {
     const index_t n = n0 * n1;
     if (n < (index_t(1) << 31)) {
       const std::uint32_t m1 = static_cast<std::uint32_t>(n1);
-      Kokkos::parallel_for(label, light(Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::int32_t>>(0, std::int32_t(n))),
-                           KOKKOS_LAMBDA(const std::int32_t k) {
-                             const std::uint32_t u = static_cast<std::uint32_t>(k);
-                             f(index_t(u / m1), index_t(u % m1));
-                           });
+      using R32 = Kokkos::RangePolicy<Exec, Kokkos::IndexType<std::int32_t>, Bounds>;
+      Kokkos::parallel_for(label, light(R32(0, std::int32_t(n))), KOKKOS_LAMBDA(const std::int32_t k) {
+        const std::uint32_t u = static_cast<std::uint32_t>(k);
+        f(index_t(u / m1), index_t(u % m1));
+      });
     } else {
-      Kokkos::parallel_for(label, light(Range(0, n)), KOKKOS_LAMBDA(const index_t k) { f(k / n1, k % n1); });
+      using R64 = Kokkos::RangePolicy<Exec, Kokkos::IndexType<index_t>, Bounds>;
+      Kokkos::parallel_for(label, light(R64(0, n)), KOKKOS_LAMBDA(const index_t k) { f(k / n1, k % n1); });
     }
     return;
   }
 #endif
   using MD = Kokkos::MDRangePolicy<Exec, Kokkos::Rank<2, Kokkos::Iterate::Right, Kokkos::Iterate::Right>,
-                                   Kokkos::IndexType<index_t>>;
+                                   Kokkos::IndexType<index_t>, Bounds>;
   Kokkos::parallel_for(label, light(MD({0, 0}, {n0, n1})), f);
 }
 

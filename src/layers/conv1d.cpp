@@ -186,7 +186,12 @@ void conv_backward_runs(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, c
   const auto x = in.x;
   const auto prefix = in.prefix;
   const index_t col = in.col, L = in.seqlen, nr = (L + kConvRun - 1) / kConvRun, W = w.extent(1);
-  par_for("conv1d::backward", in.batch * nr, in.channels / CV, KOKKOS_LAMBDA(index_t br, index_t cg) {
+  // The LM's variant (4 channels, no records, d_conv 4) held to 128 registers a thread: at its 136 Kokkos' blocks
+  // of 128 threads left 3 blocks (12 warps) an SM, and the H200 ran it at 1.6 TB/s (ncu: 34 % of peak bandwidth,
+  // the warps waiting on their loads); bounded, 4 blocks, with ptxas spilling 24 bytes
+  using Bounds = std::conditional_t<CV == 4 && K == 4 && kFull && !kRecs, Kokkos::LaunchBounds<128, 4>,
+                                    Kokkos::LaunchBounds<>>;
+  par_for<Bounds>("conv1d::backward", in.batch * nr, in.channels / CV, KOKKOS_LAMBDA(index_t br, index_t cg) {
     index_t b, t0, t1;
     run_of(br, nr, L, b, t0, t1);
     const index_t c = cg * CV;
