@@ -199,7 +199,8 @@ void conv_backward_runs(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, c
     P wr[K][CV];
     load_taps<K, CV>(w, c, wr);
     // wb[j] = w(c, K-1-j): the tap by which dpre in slot j (position t - (K-1-j)) feeds dx(t - (W-1)); with
-    // kFull that is wr[K-1-j]
+    // kFull that is wr[K-1-j] and wb is not filled (a plain `if`: nvcc's extended lambdas may not first capture W
+    // inside an `if constexpr`)
     P wb[kFull ? 1 : K][CV], gs[K][CV];
     int gr[K];
     for (int j = 0; j < K; ++j) {
@@ -237,20 +238,19 @@ void conv_backward_runs(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, c
       }
     };
     const index_t te = t1 + W - 1 < L ? t1 + W - 1 : L;
-    conv_run<K, CV, true, kRecs, T, P>(x, col, prefix, L, wr, W, bias, seq_idx, b, t0, te, c, dy,
-                                       [&](index_t row, const P (&pre)[CV], const P (&xs)[K][CV], const int* rs,
-                                           const P (&e)[CV]) {
-                            P g[CV];
-                            for (int v = 0; v < CV; ++v) g[v] = e[v] * dsilu(pre[v]);
-                            const index_t t = row - b * L;
-                            if (t < t1) {
-                              for (int j = 0; j < K; ++j)
-                                if (j >= K - W && rs[j] == rs[K - 1])
-                                  for (int v = 0; v < CV; ++v) acc[j][v] += g[v] * xs[j][v];
-                              for (int v = 0; v < CV; ++v) acc[K][v] += g[v];
-                            }
-                            push(t, g, rs[K - 1]);
-                          });
+    const auto step = [&](index_t row, const P (&pre)[CV], const P (&xs)[K][CV], const int* rs, const P (&e)[CV]) {
+      P g[CV];
+      for (int v = 0; v < CV; ++v) g[v] = e[v] * dsilu(pre[v]);
+      const index_t t = row - b * L;
+      if (t < t1) {
+        for (int j = 0; j < K; ++j)
+          if (j >= K - W && rs[j] == rs[K - 1])
+            for (int v = 0; v < CV; ++v) acc[j][v] += g[v] * xs[j][v];
+        for (int v = 0; v < CV; ++v) acc[K][v] += g[v];
+      }
+      push(t, g, rs[K - 1]);
+    };
+    conv_run<K, CV, true, kRecs, T, P>(x, col, prefix, L, wr, W, bias, seq_idx, b, t0, te, c, dy, step);
     const P zero[CV] = {};
     for (index_t t = te; t < t1 + W - 1; ++t) push(t, zero, gr[K - 1]);  // past the sequence's end: no outputs
     for (int v = 0; v < CV; ++v) {

@@ -244,11 +244,11 @@ bool MambaBackbone<T>::bf16_input(index_t l, index_t seqlen) const {
 }
 
 template <class T>
-void MambaBackbone<T>::norm_input(index_t l, const View2<R>& h, index_t n, Acts& a) {
+void MambaBackbone<T>::norm_input(index_t l, const View2<R>& h, index_t n, Acts& a, bool train) {
   const index_t D = cfg_.d_model;
   xn_ws_[l] = std::make_unique<PoolScope>();
   if constexpr (std::is_same_v<T, float> && std::is_same_v<R, float>) {
-    if (bf16_input(l, seqlen_)) {
+    if (train && bf16_input(l, seqlen_)) {
       xnb_[l] = xn_ws_[l]->take<View2<bf16_op_t>>("backbone::xn_bf16", n, D);
       rmsnorm_forward_bf16(h, store_->v1(norm_[l]), eps_, xnb_[l], rstd_[l]);
       a.m2.u_b = xnb_[l];
@@ -331,15 +331,11 @@ void MambaBackbone<T>::forward(const View2<R>& h, index_t batch, index_t seqlen,
   for (index_t l = 0; l < NL; ++l) {
     const View2<R> hin = train ? h_[l] : h;
     rstd_[l] = step_ws_->take<View1<P>>("backbone::rstd", n);
-    if (train && bf16_input(l, seqlen)) {
-      norm_input(l, hin, n, *acts_[l]);
+    norm_input(l, hin, n, *acts_[l], train);
+    if (xnb_[l].extent(0) > 0)
       layers_[l]->m2->forward_bf16_input(xnb_[l], batch, seqlen, seq, m, acts_[l]->m2, save);
-    } else {
-      xn_ws_[l] = std::make_unique<PoolScope>();
-      xn_[l] = xn_ws_[l]->take<View2<T>>("backbone::xn", n, D);
-      rmsnorm_forward<R, T>(hin, store_->v1(norm_[l]), eps_, xn_[l], rstd_[l]);
+    else
       last_aux_ += layer_forward(l, xn_[l], batch, seqlen, seq, m, *acts_[l], save, train, nullptr);
-    }
     // under the mixer policy every layer keeps only xn_l of what reads it (as its input), and backward()
     // recomputes xn_l from h_l: drop both references so the memory is freed now
     if (train && !save) {
@@ -374,7 +370,7 @@ void MambaBackbone<T>::backward(const View2<const T>& dout, const View2<R>& dh, 
     Acts& a = *acts_[l];
     // mixer policy: the same kernel on the same h_l and weight gives xn_l bit for bit (rstd_l is rewritten with
     // the values it holds)
-    if (xn_[l].extent(0) == 0 && xnb_[l].extent(0) == 0) norm_input(l, h_[l], n, a);
+    if (xn_[l].extent(0) == 0 && xnb_[l].extent(0) == 0) norm_input(l, h_[l], n, a, true);
     switch (L.kind) {
       case LayerKind::mamba1: L.m1->backward(a.m1, batch_, seqlen_, seq_, dh, dxn); break;
       case LayerKind::mamba2: L.m2->backward(a.m2, batch_, seqlen_, seq_, dh, dxn); break;

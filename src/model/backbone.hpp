@@ -151,9 +151,9 @@ class MambaBackbone {
   static void set_layer_input(Acts& a, LayerKind kind, const View2<T>& xn);
   // Whether block l's training forward writes xn_l only as its bf16 copy (xnb_[l]): a Mamba-2 layer that takes it.
   bool bf16_input(index_t l, index_t seqlen) const;
-  // xn_l = RMSNorm_l(h_l) into a new block of xn_ws_[l] (fp32 xn_[l], or the bf16 xnb_[l] where bf16_input), set as
-  // the layer's input in `a`
-  void norm_input(index_t l, const View2<R>& h, index_t n, Acts& a);
+  // xn_l = RMSNorm_l(h_l) into a new block of xn_ws_[l] (fp32 xn_[l], or for training the bf16 xnb_[l] where
+  // bf16_input), set as the layer's input in `a`
+  void norm_input(index_t l, const View2<R>& h, index_t n, Acts& a, bool train);
   // One block's layer on xn (n rows) -> m; decode states optional (nullptr: zero / not wanted).
   double layer_forward(index_t l, const View2<T>& xn, index_t batch, index_t seqlen, const SeqIdxView& seq,
                        const View2<T>& m, Acts& a, bool save, bool train, LayerState<T>* state);
