@@ -300,8 +300,10 @@ void Mamba2Mixer<T>::run_internals(const View2<T>& u, index_t batch, index_t seq
   const index_t E = E_;
   take_activations(u, batch * seqlen, a);
   bool in_done = false;
-  if constexpr (std::is_same_v<T, float>)
-    if ((in_done = a.u_b.extent(0) > 0)) linear_forward_gemm_bf16x(a.u_b, store_->v2(in_proj_), a.zxbcdt);
+  if constexpr (std::is_same_v<T, float>) {
+    in_done = a.u_b.extent(0) > 0;
+    if (in_done) linear_forward_gemm_bf16x(a.u_b, store_->v2(in_proj_), a.zxbcdt);
+  }
   if (!in_done) linear_forward<T>(u, store_->v2(in_proj_), View1<const P>(), a.zxbcdt);
   conv1d_silu_forward<T>(Conv1dIn<T>{a.zxbcdt, E, batch, seqlen, C_, a.conv_init},
                          store_->v2(conv_w_), store_->v1(conv_b_), seq, a.xbc);
@@ -458,10 +460,12 @@ void Mamba2Mixer<T>::backward(Mamba2Acts<T>& a, index_t batch, index_t seqlen, c
   // gated norm: dy, and dz straight into the z columns of d(zxbcdt)
   View2<T> dy = ws.take<View2<T>>("mamba2::dy", n, E);
   bool norm_done = false;
-  if constexpr (std::is_same_v<T, float>)
-    if ((norm_done = gb))
+  if constexpr (std::is_same_v<T, float>) {
+    norm_done = gb;
+    if (norm_done)
       gated_rmsnorm_backward_bf16dz(GatedNormIn<T>{a.y, 0, a.zxbcdt, 0}, E, E / G, GateOrder::gate_first,
                                     store_->v1(norm_w_), a.rstd, dyn, dy, 0, dzb, 0, store_->g1(norm_w_));
+  }
   if (!norm_done)
     gated_rmsnorm_backward<T>(GatedNormIn<T>{a.y, 0, a.zxbcdt, 0}, E, E / G, GateOrder::gate_first,
                               store_->v1(norm_w_), a.rstd, dyn, dy, 0, dzxbcdt, 0, store_->g1(norm_w_));
@@ -499,13 +503,15 @@ void Mamba2Mixer<T>::backward(Mamba2Acts<T>& a, index_t batch, index_t seqlen, c
   ssd_backward<T>(ssd_shape(batch, seqlen), ssd_in(a, seq), dy, dfinal, g, &a.ssd);
   // conv: d([x | B | C]) into its columns of d(zxbcdt)
   bool conv_done = false;
-  if constexpr (std::is_same_v<T, float>)
-    if ((conv_done = gb)) {
+  if constexpr (std::is_same_v<T, float>) {
+    conv_done = gb;
+    if (conv_done) {
       const index_t dtc = 2 * E + 2 * G * cfg_.d_state;  // d(dt)'s columns
       par_for("mamba2::ddt_bf16", n, H_, KOKKOS_LAMBDA(index_t i, index_t h) { dzb(i, dtc + h) = to_bf16_op(ddt(i, h)); });
       conv1d_silu_backward_bf16dx(Conv1dIn<T>{a.zxbcdt, E, batch, seqlen, C_, a.conv_init}, store_->v2(conv_w_),
                                   store_->v1(conv_b_), seq, dxbc, dzb, E, store_->g2(conv_w_), store_->g1(conv_b_));
     }
+  }
   if (!conv_done)
     conv1d_silu_backward<T>(Conv1dIn<T>{a.zxbcdt, E, batch, seqlen, C_, a.conv_init}, store_->v2(conv_w_),
                             store_->v1(conv_b_), seq, dxbc, dzxbcdt, E, store_->g2(conv_w_), store_->g1(conv_b_));
