@@ -430,7 +430,15 @@ TEST_CASE("linear products on a given bf16 copy of the input equal those on the 
   lc.check_backward(ref_dyb, [&](const View2<float>& dx, const View2<float>& dW) {
     linear_backward_gemms_bf16dy(dyb, lc.W, lc.x, 0.5f, dx, 1.0f, dW);
   });
+  // both given as their bf16 copies: dx = dyb W + 0.5 dx0, dW = dyb^T xb + dW0 (CUDA: W rounded as well)
+  const auto ref_both = lc.backward_ref(bf16_rounded, r, bf16_rounded);
+  INFO("dy and x given as their bf16 copies");
+  lc.check_backward(ref_both, [&](const View2<float>& dx, const View2<float>& dW) {
+    linear_backward_gemms_bf16(dyb, lc.W, xb, 0.5f, dx, 1.0f, dW);
+  });
   set_float_gemm_bf16_cast(true);
-  View2<float> bad("bad", T, O + 1);
+  View2<float> bad("bad", T, O + 1), dx("dx", T, I), dWbad("dWbad", O + 1, I);
   CHECK_THROWS_WITH(linear_forward_gemm_bf16x(xb, lc.W, bad), ContainsSubstring("shapes do not match"));
+  CHECK_THROWS_WITH(linear_backward_gemms_bf16(dyb, lc.W, xb, 0.0f, dx, 1.0f, dWbad),
+                    ContainsSubstring("linear_backward_gemms_bf16") && ContainsSubstring("shapes do not match"));
 }
