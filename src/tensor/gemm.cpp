@@ -398,6 +398,28 @@ void check_linear_bf16_shapes(const char* what, index_t T, index_t I, index_t O,
           what, "shapes do not match: x (bf16 copy) ", xb.extent(0), "x", xb.extent(1), ", W ", W.extent(0), "x",
           W.extent(1), ", rows ", T, ", outputs ", O);
 }
+
+// The gradients' shapes: dx (no rows: not wanted) T x I, dW O x I.
+void check_linear_grad_shapes(const char* what, index_t T, index_t I, index_t O, GemmOut<float> dx,
+                              GemmOut<float> dW) {
+  require(index_t(dW.extent(0)) == O && index_t(dW.extent(1)) == I &&
+              (dx.extent(0) == 0 || (index_t(dx.extent(0)) == T && index_t(dx.extent(1)) == I)),
+          what, "shapes do not match: dx ", dx.extent(0), "x", dx.extent(1), ", dW ", dW.extent(0), "x", dW.extent(1),
+          " for ", T, " rows, ", I, " inputs, ", O, " outputs");
+}
+
+#if defined(KOKKOS_ENABLE_CUDA)
+// The linear backward with dy given as its bf16 copy dyb and x as fp32 or (xb) its bf16 copy: the products on bf16
+// copies, or for an empty product dx = beta_dx dx (O = 0) and dW = beta_dw dW (no rows).
+void linear_backward_from_dyb(GemmIn<bf16_op_t> dyb, GemmIn<float> W, GemmIn<float> x, GemmIn<bf16_op_t> xb,
+                              float beta_dx, GemmOut<float> dx, float beta_dw, GemmOut<float> dW) {
+  const index_t T = dyb.extent(0), O = dyb.extent(1), I = W.extent(1);
+  if (T > 0 && O > 0 && I > 0)
+    return linear_backward_via_bf16(GemmIn<float>(), W, x, beta_dx, dx, beta_dw, dW, xb, dyb);
+  if (dx.extent(0) > 0 && I > 0) scale_in_place("gemm::scale_dx", dx, beta_dx);
+  if (T == 0 && O > 0 && I > 0) scale_in_place("gemm::scale_dw", dW, beta_dw);
+}
+#endif
 }  // namespace
 
 void linear_forward_gemm_bf16x(GemmIn<bf16_op_t> xb, GemmIn<float> W, GemmOut<float> y) {
@@ -420,10 +442,7 @@ void linear_backward_gemms_bf16x(GemmIn<float> dy, GemmIn<float> W, GemmIn<bf16_
                                  GemmOut<float> dx, float beta_dw, GemmOut<float> dW) {
   const index_t T = dy.extent(0), O = dy.extent(1), I = W.extent(1);
   check_linear_bf16_shapes("linear_backward_gemms_bf16x", T, I, O, xb, W);
-  require(index_t(dW.extent(0)) == O && index_t(dW.extent(1)) == I &&
-              (dx.extent(0) == 0 || (index_t(dx.extent(0)) == T && index_t(dx.extent(1)) == I)),
-          "linear_backward_gemms_bf16x", "shapes do not match: dx ", dx.extent(0), "x", dx.extent(1), ", dW ",
-          dW.extent(0), "x", dW.extent(1));
+  check_linear_grad_shapes("linear_backward_gemms_bf16x", T, I, O, dx, dW);
 #if defined(KOKKOS_ENABLE_CUDA)
   if (T > 0 && O > 0 && I > 0) return linear_backward_via_bf16(dy, W, GemmIn<float>(), beta_dx, dx, beta_dw, dW, xb);
   // an empty product: dx = beta_dx dx + dy W (K = O may be 0), dW = beta_dw dW when there are no rows
@@ -437,17 +456,12 @@ void linear_backward_gemms_bf16x(GemmIn<float> dy, GemmIn<float> W, GemmIn<bf16_
 void linear_backward_gemms_bf16dy(GemmIn<bf16_op_t> dyb, GemmIn<float> W, GemmIn<float> x, float beta_dx,
                                   GemmOut<float> dx, float beta_dw, GemmOut<float> dW) {
   const index_t T = dyb.extent(0), O = dyb.extent(1), I = W.extent(1);
-  require(index_t(W.extent(0)) == O && index_t(x.extent(0)) == T && index_t(x.extent(1)) == I &&
-              index_t(dW.extent(0)) == O && index_t(dW.extent(1)) == I &&
-              (dx.extent(0) == 0 || (index_t(dx.extent(0)) == T && index_t(dx.extent(1)) == I)),
+  require(index_t(W.extent(0)) == O && index_t(x.extent(0)) == T && index_t(x.extent(1)) == I,
           "linear_backward_gemms_bf16dy", "shapes do not match: dy (bf16 copy) ", T, "x", O, ", W ", W.extent(0), "x",
-          I, ", x ", x.extent(0), "x", x.extent(1), ", dx ", dx.extent(0), "x", dx.extent(1), ", dW ", dW.extent(0),
-          "x", dW.extent(1));
+          I, ", x ", x.extent(0), "x", x.extent(1));
+  check_linear_grad_shapes("linear_backward_gemms_bf16dy", T, I, O, dx, dW);
 #if defined(KOKKOS_ENABLE_CUDA)
-  if (T > 0 && O > 0 && I > 0)
-    return linear_backward_via_bf16(GemmIn<float>(), W, x, beta_dx, dx, beta_dw, dW, GemmIn<bf16>(), dyb);
-  if (dx.extent(0) > 0 && I > 0) scale_in_place("gemm::scale_dx", dx, beta_dx);  // O = 0: dx = beta_dx dx
-  if (T == 0 && O > 0 && I > 0) scale_in_place("gemm::scale_dw", dW, beta_dw);
+  linear_backward_from_dyb(dyb, W, x, GemmIn<bf16_op_t>(), beta_dx, dx, beta_dw, dW);
 #else
   linear_backward_gemms(dyb, W, x, beta_dx, dx, beta_dw, dW);
 #endif
@@ -457,15 +471,9 @@ void linear_backward_gemms_bf16(GemmIn<bf16_op_t> dyb, GemmIn<float> W, GemmIn<b
                                 GemmOut<float> dx, float beta_dw, GemmOut<float> dW) {
   const index_t T = dyb.extent(0), O = dyb.extent(1), I = W.extent(1);
   check_linear_bf16_shapes("linear_backward_gemms_bf16", T, I, O, xb, W);
-  require(index_t(dW.extent(0)) == O && index_t(dW.extent(1)) == I &&
-              (dx.extent(0) == 0 || (index_t(dx.extent(0)) == T && index_t(dx.extent(1)) == I)),
-          "linear_backward_gemms_bf16", "shapes do not match: dy (bf16 copy) ", T, "x", O, ", dx ", dx.extent(0), "x",
-          dx.extent(1), ", dW ", dW.extent(0), "x", dW.extent(1));
+  check_linear_grad_shapes("linear_backward_gemms_bf16", T, I, O, dx, dW);
 #if defined(KOKKOS_ENABLE_CUDA)
-  if (T > 0 && O > 0 && I > 0)
-    return linear_backward_via_bf16(GemmIn<float>(), W, GemmIn<float>(), beta_dx, dx, beta_dw, dW, xb, dyb);
-  if (dx.extent(0) > 0 && I > 0) scale_in_place("gemm::scale_dx", dx, beta_dx);  // O = 0: dx = beta_dx dx
-  if (T == 0 && O > 0 && I > 0) scale_in_place("gemm::scale_dw", dW, beta_dw);
+  linear_backward_from_dyb(dyb, W, GemmIn<float>(), xb, beta_dx, dx, beta_dw, dW);
 #else
   linear_backward_gemms(dyb, W, xb, beta_dx, dx, beta_dw, dW);
 #endif
