@@ -332,7 +332,7 @@ void rmsnorm_forward_bf16(const View2<const float>& x, const View1<const float>&
   PoolScope ws;
   View2<float> y = ws.take<View2<float>>("rmsnorm::y_fp32", n, d);
   rmsnorm_forward<float, float>(x, w, eps, y, rstd);
-  par_for("rmsnorm::round_bf16", n, d, KOKKOS_LAMBDA(index_t i, index_t j) { yb(i, j) = to_bf16_op(y(i, j)); });
+  round_to_bf16("rmsnorm::round_bf16", y, yb);
 }
 
 template <class X, class T>
@@ -433,7 +433,7 @@ void gated_rmsnorm_forward_bf16(const GatedNormIn<float>& in, index_t width, ind
   PoolScope ws;
   View2<float> y = ws.take<View2<float>>("gated_rmsnorm::y_fp32", n, width);
   gated_rmsnorm_forward<float>(in, width, group_size, order, w, eps, y, rstd);
-  par_for("gated_rmsnorm::round_bf16", n, width, KOKKOS_LAMBDA(index_t i, index_t j) { yb(i, j) = to_bf16_op(y(i, j)); });
+  round_to_bf16("gated_rmsnorm::round_bf16", y, yb);
 }
 
 template <class T>
@@ -526,8 +526,7 @@ void gated_rmsnorm_backward_bf16dz(const GatedNormIn<float>& in, index_t width, 
   PoolScope ws;
   View2<float> dz = ws.take<View2<float>>("gated_rmsnorm::dz_fp32", n, width);
   gated_rmsnorm_backward<float>(in, width, group_size, order, w, rstd, dy, dx, dx_col, dz, 0, dw);
-  par_for("gated_rmsnorm::round_dz_bf16", n, width,
-          KOKKOS_LAMBDA(index_t i, index_t j) { dzb(i, dz_col + j) = to_bf16_op(dz(i, j)); });
+  round_to_bf16("gated_rmsnorm::round_dz_bf16", dz, dzb, dz_col);
 }
 
 #define MM_INSTANTIATE(X, T)                                                                                      \

@@ -479,6 +479,15 @@ void linear_backward_gemms_bf16(GemmIn<bf16_op_t> dyb, GemmIn<float> W, GemmIn<b
 #endif
 }
 
+void round_to_bf16(const char* label, const View2<const float>& src, const UView2<bf16_op_t>& dst, index_t col) {
+  require(index_t(dst.extent(0)) == index_t(src.extent(0)) && col >= 0 &&
+              col + index_t(src.extent(1)) <= index_t(dst.extent(1)),
+          label, "a bf16 copy of ", dst.extent(0), "x", dst.extent(1), " cannot hold ", src.extent(0), "x",
+          src.extent(1), " from column ", col);
+  par_for(label, src.extent(0), src.extent(1),
+          KOKKOS_LAMBDA(index_t i, index_t j) { dst(i, col + j) = to_bf16_op(src(i, j)); });
+}
+
 GemmCompute parse_gemm_compute(const std::string& s, const std::string& what) {
   if (s == "fp32") return GemmCompute::fp32;
   if (s == "tf32") return GemmCompute::tf32;

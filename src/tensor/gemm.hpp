@@ -150,6 +150,10 @@ KOKKOS_INLINE_FUNCTION bf16_op_t to_bf16_op(float v) {
 }
 KOKKOS_INLINE_FUNCTION float from_bf16_op(bf16_op_t v) { return float(v); }
 
+// dst(i, col + j) = src(i, j) rounded to bf16 operand storage, for every element of src: the bf16 copy of an fp32
+// GEMM input formed after it (a producer's fallback where its kernel cannot write the copy itself).
+void round_to_bf16(const char* label, const View2<const float>& src, const UView2<bf16_op_t>& dst, index_t col = 0);
+
 // VW values rounded to bf16 operand storage at p: on the device for VW = 4 one 8-byte store (the caller checked
 // that p is 8-byte aligned), element by element otherwise.
 template <int VW, class P>

@@ -507,7 +507,7 @@ void Mamba2Mixer<T>::backward(Mamba2Acts<T>& a, index_t batch, index_t seqlen, c
     conv_done = gb;
     if (conv_done) {
       const index_t dtc = 2 * E + 2 * G * cfg_.d_state;  // d(dt)'s columns
-      par_for("mamba2::ddt_bf16", n, H_, KOKKOS_LAMBDA(index_t i, index_t h) { dzb(i, dtc + h) = to_bf16_op(ddt(i, h)); });
+      round_to_bf16("mamba2::ddt_bf16", ddt, dzb, dtc);
       conv1d_silu_backward_bf16dx(Conv1dIn<T>{a.zxbcdt, E, batch, seqlen, C_, a.conv_init}, store_->v2(conv_w_),
                                   store_->v1(conv_b_), seq, dxbc, dzb, E, store_->g2(conv_w_), store_->g1(conv_b_));
     }
