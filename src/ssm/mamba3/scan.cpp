@@ -306,6 +306,15 @@ KOKKOS_INLINE_FUNCTION void rot_pair(T& x0, T& x1, T s, T c) {
   x0 = a;
   x1 = b;
 }
+// rot_pair's backward: back-rotates the gradient (g0, g1) of the rotated pair (y0, y1) by the angle, adding the
+// angle's gradient to acc
+template <class T>
+KOKKOS_INLINE_FUNCTION void rot_pair_bwd(T& g0, T& g1, T y0, T y1, T s, T c, T& acc) {
+  acc += -g0 * y1 + g1 * y0;
+  const T a0 = g0 * c + g1 * s, a1 = -g0 * s + g1 * c;
+  g0 = a0;
+  g1 = a1;
+}
 
 // q~ = Rot(phi) (q + q_bias), k~ = Rot(phi) (k + k_bias); the SSD route also copies v to the x columns.
 template <class T>
@@ -465,13 +474,6 @@ void rotate_bwd_quads(const Ctx<T>& c, const View2<acc_t<T>>& dqkv, const View4<
     P* gk = drow + c.k_off + h * N;
     const P fd = diag ? c.fdv(rw, h) : P(0);
     const bool last = has_fk && t == c.L - 1;
-    // back-rotates (g0, g1) by the angle, adding the angle's gradient from the rotated (y0, y1) to acc
-    auto back = [](P& g0, P& g1, P y0, P y1, P s, P co, P& acc) {
-      acc += -g0 * y1 + g1 * y0;
-      const P a0 = g0 * co + g1 * s, a1 = -g0 * s + g1 * co;
-      g0 = a0;
-      g1 = a1;
-    };
     const index_t hn = c.halved ? N / 2 : 0;
     if (!c.halved) {  // quad j: angles 2j, 2j + 1 (without the diagonal only the quads that hold angles)
       Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, diag ? N / 4 : (c.S + 1) / 2), [&](index_t j) {
@@ -490,8 +492,8 @@ void rotate_bwd_quads(const Ctx<T>& c, const View2<acc_t<T>>& dqkv, const View4<
         for (int e = 0; e < ne; ++e) {
           const P s = Kokkos::sin(ph[2 * j + e]), co = Kokkos::cos(ph[2 * j + e]);
           P acc = 0;
-          back(dq[2 * e], dq[2 * e + 1], q[2 * e], q[2 * e + 1], s, co, acc);
-          back(dk[2 * e], dk[2 * e + 1], k[2 * e], k[2 * e + 1], s, co, acc);
+          rot_pair_bwd(dq[2 * e], dq[2 * e + 1], q[2 * e], q[2 * e + 1], s, co, acc);
+          rot_pair_bwd(dk[2 * e], dk[2 * e + 1], k[2 * e], k[2 * e + 1], s, co, acc);
           dph[2 * j + e] = acc;
         }
         store_vec<4>(gq + 4 * j, dq);
@@ -520,8 +522,8 @@ void rotate_bwd_quads(const Ctx<T>& c, const View2<acc_t<T>>& dqkv, const View4<
         for (int e = 0; e < ne; ++e) {
           const P s = Kokkos::sin(ph[4 * j + e]), co = Kokkos::cos(ph[4 * j + e]);
           P acc = 0;
-          back(dq0[e], dq1[e], q0[e], q1[e], s, co, acc);
-          back(dk0[e], dk1[e], k0[e], k1[e], s, co, acc);
+          rot_pair_bwd(dq0[e], dq1[e], q0[e], q1[e], s, co, acc);
+          rot_pair_bwd(dk0[e], dk1[e], k0[e], k1[e], s, co, acc);
           dph[4 * j + e] = acc;
         }
         store_vec<4>(gq + 4 * j, dq0);
@@ -1154,8 +1156,9 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
   View4<P> dphi = ws.take<View4<P>>("mamba3::dphi", c.Bsz, c.H, c.L, c.S);
   const bool rotated = quads_ok(c, {{dqkv.data(), dqkv.stride(0)}});
   require(rotated || !diag_pending, "mamba3_scan_backward", "internal: the diagonal's terms need the quad kernels");
-  if (rotated) rotate_bwd_quads(c, dqkv, dphi, diag_pending, dfin);
-  if (!rotated)
+  if (rotated)
+    rotate_bwd_quads(c, dqkv, dphi, diag_pending, dfin);
+  else
     par_for_rows("mamba3::rotate_bwd", rows * c.H, KOKKOS_LAMBDA(const Team& tm, index_t j) {
       const index_t rw = j / c.H, h = j % c.H, b = rw / c.L, t = rw % c.L;
       Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.S), [&](index_t i) {
@@ -1166,11 +1169,10 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
         for (index_t r = 0; r < c.R; ++r)
           for (int which = 0; which < 2; ++which) {
             const index_t base = (which == 0 ? c.q_off : c.k_off) + (h * c.R + r) * c.N;
-            const P y0 = c.qkv(rw, base + i0), y1 = c.qkv(rw, base + i1);
-            const P g0 = dqkv(rw, base + i0), g1 = dqkv(rw, base + i1);
-            acc += -g0 * y1 + g1 * y0;
-            dqkv(rw, base + i0) = g0 * cs + g1 * sn;
-            dqkv(rw, base + i1) = -g0 * sn + g1 * cs;
+            P g0 = dqkv(rw, base + i0), g1 = dqkv(rw, base + i1);
+            rot_pair_bwd(g0, g1, c.qkv(rw, base + i0), c.qkv(rw, base + i1), sn, cs, acc);
+            dqkv(rw, base + i0) = g0;
+            dqkv(rw, base + i1) = g1;
           }
         dphi(b, h, t, i) = acc;
       });
