@@ -190,9 +190,11 @@ LayerMem mem_mamba2(const Mamba2Config& c, const Dims& d, Recompute pol, bool ex
   const double GN = G * N, C = E + 2 * GN, din = 2 * E + 2 * GN + H;
   const double nc = std::ceil(d.L / Q);
   LayerMem m;
-  // the block's input xn_l only as its bf16 copy under bf16 GEMMs without cp (backbone.cpp, bf16_input; this
-  // unwindowed form with explicit states is a window's, whose input is the window's own copy)
-  if (d.copy_b16 > 0 && d.cp == 1 && !explicit_states) m.xn_elem = d.copy_b16;
+  // the bf16 route under bf16 GEMMs without cp or explicit states (this unwindowed form with explicit states is a
+  // window's): the block's input xn_l only as its bf16 copy (backbone.cpp, bf16_input; a window's input is the
+  // window's own copy), and d(zxbcdt) only as its bf16 copy (mixer.cpp, Mamba2Mixer::bf16_in_proj_grad)
+  const bool b16_route = d.copy_b16 > 0 && d.cp == 1 && !explicit_states;
+  if (b16_route) m.xn_elem = d.copy_b16;
   // zxbcdt, xbc, y, rstd, and yn: fp32, or its bf16 copy only under bf16 GEMMs (mixer.cpp, Mamba2Acts::yn_b)
   const double yn = d.copy_b16 > 0 ? d.copy_b16 : d.t;
   m.full = d.n * (d.t * (din + C + E) + yn * E + d.a * G);
@@ -200,10 +202,8 @@ LayerMem mem_mamba2(const Mamba2Config& c, const Dims& d, Recompute pol, bool ex
   const double states = d.a * d.b * nc * H * P * N;
   const double ctx = ssd_ctx_bytes(H, G, N, P, Q, d);
   m.fwd_extra = ctx;
-  // dyn, dy, dzxbcdt, dxbc; under bf16 GEMMs without cp or explicit states d(zxbcdt) only as its bf16 copy, and
-  // d(dt) in a block of its own (mixer.cpp, Mamba2Mixer::bf16_in_proj_grad)
-  const bool dz_b16 = d.copy_b16 > 0 && d.cp == 1 && !explicit_states;
-  const double grads = d.n * (d.t * (2 * E + C) + (dz_b16 ? d.copy_b16 * din + d.t * H : d.t * din));
+  // dyn, dy, dzxbcdt, dxbc; on the bf16 route d(zxbcdt) only as its bf16 copy, and d(dt) in a block of its own
+  const double grads = d.n * (d.t * (2 * E + C) + (b16_route ? d.copy_b16 * din + d.t * H : d.t * din));
   // conv1d backward: its partial sums of dw and dbias, one row per run of kConvRun tokens (layers/conv1d.hpp)
   const double conv_bwd = d.a * d.b * std::ceil(d.L / double(kConvRun)) * C * double(c.d_conv + 1);
   // cp > 1 (mixer.cpp forward_cp / backward): after the scan, the decay weights cp_lexp (a H per token) with the
