@@ -486,6 +486,40 @@ void scan_fd_check(const M3Case& c, const std::string& name) {
   Mamba3ScanGrad<double> g = d.zero_grads();
   mamba3_scan_backward<double>(d.shape, d.in(), dy, dfin, g);
   INFO(name);
+  if (d.shape.via_ssd()) {
+    // the backward from the context the forward kept (Mamba3ScanSaved: per-token quantities, phases, q~ and k~,
+    // the SSD's chunk states and C B^T) gives the recomputing backward's gradients; the kept context is only
+    // read, so a second backward from it gives them again
+    PoolScope pool;
+    Mamba3ScanSaved<double> kept;
+    View2<double> y("y", rows, c.H * c.R * c.P);
+    auto fin = Mamba3Carry<double>::allocate("fin", d.shape);
+    mamba3_scan_forward<double>(d.shape, d.in(), y, fin, &kept, &pool);
+    REQUIRE(!kept.empty());
+    REQUIRE(!kept.ssd.empty());
+    for (int pass = 0; pass < 2; ++pass) {
+      Mamba3ScanGrad<double> gk = d.zero_grads();
+      mamba3_scan_backward<double>(d.shape, d.in(), dy, dfin, gk, &kept);
+      INFO("backward " << pass << " from the kept context");
+      CHECK(rel_err(to_vec(gk.dv), to_vec(g.dv)) < 1e-13);
+      CHECK(rel_err(to_vec(gk.dqk), to_vec(g.dqk)) < 1e-13);
+      CHECK(rel_err(to_vec(gk.ddd), to_vec(g.ddd)) < 1e-13);
+      CHECK(rel_err(to_vec(gk.ddt_bias), to_vec(g.ddt_bias)) < 1e-13);
+      CHECK(rel_err(to_vec(gk.dD), to_vec(g.dD)) < 1e-13);
+      CHECK(rel_err(to_vec(gk.dq_bias), to_vec(g.dq_bias)) < 1e-13);
+      CHECK(rel_err(to_vec(gk.dk_bias), to_vec(g.dk_bias)) < 1e-13);
+      CHECK(rel_err(to_vec(gk.dinit.phi), to_vec(g.dinit.phi)) < 1e-13);
+      CHECK(rel_err(to_vec(gk.dinit.S), to_vec(g.dinit.S)) < 1e-13);
+      CHECK(rel_err(to_vec(gk.dinit.k), to_vec(g.dinit.k)) < 1e-13);
+      CHECK(rel_err(to_vec(gk.dinit.v), to_vec(g.dinit.v)) < 1e-13);
+    }
+  } else {  // nothing to keep off the SSD route
+    PoolScope pool;
+    Mamba3ScanSaved<double> kept;
+    View2<double> y("y", rows, c.H * c.R * c.P);
+    mamba3_scan_forward<double>(d.shape, d.in(), y, Mamba3Carry<double>{}, &kept, &pool);
+    CHECK(kept.empty());
+  }
   double worst = 0;
   auto chk = [&](const char* what, const auto& x, const auto& grad, int count) {
     const auto r = fd_check(x, to_vec(grad), loss, count);
@@ -658,9 +692,14 @@ TEST_CASE("Mamba-3 mixer forward equals the naive double reference (SISO, MIMO, 
 
 TEST_CASE("Mamba-3 mixer backward matches finite differences for the input, the state and every parameter",
           "[mamba3]") {
+  // SISO also through the SSD's GEMM formulation (route 1): its backward reads the scan context the forward kept
+  // (the forward saves here; under the recompute policy the backward's own forward keeps it)
+  for (int route = 0; route < 2; ++route)
   for (bool mimo : {false, true})
     for (bool norm : {false, true}) {
-      const Mamba3Config cfg = tiny_m3(mimo, norm);
+      if (route == 1 && mimo) continue;
+      Mamba3Config cfg = tiny_m3(mimo, norm);
+      if (route == 1) cfg.scan_algo = SSDAlgo::gemm;
       MixerRig rig(cfg);
       const index_t B = 2, L = 11;
       View2<double> u("u", B * L, cfg.d_model), out("out", B * L, cfg.d_model), dout("dout", B * L, cfg.d_model);
@@ -683,11 +722,13 @@ TEST_CASE("Mamba-3 mixer backward matches finite differences for the input, the 
       };
       Mamba3Acts<double> acts;
       auto fin = rig.mixer.make_state(B);
-      rig.mixer.forward(u, B, L, out, acts, false, &init, &fin);  // recompute policy in the backward
+      // route 0: the recompute policy in the backward; route 1: the forward's saved activations
+      rig.mixer.forward(u, B, L, out, acts, route == 1, &init, &fin);
+      if (route == 1) REQUIRE(!acts.scan.empty());
       rig.ps.zero_grads();
       auto dinit = rig.mixer.make_state(B);
       rig.mixer.backward(acts, B, L, dout, du, &dfin, &dinit);
-      INFO(variant_name(cfg));
+      INFO(variant_name(cfg) << (route == 1 ? ", through the SSD (gemm)" : ""));
       double worst = 0;
       auto chk = [&](const std::string& what, const auto& x, const std::vector<double>& grad, int count) {
         const auto r = fd_check(x, grad, loss, count);
@@ -705,7 +746,8 @@ TEST_CASE("Mamba-3 mixer backward matches finite differences for the input, the 
       chk("init S", init.carry.S, to_vec(dinit.carry.S), 24);
       chk("init k", init.carry.k, to_vec(dinit.carry.k), 24);
       chk("init v", init.carry.v, to_vec(dinit.carry.v), 24);
-      WARN("mixer FD check (" << variant_name(cfg) << "): worst rel err " << worst);
+      WARN("mixer FD check (" << variant_name(cfg) << (route == 1 ? ", through the SSD" : "") << "): worst rel err "
+                               << worst);
     }
 }
 

@@ -324,7 +324,7 @@ void Mamba3Mixer<T>::run_internals(const View2<T>& u, index_t batch, index_t seq
     a.v = ws.take<View2<T>>("mamba3::v", n, H * R * Pd);
     mimo_x_forward<T>(a.proj, store_->v1(mimo_x_), E, R, Pd, a.v);
   }
-  mamba3_scan_forward<T>(scan_shape(batch, seqlen), scan_in(a), a.y, fin);
+  mamba3_scan_forward<T>(scan_shape(batch, seqlen), scan_in(a), a.y, fin, &a.scan, a.internals.get());
 
   // Gate (and the per-head norm) and the MIMO down-projection.
   Gate<T> gt;
@@ -557,7 +557,7 @@ void Mamba3Mixer<T>::backward(Mamba3Acts<T>& a, index_t batch, index_t seqlen, c
     sg.dk_bias = View1<P>("mamba3::cp_junk_k", H * R * N);
     // G: the incoming state's gradient from this slice; folded from the right into the final-state gradient
     sg.dinit = Mamba3Carry<P>::allocate("mamba3::cp_d1", sh);
-    mamba3_scan_backward<T>(sh, scan_in(a), dy, Mamba3Carry<P>{}, sg);
+    mamba3_scan_backward<T>(sh, scan_in(a), dy, Mamba3Carry<P>{}, sg, &a.scan);
     m3_scale_rows<P>(sg.dinit.S.data(), sg.dinit.S.size(), batch, cont);
     const View1<P> gS = m3_total_decay<T>(a.proj, 2 * E + 2 * RGN, store_->v1(dt_bias_), cfg_.A_floor, pass, batch,
                                           seqlen, H);
@@ -567,20 +567,20 @@ void Mamba3Mixer<T>::backward(Mamba3Acts<T>& a, index_t batch, index_t seqlen, c
                           *cp_, gS, View1<const P>(sg.dinit.S.data(), sg.dinit.S.size()), Pd * N));
     // d(k_prev), d(v_prev) go back to the left neighbour: the gradient of its last k and v
     sg.dinit = Mamba3Carry<P>::allocate("mamba3::cp_d2", sh);
-    mamba3_scan_backward<T>(sh, scan_in(a), dy, cp_dfinal, sg);
+    mamba3_scan_backward<T>(sh, scan_in(a), dy, cp_dfinal, sg, &a.scan);
     m3_scale_rows<P>(sg.dinit.k.data(), sg.dinit.k.size(), batch, cont);
     m3_scale_rows<P>(sg.dinit.v.data(), sg.dinit.v.size(), batch, cont);
     m3_shift_kv<P>(*cp_, sg.dinit.k, sg.dinit.v, cp_dfinal.k, cp_dfinal.v, false);
     // the phase gradient of the slice, folded from the right into d(phi_out)
     sg.dinit = Mamba3Carry<P>::allocate("mamba3::cp_d3", sh);
-    mamba3_scan_backward<T>(sh, scan_in(a), dy, cp_dfinal, sg);
+    mamba3_scan_backward<T>(sh, scan_in(a), dy, cp_dfinal, sg, &a.scan);
     m3_scale_rows<P>(sg.dinit.phi.data(), sg.dinit.phi.size(), batch, cont);
     Kokkos::deep_copy(View1<P>(cp_dfinal.phi.data(), cp_dfinal.phi.size()),
                       parallel::cp_state_scan_backward<P>(
                           *cp_, pass, View1<const P>(sg.dinit.phi.data(), sg.dinit.phi.size()), H * S));
   }
   mamba3_scan_backward<T>(scan_shape(batch, seqlen), scan_in(a), dy,
-                          dfinal ? dfinal->carry : cp_dfinal, g);
+                          dfinal ? dfinal->carry : cp_dfinal, g, &a.scan);
 
   const auto proj = a.proj;
   if (cfg_.is_mimo) {

@@ -106,11 +106,12 @@ struct Mamba3Acts {
   View2<T> o;     // out_proj input (B*L, E)
   View2<acc_t<T>> rstd_qk;   // (B*L, 2 R G)
   View2<acc_t<T>> rstd_out;  // (B*L, H R) with is_outproj_norm
+  Mamba3ScanSaved<T> scan;   // the scan's forward context on the SSD route (scan.hpp), read by the backward
   Mamba3Carry<acc_t<T>> init;  // the initial state the forward started from (empty = zero)
   SeqIdxView seq;              // the record ids the forward used (empty = one record per row)
   std::vector<int> cp_cont, cp_whole;  // context parallel: per row, token 0 continues the left record / no record
                                        // starts inside the slice
-  std::shared_ptr<PoolScope> internals;  // owns proj .. rstd_out (cached blocks, not an allocation per step)
+  std::shared_ptr<PoolScope> internals;  // owns proj .. scan (cached blocks, not an allocation per step)
 };
 
 template <class T>

@@ -124,8 +124,12 @@ bool quads_ok(const Ctx<T>& c, std::initializer_list<std::pair<const void*, long
   }
 }
 
+// The call's context. Its per-token quantities, phases, [v | k~ | q~] and q~ . k~ come from `kept` where given
+// (non-empty; the caller then skips `recompute`), else from `keep_pool` where given (the forward keeping them),
+// else from the call's pool ws.
 template <class T>
-Ctx<T> make_ctx(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, PoolScope& ws) {
+Ctx<T> make_ctx(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, PoolScope& ws, PoolScope* keep_pool = nullptr,
+                const Mamba3ScanSaved<T>* kept = nullptr) {
   using P = acc_t<T>;
   s.validate("mamba3_scan");
   const index_t rows = s.batch * s.seqlen;
@@ -184,27 +188,42 @@ Ctx<T> make_ctx(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, PoolScope& 
   c.hpg = s.nheads / s.ngroups;
   c.halved = s.pairing == RopePairing::halved;
   c.A_floor = P(s.A_floor);
-  auto v3 = [&](const std::string& l) { return ws.take<View3<P>>(l, s.batch, s.nheads, s.seqlen); };
-  c.delta = v3("mamba3::delta");
-  c.lam = v3("mamba3::lambda");
-  c.Av = v3("mamba3::A");
   c.ssd = s.via_ssd();
-  if (!c.ssd) c.acs = v3("mamba3::acs");
-  c.w = v3("mamba3::w");
-  c.phi = ws.take<View4<P>>("mamba3::phi", s.batch, s.nheads, s.seqlen, s.nangles);
   const index_t xw = c.ssd ? s.nheads * s.headdim : 0;  // v's columns (SSD route)
   c.k_off = xw;
   c.q_off = xw + HRN;
-  c.qkv = ws.take<View2<P>>("mamba3::qkv", rows, xw + 2 * HRN);
-  if (c.ssd) {
-    c.ad = v3("mamba3::a_delta");
-  } else {  // the portable kernels' chunk states (the SSD keeps its own)
-    c.states = ws.take<View5<P>>("mamba3::states", s.batch, c.nc, s.nheads, s.headdim, s.dstate);
+  if (kept && !kept->empty()) {
+    require(c.ssd && index_t(kept->qkv.extent(0)) == rows && index_t(kept->qkv.extent(1)) == xw + 2 * HRN &&
+                index_t(kept->delta.extent(0)) == s.batch && index_t(kept->delta.extent(1)) == s.nheads &&
+                index_t(kept->delta.extent(2)) == s.seqlen && index_t(kept->phi.extent(3)) == s.nangles,
+            "mamba3_scan", "the kept forward context does not match this call's shape");
+    c.delta = kept->delta;
+    c.lam = kept->lam;
+    c.Av = kept->Av;
+    c.w = kept->w;
+    c.ad = kept->ad;
+    c.phi = kept->phi;
+    c.qkv = kept->qkv;
+    c.qkd = kept->qkd;
+  } else {
+    PoolScope& kp = keep_pool ? *keep_pool : ws;
+    auto v3 = [&](const std::string& l) { return kp.take<View3<P>>(l, s.batch, s.nheads, s.seqlen); };
+    c.delta = v3("mamba3::delta");
+    c.lam = v3("mamba3::lambda");
+    c.Av = v3("mamba3::A");
+    if (!c.ssd) c.acs = v3("mamba3::acs");
+    c.w = v3("mamba3::w");
+    c.phi = kp.take<View4<P>>("mamba3::phi", s.batch, s.nheads, s.seqlen, s.nangles);
+    c.qkv = kp.take<View2<P>>("mamba3::qkv", rows, xw + 2 * HRN);
+    if (c.ssd) {
+      c.ad = v3("mamba3::a_delta");
+    } else {  // the portable kernels' chunk states (the SSD keeps its own)
+      c.states = ws.take<View5<P>>("mamba3::states", s.batch, c.nc, s.nheads, s.headdim, s.dstate);
+    }
+    // used where the quad kernels apply (the planner counts it on every SSD route)
+    if (c.ssd) c.qkd = kp.take<View2<P>>("mamba3::qk_dots", rows, s.nheads);
   }
-  if (c.ssd) {  // used where the quad kernels apply (the planner counts them on every SSD route)
-    c.qkd = ws.take<View2<P>>("mamba3::qk_dots", rows, s.nheads);
-    c.fdv = ws.take<View2<P>>("mamba3::diag_dy_v", rows, s.nheads);
-  }
+  if (c.ssd) c.fdv = ws.take<View2<P>>("mamba3::diag_dy_v", rows, s.nheads);  // the backward's, never kept
   return c;
 }
 
@@ -690,12 +709,12 @@ View4<acc_t<T>> entering_states(const Ctx<T>& c, const Mamba3Carry<acc_t<T>>& in
 }
 
 // y = the SSD's output + (gamma_t - w_t) (q~_t . k~_t) v_t (the trapezoid's diagonal weight is gamma_t, the SSD's
-// w_t); final_S (when non-empty) gets the state after the last token.
+// w_t); final_S (when non-empty) gets the state after the last token; keep (with pool): the SSD's intermediates.
 template <class T>
 void forward_ssd(const Ctx<T>& c, const Mamba3ScanShape& s, const Mamba3Carry<acc_t<T>>& init, const View2<T>& y,
-                 const View4<acc_t<T>>& final_S, PoolScope& ws) {
+                 const View4<acc_t<T>>& final_S, PoolScope& ws, SSDSaved<T>* keep, PoolScope* pool) {
   using P = acc_t<T>;
-  ssd_forward<T>(ssd_shape(c, s), ssd_in(c, entering_states(c, init, ws)), y, final_S);
+  ssd_forward<T>(ssd_shape(c, s), ssd_in(c, entering_states(c, init, ws)), y, final_S, keep, pool);
   if (c.qkd.extent(0) > 0 && quads_ok(c, {{y.data(), y.stride(0)}})) {
     diagonal_quads(c, y);
     return;
@@ -717,10 +736,13 @@ void forward_ssd(const Ctx<T>& c, const Mamba3ScanShape& s, const Mamba3Carry<ac
 
 template <class T>
 void mamba3_scan_forward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, const View2<T>& y,
-                         const Mamba3Carry<acc_t<T>>& fin) {
+                         const Mamba3Carry<acc_t<T>>& fin, Mamba3ScanSaved<T>* keep, PoolScope* pool) {
   using P = acc_t<T>;
+  require(!keep || pool, "mamba3_scan_forward", "keeping the intermediates needs the pool that holds them");
+  if (keep) *keep = Mamba3ScanSaved<T>{};
+  const bool keeping = keep && s.via_ssd();
   PoolScope ws;  // the call's buffers: cached device blocks, returned at the end
-  const Ctx<T> c = make_ctx(s, in, ws);
+  const Ctx<T> c = make_ctx(s, in, ws, keeping ? pool : nullptr);
   require(index_t(y.extent(0)) == c.Bsz * c.L && index_t(y.extent(1)) == c.H * c.R * c.Pd, "mamba3_scan_forward",
           "y must be (batch * seqlen, nheads * rank * headdim) = (", c.Bsz * c.L, ", ", c.H * c.R * c.Pd, ")");
   const bool has_final = !fin.empty();
@@ -731,8 +753,18 @@ void mamba3_scan_forward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, co
                 index_t(fin.phi.extent(2)) == c.S,
             "mamba3_scan_forward", "final carry does not match the shape");
   recompute(c, in.init, fin.S);
-  if (c.ssd)
-    forward_ssd(c, s, in.init, y, fin.S, ws);
+  if (keeping) {
+    forward_ssd(c, s, in.init, y, fin.S, ws, &keep->ssd, pool);
+    keep->delta = c.delta;
+    keep->lam = c.lam;
+    keep->Av = c.Av;
+    keep->w = c.w;
+    keep->ad = c.ad;
+    keep->phi = c.phi;
+    keep->qkv = c.qkv;
+    keep->qkd = c.qkd;
+  } else if (c.ssd)
+    forward_ssd(c, s, in.init, y, fin.S, ws, static_cast<SSDSaved<T>*>(nullptr), nullptr);
   else
     par_for_team(
       "mamba3::chunk_scan", c.Bsz * c.nc * c.H,
@@ -1038,7 +1070,7 @@ template <class T>
 bool backward_ssd(const Ctx<T>& c, const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, const View2<const T>& dy,
                   const Mamba3Carry<acc_t<T>>& dfin, const Mamba3ScanGrad<T>& gr, const View2<acc_t<T>>& dqkv,
                   const View3<acc_t<T>>& da, const View3<acc_t<T>>& dw, const View3<acc_t<T>>& ddg,
-                  const View4<acc_t<T>>& dsh0, PoolScope& ws) {
+                  const View4<acc_t<T>>& dsh0, PoolScope& ws, const SSDSaved<T>* kept) {
   using P = acc_t<T>;
   SSDGrad<T> g;
   g.dxbc = dqkv;
@@ -1046,7 +1078,7 @@ bool backward_ssd(const Ctx<T>& c, const Mamba3ScanShape& s, const Mamba3ScanIn<
   g.dinit_state = dsh0;
   g.dlog_decay = da;
   g.dweight = dw;
-  ssd_backward<T>(ssd_shape(c, s), ssd_in(c, entering_states(c, in.init, ws)), dy, dfin.S, g);
+  ssd_backward<T>(ssd_shape(c, s), ssd_in(c, entering_states(c, in.init, ws)), dy, dfin.S, g, kept);
   const bool has_dfinal = !dfin.empty();
   const auto fv = dfin.v;
   const auto fk = dfin.k;
@@ -1091,10 +1123,12 @@ bool backward_ssd(const Ctx<T>& c, const Mamba3ScanShape& s, const Mamba3ScanIn<
 
 template <class T>
 void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, const View2<const T>& dy,
-                          const Mamba3Carry<acc_t<T>>& dfin, const Mamba3ScanGrad<T>& gr) {
+                          const Mamba3Carry<acc_t<T>>& dfin, const Mamba3ScanGrad<T>& gr,
+                          const Mamba3ScanSaved<T>* kept) {
   using P = acc_t<T>;
   PoolScope ws;  // the call's buffers: cached device blocks, returned at the end
-  const Ctx<T> c = make_ctx(s, in, ws);
+  const bool from_kept = kept && !kept->empty() && s.via_ssd();
+  const Ctx<T> c = make_ctx(s, in, ws, nullptr, from_kept ? kept : nullptr);
   const index_t rows = c.Bsz * c.L, HRN = c.H * c.R * c.N;
   require(index_t(dy.extent(0)) == rows && index_t(dy.extent(1)) == c.H * c.R * c.Pd, "mamba3_scan_backward",
           "dy must be (batch * seqlen, nheads * rank * headdim) = (", rows, ", ", c.H * c.R * c.Pd, ")");
@@ -1102,7 +1136,7 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
               gr.dqk.extent(1) == in.qk.extent(1) && index_t(gr.ddd.extent(0)) == rows &&
               gr.ddd.extent(1) == in.dd.extent(1),
           "mamba3_scan_backward", "gradient matrices must have the shapes of the inputs");
-  recompute(c, in.init, View4<P>());
+  if (!from_kept) recompute(c, in.init, View4<P>());
   const bool has_dfinal = !dfin.empty(), has_init = !in.init.empty(), want_dinit = !gr.dinit.empty();
   View4<P> dsh0 = ws.take<View4<P>>("mamba3::dsh0", c.Bsz, c.H, c.Pd, c.N);
   View2<P> dqkv = ws.take<View2<P>>("mamba3::dqkv", rows, c.qkv.extent(1));
@@ -1111,7 +1145,7 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
   View3<P> ddg = ws.take<View3<P>>("mamba3::ddiag", c.Bsz, c.H, c.L);
   bool diag_pending = false;  // the diagonal's dq~ and dk~ terms left to the rotation's backward
   if (c.ssd)
-    diag_pending = backward_ssd(c, s, in, dy, dfin, gr, dqkv, da, dw, ddg, dsh0, ws);
+    diag_pending = backward_ssd(c, s, in, dy, dfin, gr, dqkv, da, dw, ddg, dsh0, ws, from_kept ? &kept->ssd : nullptr);
   else
     backward_portable(c, in, dy, dfin, gr, dqkv, da, dw, ddg, dsh0);
 
@@ -1280,9 +1314,10 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
 
 #define MM_INSTANTIATE(T)                                                                                     \
   template void mamba3_scan_forward<T>(const Mamba3ScanShape&, const Mamba3ScanIn<T>&, const View2<T>&,      \
-                                       const Mamba3Carry<acc_t<T>>&);                                        \
+                                       const Mamba3Carry<acc_t<T>>&, Mamba3ScanSaved<T>*, PoolScope*);      \
   template void mamba3_scan_backward<T>(const Mamba3ScanShape&, const Mamba3ScanIn<T>&, const View2<const T>&, \
-                                        const Mamba3Carry<acc_t<T>>&, const Mamba3ScanGrad<T>&);
+                                        const Mamba3Carry<acc_t<T>>&, const Mamba3ScanGrad<T>&,                \
+                                        const Mamba3ScanSaved<T>*);
 MM_INSTANTIATE(float)
 MM_INSTANTIATE(double)
 #undef MM_INSTANTIATE

@@ -27,7 +27,8 @@
 //             + gamma_t sum_r' (q_{t,r}.k_{t,r'}) v_{t,r'}
 //   Sh_out = exp(Acs_last) Sh_in + sum_s exp(Acs_last - Acs_s) w_s sum_r' v_{s,r'} k_{s,r'}^T
 // where Sh_{-1} = S_init + Delta_0 (1 - lambda_0) sum_r v_prev,r k_prev,r^T. The backward recomputes the per-token
-// quantities, rotated q/k and the chunk states instead of storing them; every reduction is ordered (no atomics).
+// quantities, rotated q/k and the chunk states unless the forward kept them (Mamba3ScanSaved, SSD route); every
+// reduction is ordered (no atomics).
 //
 // SISO (R = 1) is the Mamba-2 SSD of ssm/mamba2/ssd.hpp with per-token decay exponent A_t Delta_t, weight w_t,
 // x = v and, per head (ngroups = nheads), B = k~, C = q~ (SSDIn::log_decay / weight), plus the diagonal's correction
@@ -105,15 +106,35 @@ struct Mamba3ScanGrad {
   Mamba3Carry<acc_t<T>> dinit;                     // written when non-empty
 };
 
+// What the forward of the SSD route (via_ssd) can keep so that the backward does not form it again: the per-token
+// quantities Delta, lambda, A_t, w_t, A_t Delta_t (batch, H, L), the phases (batch, H, L, S), [v | k~ | q~] per
+// head (batch L, H P + 2 H N) with q~ . k~ per (row, head), and the SSD's own SSDSaved (the chunk states and
+// C B^T, with one group per head). The backward then skips the per-token pass, the phases, the rotation and the
+// SSD's recomputation. The planner counts these with the layer's activations (parallel/planner.cpp, mem_mamba3).
+template <class T>
+struct Mamba3ScanSaved {
+  View3<acc_t<T>> delta, lam, Av, w, ad;
+  View4<acc_t<T>> phi;
+  View2<acc_t<T>> qkv, qkd;
+  SSDSaved<T> ssd;
+  bool empty() const { return qkv.extent(0) == 0; }
+};
+
 // y (batch * seqlen, H * R * P) is written; the final carry is written when non-empty. The final carry may be
-// the same views as the initial carry (it is written after the initial one has been read).
+// the same views as the initial carry (it is written after the initial one has been read). With `keep` (and the
+// SSD route) the intermediates are left in *keep, their blocks taken from `pool` (live as long as it is);
+// otherwise *keep is left empty.
 template <class T>
 void mamba3_scan_forward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, const View2<T>& y,
-                         const Mamba3Carry<acc_t<T>>& final_carry);
+                         const Mamba3Carry<acc_t<T>>& final_carry, Mamba3ScanSaved<T>* keep = nullptr,
+                         PoolScope* pool = nullptr);
 
-// dy (batch * seqlen, H * R * P); dfinal: gradient of the final carry, or empty.
+// dy (batch * seqlen, H * R * P); dfinal: gradient of the final carry, or empty. `kept`: what mamba3_scan_forward
+// kept for the same shape, inputs and initial carry (or null / empty: recomputed). It is only read, so several
+// backwards (context parallel: one per stage) can use it.
 template <class T>
 void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, const View2<const T>& dy,
-                          const Mamba3Carry<acc_t<T>>& dfinal, const Mamba3ScanGrad<T>& g);
+                          const Mamba3Carry<acc_t<T>>& dfinal, const Mamba3ScanGrad<T>& g,
+                          const Mamba3ScanSaved<T>* kept = nullptr);
 
 }  // namespace mm
