@@ -320,11 +320,13 @@ TEST_CASE("Mamba-3 chunked scan in float stays close to the double recurrence", 
 }
 
 namespace {
-// Every gradient of one scan backward (float), with seeded output and final-carry gradients.
+// Every gradient of one scan backward (float, or double: the row kernels), with seeded output and final-carry
+// gradients.
+template <class T = float>
 std::vector<std::vector<double>> scan_grads_float(const M3Case& c) {
-  M3Data<float> d(c);
-  Mamba3ScanGrad<float> g = d.zero_grads();
-  mamba3_scan_backward<float>(d.shape, d.in(), d.seeded_dy(), d.seeded_dfinal(), g);
+  M3Data<T> d(c);
+  Mamba3ScanGrad<T> g = d.zero_grads();
+  mamba3_scan_backward<T>(d.shape, d.in(), d.seeded_dy(), d.seeded_dfinal(), g);
   return {to_vec(g.dv),       to_vec(g.dqk),     to_vec(g.ddd),     to_vec(g.ddt_bias),
           to_vec(g.dD),       to_vec(g.dq_bias), to_vec(g.dk_bias), to_vec(g.dinit.S),
           to_vec(g.dinit.phi), to_vec(g.dinit.k), to_vec(g.dinit.v)};
@@ -338,9 +340,14 @@ void check_ssd_route(M3Case c, double fwd_tol, double tok_tol, double sum_tol) {
   const auto ssd = scan_grads_float(c);
   c.algo = SSDAlgo::portable;
   const auto portable = scan_grads_float(c);
+  // and against the double portable route, whose token passes are the row kernels (the quad kernels, with the
+  // rotation backward fused with its sums over heads and rows, are float only)
+  const auto dbl = scan_grads_float<double>(c);
   for (std::size_t i = 0; i < ssd.size(); ++i) {
     INFO("gradient " << i);
     CHECK(rel_err(ssd[i], portable[i]) < (i < 3 ? tok_tol : sum_tol));
+    CHECK(rel_err(ssd[i], dbl[i]) < (i < 3 ? tok_tol : sum_tol));
+    CHECK(rel_err(portable[i], dbl[i]) < (i < 3 ? tok_tol : sum_tol));
   }
 }
 }  // namespace
@@ -379,7 +386,7 @@ TEST_CASE("Mamba-3 SISO through the SSD in fp32: the token passes agree with the
   for (const bool halved : {false, true})
     for (const index_t S : {3, 8}) {
       M3Case c;
-      c.L = 70;
+      c.L = S == 8 ? 300 : 70;  // 600 rows: three tiles of the fused rotation backward at d_state 16, one partial
       c.H = 4;
       c.G = 2;
       c.P = 8;

@@ -472,86 +472,132 @@ void diagonal_bwd_quads(const Ctx<T>& c, const View2<const T>& dy, const View2<a
   });
 }
 
-// The rotation's backward on quads, in place on dqkv's q~ and k~ gradients (un-rotated), and
-// dphi = sum over q and k of -g0 y1 + g1 y0 per angle. With `diag` the diagonal's terms are added to the q~ and k~
-// gradients first: dq~ += fdv k~, dk~ += fdv q~ (+ the final carry's k gradient at the last token of a row).
-template <class T>
-void rotate_bwd_quads(const Ctx<T>& c, const View2<acc_t<T>>& dqkv, const View4<acc_t<T>>& dphi, bool diag,
-                      const Mamba3Carry<acc_t<T>>& dfin) {
+// Rows per slot of the fused rotation backward (rotate_bwd_reduce): its team stages the group sums of a tile of
+// kRotSlots x rows-per-slot rows, 2 N values each, on chip; 4 rows a slot at N = 128 (40 KB of team scratch; from
+// N = 512 on, past 48 KB, the scratch is the global-memory level).
+constexpr int kRotSlots = 8;
+KOKKOS_INLINE_FUNCTION index_t rot_rows_per_slot(index_t N) { return N >= 512 ? 1 : N >= 256 ? 2 : 512 / N; }
+constexpr std::size_t kRotFastScratch = 46 * 1024;  // on-chip team scratch up to this (as ssd.cpp)
+
+// The rotation's backward on quads (SISO), fused with the two reductions that follow it: per (row, head, state
+// dimension) the un-rotated gradients of q~ and k~ (after, with `diag`, the diagonal's terms dq~ += fdv k~,
+// dk~ += fdv q~ and the final carry's k gradient at a row's last token), and dphi = sum over q and k of
+// -g0 y1 + g1 y0 per angle; the un-rotated gradients are not written back: they are summed over the heads of each
+// group into dqk (columns q_col / k_col + g N + n, written) and over each tile of rows into `partial`
+// (tile, [k: h N + n | q: H N + h N + n]), whose sum over the tiles is the biases' gradient. One team per (tile of
+// rows, group); for each head of the group every slot walks its rows, the group sums stay in team scratch and the
+// slots' column sums are added in slot order (no atomics; the same sums for any team size). Interleaved pairs: a
+// lane takes one quad (two angles); halved pairs: a quad of each half (four angles).
+template <class T, bool kHalved>
+void rotate_bwd_reduce(const Ctx<T>& c, const View2<acc_t<T>>& dqkv, const View4<acc_t<T>>& dphi, bool diag,
+                       const Mamba3Carry<acc_t<T>>& dfin, const View2<T>& dqk, index_t q_col, index_t k_col,
+                       const View2<acc_t<T>>& partial) {
   using P = acc_t<T>;
+  constexpr int W = kHalved ? 8 : 4;  // values of q (and of k, dq, dk) a lane holds
   const bool has_fk = diag && !dfin.empty();
   const auto fk = dfin.k;
-  par_for_rows("mamba3::rotate_bwd", c.Bsz * c.L * c.H, KOKKOS_LAMBDA(const Team& tm, index_t i) {
-    const index_t rw = i / c.H, h = i % c.H, b = rw / c.L, t = rw % c.L, N = c.N;
-    const P* row = c.qkv.data() + rw * c.qkv.stride(0);
-    P* drow = dqkv.data() + rw * dqkv.stride(0);
-    const P* ph = c.phi.data() + b * c.phi.stride(0) + h * c.phi.stride(1) + t * c.phi.stride(2);
-    P* dph = dphi.data() + b * dphi.stride(0) + h * dphi.stride(1) + t * dphi.stride(2);
-    const P* yq = row + c.q_off + h * N;
-    const P* yk = row + c.k_off + h * N;
-    P* gq = drow + c.q_off + h * N;
-    P* gk = drow + c.k_off + h * N;
-    const P fd = diag ? c.fdv(rw, h) : P(0);
-    const bool last = has_fk && t == c.L - 1;
-    const index_t hn = c.halved ? N / 2 : 0;
-    if (!c.halved) {  // quad j: angles 2j, 2j + 1 (without the diagonal only the quads that hold angles)
-      Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, diag ? N / 4 : (c.S + 1) / 2), [&](index_t j) {
-        const index_t left = c.S - 2 * j;
-        const int ne = left >= 2 ? 2 : left > 0 ? int(left) : 0;
-        P q[4], k[4], dq[4], dk[4];
-        load_vec<4>(yq + 4 * j, q);
-        load_vec<4>(yk + 4 * j, k);
-        load_vec<4>(gq + 4 * j, dq);
-        load_vec<4>(gk + 4 * j, dk);
-        if (diag)
-          for (int e = 0; e < 4; ++e) {
-            dq[e] += fd * k[e];
-            dk[e] += fd * q[e] + (last ? fk(b, h, 0, 4 * j + e) : P(0));
-          }
-        for (int e = 0; e < ne; ++e) {
-          const P s = Kokkos::sin(ph[2 * j + e]), co = Kokkos::cos(ph[2 * j + e]);
-          P acc = 0;
-          rot_pair_bwd(dq[2 * e], dq[2 * e + 1], q[2 * e], q[2 * e + 1], s, co, acc);
-          rot_pair_bwd(dk[2 * e], dk[2 * e + 1], k[2 * e], k[2 * e + 1], s, co, acc);
-          dph[2 * j + e] = acc;
+  const index_t N = c.N, rows = c.Bsz * c.L, kRows = rot_rows_per_slot(N), RT = kRotSlots * kRows;
+  const index_t ntiles = (rows + RT - 1) / RT, U = N / W, HN = c.H * N;
+  const std::size_t bytes = Scratch2<P>::shmem_size(RT, 2 * N) + Scratch2<P>::shmem_size(kRotSlots, 2 * N);
+  const int lvl = bytes <= kRotFastScratch ? 0 : 1;
+  par_for_team_vec(
+      "mamba3::rotate_bwd", ntiles * c.G, kRotSlots, 32,
+      KOKKOS_LAMBDA(const Team& tm) {
+        const index_t tile = index_t(tm.league_rank()) / c.G, g = index_t(tm.league_rank()) % c.G;
+        const index_t r0 = tile * RT, nr = rows - r0 < RT ? rows - r0 : RT, hn = kHalved ? N / 2 : 0;
+        Scratch2<P> gsum(tm.team_scratch(lvl), RT, 2 * N);   // [k | q] summed over the group's heads so far
+        Scratch2<P> red(tm.team_scratch(lvl), kRotSlots, 2 * N);  // each slot's column sums of the current head
+        for (index_t hh = 0; hh < c.hpg; ++hh) {
+          const index_t h = g * c.hpg + hh;
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, kRotSlots), [&](int sl) {
+            Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, U), [&](index_t u) {
+              // the lane's dimensions: 4u + e (interleaved), or 4u + e and hn + 4u + e (halved)
+              auto dim = [&](int e) { return kHalved ? (e < 4 ? 4 * u + e : hn + 4 * u + e - 4) : 4 * u + e; };
+              P bq[W], bk[W];
+              for (int e = 0; e < W; ++e) bq[e] = bk[e] = P(0);
+              for (index_t rr = 0; rr < kRows; ++rr) {
+                const index_t lr = sl * kRows + rr;
+                if (lr >= nr) break;
+                const index_t rw = r0 + lr, b = rw / c.L, t = rw % c.L;
+                const P* row = c.qkv.data() + rw * c.qkv.stride(0);
+                const P* drow = dqkv.data() + rw * dqkv.stride(0);
+                const P* yq = row + c.q_off + h * N;
+                const P* yk = row + c.k_off + h * N;
+                const P* gq = drow + c.q_off + h * N;
+                const P* gk = drow + c.k_off + h * N;
+                auto ld = [&](const P* src, P(&dst)[W]) {  // the lane's W values of a row, 16 bytes at a time
+                  for (int part = 0; part < W / 4; ++part) {
+                    P tq[4];
+                    load_vec<4>(src + dim(4 * part), tq);
+                    for (int e = 0; e < 4; ++e) dst[4 * part + e] = tq[e];
+                  }
+                };
+                P q[W], k[W], dq[W], dk[W];
+                ld(yq, q);
+                ld(yk, k);
+                ld(gq, dq);
+                ld(gk, dk);
+                if (diag) {
+                  const P fd = c.fdv(rw, h);
+                  const bool last = has_fk && t == c.L - 1;
+                  for (int e = 0; e < W; ++e) {
+                    dq[e] += fd * k[e];
+                    dk[e] += fd * q[e] + (last ? fk(b, h, 0, dim(e)) : P(0));
+                  }
+                }
+                P* dph = dphi.data() + b * dphi.stride(0) + h * dphi.stride(1) + t * dphi.stride(2);
+                const P* ph = c.phi.data() + b * c.phi.stride(0) + h * c.phi.stride(1) + t * c.phi.stride(2);
+                if constexpr (kHalved) {  // angles 4u + e: pairs (e, 4 + e) of the lane's values
+                  const index_t left = c.S - 4 * u;
+                  const int ne = left >= 4 ? 4 : left > 0 ? int(left) : 0;
+                  for (int e = 0; e < ne; ++e) {
+                    const P sn = Kokkos::sin(ph[4 * u + e]), co = Kokkos::cos(ph[4 * u + e]);
+                    P acc = 0;
+                    rot_pair_bwd(dq[e], dq[4 + e], q[e], q[4 + e], sn, co, acc);
+                    rot_pair_bwd(dk[e], dk[4 + e], k[e], k[4 + e], sn, co, acc);
+                    dph[4 * u + e] = acc;
+                  }
+                } else {  // angles 2u + e: pairs (2e, 2e + 1)
+                  const index_t left = c.S - 2 * u;
+                  const int ne = left >= 2 ? 2 : left > 0 ? int(left) : 0;
+                  for (int e = 0; e < ne; ++e) {
+                    const P sn = Kokkos::sin(ph[2 * u + e]), co = Kokkos::cos(ph[2 * u + e]);
+                    P acc = 0;
+                    rot_pair_bwd(dq[2 * e], dq[2 * e + 1], q[2 * e], q[2 * e + 1], sn, co, acc);
+                    rot_pair_bwd(dk[2 * e], dk[2 * e + 1], k[2 * e], k[2 * e + 1], sn, co, acc);
+                    dph[2 * u + e] = acc;
+                  }
+                }
+                for (int e = 0; e < W; ++e) {
+                  bq[e] += dq[e];
+                  bk[e] += dk[e];
+                  const index_t n = dim(e);
+                  gsum(lr, n) = (hh == 0 ? P(0) : gsum(lr, n)) + dk[e];
+                  gsum(lr, N + n) = (hh == 0 ? P(0) : gsum(lr, N + n)) + dq[e];
+                }
+              }
+              for (int e = 0; e < W; ++e) {
+                red(sl, dim(e)) = bk[e];
+                red(sl, N + dim(e)) = bq[e];
+              }
+            });
+          });
+          tm.team_barrier();
+          Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, 2 * N), [&](index_t col) {
+            P acc = 0;
+            for (int sl = 0; sl < kRotSlots; ++sl) acc += red(sl, col);
+            partial(tile, col < N ? h * N + col : HN + h * N + col - N) = acc;
+          });
+          tm.team_barrier();
         }
-        store_vec<4>(gq + 4 * j, dq);
-        store_vec<4>(gk + 4 * j, dk);
-      });
-    } else {  // quad j of each half: angles 4j + e
-      Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, diag ? hn / 4 : (c.S + 3) / 4), [&](index_t j) {
-        const index_t left = c.S - 4 * j;
-        const int ne = left >= 4 ? 4 : left > 0 ? int(left) : 0;
-        P q0[4], q1[4], k0[4], k1[4], dq0[4], dq1[4], dk0[4], dk1[4];
-        load_vec<4>(yq + 4 * j, q0);
-        load_vec<4>(yq + hn + 4 * j, q1);
-        load_vec<4>(yk + 4 * j, k0);
-        load_vec<4>(yk + hn + 4 * j, k1);
-        load_vec<4>(gq + 4 * j, dq0);
-        load_vec<4>(gq + hn + 4 * j, dq1);
-        load_vec<4>(gk + 4 * j, dk0);
-        load_vec<4>(gk + hn + 4 * j, dk1);
-        if (diag)
-          for (int e = 0; e < 4; ++e) {
-            dq0[e] += fd * k0[e];
-            dq1[e] += fd * k1[e];
-            dk0[e] += fd * q0[e] + (last ? fk(b, h, 0, 4 * j + e) : P(0));
-            dk1[e] += fd * q1[e] + (last ? fk(b, h, 0, hn + 4 * j + e) : P(0));
-          }
-        for (int e = 0; e < ne; ++e) {
-          const P s = Kokkos::sin(ph[4 * j + e]), co = Kokkos::cos(ph[4 * j + e]);
-          P acc = 0;
-          rot_pair_bwd(dq0[e], dq1[e], q0[e], q1[e], s, co, acc);
-          rot_pair_bwd(dk0[e], dk1[e], k0[e], k1[e], s, co, acc);
-          dph[4 * j + e] = acc;
-        }
-        store_vec<4>(gq + 4 * j, dq0);
-        store_vec<4>(gq + hn + 4 * j, dq1);
-        store_vec<4>(gk + 4 * j, dk0);
-        store_vec<4>(gk + hn + 4 * j, dk1);
-      });
-    }
-  });
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, nr), [&](index_t lr) {
+          Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, N), [&](index_t n) {
+            dqk(r0 + lr, k_col + g * N + n) = static_cast<T>(gsum(lr, n));
+            dqk(r0 + lr, q_col + g * N + n) = static_cast<T>(gsum(lr, N + n));
+          });
+        });
+      },
+      bytes, 0, lvl);
 }
 
 // q~ = Rot(phi) (qn + q_bias), k~ = Rot(phi) (kn + k_bias), per token, head and rank.
@@ -1190,9 +1236,27 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
   View4<P> dphi = ws.take<View4<P>>("mamba3::dphi", c.Bsz, c.H, c.L, c.S);
   const bool rotated = quads_ok(c, {{dqkv.data(), dqkv.stride(0)}});
   require(rotated || !diag_pending, "mamba3_scan_backward", "internal: the diagonal's terms need the quad kernels");
-  if (rotated)
-    rotate_bwd_quads(c, dqkv, dphi, diag_pending, dfin);
-  else
+  // the biases' gradient from a column sum of the un-rotated gradients [dk~ | dq~] (dkq, 2 H R N)
+  auto add_bias_grads = [&](const View1<P>& dkq) {
+    const auto dqb = gr.dq_bias;
+    const auto dkb = gr.dk_bias;
+    par_for("mamba3::dkq_bias_add", HRN, KOKKOS_LAMBDA(index_t j) {
+      dkb(j) += dkq(j);
+      dqb(j) += dkq(HRN + j);
+    });
+  };
+  if (rotated) {  // fused with the sums over each group's heads (into gr.dqk) and over the rows (the biases)
+    PoolScope local;  // returned at the end of the block
+    const index_t RT = kRotSlots * rot_rows_per_slot(c.N), ntiles = (rows + RT - 1) / RT;
+    View2<P> part = local.take<View2<P>>("mamba3::dkq_bias::tiles", ntiles, 2 * HRN);
+    if (c.halved)
+      rotate_bwd_reduce<T, true>(c, dqkv, dphi, diag_pending, dfin, gr.dqk, in.q_col, in.k_col, part);
+    else
+      rotate_bwd_reduce<T, false>(c, dqkv, dphi, diag_pending, dfin, gr.dqk, in.q_col, in.k_col, part);
+    View1<P> dkq = local.take<View1<P>>("mamba3::dkq_bias", 2 * HRN);
+    reduce_partials<P>("mamba3::dkq_bias", part, ntiles, 2 * HRN, dkq, false);
+    add_bias_grads(dkq);
+  } else
     par_for_rows("mamba3::rotate_bwd", rows * c.H, KOKKOS_LAMBDA(const Team& tm, index_t j) {
       const index_t rw = j / c.H, h = j % c.H, b = rw / c.L, t = rw % c.L;
       Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.S), [&](index_t i) {
@@ -1280,32 +1344,29 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
     for (index_t h = 0; h < c.H; ++h) acc += dphi(b, h, t, i) * c.delta(b, h, t);
     ddd(rw, c.angle_col + i) = static_cast<T>(acc * pi * (P(1) - th * th));
   });
-  // q and k: sum over the heads of each group.
+  // q and k: sum over the heads of each group (the quads' rotation backward formed these and the biases').
   const auto dqk = gr.dqk;
   const index_t q_col = in.q_col, k_col = in.k_col;
-  par_for("mamba3::qk_group_reduce", rows, c.R * c.G * c.N, KOKKOS_LAMBDA(index_t rw, index_t rgn) {
-    const index_t r = rgn / (c.G * c.N), g = (rgn / c.N) % c.G, n = rgn % c.N;
-    P sq = 0, sk = 0;
-    for (index_t h = g * c.hpg; h < (g + 1) * c.hpg; ++h) {
-      sq += dqkv(rw, c.q_off + (h * c.R + r) * c.N + n);
-      sk += dqkv(rw, c.k_off + (h * c.R + r) * c.N + n);
-    }
-    dqk(rw, q_col + rgn) = static_cast<T>(sq);
-    dqk(rw, k_col + rgn) = static_cast<T>(sk);
-  });
-  // Parameter gradients, ordered sums over rows.
-  // the q and k biases in one pass over the adjacent k and q columns (k_off, then q_off = k_off + H R N)
-  {
-    const index_t k_off = c.k_off;
-    View1<P> dkq = ws.take<View1<P>>("mamba3::dkq_bias", 2 * HRN);
-    column_reduce<P>("mamba3::dkq_bias", rows, 2 * HRN,
-                     KOKKOS_LAMBDA(index_t i, index_t j) { return dqkv(i, k_off + j); }, dkq, false);
-    const auto dqb = gr.dq_bias;
-    const auto dkb = gr.dk_bias;
-    par_for("mamba3::dkq_bias_add", HRN, KOKKOS_LAMBDA(index_t j) {
-      dkb(j) += dkq(j);
-      dqb(j) += dkq(HRN + j);
+  if (!rotated) {
+    par_for("mamba3::qk_group_reduce", rows, c.R * c.G * c.N, KOKKOS_LAMBDA(index_t rw, index_t rgn) {
+      const index_t r = rgn / (c.G * c.N), g = (rgn / c.N) % c.G, n = rgn % c.N;
+      P sq = 0, sk = 0;
+      for (index_t h = g * c.hpg; h < (g + 1) * c.hpg; ++h) {
+        sq += dqkv(rw, c.q_off + (h * c.R + r) * c.N + n);
+        sk += dqkv(rw, c.k_off + (h * c.R + r) * c.N + n);
+      }
+      dqk(rw, q_col + rgn) = static_cast<T>(sq);
+      dqk(rw, k_col + rgn) = static_cast<T>(sk);
     });
+    // Parameter gradients, ordered sums over rows.
+    // the q and k biases in one pass over the adjacent k and q columns (k_off, then q_off = k_off + H R N)
+    {
+      const index_t k_off = c.k_off;
+      View1<P> dkq = ws.take<View1<P>>("mamba3::dkq_bias", 2 * HRN);
+      column_reduce<P>("mamba3::dkq_bias", rows, 2 * HRN,
+                       KOKKOS_LAMBDA(index_t i, index_t j) { return dqkv(i, k_off + j); }, dkq, false);
+      add_bias_grads(dkq);
+    }
   }
   const index_t L = c.L;
   column_reduce<P>("mamba3::ddt_bias", rows, c.H,
