@@ -172,7 +172,7 @@ void conv_forward_runs(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, co
 // halo, recomputed: their dpre feed the run's last inputs), with dpre(t, c) = dy silu'(pre) (pre recomputed) kept in
 // a K-slot window of its own: dx(s) = sum_k w(c, k) dpre(s + (W-1) - k) over outputs of s's record that exist (< L)
 // is written once the window holds dpre(s + W - 1), and the run's sums of dpre x(t - (W-1) + k) (dw) and of dpre
-// (dbias) go to partials pw(run item, c W + k) and pb(run item, c). dpre never goes to memory: a first pass that
+// (dbias) go to partials pw(run item, c W + k) and pw(run item, C W + c). dpre never goes to memory: a first pass that
 // wrote it and a second that read it back for dx took 14.3 ms of a 217 ms LM step on an H200.
 // DX, kRound: dx's element type, and whether dx is written rounded to bf16 (a bf16 copy for a GEMM on bf16 operands;
 // bf16_op_t is float on host builds, where the rounding is emulated).
@@ -181,11 +181,12 @@ void conv_forward_runs(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, co
 template <int K, int CV, bool kRecs, bool kFull, class T, class DX = T, bool kRound = false>
 void conv_backward_runs(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, const View1<const acc_t<T>>& bias,
                         const SeqIdxView& seq_idx, const View2<const T>& dy, const UView2<DX>& dx, index_t dx_col,
-                        const View2<acc_t<T>>& pw, const View2<acc_t<T>>& pb) {
+                        const View2<acc_t<T>>& pw) {
   using P = acc_t<T>;
   const auto x = in.x;
   const auto prefix = in.prefix;
   const index_t col = in.col, L = in.seqlen, nr = (L + kConvRun - 1) / kConvRun, W = w.extent(1);
+  const index_t cw = in.channels * W;  // dbias' partials after dw's
   // The LM's variant (4 channels, no records, d_conv 4) held to 128 registers a thread: at its 136 Kokkos' blocks
   // of 128 threads left 3 blocks (12 warps) an SM, and the H200 ran it at 1.6 TB/s (ncu: 34 % of peak bandwidth,
   // the warps waiting on their loads); bounded, 4 blocks, with ptxas spilling 24 bytes
@@ -256,7 +257,7 @@ void conv_backward_runs(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, c
     for (int v = 0; v < CV; ++v) {
       for (int j = 0; j < K; ++j)
         if (j >= K - W) pw(br, (c + v) * W + j - (K - W)) = acc[j][v];
-      pb(br, c + v) = acc[K][v];
+      pw(br, cw + c + v) = acc[K][v];
     }
   });
 }
@@ -315,8 +316,8 @@ void conv_backward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, const 
   // summed in order (as column_reduce does)
   PoolScope ws;  // the partial sums: cached device blocks, returned at the end
   const index_t nb = in.batch * ((L + kConvRun - 1) / kConvRun);
-  View2<P> pw = ws.take<View2<P>>("conv1d::backward_dw::partial", nb, C * W);
-  View2<P> pb = ws.take<View2<P>>("conv1d::backward_dbias::partial", nb, C);
+  // dw's partials in columns c W + k, dbias' in C W + c: one reduction for both
+  View2<P> pw = ws.take<View2<P>>("conv1d::backward_dw::partial", nb, C * W + C);
   // 4 channels a work item up to d_conv 4 (the 8-slot window of wider convs with 4 channels spills registers)
   using Row = std::tuple<const void*, index_t, index_t>;
   const auto rows = {Row{in.x.data(), in.col, in.x.stride(0)}, Row{dy.data(), 0, dy.stride(0)},
@@ -327,13 +328,13 @@ void conv_backward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, const 
       with_flag(seq_idx.extent(0) > 0, [&](auto recs) {
         with_flag(W == K, [&](auto full) {
           conv_backward_runs<K, CV, decltype(recs)::value, decltype(full)::value, T, DX, kRound>(
-              in, w, bias, seq_idx, dy, dx, dx_col, pw, pb);
+              in, w, bias, seq_idx, dy, dx, dx_col, pw);
         });
       });
     });
   });
-  reduce_partials<P>("conv1d::backward_dw", pw, nb, C * W, View1<P>(dw.data(), C * W), true);
-  reduce_partials<P>("conv1d::backward_dbias", pb, nb, C, dbias, true);
+  reduce_partials<P>("conv1d::backward_dw", pw, nb, C * W, View1<P>(dw.data(), C * W), true, kReduceRowBlock, dbias,
+                     C);
 }
 }  // namespace
 

@@ -33,32 +33,65 @@ inline constexpr index_t kReduceColBlock = std::is_same_v<Exec, Kokkos::Cuda> ? 
 inline constexpr index_t kReduceColBlock = 32;
 #endif
 
-// out[j] = (accumulate ? out[j] : 0) + sum_{b<nb} partial(b, j): while there are more than rb partials they are
-// summed in blocks of rb again (one thread per column walking all of them took 11 ms for the 90 M parameters of a
-// gradient norm on an H200).
+// On CUDA the rounds of reduce_partials keep at least this many threads busy where their blocks allow: a round of
+// (partials / 256) x (columns) threads each walking 256 partials in turn left the SMs nearly idle on the conv1d
+// weight gradient's 512 x 7,168 partials (two rounds of 20 us each on an H200 for 15 MB) and on the norms'.
+inline constexpr index_t kReduceMinItems = index_t(1) << 16;
+// The rows per block of a round over nb partials of m columns: rb, or on CUDA the largest power-of-two fraction of
+// it (not below 8) that gives at least kReduceMinItems work items. Sums stay in a fixed order (a function of nb
+// and m, so runs are bit-identical); host backends keep rb.
+inline index_t reduce_round_rows(index_t nb, index_t m, index_t rb) {
+#if defined(KOKKOS_ENABLE_CUDA)
+  if constexpr (std::is_same_v<Exec, Kokkos::Cuda>) {
+    index_t r = rb;
+    while (r > 8 && ((nb + r - 1) / r) * m < kReduceMinItems) r /= 2;
+    return r;
+  }
+#endif
+  (void)nb;
+  (void)m;
+  return rb;
+}
+// Partials the last round of reduce_partials sums per column: rb on host backends, at most 16 on CUDA (one thread
+// a column walks them).
+inline index_t reduce_last_rows(index_t rb) {
+#if defined(KOKKOS_ENABLE_CUDA)
+  if constexpr (std::is_same_v<Exec, Kokkos::Cuda>) return rb < 16 ? rb : 16;
+#endif
+  return rb;
+}
+
+// out[j] = (accumulate ? out[j] : 0) + sum_{b<nb} partial(b, j) for j < m, and with out2 (m2 > 0 columns)
+// out2[j] likewise from partial(b, m + j): one reduction for two outputs whose partials share the rows. While
+// there are more partials than the last round takes (reduce_last_rows) they are summed in blocks again (one
+// thread per column walking all of them took 11 ms for the 90 M parameters of a gradient norm on an H200).
 template <class R>
 void reduce_partials(const char* label, View2<R> partial, index_t nb, index_t m, const View1<R>& out,
-                     bool accumulate, index_t rb = kReduceRowBlock) {
+                     bool accumulate, index_t rb = kReduceRowBlock, const View1<R>& out2 = View1<R>(),
+                     index_t m2 = 0) {
   PoolScope ws;  // each round's partial sums: cached device blocks, all held until the last kernel is queued
-  while (nb > rb) {
-    const index_t nb2 = (nb + rb - 1) / rb;
-    View2<R> next = ws.take<View2<R>>(std::string(label) + "::partial", nb2, m);
+  const index_t mt = m + m2;
+  while (nb > reduce_last_rows(rb)) {
+    const index_t r = reduce_round_rows(nb, mt, rb);
+    const index_t nb2 = (nb + r - 1) / r;
+    View2<R> next = ws.take<View2<R>>(std::string(label) + "::partial", nb2, mt);
     const auto p = partial;
     const index_t n = nb;
-    par_for(label, nb2, m, KOKKOS_LAMBDA(index_t b, index_t j) {
-      const index_t i1 = (b + 1) * rb < n ? (b + 1) * rb : n;
+    par_for(label, nb2, mt, KOKKOS_LAMBDA(index_t b, index_t j) {
+      const index_t i1 = (b + 1) * r < n ? (b + 1) * r : n;
       R t = R(0);
-      for (index_t i = b * rb; i < i1; ++i) t += p(i, j);
+      for (index_t i = b * r; i < i1; ++i) t += p(i, j);
       next(b, j) = t;
     });
     partial = next;
     nb = nb2;
   }
-  par_for(label, m, KOKKOS_LAMBDA(index_t j) {
-    R s = accumulate ? out(j) : R(0);
+  par_for(label, mt, KOKKOS_LAMBDA(index_t j) {
+    R& o = j < m ? out(j) : out2(j - m);
+    R s = accumulate ? o : R(0);
     R t = R(0);
     for (index_t b = 0; b < nb; ++b) t += partial(b, j);
-    out(j) = s + t;
+    o = s + t;
   });
 }
 

@@ -156,6 +156,22 @@ TEST_CASE("column_reduce is exact and ordered", "[core]") {
     CHECK(h[j] == expect);
   }
   CHECK(ordered_sum<double>("test::sum", 100, KOKKOS_LAMBDA(index_t i) { return double(i); }) == 4950.0);
+  {
+    // reduce_partials into two outputs (the first m1 columns, then m2): 600 partials, several rounds on CUDA
+    const index_t nb = 600, m1 = 300, m2 = 5;
+    View2<double> part("part", nb, m1 + m2);
+    par_for("test::fill", nb, m1 + m2, KOKKOS_LAMBDA(index_t b, index_t j) { part(b, j) = double((b * 7 + j) % 97); });
+    View1<double> o1("o1", m1), o2("o2", m2);
+    Kokkos::deep_copy(o1, 2.0);
+    Kokkos::deep_copy(o2, 3.0);
+    reduce_partials<double>("test::partials", part, nb, m1, o1, true, kReduceRowBlock, o2, m2);
+    const auto h1 = mmtest::to_vec(o1), h2 = mmtest::to_vec(o2);
+    for (index_t j = 0; j < m1 + m2; ++j) {
+      double expect = j < m1 ? 2.0 : 3.0;
+      for (index_t b = 0; b < nb; ++b) expect += double((b * 7 + j) % 97);
+      CHECK((j < m1 ? h1[j] : h2[j - m1]) == expect);
+    }
+  }
   // more than 256 x 256 rows: the block partials are summed in blocks again (integers: exact in double)
   const index_t big = 3 * 256 * 256 + 17;
   CHECK(ordered_sum<double>("test::sum_big", big, KOKKOS_LAMBDA(index_t i) { return double(i % 1000); }) ==
