@@ -472,11 +472,13 @@ void diagonal_bwd_quads(const Ctx<T>& c, const View2<const T>& dy, const View2<a
   });
 }
 
-// Rows per slot of the fused rotation backward (rotate_bwd_reduce): its team stages the group sums of a tile of
-// kRotSlots x rows-per-slot rows, 2 N values each, on chip; 4 rows a slot at N = 128 (40 KB of team scratch; from
-// N = 512 on, past 48 KB, the scratch is the global-memory level).
+// The fused rotation backward (rotate_bwd_reduce): a team of kRotSlots slots (a warp each on GPUs) takes a tile of
+// kRotSlots x kRotRows rows; its team scratch holds the tile's group sums (2 N values a row) and the slots' column
+// sums of one head (2 N values a slot): 40 KB at N = 128 with interleaved pairs (from N = 256 on, past 46 KB, the
+// scratch is the global-memory level).
 constexpr int kRotSlots = 8;
-KOKKOS_INLINE_FUNCTION index_t rot_rows_per_slot(index_t N) { return N >= 512 ? 1 : N >= 256 ? 2 : 512 / N; }
+template <bool kHalved>
+constexpr int kRotRows = kHalved ? 2 : 4;  // rows a slot (the registers of their q, k, dq, dk: 64 a lane)
 constexpr std::size_t kRotFastScratch = 46 * 1024;  // on-chip team scratch up to this (as ssd.cpp)
 
 // The rotation's backward on quads (SISO), fused with the two reductions that follow it: per (row, head, state
@@ -485,18 +487,21 @@ constexpr std::size_t kRotFastScratch = 46 * 1024;  // on-chip team scratch up t
 // -g0 y1 + g1 y0 per angle; the un-rotated gradients are not written back: they are summed over the heads of each
 // group into dqk (columns q_col / k_col + g N + n, written) and over each tile of rows into `partial`
 // (tile, [k: h N + n | q: H N + h N + n]), whose sum over the tiles is the biases' gradient. One team per (tile of
-// rows, group); for each head of the group every slot walks its rows, the group sums stay in team scratch and the
-// slots' column sums are added in slot order (no atomics; the same sums for any team size). Interleaved pairs: a
-// lane takes one quad (two angles); halved pairs: a quad of each half (four angles).
+// rows, group); for each head of the group every slot loads its rows' q, k, dq, dk at once, then handles them in
+// turn; the group sums stay in team scratch and the slots' column sums are added in slot order (no atomics; the
+// same sums for any team size). Interleaved pairs: a lane takes one quad (two angles); halved pairs: a quad of
+// each half (four angles). In team scratch value e of lane u sits at column e U + u (U lanes), so a warp's
+// accesses fall in distinct banks.
 template <class T, bool kHalved>
 void rotate_bwd_reduce(const Ctx<T>& c, const View2<acc_t<T>>& dqkv, const View4<acc_t<T>>& dphi, bool diag,
                        const Mamba3Carry<acc_t<T>>& dfin, const View2<T>& dqk, index_t q_col, index_t k_col,
                        const View2<acc_t<T>>& partial) {
   using P = acc_t<T>;
   constexpr int W = kHalved ? 8 : 4;  // values of q (and of k, dq, dk) a lane holds
+  constexpr int KR = kRotRows<kHalved>;
   const bool has_fk = diag && !dfin.empty();
   const auto fk = dfin.k;
-  const index_t N = c.N, rows = c.Bsz * c.L, kRows = rot_rows_per_slot(N), RT = kRotSlots * kRows;
+  const index_t N = c.N, rows = c.Bsz * c.L, RT = kRotSlots * KR;
   const index_t ntiles = (rows + RT - 1) / RT, U = N / W, HN = c.H * N;
   const std::size_t bytes = Scratch2<P>::shmem_size(RT, 2 * N) + Scratch2<P>::shmem_size(kRotSlots, 2 * N);
   const int lvl = bytes <= kRotFastScratch ? 0 : 1;
@@ -507,42 +512,48 @@ void rotate_bwd_reduce(const Ctx<T>& c, const View2<acc_t<T>>& dqkv, const View4
         const index_t r0 = tile * RT, nr = rows - r0 < RT ? rows - r0 : RT, hn = kHalved ? N / 2 : 0;
         Scratch2<P> gsum(tm.team_scratch(lvl), RT, 2 * N);   // [k | q] summed over the group's heads so far
         Scratch2<P> red(tm.team_scratch(lvl), kRotSlots, 2 * N);  // each slot's column sums of the current head
+        // the state dimension of value e of lane u: 4u + e (interleaved), or 4u + e and hn + 4u + e - 4 (halved)
+        auto dim = [=](index_t u, int e) { return kHalved ? (e < 4 ? 4 * u + e : hn + 4 * u + e - 4) : 4 * u + e; };
         for (index_t hh = 0; hh < c.hpg; ++hh) {
           const index_t h = g * c.hpg + hh;
           Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, kRotSlots), [&](int sl) {
             Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, U), [&](index_t u) {
-              // the lane's dimensions: 4u + e (interleaved), or 4u + e and hn + 4u + e (halved)
-              auto dim = [&](int e) { return kHalved ? (e < 4 ? 4 * u + e : hn + 4 * u + e - 4) : 4 * u + e; };
-              P bq[W], bk[W];
-              for (int e = 0; e < W; ++e) bq[e] = bk[e] = P(0);
-              for (index_t rr = 0; rr < kRows; ++rr) {
-                const index_t lr = sl * kRows + rr;
-                if (lr >= nr) break;
-                const index_t rw = r0 + lr, b = rw / c.L, t = rw % c.L;
+              // the lane's W values of a row, 16 bytes at a time
+              auto ld = [&](const P* src, P(&dst)[W]) {
+                for (int part = 0; part < W / 4; ++part) {
+                  P tq[4];
+                  load_vec<4>(src + dim(u, 4 * part), tq);
+                  for (int e = 0; e < 4; ++e) dst[4 * part + e] = tq[e];
+                }
+              };
+              // the slot's rows first, all loads in flight together (a row past the tile's end reads the tile's
+              // last row again; its values are not used)
+              P q[KR][W], k[KR][W], dq[KR][W], dk[KR][W];
+              for (int rr = 0; rr < KR; ++rr) {
+                const index_t lr = sl * KR + rr < nr ? sl * KR + rr : nr - 1, rw = r0 + lr;
                 const P* row = c.qkv.data() + rw * c.qkv.stride(0);
                 const P* drow = dqkv.data() + rw * dqkv.stride(0);
-                const P* yq = row + c.q_off + h * N;
-                const P* yk = row + c.k_off + h * N;
-                const P* gq = drow + c.q_off + h * N;
-                const P* gk = drow + c.k_off + h * N;
-                auto ld = [&](const P* src, P(&dst)[W]) {  // the lane's W values of a row, 16 bytes at a time
-                  for (int part = 0; part < W / 4; ++part) {
-                    P tq[4];
-                    load_vec<4>(src + dim(4 * part), tq);
-                    for (int e = 0; e < 4; ++e) dst[4 * part + e] = tq[e];
-                  }
-                };
-                P q[W], k[W], dq[W], dk[W];
-                ld(yq, q);
-                ld(yk, k);
-                ld(gq, dq);
-                ld(gk, dk);
+                ld(row + c.q_off + h * N, q[rr]);
+                ld(row + c.k_off + h * N, k[rr]);
+                ld(drow + c.q_off + h * N, dq[rr]);
+                ld(drow + c.k_off + h * N, dk[rr]);
+              }
+              P bq[W], bk[W];
+              for (int e = 0; e < W; ++e) bq[e] = bk[e] = P(0);
+              for (int rr = 0; rr < KR; ++rr) {
+                const index_t lr = sl * KR + rr;
+                if (lr >= nr) break;
+                const index_t rw = r0 + lr, b = rw / c.L, t = rw % c.L;
+                P* gq = dq[rr];
+                P* gk = dk[rr];
+                const P* yq = q[rr];
+                const P* yk = k[rr];
                 if (diag) {
                   const P fd = c.fdv(rw, h);
                   const bool last = has_fk && t == c.L - 1;
                   for (int e = 0; e < W; ++e) {
-                    dq[e] += fd * k[e];
-                    dk[e] += fd * q[e] + (last ? fk(b, h, 0, dim(e)) : P(0));
+                    gq[e] += fd * yk[e];
+                    gk[e] += fd * yq[e] + (last ? fk(b, h, 0, dim(u, e)) : P(0));
                   }
                 }
                 P* dph = dphi.data() + b * dphi.stride(0) + h * dphi.stride(1) + t * dphi.stride(2);
@@ -553,8 +564,8 @@ void rotate_bwd_reduce(const Ctx<T>& c, const View2<acc_t<T>>& dqkv, const View4
                   for (int e = 0; e < ne; ++e) {
                     const P sn = Kokkos::sin(ph[4 * u + e]), co = Kokkos::cos(ph[4 * u + e]);
                     P acc = 0;
-                    rot_pair_bwd(dq[e], dq[4 + e], q[e], q[4 + e], sn, co, acc);
-                    rot_pair_bwd(dk[e], dk[4 + e], k[e], k[4 + e], sn, co, acc);
+                    rot_pair_bwd(gq[e], gq[4 + e], yq[e], yq[4 + e], sn, co, acc);
+                    rot_pair_bwd(gk[e], gk[4 + e], yk[e], yk[4 + e], sn, co, acc);
                     dph[4 * u + e] = acc;
                   }
                 } else {  // angles 2u + e: pairs (2e, 2e + 1)
@@ -563,22 +574,22 @@ void rotate_bwd_reduce(const Ctx<T>& c, const View2<acc_t<T>>& dqkv, const View4
                   for (int e = 0; e < ne; ++e) {
                     const P sn = Kokkos::sin(ph[2 * u + e]), co = Kokkos::cos(ph[2 * u + e]);
                     P acc = 0;
-                    rot_pair_bwd(dq[2 * e], dq[2 * e + 1], q[2 * e], q[2 * e + 1], sn, co, acc);
-                    rot_pair_bwd(dk[2 * e], dk[2 * e + 1], k[2 * e], k[2 * e + 1], sn, co, acc);
+                    rot_pair_bwd(gq[2 * e], gq[2 * e + 1], yq[2 * e], yq[2 * e + 1], sn, co, acc);
+                    rot_pair_bwd(gk[2 * e], gk[2 * e + 1], yk[2 * e], yk[2 * e + 1], sn, co, acc);
                     dph[2 * u + e] = acc;
                   }
                 }
                 for (int e = 0; e < W; ++e) {
-                  bq[e] += dq[e];
-                  bk[e] += dk[e];
-                  const index_t n = dim(e);
-                  gsum(lr, n) = (hh == 0 ? P(0) : gsum(lr, n)) + dk[e];
-                  gsum(lr, N + n) = (hh == 0 ? P(0) : gsum(lr, N + n)) + dq[e];
+                  bq[e] += gq[e];
+                  bk[e] += gk[e];
+                  const index_t col = e * U + u;
+                  gsum(lr, col) = (hh == 0 ? P(0) : gsum(lr, col)) + gk[e];
+                  gsum(lr, N + col) = (hh == 0 ? P(0) : gsum(lr, N + col)) + gq[e];
                 }
               }
               for (int e = 0; e < W; ++e) {
-                red(sl, dim(e)) = bk[e];
-                red(sl, N + dim(e)) = bq[e];
+                red(sl, e * U + u) = bk[e];
+                red(sl, N + e * U + u) = bq[e];
               }
             });
           });
@@ -586,14 +597,16 @@ void rotate_bwd_reduce(const Ctx<T>& c, const View2<acc_t<T>>& dqkv, const View4
           Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, 2 * N), [&](index_t col) {
             P acc = 0;
             for (int sl = 0; sl < kRotSlots; ++sl) acc += red(sl, col);
-            partial(tile, col < N ? h * N + col : HN + h * N + col - N) = acc;
+            const index_t part = col / N, e = (col % N) / U, u = col % U, n = dim(u, int(e));
+            partial(tile, part == 0 ? h * N + n : HN + h * N + n) = acc;
           });
           tm.team_barrier();
         }
         Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, nr), [&](index_t lr) {
-          Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, N), [&](index_t n) {
-            dqk(r0 + lr, k_col + g * N + n) = static_cast<T>(gsum(lr, n));
-            dqk(r0 + lr, q_col + g * N + n) = static_cast<T>(gsum(lr, N + n));
+          Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, N), [&](index_t col) {
+            const index_t e = col / U, u = col % U, n = dim(u, int(e));
+            dqk(r0 + lr, k_col + g * N + n) = static_cast<T>(gsum(lr, col));
+            dqk(r0 + lr, q_col + g * N + n) = static_cast<T>(gsum(lr, N + col));
           });
         });
       },
@@ -1247,7 +1260,7 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
   };
   if (rotated) {  // fused with the sums over each group's heads (into gr.dqk) and over the rows (the biases)
     PoolScope local;  // returned at the end of the block
-    const index_t RT = kRotSlots * rot_rows_per_slot(c.N), ntiles = (rows + RT - 1) / RT;
+    const index_t RT = kRotSlots * (c.halved ? kRotRows<true> : kRotRows<false>), ntiles = (rows + RT - 1) / RT;
     View2<P> part = local.take<View2<P>>("mamba3::dkq_bias::tiles", ntiles, 2 * HRN);
     if (c.halved)
       rotate_bwd_reduce<T, true>(c, dqkv, dphi, diag_pending, dfin, gr.dqk, in.q_col, in.k_col, part);
