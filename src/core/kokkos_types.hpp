@@ -194,8 +194,9 @@ inline void par_for_team(const char* label, index_t league, const F& f, std::siz
 
 // Hierarchical loop with vector lanes: on a GPU, teams of `gpu_team` threads of `gpu_vector` lanes each (a warp's
 // lanes share a thread's work through ThreadVectorRange, so row accesses coalesce); on host backends one lane per
-// thread and an AUTO team size. Scratch as in par_for_team.
-template <class F>
+// thread and an AUTO team size. Scratch as in par_for_team. Bounds: launch bounds as in par_for (the default leaves
+// the register count to the compiler).
+template <class Bounds = Kokkos::LaunchBounds<>, class F>
 inline void par_for_team_vec(const char* label, index_t league, int gpu_team, int gpu_vector, const F& f,
                              std::size_t team_bytes = 0, std::size_t thread_bytes = 0, int scratch_level = 0) {
 #if defined(KOKKOS_ENABLE_CUDA)
@@ -203,8 +204,9 @@ inline void par_for_team_vec(const char* label, index_t league, int gpu_team, in
 #else
   constexpr bool gpu = false;
 #endif
-  auto policy = gpu ? Kokkos::TeamPolicy<Exec>(static_cast<int>(league), gpu_team, gpu_vector)
-                    : Kokkos::TeamPolicy<Exec>(static_cast<int>(league), Kokkos::AUTO);
+  using Policy = Kokkos::TeamPolicy<Exec, Bounds>;
+  auto policy = gpu ? Policy(static_cast<int>(league), gpu_team, gpu_vector)
+                    : Policy(static_cast<int>(league), Kokkos::AUTO);
   if (team_bytes > 0 || thread_bytes > 0)
     policy = policy.set_scratch_size(scratch_level, Kokkos::PerTeam(team_bytes), Kokkos::PerThread(thread_bytes));
   Kokkos::parallel_for(label, light(policy), f);

@@ -474,11 +474,11 @@ void diagonal_bwd_quads(const Ctx<T>& c, const View2<const T>& dy, const View2<a
 
 // The fused rotation backward (rotate_bwd_reduce): a team of kRotSlots slots (a warp each on GPUs) takes a tile of
 // kRotSlots x kRotRows rows; its team scratch holds the tile's group sums (2 N values a row) and the slots' column
-// sums of one head (2 N values a slot): 40 KB at N = 128 with interleaved pairs (from N = 256 on, past 46 KB, the
+// sums of one head (2 N values a slot): 24 KB at N = 128 with interleaved pairs (past 46 KB, from N = 512 on, the
 // scratch is the global-memory level).
 constexpr int kRotSlots = 8;
 template <bool kHalved>
-constexpr int kRotRows = kHalved ? 2 : 4;  // rows a slot (the registers of their q, k, dq, dk: 64 a lane)
+constexpr int kRotRows = kHalved ? 1 : 2;  // rows a slot (the registers of their q, k, dq, dk: 32 a lane)
 constexpr std::size_t kRotFastScratch = 46 * 1024;  // on-chip team scratch up to this (as ssd.cpp)
 
 // The rotation's backward on quads (SISO), fused with the two reductions that follow it: per (row, head, state
@@ -505,7 +505,8 @@ void rotate_bwd_reduce(const Ctx<T>& c, const View2<acc_t<T>>& dqkv, const View4
   const index_t ntiles = (rows + RT - 1) / RT, U = N / W, HN = c.H * N;
   const std::size_t bytes = Scratch2<P>::shmem_size(RT, 2 * N) + Scratch2<P>::shmem_size(kRotSlots, 2 * N);
   const int lvl = bytes <= kRotFastScratch ? 0 : 1;
-  par_for_team_vec(
+  // registers held to 80 a thread (3 teams, 24 warps an SM; ptxas gave it 108 unbounded, 2 teams)
+  par_for_team_vec<Kokkos::LaunchBounds<kRotSlots * 32, 3>>(
       "mamba3::rotate_bwd", ntiles * c.G, kRotSlots, 32,
       KOKKOS_LAMBDA(const Team& tm) {
         const index_t tile = index_t(tm.league_rank()) / c.G, g = index_t(tm.league_rank()) % c.G;
@@ -540,51 +541,39 @@ void rotate_bwd_reduce(const Ctx<T>& c, const View2<acc_t<T>>& dqkv, const View4
               }
               P bq[W], bk[W];
               for (int e = 0; e < W; ++e) bq[e] = bk[e] = P(0);
-              for (int rr = 0; rr < KR; ++rr) {
+              for (int rr = 0; rr < KR; ++rr) {  // (arrays indexed directly: a pointer into one sends it to the stack)
                 const index_t lr = sl * KR + rr;
-                if (lr >= nr) break;
-                const index_t rw = r0 + lr, b = rw / c.L, t = rw % c.L;
-                P* gq = dq[rr];
-                P* gk = dk[rr];
-                const P* yq = q[rr];
-                const P* yk = k[rr];
-                if (diag) {
-                  const P fd = c.fdv(rw, h);
-                  const bool last = has_fk && t == c.L - 1;
+                if (lr < nr) {
+                  const index_t rw = r0 + lr, b = rw / c.L, t = rw % c.L;
+                  if (diag) {
+                    const P fd = c.fdv(rw, h);
+                    const bool last = has_fk && t == c.L - 1;
+                    for (int e = 0; e < W; ++e) {
+                      dq[rr][e] += fd * k[rr][e];
+                      dk[rr][e] += fd * q[rr][e] + (last ? fk(b, h, 0, dim(u, e)) : P(0));
+                    }
+                  }
+                  P* dph = dphi.data() + b * dphi.stride(0) + h * dphi.stride(1) + t * dphi.stride(2);
+                  const P* ph = c.phi.data() + b * c.phi.stride(0) + h * c.phi.stride(1) + t * c.phi.stride(2);
+                  // angles 4u + e on pairs (e, 4 + e) of the lane's values (halved), or 2u + e on (2e, 2e + 1)
+                  constexpr int A = kHalved ? 4 : 2;
+                  const index_t left = c.S - A * u;
+                  for (int e = 0; e < A; ++e) {
+                    if (e >= left) break;
+                    const int i0 = kHalved ? e : 2 * e, i1 = kHalved ? 4 + e : 2 * e + 1;
+                    const P sn = Kokkos::sin(ph[A * u + e]), co = Kokkos::cos(ph[A * u + e]);
+                    P acc = 0;
+                    rot_pair_bwd(dq[rr][i0], dq[rr][i1], q[rr][i0], q[rr][i1], sn, co, acc);
+                    rot_pair_bwd(dk[rr][i0], dk[rr][i1], k[rr][i0], k[rr][i1], sn, co, acc);
+                    dph[A * u + e] = acc;
+                  }
                   for (int e = 0; e < W; ++e) {
-                    gq[e] += fd * yk[e];
-                    gk[e] += fd * yq[e] + (last ? fk(b, h, 0, dim(u, e)) : P(0));
+                    bq[e] += dq[rr][e];
+                    bk[e] += dk[rr][e];
+                    const index_t col = e * U + u;
+                    gsum(lr, col) = (hh == 0 ? P(0) : gsum(lr, col)) + dk[rr][e];
+                    gsum(lr, N + col) = (hh == 0 ? P(0) : gsum(lr, N + col)) + dq[rr][e];
                   }
-                }
-                P* dph = dphi.data() + b * dphi.stride(0) + h * dphi.stride(1) + t * dphi.stride(2);
-                const P* ph = c.phi.data() + b * c.phi.stride(0) + h * c.phi.stride(1) + t * c.phi.stride(2);
-                if constexpr (kHalved) {  // angles 4u + e: pairs (e, 4 + e) of the lane's values
-                  const index_t left = c.S - 4 * u;
-                  const int ne = left >= 4 ? 4 : left > 0 ? int(left) : 0;
-                  for (int e = 0; e < ne; ++e) {
-                    const P sn = Kokkos::sin(ph[4 * u + e]), co = Kokkos::cos(ph[4 * u + e]);
-                    P acc = 0;
-                    rot_pair_bwd(gq[e], gq[4 + e], yq[e], yq[4 + e], sn, co, acc);
-                    rot_pair_bwd(gk[e], gk[4 + e], yk[e], yk[4 + e], sn, co, acc);
-                    dph[4 * u + e] = acc;
-                  }
-                } else {  // angles 2u + e: pairs (2e, 2e + 1)
-                  const index_t left = c.S - 2 * u;
-                  const int ne = left >= 2 ? 2 : left > 0 ? int(left) : 0;
-                  for (int e = 0; e < ne; ++e) {
-                    const P sn = Kokkos::sin(ph[2 * u + e]), co = Kokkos::cos(ph[2 * u + e]);
-                    P acc = 0;
-                    rot_pair_bwd(gq[2 * e], gq[2 * e + 1], yq[2 * e], yq[2 * e + 1], sn, co, acc);
-                    rot_pair_bwd(gk[2 * e], gk[2 * e + 1], yk[2 * e], yk[2 * e + 1], sn, co, acc);
-                    dph[2 * u + e] = acc;
-                  }
-                }
-                for (int e = 0; e < W; ++e) {
-                  bq[e] += gq[e];
-                  bk[e] += gk[e];
-                  const index_t col = e * U + u;
-                  gsum(lr, col) = (hh == 0 ? P(0) : gsum(lr, col)) + gk[e];
-                  gsum(lr, N + col) = (hh == 0 ? P(0) : gsum(lr, N + col)) + gq[e];
                 }
               }
               for (int e = 0; e < W; ++e) {
