@@ -33,9 +33,10 @@ inline constexpr index_t kReduceColBlock = std::is_same_v<Exec, Kokkos::Cuda> ? 
 inline constexpr index_t kReduceColBlock = 32;
 #endif
 
-// On CUDA the rounds of reduce_partials keep at least this many threads busy where their blocks allow: a round of
-// (partials / 256) x (columns) threads each walking 256 partials in turn left the SMs nearly idle on the conv1d
-// weight gradient's 512 x 7,168 partials (two rounds of 20 us each on an H200 for 15 MB) and on the norms'.
+// On CUDA the rounds of reduce_partials keep at least this many threads busy where their blocks allow (a round of
+// (partials / 256) x (columns) threads each walking 256 partials in turn leaves most SMs idle). Measured on an
+// H200 (perf/RESULTS.md, twenty-fifth session): the conv1d weight gradient's two rounds over 512 x 8,960 partials
+// still took ~20 us each (1.00 ms for 48 calls before and after), so the blocking was not what held them.
 inline constexpr index_t kReduceMinItems = index_t(1) << 16;
 // The rows per block of a round over nb partials of m columns: rb, or on CUDA the largest power-of-two fraction of
 // it (not below 8) that gives at least kReduceMinItems work items. Sums stay in a fixed order (a function of nb

@@ -430,7 +430,7 @@ void diagonal_quads(const Ctx<T>& c, const View2<T>& y) {
 
 // The diagonal's backward on quads (see backward_ssd), from the rotation's q~ . k~: ddg, dw, dv (into dvo's
 // columns v_col + h Pd, with the final carry's v gradient) and fdv = (gamma_t - w_t) (dy . v), whose terms in dq~
-// and dk~ the rotation's backward adds (rotate_bwd_quads, with the final carry's k gradient).
+// and dk~ the rotation's backward adds (rotate_bwd_reduce, with the final carry's k gradient).
 template <class T>
 void diagonal_bwd_quads(const Ctx<T>& c, const View2<const T>& dy, const View2<acc_t<T>>& dqkv,
                         const View3<acc_t<T>>& ddg, const View3<acc_t<T>>& dw, const View2<T>& dvo, index_t v_col,
