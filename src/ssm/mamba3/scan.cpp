@@ -801,18 +801,8 @@ void mamba3_scan_forward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, co
                 index_t(fin.phi.extent(2)) == c.S,
             "mamba3_scan_forward", "final carry does not match the shape");
   recompute(c, in.init, fin.S);
-  if (keeping) {
-    forward_ssd(c, s, in.init, y, fin.S, ws, &keep->ssd, pool);
-    keep->delta = c.delta;
-    keep->lam = c.lam;
-    keep->Av = c.Av;
-    keep->w = c.w;
-    keep->ad = c.ad;
-    keep->phi = c.phi;
-    keep->qkv = c.qkv;
-    keep->qkd = c.qkd;
-  } else if (c.ssd)
-    forward_ssd(c, s, in.init, y, fin.S, ws, static_cast<SSDSaved<T>*>(nullptr), nullptr);
+  if (c.ssd)
+    forward_ssd(c, s, in.init, y, fin.S, ws, keeping ? &keep->ssd : nullptr, pool);
   else
     par_for_team(
       "mamba3::chunk_scan", c.Bsz * c.nc * c.H,
@@ -871,6 +861,16 @@ void mamba3_scan_forward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, co
         for (index_t p = 0; p < c.Pd; ++p) fv(b, h, r, p) = P(vv[p]);
       }
     });
+  }
+  if (keeping) {  // the context the backward reads (its blocks from pool; the SSD's own kept above)
+    keep->delta = c.delta;
+    keep->lam = c.lam;
+    keep->Av = c.Av;
+    keep->w = c.w;
+    keep->ad = c.ad;
+    keep->phi = c.phi;
+    keep->qkv = c.qkv;
+    keep->qkd = c.qkd;
   }
 }
 
