@@ -15,8 +15,8 @@ bool shape_fits(index_t E, index_t N, index_t cpg) {
   return (N == 8 || N == 16) && E % kChannels == 0 && cpg % kChannels == 0;
 }
 
-constexpr int kOldVariants = 4;  // variants 1..4 are the time-parallel kernel's shapes, 5..7 the state lanes
-static_assert(kVariants == kOldVariants + 3);
+constexpr int kOldVariants = 4;  // variants 1..4 are the time-parallel kernel's shapes, 5..9 the state lanes
+static_assert(kVariants == kOldVariants + 5);
 
 namespace {
 // (slots per channel, tokens per slot, states per group, u and delta staged in shared memory) of variants
@@ -43,6 +43,8 @@ const char* variant_name(int v) {
   if (v == 5) return "lanes T32";
   if (v == 6) return "lanes T32 U8";
   if (v == 7) return "lanes T32 U8 pipelined";
+  if (v == 8) return "lanes T32 U8, 16 slots";
+  if (v == 9) return "lanes T32 U8 pipelined, 16 slots";
   return v >= 1 && v <= kOldVariants ? kShapes[v - 1].name : "lanes T32 U8 pipelined, or S8 K8 G4 staged where the lanes do not fit";
 }
 
@@ -339,9 +341,12 @@ __host__ __device__ constexpr int lanes_floats() {
 template <int N, int T, int SL, int U, int M, bool kSeq>
 __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
   constexpr int NT = kLC * SL;  // threads
-  constexpr int SP = N / SL, TP = lanes_row<T>(), NQ = T / 4, QPT = NQ * kLC / NT;  // states, quads per thread
+  constexpr int SP = N / SL, TP = lanes_row<T>(), NQ = T / 4;  // states a thread, quads of the tile
+  // phases A and C: pieces of W tokens of one channel (quads, or pairs where the block has more threads than the
+  // tile has (channel, quad)s: 16 slots of one state), QPT pieces a thread
+  constexpr int W = NQ * kLC >= NT ? 4 : 2, QPT = T / W * kLC / NT;
   constexpr int BQ = N * NQ;  // 16-byte pieces of one tile of B (and of C)
-  static_assert(N % SL == 0 && (NQ * kLC) % NT == 0 && BQ <= NT * QPT && NT % N == 0);
+  static_assert(N % SL == 0 && (T / W * kLC) % NT == 0 && BQ <= NT * QPT && NT % N == 0);
   extern __shared__ float4 lsmem4[];  // lanes_floats<N, T, SL>(): Delta, Delta u, B, C, partial outputs, keep flags
   float* sdt = reinterpret_cast<float*>(lsmem4);
   float *sdu = sdt + kLC * TP, *sb = sdu + kLC * TP, *sc = sb + N * TP, *sy = sc + N * TP;
@@ -365,24 +370,24 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
   // 4 (r + SL j) .. + 3 of channel c; piece j of B and C covers tokens 4 (tid / N + j NT / N) .. + 3 of state
   // tid % N. Rows are reached from per-thread pointers to the tile's first row and 32-bit row offsets (the caller
   // checks that 2 T rows of every operand span fewer than 2^31 floats).
-  float pu[QPT][4], pd[QPT][4], pz[QPT][4], pb[QPT][4], pc[QPT][4];
-  int ps[QPT][5];
+  float pu[QPT][W], pd[QPT][W], pz[QPT][W], pb[QPT][4], pc[QPT][4];
+  int ps[QPT][W + 1];
   const int lu = int(a.ld_u), ldl = int(a.ld_delta), lz = int(a.ld_z), lbc = int(a.ld_bc), lo = int(a.ld_out);
-  const float* gu = a.u + (b * L + 4 * r) * a.ld_u + d;
-  const float* gd = a.delta + (b * L + 4 * r) * a.ld_delta + d;
-  const float* gz = a.z ? a.z + (b * L + 4 * r) * a.ld_z + d : nullptr;
+  const float* gu = a.u + (b * L + W * r) * a.ld_u + d;
+  const float* gd = a.delta + (b * L + W * r) * a.ld_delta + d;
+  const float* gz = a.z ? a.z + (b * L + W * r) * a.ld_z + d : nullptr;
   const index_t bc_off = (b * L + 4 * (tid / N)) * a.ld_bc + g * N + tid % N;
   const float *gb = a.B + bc_off, *gc = a.C + bc_off;
-  float* go = a.out + (b * L + 4 * r) * a.ld_out + d;
+  float* go = a.out + (b * L + W * r) * a.ld_out + d;
   // the tile at t0 (kFull: all T tokens inside the sequence, no checks); the pointers then move on by T rows
   auto fetch = [&](index_t t0, auto full_tag) {
     constexpr bool kFull = decltype(full_tag)::value;
 #pragma unroll
     for (int j = 0; j < QPT; ++j) {
-      const index_t tq = t0 + 4 * (r + SL * j);
+      const index_t tq = t0 + W * (r + SL * j);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int row = 4 * SL * j + k;
+      for (int k = 0; k < W; ++k) {
+        const int row = W * SL * j + k;
         const bool in = kFull || tq + k < L;
         pu[j][k] = in ? __ldg(gu + row * lu) : 0.f;
         pd[j][k] = in ? __ldg(gd + row * ldl) : 0.f;
@@ -451,30 +456,31 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
   auto tile = [&](index_t t0, auto full_tag) {
     constexpr bool kFull = decltype(full_tag)::value;
     // A. this tile's inputs into shared memory; u and z stay in registers for phase C
-    float uu[QPT][4], zz[QPT][4];
+    float uu[QPT][W], zz[QPT][W];
+    using VecW = std::conditional_t<W == 4, float4, float2>;
 #pragma unroll
     for (int j = 0; j < QPT; ++j) {
-      const int qd = r + SL * j;
-      float4 vdt, vdu;
+      const int qd = r + SL * j;  // the piece
+      VecW vdt, vdu;
       float* pdt = &vdt.x;
       float* pdu = &vdu.x;
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const bool in = kFull || t0 + 4 * qd + k < L;
+      for (int k = 0; k < W; ++k) {
+        const bool in = kFull || t0 + W * qd + k < L;
         const float dl = in ? softplus_lanes(pd[j][k] + bias) : 0.f;  // past the end: the state passes unchanged
         pdt[k] = dl;
         pdu[k] = dl * pu[j][k];
         uu[j][k] = pu[j][k];
         zz[j][k] = pz[j][k];
       }
-      *reinterpret_cast<float4*>(sdt + c * TP + 4 * qd) = vdt;
-      *reinterpret_cast<float4*>(sdu + c * TP + 4 * qd) = vdu;
+      *reinterpret_cast<VecW*>(sdt + c * TP + W * qd) = vdt;
+      *reinterpret_cast<VecW*>(sdu + c * TP + W * qd) = vdu;
       if constexpr (kSeq) {
         if (c == 0) {
 #pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            const index_t t = t0 + 4 * qd + k;
-            skeep[4 * qd + k] = t > 0 && t < L && ps[j][k + 1] != ps[j][k] ? 0.f : 1.f;  // a record starts at t
+          for (int k = 0; k < W; ++k) {
+            const index_t t = t0 + W * qd + k;
+            skeep[W * qd + k] = t > 0 && t < L && ps[j][k + 1] != ps[j][k] ? 0.f : 1.f;  // a record starts at t
           }
         }
       }
@@ -522,20 +528,21 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
     // C. the slots' partials summed (in slot order), D skip, gate, store
 #pragma unroll
     for (int j = 0; j < QPT; ++j) {
-      const int qd = r + SL * j;
-      const float4 p0 = *reinterpret_cast<const float4*>(sy + c * TP + 4 * qd);
-      float y[4] = {p0.x, p0.y, p0.z, p0.w};
+      const int qd = r + SL * j;  // the piece
+      float y[W];
 #pragma unroll
-      for (int sl = 1; sl < SL; ++sl) {
-        const float4 p = *reinterpret_cast<const float4*>(sy + (sl * kLC + c) * TP + 4 * qd);
-        y[0] += p.x, y[1] += p.y, y[2] += p.z, y[3] += p.w;
+      for (int sl = 0; sl < SL; ++sl) {
+        const VecW p = *reinterpret_cast<const VecW*>(sy + (sl * kLC + c) * TP + W * qd);
+        const float* pp = &p.x;
+#pragma unroll
+        for (int k = 0; k < W; ++k) y[k] = sl == 0 ? pp[k] : y[k] + pp[k];
       }
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        if (kFull || t0 + 4 * qd + k < L) {
+      for (int k = 0; k < W; ++k) {
+        if (kFull || t0 + W * qd + k < L) {
           float o = fmaf(De, uu[j][k], y[k]);
           if (a.z) o *= silu_fast(zz[j][k]);
-          go[(4 * SL * j + k) * lo] = o;
+          go[(W * SL * j + k) * lo] = o;
         }
       }
     }
@@ -630,6 +637,8 @@ void forward(const FwdArgs& a) {
     switch (v) {  // (N = 8 in 8 slots: one state each)
       case 5: a.N == 16 ? launch_lanes<16, 32, 8, 2, 0>(a) : launch_lanes<8, 32, 8, 2, 0>(a); break;
       case 6: a.N == 16 ? launch_lanes<16, 32, 8, 8, 0>(a) : launch_lanes<8, 32, 8, 8, 0>(a); break;
+      case 8: a.N == 16 ? launch_lanes<16, 32, 16, 8, 0>(a) : launch_lanes<8, 32, 8, 8, 0>(a); break;
+      case 9: a.N == 16 ? launch_lanes<16, 32, 16, 8, 1>(a) : launch_lanes<8, 32, 8, 8, 1>(a); break;
       default: a.N == 16 ? launch_lanes<16, 32, 8, 8, 1>(a) : launch_lanes<8, 32, 8, 8, 1>(a); break;
     }
     return;
