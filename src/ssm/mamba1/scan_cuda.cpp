@@ -15,8 +15,8 @@ bool shape_fits(index_t E, index_t N, index_t cpg) {
   return (N == 8 || N == 16) && E % kChannels == 0 && cpg % kChannels == 0;
 }
 
-constexpr int kOldVariants = 4;  // variants 1..4 are the time-parallel kernel's shapes, 5..9 the state lanes
-static_assert(kVariants == kOldVariants + 5);
+constexpr int kOldVariants = 4;  // variants 1..4 are the time-parallel kernel's shapes, 5..7 the state lanes
+static_assert(kVariants == kOldVariants + 3);
 
 namespace {
 // (slots per channel, tokens per slot, states per group, u and delta staged in shared memory) of variants
@@ -43,8 +43,6 @@ const char* variant_name(int v) {
   if (v == 5) return "lanes T32";
   if (v == 6) return "lanes T32 U8";
   if (v == 7) return "lanes T32 U8 pipelined";
-  if (v == 8) return "lanes T32 U8, 2 channels a thread";
-  if (v == 9) return "lanes T32 U8 pipelined, 2 channels a thread";
   return v >= 1 && v <= kOldVariants ? kShapes[v - 1].name : "lanes T32 U8 pipelined, or S8 K8 G4 staged where the lanes do not fit";
 }
 
@@ -325,9 +323,11 @@ static_assert(kLC == kBwdBlock);
 // tile's quads unrolled U times (U = 8, the whole tile: 1.5 % faster than U = 2 on an H200). Tried on an H200 and
 // dropped: tiles of 64 tokens (no faster), 4 slots of 4 states (1.2x slower: 5.5 warps per SM), a phase-B warp of
 // 8 channels x 4 slots (the same time and the same shared-memory wavefronts, about 3 per 16-byte load) and of
-// 4 channels x 8 slots (8-way bank conflicts on the partial-output stores, 1.65x slower). 16 slots of one state
-// would double the warps, but their partial outputs (64 KiB a block at T = 64) leave room for only two blocks per
-// SM, two waves for 4 x 1,536 channels.
+// 4 channels x 8 slots (8-way bank conflicts on the partial-output stores, 1.65x slower); 16 slots of one state
+// (phases A and C on token pairs: twice the warps, 0.796 ms against 0.512 ms: twice the Delta and Delta u loads a
+// (token, state) and 16 partials a token to sum); a thread of 2 channels x 2 states (64-thread blocks: 0.5 shared
+// loads a (token, state) instead of 0.75, 20 % fewer load wavefronts, but 5.4 warps per SM issuing on 43 % of
+// cycles: 0.655 ms). perf/RESULTS.md, 2026-12-04.
 template <int T>
 __host__ __device__ constexpr int lanes_row() {
   return T + 4;  // a padded row of T floats: 16-byte aligned, and 8 consecutive rows start in 8 different bank quads
@@ -338,41 +338,33 @@ __host__ __device__ constexpr int lanes_floats() {
   return (2 * kLC + 2 * N + SL * kLC) * lanes_row<T>() + T;
 }
 
-template <int N, int T, int SL, int U, int M, bool kSeq, int CP>
-__global__ void __launch_bounds__(kLC * SL / CP, 3) lanes_kernel(const FwdArgs a) {
-  constexpr int NT = kLC * SL / CP;  // threads: phase B gives each CP channels (of the SL slots' states)
+template <int N, int T, int SL, int U, int M, bool kSeq>
+__global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
+  constexpr int NT = kLC * SL;  // threads
   constexpr int SP = N / SL, TP = lanes_row<T>(), NQ = T / 4, QPT = NQ * kLC / NT;  // states, quads per thread
-  constexpr int RA = NT / kLC, CB = kLC / CP;  // phases A and C: threads per channel; phase B: channel groups
   constexpr int BQ = N * NQ;  // 16-byte pieces of one tile of B (and of C)
-  static_assert(N % SL == 0 && kLC % CP == 0 && (NQ * kLC) % NT == 0 && BQ <= NT * QPT && NT % N == 0 &&
-                NT % kLC == 0);
+  static_assert(N % SL == 0 && (NQ * kLC) % NT == 0 && BQ <= NT * QPT && NT % N == 0);
   extern __shared__ float4 lsmem4[];  // lanes_floats<N, T, SL>(): Delta, Delta u, B, C, partial outputs, keep flags
   float* sdt = reinterpret_cast<float*>(lsmem4);
   float *sdu = sdt + kLC * TP, *sb = sdu + kLC * TP, *sc = sb + N * TP, *sy = sc + N * TP;
   float* skeep = sy + SL * kLC * TP;
   const int tid = int(threadIdx.x);
   const index_t b = blockIdx.y, d0 = index_t(blockIdx.x) * kLC, g = d0 / a.cpg, L = a.L, BE = a.batch * a.E;
-  // phases A and C: channel c, quads r + RA j; phase B: channels cb + CB i (i < CP), slot rb (states rb + SL q)
-  const int c = tid % kLC, r = tid / kLC, cb = tid % CB, rb = tid / CB;
-  const index_t d = d0 + c;
-  float a2[CP][SP], h[CP][SP];
-  index_t bdb[CP];  // phase B's (batch row, channel)s
+  // channel c; r: the slot in phase B (states r + SL q), the first quad in phases A and C (quads r + SL j)
+  const int c = tid % kLC, r = tid / kLC;
+  const index_t d = d0 + c, bd = b * a.E + d;
+  float a2[SP], h[SP];
 #pragma unroll
-  for (int i = 0; i < CP; ++i) {
-    const index_t di = d0 + cb + CB * i;
-    bdb[i] = b * a.E + di;
-#pragma unroll
-    for (int q = 0; q < SP; ++q) {
-      const int n = rb + SL * q;
-      a2[i][q] = a.A[di * a.N + n] * kLog2e;
-      h[i][q] = a.init ? a.init[bdb[i] * a.N + n] : 0.f;
-      a.ckpt[index_t(n) * BE + bdb[i]] = h[i][q];  // the state entering chunk 0
-    }
+  for (int q = 0; q < SP; ++q) {
+    const int n = r + SL * q;
+    a2[q] = a.A[d * a.N + n] * kLog2e;
+    h[q] = a.init ? a.init[bd * a.N + n] : 0.f;
+    a.ckpt[index_t(n) * BE + bd] = h[q];  // the state entering chunk 0
   }
   const float De = a.D[d], bias = a.bias[d];
   const std::int32_t* seq = kSeq ? a.seq + b * a.ld_seq : nullptr;
   // The next tile's inputs, in flight during the current tile's recurrence: quad j of this thread covers tokens
-  // 4 (r + RA j) .. + 3 of channel c; piece j of B and C covers tokens 4 (tid / N + j NT / N) .. + 3 of state
+  // 4 (r + SL j) .. + 3 of channel c; piece j of B and C covers tokens 4 (tid / N + j NT / N) .. + 3 of state
   // tid % N. Rows are reached from per-thread pointers to the tile's first row and 32-bit row offsets (the caller
   // checks that 2 T rows of every operand span fewer than 2^31 floats).
   float pu[QPT][4], pd[QPT][4], pz[QPT][4], pb[QPT][4], pc[QPT][4];
@@ -389,10 +381,10 @@ __global__ void __launch_bounds__(kLC * SL / CP, 3) lanes_kernel(const FwdArgs a
     constexpr bool kFull = decltype(full_tag)::value;
 #pragma unroll
     for (int j = 0; j < QPT; ++j) {
-      const index_t tq = t0 + 4 * (r + RA * j);
+      const index_t tq = t0 + 4 * (r + SL * j);
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const int row = 4 * RA * j + k;
+        const int row = 4 * SL * j + k;
         const bool in = kFull || tq + k < L;
         pu[j][k] = in ? __ldg(gu + row * lu) : 0.f;
         pd[j][k] = in ? __ldg(gd + row * ldl) : 0.f;
@@ -422,15 +414,10 @@ __global__ void __launch_bounds__(kLC * SL / CP, 3) lanes_kernel(const FwdArgs a
   };
   // Phase B's terms for quad qd of the tile in shared memory: per state q and token k the decay
   // e = exp2(Delta A log2 e) (times the record-start flag), the input x = Delta u B and C
-  auto quad_terms = [&](int qd, float (&e)[CP][SP][4], float (&x)[CP][SP][4], float (&cc)[SP][4]) {
-    float dtk[CP][4], duk[CP][4];
-#pragma unroll
-    for (int i = 0; i < CP; ++i) {
-      const float4 dt4 = *reinterpret_cast<const float4*>(sdt + (cb + CB * i) * TP + 4 * qd);
-      const float4 du4 = *reinterpret_cast<const float4*>(sdu + (cb + CB * i) * TP + 4 * qd);
-      dtk[i][0] = dt4.x, dtk[i][1] = dt4.y, dtk[i][2] = dt4.z, dtk[i][3] = dt4.w;
-      duk[i][0] = du4.x, duk[i][1] = du4.y, duk[i][2] = du4.z, duk[i][3] = du4.w;
-    }
+  auto quad_terms = [&](int qd, float (&e)[SP][4], float (&x)[SP][4], float (&cc)[SP][4]) {
+    const float4 dt4 = *reinterpret_cast<const float4*>(sdt + c * TP + 4 * qd);
+    const float4 du4 = *reinterpret_cast<const float4*>(sdu + c * TP + 4 * qd);
+    const float dtk[4] = {dt4.x, dt4.y, dt4.z, dt4.w}, duk[4] = {du4.x, du4.y, du4.z, du4.w};
     [[maybe_unused]] float keep[4] = {1.f, 1.f, 1.f, 1.f};
     if constexpr (kSeq) {
       const float4 k4 = *reinterpret_cast<const float4*>(skeep + 4 * qd);
@@ -438,34 +425,28 @@ __global__ void __launch_bounds__(kLC * SL / CP, 3) lanes_kernel(const FwdArgs a
     }
 #pragma unroll
     for (int q = 0; q < SP; ++q) {
-      const int n = rb + SL * q;
+      const int n = r + SL * q;
       const float4 b4 = *reinterpret_cast<const float4*>(sb + n * TP + 4 * qd);
       const float4 c4 = *reinterpret_cast<const float4*>(sc + n * TP + 4 * qd);
       const float bk[4] = {b4.x, b4.y, b4.z, b4.w}, ck[4] = {c4.x, c4.y, c4.z, c4.w};
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
+        e[q][k] = ex2(dtk[k] * a2[q]);
+        if constexpr (kSeq) e[q][k] *= keep[k];
+        x[q][k] = duk[k] * bk[k];
         cc[q][k] = ck[k];
-#pragma unroll
-        for (int i = 0; i < CP; ++i) {
-          e[i][q][k] = ex2(dtk[i][k] * a2[i][q]);
-          if constexpr (kSeq) e[i][q][k] *= keep[k];
-          x[i][q][k] = duk[i][k] * bk[k];
-        }
       }
     }
   };
   // the recurrence through the quad's 4 tokens, y[k]: the sum of this thread's C h at token k
-  auto quad_chain = [&](const float (&e)[CP][SP][4], const float (&x)[CP][SP][4], const float (&cc)[SP][4],
-                        float (&y)[CP][4]) {
+  auto quad_chain = [&](const float (&e)[SP][4], const float (&x)[SP][4], const float (&cc)[SP][4], float (&y)[4]) {
 #pragma unroll
     for (int q = 0; q < SP; ++q)
 #pragma unroll
-      for (int k = 0; k < 4; ++k)
-#pragma unroll
-        for (int i = 0; i < CP; ++i) {
-          h[i][q] = fmaf(e[i][q][k], h[i][q], x[i][q][k]);
-          y[i][k] = q == 0 ? cc[q][k] * h[i][q] : fmaf(cc[q][k], h[i][q], y[i][k]);
-        }
+      for (int k = 0; k < 4; ++k) {
+        h[q] = fmaf(e[q][k], h[q], x[q][k]);
+        y[k] = q == 0 ? cc[q][k] * h[q] : fmaf(cc[q][k], h[q], y[k]);
+      }
   };
   index_t next_ck = a.Q;
   // one tile (kFull: all T tokens inside the sequence)
@@ -475,7 +456,7 @@ __global__ void __launch_bounds__(kLC * SL / CP, 3) lanes_kernel(const FwdArgs a
     float uu[QPT][4], zz[QPT][4];
 #pragma unroll
     for (int j = 0; j < QPT; ++j) {
-      const int qd = r + RA * j;
+      const int qd = r + SL * j;
       float4 vdt, vdu;
       float* pdt = &vdt.x;
       float* pdu = &vdu.x;
@@ -509,9 +490,7 @@ __global__ void __launch_bounds__(kLC * SL / CP, 3) lanes_kernel(const FwdArgs a
     if (t0 + T < L) fetch_at(t0 + T);
     if (t0 == next_ck) {  // the state entering chunk t0 / Q
 #pragma unroll
-      for (int i = 0; i < CP; ++i)
-#pragma unroll
-        for (int q = 0; q < SP; ++q) a.ckpt[((t0 / a.Q) * N + rb + SL * q) * BE + bdb[i]] = h[i][q];
+      for (int q = 0; q < SP; ++q) a.ckpt[((t0 / a.Q) * N + r + SL * q) * BE + bd] = h[q];
       next_ck += a.Q;
     }
     // B. the recurrence over the tile, this thread's states; partial outputs per token. M = 0 stores each quad's
@@ -522,17 +501,14 @@ __global__ void __launch_bounds__(kLC * SL / CP, 3) lanes_kernel(const FwdArgs a
     if constexpr (M == 0) {
 #pragma unroll U
       for (int qd = 0; qd < NQ; ++qd) {
-        float e[CP][SP][4], x[CP][SP][4], cc[SP][4], y[CP][4];
+        float e[SP][4], x[SP][4], cc[SP][4], y[4];
         quad_terms(qd, e, x, cc);
         quad_chain(e, x, cc, y);
-#pragma unroll
-        for (int i = 0; i < CP; ++i)
-          *reinterpret_cast<float4*>(sy + (rb * kLC + cb + CB * i) * TP + 4 * qd) =
-              make_float4(y[i][0], y[i][1], y[i][2], y[i][3]);
+        *reinterpret_cast<float4*>(sy + (r * kLC + c) * TP + 4 * qd) = make_float4(y[0], y[1], y[2], y[3]);
       }
     } else {
       static_assert(U == NQ, "the pipelined phase B unrolls the whole tile");
-      float yq[NQ][CP][4], e[2][CP][SP][4], x[2][CP][SP][4], cc[2][SP][4];
+      float yq[NQ][4], e[2][SP][4], x[2][SP][4], cc[2][SP][4];
       quad_terms(0, e[0], x[0], cc[0]);
 #pragma unroll
       for (int qd = 0; qd < NQ; ++qd) {
@@ -541,16 +517,14 @@ __global__ void __launch_bounds__(kLC * SL / CP, 3) lanes_kernel(const FwdArgs a
       }
 #pragma unroll
       for (int qd = 0; qd < NQ; ++qd)
-#pragma unroll
-        for (int i = 0; i < CP; ++i)
-          *reinterpret_cast<float4*>(sy + (rb * kLC + cb + CB * i) * TP + 4 * qd) =
-              make_float4(yq[qd][i][0], yq[qd][i][1], yq[qd][i][2], yq[qd][i][3]);
+        *reinterpret_cast<float4*>(sy + (r * kLC + c) * TP + 4 * qd) =
+            make_float4(yq[qd][0], yq[qd][1], yq[qd][2], yq[qd][3]);
     }
     __syncthreads();
     // C. the slots' partials summed (in slot order), D skip, gate, store
 #pragma unroll
     for (int j = 0; j < QPT; ++j) {
-      const int qd = r + RA * j;
+      const int qd = r + SL * j;
       const float4 p0 = *reinterpret_cast<const float4*>(sy + c * TP + 4 * qd);
       float y[4] = {p0.x, p0.y, p0.z, p0.w};
 #pragma unroll
@@ -563,7 +537,7 @@ __global__ void __launch_bounds__(kLC * SL / CP, 3) lanes_kernel(const FwdArgs a
         if (kFull || t0 + 4 * qd + k < L) {
           float o = fmaf(De, uu[j][k], y[k]);
           if (a.z) o *= silu_fast(zz[j][k]);
-          go[(4 * RA * j + k) * lo] = o;
+          go[(4 * SL * j + k) * lo] = o;
         }
       }
     }
@@ -575,28 +549,26 @@ __global__ void __launch_bounds__(kLC * SL / CP, 3) lanes_kernel(const FwdArgs a
   if (L_full < L) tile(L_full, std::false_type{});
   if (a.final_state) {
 #pragma unroll
-    for (int i = 0; i < CP; ++i)
-#pragma unroll
-      for (int q = 0; q < SP; ++q) a.final_state[bdb[i] * N + rb + SL * q] = h[i][q];
+    for (int q = 0; q < SP; ++q) a.final_state[bd * N + r + SL * q] = h[q];
   }
 }
 
-template <int N, int T, int SL, int U, int M, bool kSeq, int CP>
+template <int N, int T, int SL, int U, int M, bool kSeq>
 void launch_lanes_one(const FwdArgs& a) {
   constexpr int bytes = int(sizeof(float)) * lanes_floats<N, T, SL>();
   static_assert(bytes <= 48 * 1024, "past 48 KiB a launch must first raise cudaFuncAttributeMaxDynamicSharedMemorySize");
-  lanes_kernel<N, T, SL, U, M, kSeq, CP><<<dim3(unsigned(a.E / kLC), unsigned(a.batch)), kLC * SL / CP, bytes,
-                                          Kokkos::DefaultExecutionSpace().cuda_stream()>>>(a);
+  lanes_kernel<N, T, SL, U, M, kSeq><<<dim3(unsigned(a.E / kLC), unsigned(a.batch)), kLC * SL, bytes,
+                             Kokkos::DefaultExecutionSpace().cuda_stream()>>>(a);
   const cudaError_t e = cudaGetLastError();
   require(e == cudaSuccess, "selective_scan_forward (CUDA)", "the kernel failed to launch: ", cudaGetErrorString(e));
 }
 
-template <int N, int T, int SL, int U, int M, int CP = 1>
+template <int N, int T, int SL, int U, int M>
 void launch_lanes(const FwdArgs& a) {
   if (a.seq)
-    launch_lanes_one<N, T, SL, U, M, true, CP>(a);
+    launch_lanes_one<N, T, SL, U, M, true>(a);
   else
-    launch_lanes_one<N, T, SL, U, M, false, CP>(a);
+    launch_lanes_one<N, T, SL, U, M, false>(a);
 }
 
 template <int N, int S, int K, int G, bool kStage, bool kSeq>
@@ -660,8 +632,6 @@ void forward(const FwdArgs& a) {
     switch (v) {  // (N = 8 in 8 slots: one state each)
       case 5: a.N == 16 ? launch_lanes<16, 32, 8, 2, 0>(a) : launch_lanes<8, 32, 8, 2, 0>(a); break;
       case 6: a.N == 16 ? launch_lanes<16, 32, 8, 8, 0>(a) : launch_lanes<8, 32, 8, 8, 0>(a); break;
-      case 8: a.N == 16 ? launch_lanes<16, 32, 8, 8, 0, 2>(a) : launch_lanes<8, 32, 8, 8, 0, 2>(a); break;
-      case 9: a.N == 16 ? launch_lanes<16, 32, 8, 8, 1, 2>(a) : launch_lanes<8, 32, 8, 8, 1, 2>(a); break;
       default: a.N == 16 ? launch_lanes<16, 32, 8, 8, 1>(a) : launch_lanes<8, 32, 8, 8, 1>(a); break;
     }
     return;
