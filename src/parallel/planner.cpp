@@ -103,8 +103,9 @@ struct Dims {
   index_t tp, ep, cp = 1;
   double concurrency_teams;
   double moe_b16 = 0;    // bytes of a bf16 operand on the MoE bf16 expert path (0: the path is off)
-  // bytes of an element of the Mamba-2 layers' bf16 copies under bf16 GEMMs (the gated norm's kept output, the
-  // backward's d(zxbcdt)): 2 on CUDA builds; 0 elsewhere (fp32 GEMMs, double data, host builds, which keep fp32)
+  // bytes of an element of the Mamba-2 and Mamba-3 layers' bf16 copies under bf16 GEMMs (the gated norm's or the
+  // gate's kept output, the backward's d(zxbcdt)): 2 on CUDA builds; 0 elsewhere (fp32 GEMMs, double data, host
+  // builds, which keep fp32)
   double copy_b16 = 0;
 };
 
@@ -293,7 +294,9 @@ LayerMem mem_mamba3(const Mamba3Config& c, const Dims& d, Recompute pol) {
   const double Q = double(c.chunk_size), nc = std::ceil(d.L / Q);
   const double RGN = R * G * N, HRP = H * R * P, din = 2 * E + 2 * RGN + 3 * H + S;
   LayerMem m;
-  m.full = d.n * (d.t * (din + 2 * RGN + (c.is_mimo ? HRP : 0.0) + HRP + E) + d.a * 2 * R * G +
+  // proj, qk, v (MIMO), y, and o: fp32, or its bf16 copy only under bf16 GEMMs (mixer.cpp, Mamba3Acts::o_b)
+  const double o_el = d.copy_b16 > 0 ? d.copy_b16 : d.t;
+  m.full = d.n * (d.t * (din + 2 * RGN + (c.is_mimo ? HRP : 0.0) + HRP) + o_el * E + d.a * 2 * R * G +
                   (c.is_outproj_norm ? d.a * H * R : 0.0));
   m.keep = pol == Recompute::none ? m.full : 0.0;
   const double grads = d.n * d.t * (E + din + HRP + 2 * RGN + (c.is_mimo ? HRP : 0.0));

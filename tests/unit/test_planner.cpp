@@ -284,11 +284,14 @@ TEST_CASE("planner: the MoE bf16 expert path's activations equal the peak the re
   // gemm_precision = bf16: the MoE layers take the bf16 expert path (emulated on host builds, whose bf16 operands
   // are floats: the planner counts sizeof(bf16_op_t) bytes per operand, 4 here and 2 on CUDA) with its bf16 copies
   // of the expert weights, kept with the activations; on CUDA the Mamba-2 layer ("M2 E") keeps its gated norm's
-  // output as a bf16 copy
+  // output, and the Mamba-3 layer ("M3 E", MIMO rank 2 as small_mixed has it, then SISO) its gate's output, as a bf16
+  // copy
   const mm::FloatGemmComputeScope b16(mm::GemmCompute::bf16);
-  for (const char* pat : {"E E", "M2 E"}) {
+  for (const char* pat : {"E E", "M2 E", "M3 E", "M3 E siso"}) {
     PlanModel m = small_mixed();
-    m.layers.pattern = mm::parse_layer_pattern(pat, "test");
+    const std::string ps(pat);
+    m.layers.pattern = mm::parse_layer_pattern(ps.substr(0, 4), "test");
+    if (ps.size() > 4) m.layers.mamba3.is_mimo = false;
     m.n_layer = 2;
     for (Recompute pol : {Recompute::none, Recompute::mixer})
       for (index_t L : {64, 200}) {

@@ -266,10 +266,11 @@ bool gate_quads_ok(const Gate<T>& gt, std::initializer_list<std::pair<const void
 }
 
 // Gate (and the per-head norm, whose rstd it stores first) and the MIMO down-projection into o; elementwise over
-// (token, column) so that a warp reads and writes contiguous columns.
-template <class T>
-void gate_forward(const Gate<T>& gt, acc_t<T> eps, const View2<T>& o) {
+// (token, column) so that a warp reads and writes contiguous columns. kB16: o is out_proj's bf16 copy (float T only).
+template <class T, bool kB16 = false>
+void gate_forward(const Gate<T>& gt, acc_t<T> eps, const View2<std::conditional_t<kB16, bf16_op_t, T>>& o) {
   using P = acc_t<T>;
+  static_assert(!kB16 || std::is_same_v<T, float>);
   const index_t n = o.extent(0);
   if (gt.norm)
     per_head_rank("mamba3::gate_rstd", n, gt.H, gt.R, KOKKOS_LAMBDA(const Team& tm, index_t i, index_t h, index_t r) {
@@ -279,7 +280,11 @@ void gate_forward(const Gate<T>& gt, acc_t<T> eps, const View2<T>& o) {
           Kokkos::ThreadVectorRange(tm, gt.Pd), [&](index_t p, P& a) { a += P(yr[p]) * P(yr[p]); }, ss);
       Kokkos::single(Kokkos::PerThread(tm), [&]() { gt.rstd(i, h * gt.R + r) = P(1) / Kokkos::sqrt(ss / P(gt.Pd) + eps); });
     });
-  if (gate_quads_ok(gt, {{o.data(), o.stride(0)}})) {  // SISO: quads of columns, 16-byte accesses on GPUs
+  // SISO: quads of columns, 16-byte accesses on GPUs (8-byte stores of the bf16 copy)
+  const bool quads = kB16 ? gate_quads_ok(gt, {}) && reinterpret_cast<std::uintptr_t>(o.data()) % 8 == 0 &&
+                                o.stride(0) % 4 == 0
+                          : gate_quads_ok(gt, {{o.data(), o.stride(0)}});
+  if (quads) {
     par_for("mamba3::gate", n, gt.H * gt.Pd / 4, KOKKOS_LAMBDA(index_t i, index_t qu) {
       const index_t hp = 4 * qu, h = hp / gt.Pd;
       P yv[4], zv[4], sc[4] = {P(1), P(1), P(1), P(1)}, ov[4];
@@ -290,7 +295,11 @@ void gate_forward(const Gate<T>& gt, acc_t<T> eps, const View2<T>& o) {
         for (int e = 0; e < 4; ++e) sc[e] *= gt.rstd(i, h);
       }
       for (int e = 0; e < 4; ++e) ov[e] = yv[e] * sc[e] * silu(zv[e]);
-      store_vec<4>(&o(i, hp), ov);
+      auto* dst = &o(i, hp);  // (o captured outside the constexpr-if: nvcc's extended lambdas need that)
+      if constexpr (kB16)
+        store_bf16_op_vec<4>(dst, ov);
+      else
+        store_vec<4>(dst, ov);
     });
     return;
   }
@@ -298,7 +307,11 @@ void gate_forward(const Gate<T>& gt, acc_t<T> eps, const View2<T>& o) {
     const index_t h = hp / gt.Pd, p = hp % gt.Pd;
     P acc = 0;
     for (index_t r = 0; r < gt.R; ++r) acc += gt.mo_of(h, r, p) * gt.yw(i, h, r, p) * silu(gt.zz(i, h, r, p));
-    o(i, hp) = static_cast<T>(acc);
+    auto& dst = o(i, hp);
+    if constexpr (kB16)
+      dst = to_bf16_op(float(acc));
+    else
+      dst = static_cast<T>(acc);
   });
 }
 
@@ -315,7 +328,10 @@ void Mamba3Mixer<T>::run_internals(const View2<T>& u, index_t batch, index_t seq
   a.proj = ws.take<View2<T>>("mamba3::proj", n, cfg_.d_in_proj());
   a.qk = ws.take<View2<T>>("mamba3::qk", n, 2 * RGN);
   a.y = ws.take<View2<T>>("mamba3::y", n, H * R * Pd);
-  a.o = ws.take<View2<T>>("mamba3::o", n, E);
+  if (bf16_out_proj())
+    a.o_b = ws.take<View2<bf16_op_t>>("mamba3::o_bf16", n, E);
+  else
+    a.o = ws.take<View2<T>>("mamba3::o", n, E);
   a.rstd_qk = ws.take<View2<P>>("mamba3::rstd_qk", n, 2 * RG);
   linear_forward<T>(u, store_->v2(in_proj_), View1<const P>(), a.proj);
 
@@ -344,7 +360,24 @@ void Mamba3Mixer<T>::run_internals(const View2<T>& u, index_t batch, index_t seq
     gt.rstd = a.rstd_out;
     gt.w = store_->v1(norm_w_);
   }
+  if constexpr (std::is_same_v<T, float>) {
+    if (a.o_b.extent(0) > 0) return gate_forward<T, true>(gt, P(cfg_.norm_eps), a.o_b);
+  }
   gate_forward<T>(gt, P(cfg_.norm_eps), a.o);
+}
+
+template <class T>
+bool Mamba3Mixer<T>::bf16_out_proj() const {
+  return std::is_same_v<T, float> && float_gemm_on_bf16_copies();
+}
+
+// out = o W_out^T from the kept gate output, fp32 or its bf16 copy.
+template <class T>
+void Mamba3Mixer<T>::out_proj_forward(const Mamba3Acts<T>& acts, const View2<T>& out) const {
+  if constexpr (std::is_same_v<T, float>) {
+    if (acts.o_b.extent(0) > 0) return linear_forward_gemm_bf16x(acts.o_b, store_->v2(out_proj_), out);
+  }
+  linear_forward<T>(acts.o, store_->v2(out_proj_), View1<const P>(), out);
 }
 
 template <class T>
@@ -377,7 +410,7 @@ void Mamba3Mixer<T>::forward(const View2<T>& u, index_t batch, index_t seqlen, c
   acts.init = init ? init->carry : Mamba3Carry<P>{};
   acts.seq = seq;
   run_internals(u, batch, seqlen, acts, final_state ? final_state->carry : Mamba3Carry<P>{});
-  linear_forward<T>(acts.o, store_->v2(out_proj_), View1<const P>(), out);
+  out_proj_forward(acts, out);
   if (!save) {
     Mamba3Acts<T> keep;
     keep.u = u;
@@ -405,7 +438,14 @@ void Mamba3Mixer<T>::backward(Mamba3Acts<T>& a, index_t batch, index_t seqlen, c
   PoolScope ws;
   // out_proj
   View2<T> dO = ws.take<View2<T>>("mamba3::dO", n, E);
-  linear_backward<T>(a.o, store_->v2(out_proj_), dout, dO, false, store_->g2(out_proj_), View1<P>());
+  bool done = false;
+  if constexpr (std::is_same_v<T, float>) {
+    if (a.o_b.extent(0) > 0) {  // dO = dout W_out, dW_out += dout^T o from the bf16 copy
+      linear_backward_gemms_bf16x(dout, store_->v2(out_proj_), a.o_b, 0.0f, dO, 1.0f, store_->g2(out_proj_));
+      done = true;
+    }
+  }
+  if (!done) linear_backward<T>(a.o, store_->v2(out_proj_), dout, dO, false, store_->g2(out_proj_), View1<P>());
 
   View2<T> dproj = ws.take<View2<T>>("mamba3::dproj", n, cfg_.d_in_proj());
   // SISO: every column is written below (z by the gate's backward, x by the scan's dv, C and B by their norms'
@@ -684,7 +724,7 @@ void Mamba3Mixer<T>::forward_cp(const View2<T>& u, index_t batch, index_t seqlen
   acts.init = init;
   acts.seq = seq;
   run_internals(u, batch, seqlen, acts, Mamba3Carry<P>{});
-  linear_forward<T>(acts.o, store_->v2(out_proj_), View1<const P>(), out);
+  out_proj_forward(acts, out);
   acts.cp_cont = rec.cont;
   acts.cp_whole = rec.whole;
   if (!save) {

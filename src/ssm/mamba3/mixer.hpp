@@ -45,6 +45,7 @@
 #include "parallel/context_parallel.hpp"
 #include "parallel/grid.hpp"
 #include "ssm/mamba3/scan.hpp"
+#include "tensor/gemm.hpp"  // bf16_op_t
 
 namespace mm {
 
@@ -103,7 +104,8 @@ struct Mamba3Acts {
   View2<T> qk;    // [qn (R G N) | kn (R G N)]
   View2<T> v;     // MIMO only: x * mimo_x (B*L, H R P)
   View2<T> y;     // scan output (B*L, H R P)
-  View2<T> o;     // out_proj input (B*L, E)
+  View2<T> o;     // out_proj input (B*L, E); empty where it is kept only as its bf16 copy
+  View2<bf16_op_t> o_b;  // ... its bf16 copy only, under bf16 GEMMs on CUDA (T = float; Mamba3Mixer::bf16_out_proj)
   View2<acc_t<T>> rstd_qk;   // (B*L, 2 R G)
   View2<acc_t<T>> rstd_out;  // (B*L, H R) with is_outproj_norm
   Mamba3ScanSaved<T> scan;   // the scan's forward context on the SSD route (scan.hpp), read by the backward
@@ -166,6 +168,10 @@ class Mamba3Mixer {
   void run_internals(const View2<T>& u, index_t batch, index_t seqlen, Mamba3Acts<T>& acts,
                      const Mamba3Carry<P>& final_carry) const;
   Mamba3ScanIn<T> scan_in(const Mamba3Acts<T>& acts) const;
+  // out_proj's input kept only as the bf16 copy its GEMMs take (acts.o_b): T = float under bf16 GEMMs
+  // (tensor/gemm.hpp, float_gemm_on_bf16_copies: CUDA only)
+  bool bf16_out_proj() const;
+  void out_proj_forward(const Mamba3Acts<T>& acts, const View2<T>& out) const;
   void forward_cp(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq, const View2<T>& out,
                   Mamba3Acts<T>& acts, bool save) const;
 
