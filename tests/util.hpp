@@ -60,6 +60,22 @@ inline double rel_err(const std::vector<double>& a, const std::vector<double>& b
   return num / den;
 }
 
+// One mixer's forward + backward on host: its output, the input gradient and every parameter gradient.
+struct MixerRun {
+  std::vector<double> out, du, grads;
+};
+// The bf16-copy checks of a mixer (Mamba-2's gated norm, Mamba-3's gate): the run under bf16 GEMMs (b16) within
+// bf16 rounding of the fp32-GEMM run (ref) for the output and the parameter gradients (3e-2) and the input gradient
+// (du_tol), and the same run under the recompute policy (b16rc) equal to it bit for bit.
+inline void check_bf16_runs(const MixerRun& ref, const MixerRun& b16, const MixerRun& b16rc, double du_tol) {
+  CHECK(rel_err(b16.out, ref.out) < 3e-2);
+  CHECK(rel_err(b16.du, ref.du) < du_tol);
+  CHECK(rel_err(b16.grads, ref.grads) < 3e-2);
+  CHECK(b16rc.out == b16.out);
+  CHECK(b16rc.du == b16.du);
+  CHECK(b16rc.grads == b16.grads);
+}
+
 inline double dot(const std::vector<double>& a, const std::vector<double>& b) {
   double s = 0;
   for (std::size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];

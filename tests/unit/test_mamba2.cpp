@@ -142,9 +142,6 @@ TEST_CASE("Mamba-2 mixer with bf16 GEMMs: the out_proj input kept as the norm's 
   View2<float> u("u", B * L, cfg.d_model), dout("dout", B * L, cfg.d_model);
   fill_uniform(u, 3);
   fill_uniform(dout, 4);
-  struct Run {
-    std::vector<double> out, du, grads;
-  };
   auto run = [&](GemmCompute c, bool save) {
     const FloatGemmComputeScope scope(c);
     Mamba2Acts<float> acts;
@@ -161,16 +158,11 @@ TEST_CASE("Mamba-2 mixer with bf16 GEMMs: the out_proj input kept as the norm's 
     }
     ps.zero_grads();
     mixer.backward(acts, B, L, SeqIdxView(), dout, du);
-    return Run{to_vec(out), to_vec(du), to_vec(ps.grads())};
+    return mmtest::MixerRun{to_vec(out), to_vec(du), to_vec(ps.grads())};
   };
-  const Run ref = run(GemmCompute::fp32, true), b16 = run(GemmCompute::bf16, true),
-            b16rc = run(GemmCompute::bf16, false);
-  CHECK(rel_err(b16.out, ref.out) < 3e-2);
-  CHECK(rel_err(b16.du, ref.du) < 3e-2);
-  CHECK(rel_err(b16.grads, ref.grads) < 3e-2);
-  CHECK(b16rc.out == b16.out);
-  CHECK(b16rc.du == b16.du);
-  CHECK(b16rc.grads == b16.grads);
+  const mmtest::MixerRun ref = run(GemmCompute::fp32, true), b16 = run(GemmCompute::bf16, true),
+                         b16rc = run(GemmCompute::bf16, false);
+  mmtest::check_bf16_runs(ref, b16, b16rc, 3e-2);
 }
 
 TEST_CASE("Mamba-2 mixer given its input only as a bf16 copy equals the mixer on the rounded fp32 input",

@@ -380,6 +380,16 @@ void Mamba3Mixer<T>::out_proj_forward(const Mamba3Acts<T>& acts, const View2<T>&
   linear_forward<T>(acts.o, store_->v2(out_proj_), View1<const P>(), out);
 }
 
+// dO = dout W_out, dW_out += dout^T o, from the kept gate output, fp32 or its bf16 copy.
+template <class T>
+void Mamba3Mixer<T>::out_proj_backward(const Mamba3Acts<T>& a, const View2<const T>& dout, const View2<T>& dO) const {
+  if constexpr (std::is_same_v<T, float>) {
+    if (a.o_b.extent(0) > 0)
+      return linear_backward_gemms_bf16x(dout, store_->v2(out_proj_), a.o_b, 0.0f, dO, 1.0f, store_->g2(out_proj_));
+  }
+  linear_backward<T>(a.o, store_->v2(out_proj_), dout, dO, false, store_->g2(out_proj_), View1<P>());
+}
+
 template <class T>
 void Mamba3Mixer<T>::forward(const View2<T>& u, index_t batch, index_t seqlen, const View2<T>& out,
                              Mamba3Acts<T>& acts, bool save, const Mamba3State<T>* init,
@@ -438,14 +448,7 @@ void Mamba3Mixer<T>::backward(Mamba3Acts<T>& a, index_t batch, index_t seqlen, c
   PoolScope ws;
   // out_proj
   View2<T> dO = ws.take<View2<T>>("mamba3::dO", n, E);
-  bool done = false;
-  if constexpr (std::is_same_v<T, float>) {
-    if (a.o_b.extent(0) > 0) {  // dO = dout W_out, dW_out += dout^T o from the bf16 copy
-      linear_backward_gemms_bf16x(dout, store_->v2(out_proj_), a.o_b, 0.0f, dO, 1.0f, store_->g2(out_proj_));
-      done = true;
-    }
-  }
-  if (!done) linear_backward<T>(a.o, store_->v2(out_proj_), dout, dO, false, store_->g2(out_proj_), View1<P>());
+  out_proj_backward(a, dout, dO);
 
   View2<T> dproj = ws.take<View2<T>>("mamba3::dproj", n, cfg_.d_in_proj());
   // SISO: every column is written below (z by the gate's backward, x by the scan's dv, C and B by their norms'

@@ -172,6 +172,7 @@ class Mamba3Mixer {
   // (tensor/gemm.hpp, float_gemm_on_bf16_copies: CUDA only)
   bool bf16_out_proj() const;
   void out_proj_forward(const Mamba3Acts<T>& acts, const View2<T>& out) const;
+  void out_proj_backward(const Mamba3Acts<T>& acts, const View2<const T>& dout, const View2<T>& dO) const;
   void forward_cp(const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq, const View2<T>& out,
                   Mamba3Acts<T>& acts, bool save) const;
 
