@@ -66,6 +66,9 @@ using cuda_k::ex2;  // 2^x for the decays (x <= 0)
 // expf and IEEE division were a visible share of the kernel's instructions.
 __device__ __forceinline__ float softplus_fast(float x) { return x > 20.f ? x : log1pf(__expf(x)); }
 __device__ __forceinline__ float silu_fast(float x) { return __fdividef(x, 1.f + __expf(-x)); }
+// silu with the exp unit's flush-to-zero form (no rescaling of results below 2^-126: for x > 87 the exp is 0 and
+// silu(x) = x; for x < -88 it is infinite and the fast division gives -0)
+__device__ __forceinline__ float silu_lanes(float x) { return __fdividef(x, 1.f + ex2(-x * kLog2e)); }
 
 // softplus for the state lanes: max(x, 0) + log1p(exp(-|x|)), with log1p(v) = 2 atanh(v / (2 + v)) by six terms of
 // its odd series (w = v / (2 + v) <= 1/3: truncation below 1.5e-7 relative); 2 exp-unit operations and 9 others,
@@ -327,7 +330,8 @@ static_assert(kLC == kBwdBlock);
 // (phases A and C on token pairs: twice the warps, 0.796 ms against 0.512 ms: twice the Delta and Delta u loads a
 // (token, state) and 16 partials a token to sum); a thread of 2 channels x 2 states (64-thread blocks: 0.5 shared
 // loads a (token, state) instead of 0.75, 20 % fewer load wavefronts, but 5.4 warps per SM issuing on 43 % of
-// cycles: 0.655 ms). perf/RESULTS.md, 2026-12-04.
+// cycles: 0.655 ms); phase B's shared-memory loads two quads ahead instead of one (the same instruction count
+// after ptxas's scheduling, 0.4813 against 0.4809 ms). perf/RESULTS.md, 2026-12-04.
 template <int T>
 __host__ __device__ constexpr int lanes_row() {
   return T + 4;  // a padded row of T floats: 16-byte aligned, and 8 consecutive rows start in 8 different bank quads
@@ -362,6 +366,7 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
     a.ckpt[index_t(n) * BE + bd] = h[q];  // the state entering chunk 0
   }
   const float De = a.D[d], bias = a.bias[d];
+  const bool has_z = a.z != nullptr;
   const std::int32_t* seq = kSeq ? a.seq + b * a.ld_seq : nullptr;
   // The next tile's inputs, in flight during the current tile's recurrence: quad j of this thread covers tokens
   // 4 (r + SL j) .. + 3 of channel c; piece j of B and C covers tokens 4 (tid / N + j NT / N) .. + 3 of state
@@ -369,10 +374,12 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
   // checks that 2 T rows of every operand span fewer than 2^31 floats).
   float pu[QPT][4], pd[QPT][4], pz[QPT][4], pb[QPT][4], pc[QPT][4];
   int ps[QPT][5];
-  const int lu = int(a.ld_u), ldl = int(a.ld_delta), lz = int(a.ld_z), lbc = int(a.ld_bc), lo = int(a.ld_out);
+  // without z, its loads read u again (always a valid row: no null test a load) and phase C multiplies by 1
+  const int lu = int(a.ld_u), ldl = int(a.ld_delta), lz = int(has_z ? a.ld_z : a.ld_u), lbc = int(a.ld_bc),
+            lo = int(a.ld_out);
   const float* gu = a.u + (b * L + 4 * r) * a.ld_u + d;
   const float* gd = a.delta + (b * L + 4 * r) * a.ld_delta + d;
-  const float* gz = a.z ? a.z + (b * L + 4 * r) * a.ld_z + d : nullptr;
+  const float* gz = (has_z ? a.z : a.u) + (b * L + 4 * r) * lz + d;
   const index_t bc_off = (b * L + 4 * (tid / N)) * a.ld_bc + g * N + tid % N;
   const float *gb = a.B + bc_off, *gc = a.C + bc_off;
   float* go = a.out + (b * L + 4 * r) * a.ld_out + d;
@@ -383,15 +390,14 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
     for (int j = 0; j < QPT; ++j) {
       const index_t tq = t0 + 4 * (r + SL * j);
       // rows by pointer steps (one wide multiply-add a load, where an offset row * ld took three instructions)
-      const float *qu = gu + 4 * SL * j * lu, *qd = gd + 4 * SL * j * ldl, *qz = gz ? gz + 4 * SL * j * lz : gz;
+      const float *qu = gu + 4 * SL * j * lu, *qd = gd + 4 * SL * j * ldl, *qz = gz + 4 * SL * j * lz;
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const bool in = kFull || tq + k < L;
         pu[j][k] = in ? __ldg(qu) : 0.f;
         pd[j][k] = in ? __ldg(qd) : 0.f;
-        pz[j][k] = in && qz ? __ldg(qz) : 0.f;
-        qu += lu, qd += ldl;
-        if (qz) qz += lz;
+        pz[j][k] = in ? __ldg(qz) : 0.f;
+        qu += lu, qd += ldl, qz += lz;
         if constexpr (kSeq) ps[j][k + 1] = c == 0 && tq + k < L ? seq[tq + k] : 0;
       }
       if constexpr (kSeq) ps[j][0] = c == 0 && tq > 0 && tq < L ? seq[tq - 1] : 0;
@@ -407,8 +413,8 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
         }
       }
     }
-    gu += T * index_t(lu), gd += T * index_t(ldl), gb += T * index_t(lbc), gc += T * index_t(lbc);
-    if (gz) gz += T * index_t(lz);
+    gu += T * index_t(lu), gd += T * index_t(ldl), gz += T * index_t(lz), gb += T * index_t(lbc),
+        gc += T * index_t(lbc);
   };
   auto fetch_at = [&](index_t t0) {
     if (t0 + T <= L)
@@ -536,14 +542,19 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
         const float4 p = *reinterpret_cast<const float4*>(sy + (sl * kLC + c) * TP + 4 * qd);
         y[0] += p.x, y[1] += p.y, y[2] += p.z, y[3] += p.w;
       }
+      // the gates of the 4 tokens without a branch between them (a test of a.z per token kept their exp and
+      // reciprocal chains apart: phase C was 30 % of the kernel's stall samples for 16 % of its instructions,
+      // ncu at 9526804); without z, zz holds u and the gate is 1
+      float o[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float s = silu_lanes(zz[j][k]);
+        o[k] = fmaf(De, uu[j][k], y[k]) * (has_z ? s : 1.f);
+      }
       float* qo = go + 4 * SL * j * lo;
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        if (kFull || t0 + 4 * qd + k < L) {
-          float o = fmaf(De, uu[j][k], y[k]);
-          if (a.z) o *= silu_fast(zz[j][k]);
-          *qo = o;
-        }
+        if (kFull || t0 + 4 * qd + k < L) *qo = o[k];
         qo += lo;
       }
     }
