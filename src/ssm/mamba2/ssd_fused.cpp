@@ -677,6 +677,13 @@ void launch_intra(const Args& a, std::size_t bytes, const char* what) {
 // memory, and a tile pair needs two barriers instead of five. The thread-private parts of W (the same thread owns
 // the same (l, s) of every tile) accumulate in shared memory without barriers; the sums over s of each row l leave
 // the warp by a butterfly that ends with two of them per lane, and the four warps' parts are added by the block.
+// ncu at 9526804 (L 65,536, 24 heads, headdim 64, d_state 128, H200): 240 registers and 104 KB of shared memory a
+// block (64 KB of it the W parts), so 2 blocks of 4 warps an SM; issue slots busy 26 % of cycles; stall samples
+// 26 % fixed-latency dependencies, 23 % global loads (the head's x tile staged at its start, acs per output tile,
+// the epilogue's dY), 17 % shared loads, 12 % barriers. Tried and not kept: those loads issued ahead (the next
+// head's x by cp.async into the C B^T buffer during the epilogue, acs and the records one tile ahead, the next
+// head's first dY tile during the last output tile, the epilogue's dY before its dot products): 1.463-1.473 ms
+// against 1.452-1.461 ms in the same run (perf/RESULTS.md, twenty-seventh session).
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
