@@ -15,8 +15,8 @@ bool shape_fits(index_t E, index_t N, index_t cpg) {
   return (N == 8 || N == 16) && E % kChannels == 0 && cpg % kChannels == 0;
 }
 
-constexpr int kOldVariants = 4;  // variants 1..4 are the time-parallel kernel's shapes, 5..9 the state lanes
-static_assert(kVariants == kOldVariants + 5);
+constexpr int kOldVariants = 4;  // variants 1..4 are the time-parallel kernel's shapes, 5..7 the state lanes
+static_assert(kVariants == kOldVariants + 3);
 
 namespace {
 // (slots per channel, tokens per slot, states per group, u and delta staged in shared memory) of variants
@@ -43,8 +43,6 @@ const char* variant_name(int v) {
   if (v == 5) return "lanes T32";
   if (v == 6) return "lanes T32 U8";
   if (v == 7) return "lanes T32 U8 pipelined";
-  if (v == 8) return "lanes T32 U8 pipelined, a quad's last decay on the FMA pipe";
-  if (v == 9) return "lanes T32 U8 pipelined, a quad's last 2 decays on the FMA pipe";
   return v >= 1 && v <= kOldVariants ? kShapes[v - 1].name : "lanes T32 U8 pipelined, or S8 K8 G4 staged where the lanes do not fit";
 }
 
@@ -322,7 +320,9 @@ __global__ void __launch_bounds__(kCB * S, kMinBlocks) forward_kernel(const FwdA
 // make). By ncu's per-instruction samples at da1d82e, phase B (with the next tile's loads) holds 72 % of the
 // stalls, C 17 %, A 8 %; in B the exp instructions wait on the exp unit's queue (64 of a warp's 80 exp-unit
 // operations a tile are there, 8 cycles each on a scheduler's quarter of the unit, against about 441 instructions
-// to issue). Also tried and dropped: one interval per tile doing C(i - 1), A(i + 1) and B(i) on two sets of shared
+// to issue), but the unit's throughput is not the bound: 1 or 2 of a quad's 8 decays on the FMA pipe instead
+// (2^x by a degree-6 fit and the exponent bits, 10 instructions each; 0f4b09c) ran 0.4836 and 0.4991 ms against
+// 0.4791 ms in one run. Also tried and dropped: one interval per tile doing C(i - 1), A(i + 1) and B(i) on two sets of shared
 // buffers (one barrier a tile instead of two; 5-10 % slower, more stall on the loads' and stores' registers).
 constexpr int kLC = 16;  // channels per block
 static_assert(kLC == kBwdBlock);
@@ -347,25 +347,7 @@ __host__ __device__ constexpr int lanes_floats() {
   return (2 * kLC + 2 * N + SL * kLC) * lanes_row<T>() + T;
 }
 
-// 2^x for x <= 0 on the FMA pipe (no exp-unit operation): x clamped at -125, split as n + f with n = round(x) by
-// the 1.5 2^23 trick and f in [-0.5, 0.5], 2^f by a degree-6 Chebyshev fit (relative error 1e-7 in float
-// arithmetic, about the exp unit's), and n added to the exponent bits: 10 instructions in place of one MUFU.EX2
-__device__ __forceinline__ float ex2_fma(float x) {
-  constexpr float kMagic = 12582912.f;  // 1.5 2^23
-  x = fmaxf(x, -125.f);
-  const float j = x + kMagic, f = x - (j - kMagic);
-  float p = 1.5461444854736328e-4f;
-  p = fmaf(p, f, 1.3400427997112274e-3f);
-  p = fmaf(p, f, 9.618056938052177e-3f);
-  p = fmaf(p, f, 5.550327152013779e-2f);
-  p = fmaf(p, f, 0.24022650718688965f);
-  p = fmaf(p, f, 0.6931471824645996f);
-  p = fmaf(p, f, 1.f);
-  // the low 9 bits of j's integer hold n (two's complement); shifted by 23 they are n's exponent offset
-  return __uint_as_float(__float_as_uint(p) + (__float_as_uint(j) << 23));
-}
-
-template <int N, int T, int SL, int U, int M, bool kSeq, int PE = 0>
+template <int N, int T, int SL, int U, int M, bool kSeq>
 __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
   constexpr int NT = kLC * SL;  // threads
   constexpr int SP = N / SL, TP = lanes_row<T>(), NQ = T / 4, QPT = NQ * kLC / NT;  // states, quads per thread
@@ -464,8 +446,7 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
       const float bk[4] = {b4.x, b4.y, b4.z, b4.w}, ck[4] = {c4.x, c4.y, c4.z, c4.w};
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        // PE of the quad's SP x 4 decays on the FMA pipe, the rest on the exp unit
-        e[q][k] = q * 4 + k >= SP * 4 - PE ? ex2_fma(dtk[k] * a2[q]) : ex2(dtk[k] * a2[q]);
+        e[q][k] = ex2(dtk[k] * a2[q]);
         if constexpr (kSeq) e[q][k] *= keep[k];
         x[q][k] = duk[k] * bk[k];
         cc[q][k] = ck[k];
@@ -594,22 +575,22 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
   }
 }
 
-template <int N, int T, int SL, int U, int M, bool kSeq, int PE>
+template <int N, int T, int SL, int U, int M, bool kSeq>
 void launch_lanes_one(const FwdArgs& a) {
   constexpr int bytes = int(sizeof(float)) * lanes_floats<N, T, SL>();
   static_assert(bytes <= 48 * 1024, "past 48 KiB a launch must first raise cudaFuncAttributeMaxDynamicSharedMemorySize");
-  lanes_kernel<N, T, SL, U, M, kSeq, PE><<<dim3(unsigned(a.E / kLC), unsigned(a.batch)), kLC * SL, bytes,
+  lanes_kernel<N, T, SL, U, M, kSeq><<<dim3(unsigned(a.E / kLC), unsigned(a.batch)), kLC * SL, bytes,
                              Kokkos::DefaultExecutionSpace().cuda_stream()>>>(a);
   const cudaError_t e = cudaGetLastError();
   require(e == cudaSuccess, "selective_scan_forward (CUDA)", "the kernel failed to launch: ", cudaGetErrorString(e));
 }
 
-template <int N, int T, int SL, int U, int M, int PE = 0>
+template <int N, int T, int SL, int U, int M>
 void launch_lanes(const FwdArgs& a) {
   if (a.seq)
-    launch_lanes_one<N, T, SL, U, M, true, PE>(a);
+    launch_lanes_one<N, T, SL, U, M, true>(a);
   else
-    launch_lanes_one<N, T, SL, U, M, false, PE>(a);
+    launch_lanes_one<N, T, SL, U, M, false>(a);
 }
 
 template <int N, int S, int K, int G, bool kStage, bool kSeq>
@@ -673,9 +654,7 @@ void forward(const FwdArgs& a) {
     switch (v) {  // (N = 8 in 8 slots: one state each)
       case 5: a.N == 16 ? launch_lanes<16, 32, 8, 2, 0>(a) : launch_lanes<8, 32, 8, 2, 0>(a); break;
       case 6: a.N == 16 ? launch_lanes<16, 32, 8, 8, 0>(a) : launch_lanes<8, 32, 8, 8, 0>(a); break;
-      case 7: a.N == 16 ? launch_lanes<16, 32, 8, 8, 1>(a) : launch_lanes<8, 32, 8, 8, 1>(a); break;
-      case 8: a.N == 16 ? launch_lanes<16, 32, 8, 8, 1, 1>(a) : launch_lanes<8, 32, 8, 8, 1, 1>(a); break;
-      default: a.N == 16 ? launch_lanes<16, 32, 8, 8, 1, 2>(a) : launch_lanes<8, 32, 8, 8, 1, 2>(a); break;
+      default: a.N == 16 ? launch_lanes<16, 32, 8, 8, 1>(a) : launch_lanes<8, 32, 8, 8, 1>(a); break;
     }
     return;
   }

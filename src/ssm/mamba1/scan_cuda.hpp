@@ -53,7 +53,7 @@ struct FwdArgs {
 // Channels per block; d_inner and the channels per group must be multiples of it.
 constexpr index_t kChannels = 8;
 // The kernel variants one may ask for by number (1..kVariants).
-constexpr int kVariants = 9;
+constexpr int kVariants = 7;
 
 // Whether this build has the kernel (CUDA as Kokkos' default execution space).
 bool compiled();
