@@ -322,8 +322,9 @@ __global__ void __launch_bounds__(kCB * S, kMinBlocks) forward_kernel(const FwdA
 // operations a tile are there, 8 cycles each on a scheduler's quarter of the unit, against about 441 instructions
 // to issue), but the unit's throughput is not the bound: 1 or 2 of a quad's 8 decays on the FMA pipe instead
 // (2^x by a degree-6 fit and the exponent bits, 10 instructions each; 0f4b09c) ran 0.4836 and 0.4991 ms against
-// 0.4791 ms in one run. Also tried and dropped: one interval per tile doing C(i - 1), A(i + 1) and B(i) on two sets of shared
-// buffers (one barrier a tile instead of two; 5-10 % slower, more stall on the loads' and stores' registers).
+// 0.4791 ms in one run. Also tried and dropped: one interval per tile doing C(i - 1), A(i + 1) and B(i) on two
+// sets of shared buffers (one barrier a tile instead of two; 5-10 % slower, more stall on the loads' and stores'
+// registers).
 constexpr int kLC = 16;  // channels per block
 static_assert(kLC == kBwdBlock);
 // SL threads ("slots") per channel, each owning N / SL states; a block has 16 SL threads. Phases A and C: thread =
