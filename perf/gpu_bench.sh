@@ -26,7 +26,10 @@
 # (the issue-5 MoE layer and its expert GEMM rate; the peer on torch._grouped_mm).
 # --stages long: the LM step on one 1,048,576-token sequence with the Mamba-2 layers in windows of 131,072 tokens.
 # --stages 131k: the LM step at batch 1 x 131,072 (issue 3: 1.5x the peer's tokens/s at half its memory) with the
-#   Mamba-2 layers in windows of 32,768 tokens, gemm-tf32 and fused-tf32.
+#   Mamba-2 layers in windows of 32,768 tokens, the fused SSD and bf16 GEMMs (fused-bf16), the backbone's
+#   activations recomputed (mixer) and kept (none): the planner's dry run (`--parallel.plan_gpus=1`) puts them at
+#   19.0 and 28.3 GB against the peer's 48.1 GiB. The peer's own 131k step: the bench stage with --bench-only lm and
+#   --peer-args "--lm-shapes 1x131072" (its fused path needs --causal-conv1d).
 # --stages ecoli: inputs/genomics/ecoli.in as committed (needs data/ecoli_mg1655.fa.gz: scripts/fetch_data.sh ecoli),
 #   metrics under DIR/ecoli; it prints the held-out bits/base against the order-6 Markov baseline (1.934).
 # --stages cp (2 GPUs): the LM step at 131,072 tokens on one GPU against cp = 2 at 262,144 tokens over two.
@@ -117,7 +120,7 @@ fi
 # Batch 1 x 131,072 tokens with the mixers in windows of 32,768 (the layer working memory follows the window).
 if has 131k; then
   "$root/build/cuda/perf/mambamoe_bench" --out "$out" --only lm --lm-batch 1 --lm-seqlen 131072 --lm-window 32768 \
-    --lm-ssd gemm-tf32,fused-tf32 --reps 3 > "$out/131k.log" 2>&1 || rc=1
+    --lm-ssd fused-bf16 --lm-recompute mixer,none --reps 3 > "$out/131k.log" 2>&1 || rc=1
   mv "$out/ours.csv" "$out/131k.csv" 2>/dev/null
   grep "lm train" "$out/131k.log" || tail -20 "$out/131k.log"
 fi
