@@ -18,6 +18,7 @@
 #                     [--bench-args "ARGS"]   (passed to mambamoe_bench, e.g. "--ssd gemm-tf32,portable --lm-ssd gemm-bf16")
 #                     [--cp-args "ARGS"]      (passed to the cp stage's three runs, e.g. "--profile")
 #                     [--runs NAME1,NAME2]    (stages dp and scale: only these runs, e.g. moe_1gpu,moe_ep2)
+#                     [--ab-patch FILE] [--ab-runs N]   (stage ab, below)
 #
 # --mamba-ssm DIR is the folder that holds the mamba_ssm package (e.g. $PWD/.peers); --causal-conv1d DIR holds the
 # built causal_conv1d_cuda*.so and the causal_conv1d package (built by the user beforehand, e.g. in the same device
@@ -30,6 +31,13 @@
 #   activations recomputed (mixer) and kept (none): the planner's dry run (`--parallel.plan_gpus=1`) puts them at
 #   19.0 and 28.3 GB against the peer's 48.1 GiB. The peer's own 131k step: the bench stage with --bench-only lm and
 #   --peer-args "--lm-shapes 1x131072" (its fused path needs --causal-conv1d).
+# --stages ab (with --ab-patch FILE, a patch that the tree holds, as `git diff -- src` writes it; not of this
+#   script): mambamoe_bench built
+#   from the tree as it is ("with") and with FILE reversed ("without"; the tree is restored afterwards, also when a
+#   build fails), then --ab-runs N (default 2) alternating runs of the two with --bench-only and --bench-args, so a
+#   change is timed against its absence on one machine; writes ab_build.log, ab_with_I.log, ab_without_I.log and
+#   ab.txt (every "time" line of the runs, in run order). It builds in build/cuda as the build stage left it: give
+#   --stages build,ab on a fresh machine.
 # --stages ecoli: inputs/genomics/ecoli.in as committed (needs data/ecoli_mg1655.fa.gz: scripts/fetch_data.sh ecoli),
 #   metrics under DIR/ecoli; it prints the held-out bits/base against the order-6 Markov baseline (1.934).
 # --stages cp (2 GPUs): the LM step at 131,072 tokens on one GPU against cp = 2 at 262,144 tokens over two.
@@ -43,7 +51,7 @@
 # Writes under DIR: build.log, ctest.log, ours.csv, peers.csv, bench.log, and summary.txt (the table, also printed).
 set -uo pipefail
 
-commit="" kokkos="" out="" mamba="" cc1d="" po="" hts="" stages="build,test,bench" test_timeout=300 test_regex='' test_jobs=4 peer_timeout=0 build_targets='' bench_only="copy,gemm,ssd,lm" bench_args="" peer_args="" cp_args="" runs=""
+commit="" kokkos="" out="" mamba="" cc1d="" po="" hts="" stages="build,test,bench" test_timeout=300 test_regex='' test_jobs=4 peer_timeout=0 build_targets='' bench_only="copy,gemm,ssd,lm" bench_args="" peer_args="" cp_args="" runs="" ab_patch="" ab_runs=2
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --kokkos) kokkos=$2; shift 2 ;;
@@ -64,11 +72,20 @@ while [[ $# -gt 0 ]]; do
     --peer-args) peer_args=$2; shift 2 ;;
     --cp-args) cp_args=$2; shift 2 ;;
     --runs) runs=$2; shift 2 ;;
+    --ab-patch) ab_patch=$2; shift 2 ;;
+    --ab-runs) ab_runs=$2; shift 2 ;;
     *) echo "gpu_bench.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
 [[ -n $kokkos && -n $out ]] || { echo "gpu_bench.sh: --kokkos and --out are required" >&2; exit 2; }
 [[ $test_jobs =~ ^[1-9][0-9]*$ ]] || { echo "gpu_bench.sh: --test-jobs must be a positive integer (got '$test_jobs')" >&2; exit 2; }
+[[ $ab_runs =~ ^[1-9][0-9]*$ ]] || { echo "gpu_bench.sh: --ab-runs must be a positive integer (got '$ab_runs')" >&2; exit 2; }
+if [[ ",$stages," == *",ab,"* ]]; then
+  [[ -n $ab_patch && -f $ab_patch ]] || { echo "gpu_bench.sh: --stages ab needs --ab-patch FILE (got '$ab_patch')" >&2; exit 2; }
+  ab_patch=$(cd "$(dirname "$ab_patch")" && pwd)/$(basename "$ab_patch")
+  ! grep -q '^+++ b/perf/gpu_bench.sh' "$ab_patch" ||
+    { echo "gpu_bench.sh: $ab_patch changes perf/gpu_bench.sh, which is running; leave it out of the patch" >&2; exit 2; }
+fi
 root=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
@@ -106,6 +123,35 @@ if has bench; then
   fi
   { echo "commit $commit, $(date -u +%F), $(head -2 "$out/gpu.txt" | tail -1)"; cat "$out/bench.log"; cat "$out/peers.log" 2>/dev/null; } \
     | tee "$out/summary.txt"
+fi
+
+# The benchmark with and without a change, alternating on this machine (see --stages ab above).
+if has ab; then
+  t0=$SECONDS
+  bin="$root/build/cuda/perf/mambamoe_bench"
+  (cd "$root" && patch -p1 -R --dry-run < "$ab_patch") > "$out/ab_build.log" 2>&1 ||
+    { echo "gpu_bench.sh: $ab_patch does not reverse-apply to the tree (ab_build.log)" >&2; exit 2; }
+  tmp=$(mktemp -d)
+  ab_build() { cmake --build "$root/build/cuda" -j"$(nproc)" --target mambamoe_bench >> "$out/ab_build.log" 2>&1; }
+  if ab_build && cp "$bin" "$tmp/with" && (cd "$root" && patch -p1 -R < "$ab_patch") >> "$out/ab_build.log" 2>&1; then
+    ab_build && cp "$bin" "$tmp/without"
+    built=$?
+    (cd "$root" && patch -p1 < "$ab_patch") >> "$out/ab_build.log" 2>&1 ||
+      { echo "gpu_bench.sh: could not re-apply $ab_patch: the tree is left without it" >&2; exit 1; }
+  else
+    built=1
+  fi
+  [[ $built == 0 ]] || { tail -30 "$out/ab_build.log"; rm -rf "$tmp"; exit 1; }
+  for i in $(seq 1 "$ab_runs"); do
+    for v in with without; do
+      "$tmp/$v" --out "$tmp/o_${v}_$i" --only "$bench_only" $bench_args > "$out/ab_${v}_$i.log" 2>&1 || rc=1
+    done
+  done
+  for i in $(seq 1 "$ab_runs"); do
+    for v in with without; do grep -E " time " "$out/ab_${v}_$i.log" | sed "s/^/$v, run $i:/"; done
+  done | tee "$out/ab.txt"
+  rm -rf "$tmp"
+  echo "ab: $((SECONDS - t0)) s"
 fi
 
 # One 1,048,576-token sequence on one GPU (issue 3): the LM step with the Mamba-2 layers in windows of 131,072
