@@ -60,6 +60,17 @@ inline double rel_err(const std::vector<double>& a, const std::vector<double>& b
   return num / den;
 }
 
+// Whether a mixer keeps its out_proj input only as a bf16 copy: under bf16 GEMMs on CUDA builds (host builds
+// compute the GEMMs in fp32 and keep the fp32 activation).
+inline bool keeps_bf16_copy(bool bf16_gemms) {
+#if defined(KOKKOS_ENABLE_CUDA)
+  return bf16_gemms;
+#else
+  (void)bf16_gemms;
+  return false;
+#endif
+}
+
 // One mixer's forward + backward on host: its output, the input gradient and every parameter gradient.
 struct MixerRun {
   std::vector<double> out, du, grads;

@@ -612,6 +612,16 @@ Mamba3Config tiny_m3(bool mimo, bool norm) {
   c.is_outproj_norm = norm;
   return c;
 }
+// tiny_m3 at d_model 8, d_state 16, headdim 4, chunk 8: the shapes the float mixer's quad kernels (gate, rotation,
+// and on CUDA the diagonal's through the SSD) take
+Mamba3Config quad_m3(bool mimo, bool norm) {
+  Mamba3Config c = tiny_m3(mimo, norm);
+  c.d_model = 8;
+  c.d_state = 16;
+  c.headdim = 4;
+  c.chunk_size = 8;
+  return c;
+}
 
 struct MixerRig {
   Mamba3Config cfg;
@@ -773,11 +783,7 @@ TEST_CASE("Mamba-3 mixer in float equals the double mixer with the same paramete
   // the rotation (CUDA: also the diagonal's, through the SSD); the double one the row kernels. Parameters copied
   // from the double store, an initial state and final-state gradients.
   for (const bool norm : {false, true}) {
-    Mamba3Config cfg = tiny_m3(false, norm);
-    cfg.d_model = 8;
-    cfg.d_state = 16;
-    cfg.headdim = 4;
-    cfg.chunk_size = 8;
+    const Mamba3Config cfg = quad_m3(false, norm);
     INFO(variant_name(cfg));
     MixerRig rig(cfg);
     ParamStore<float> psf;
@@ -828,11 +834,7 @@ TEST_CASE("Mamba-3 mixer under bf16 GEMMs keeps its gate output only as a bf16 c
   // and gradients stay within bf16 rounding of the fp32 GEMMs', and the recompute policy reproduces them bit for bit.
   // Host builds compute the GEMMs in fp32 and keep the fp32 output.
   for (const bool mimo : {false, true}) {
-    Mamba3Config cfg = tiny_m3(mimo, true);
-    cfg.d_model = 8;
-    cfg.d_state = 16;
-    cfg.headdim = 4;
-    cfg.chunk_size = 8;
+    const Mamba3Config cfg = quad_m3(mimo, true);
     INFO(variant_name(cfg));
     ParamStore<float> ps;
     Mamba3Mixer<float> mixer(cfg, ps, "m.", 2);
@@ -848,11 +850,7 @@ TEST_CASE("Mamba-3 mixer under bf16 GEMMs keeps its gate output only as a bf16 c
       View2<float> out("out", B * L, D), du("du", B * L, D);
       mixer.forward(u, B, L, out, acts, save);
       if (save) {
-#if defined(KOKKOS_ENABLE_CUDA)
-        const bool copy = c == GemmCompute::bf16;
-#else
-        const bool copy = false;
-#endif
+        const bool copy = mmtest::keeps_bf16_copy(c == GemmCompute::bf16);
         CHECK((acts.o_b.extent(0) > 0) == copy);
         CHECK((acts.o.extent(0) > 0) == !copy);
       }
