@@ -65,10 +65,10 @@ using cuda_k::ex2;  // 2^x for the decays (x <= 0)
 // silu with a fast reciprocal: the per-(token, channel) work is divided over only N states, so the library's
 // expf and IEEE division were a visible share of the kernel's instructions.
 __device__ __forceinline__ float softplus_fast(float x) { return x > 20.f ? x : log1pf(__expf(x)); }
-__device__ __forceinline__ float silu_fast(float x) { return __fdividef(x, 1.f + __expf(-x)); }
-// silu with the exp unit's flush-to-zero form (no rescaling of results below 2^-126: for x > 87 the exp is 0 and
-// silu(x) = x; for x < -88 it is infinite and the fast division gives -0)
-__device__ __forceinline__ float silu_lanes(float x) { return __fdividef(x, 1.f + ex2(-x * kLog2e)); }
+// (silu on the exp unit's flush-to-zero form: __expf's same exp2 of the same product without its rescaling of
+// results below 2^-126, which only 1 + exp(-x) = 1 would absorb anyway: for x > 87 silu(x) = x either way; for
+// x < -88 the exp is infinite and the fast division gives -0)
+__device__ __forceinline__ float silu_fast(float x) { return __fdividef(x, 1.f + ex2(-x * kLog2e)); }
 
 // softplus for the state lanes: max(x, 0) + log1p(exp(-|x|)), with log1p(v) = 2 atanh(v / (2 + v)) by six terms of
 // its odd series (w = v / (2 + v) <= 1/3: truncation below 1.5e-7 relative); 2 exp-unit operations and 9 others,
@@ -554,7 +554,7 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
       float o[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const float s = silu_lanes(zz[j][k]);
+        const float s = silu_fast(zz[j][k]);
         o[k] = fmaf(De, uu[j][k], y[k]) * (has_z ? s : 1.f);
       }
       float* qo = go + 4 * SL * j * lo;
