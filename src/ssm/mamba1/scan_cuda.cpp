@@ -16,7 +16,7 @@ bool shape_fits(index_t E, index_t N, index_t cpg) {
 }
 
 constexpr int kOldVariants = 4;  // variants 1..4 are the time-parallel kernel's shapes, 5..7 the state lanes
-static_assert(kVariants == kOldVariants + 3);
+static_assert(kVariants == kOldVariants + 4);
 
 namespace {
 // (slots per channel, tokens per slot, states per group, u and delta staged in shared memory) of variants
@@ -43,7 +43,8 @@ const char* variant_name(int v) {
   if (v == 5) return "lanes T32";
   if (v == 6) return "lanes T32 U8";
   if (v == 7) return "lanes T32 U8 pipelined";
-  return v >= 1 && v <= kOldVariants ? kShapes[v - 1].name : "lanes T32 U8 pipelined, or S8 K8 G4 staged where the lanes do not fit";
+  if (v == 8) return "lanes T32 U8 pipelined warp-summed";
+  return v >= 1 && v <= kOldVariants ? kShapes[v - 1].name : "lanes T32 U8 pipelined warp-summed, or S8 K8 G4 staged where the lanes do not fit";
 }
 
 #if defined(KOKKOS_ENABLE_CUDA)
@@ -303,7 +304,7 @@ __global__ void __launch_bounds__(kCB * S, kMinBlocks) forward_kernel(const FwdA
     for (int n = 0; n < N; ++n) a.final_state[bd * N + n] = scarry[cl * N + n];
 }
 
-// ---- The "state lanes" kernel (variants 5 and 6): a thread per (channel, slot of N / SL states), walking the
+// ---- The "state lanes" kernel (variants 5 to 8): a thread per (channel, slot of N / SL states), walking the
 // sequence in order. 4 x 1,536 channels x 16 states are 98,304 independent recurrences: enough threads without
 // parallelising over time, so every (token, state) costs one exp and one pass (the time-parallel kernel above runs
 // its tokens twice). A block owns 16 channels (of one group) and walks tiles of T tokens in three phases:
@@ -313,6 +314,7 @@ __global__ void __launch_bounds__(kCB * S, kMinBlocks) forward_kernel(const FwdA
 //   B. each thread runs its states through the tile (h = exp2(Delta A log2 e) h + Delta u B, y += C h), summing
 //      its own states' C h per token, and leaves those partial outputs in shared memory;
 //   C. each thread sums the SL slots' partials for its 4 tokens, adds D u, gates with silu(z) and stores.
+// Variant 8 (the default) sums 4 slots' partials in the warp by shuffles before B stores them, so C sums 2.
 // Checkpoints fall on tile starts (T divides Q), so the recurrence has no per-token branch; only the last tile
 // checks the sequence's end. What bounds it (ncu on an H200, perf/RESULTS.md): the exp unit (one exp2 per
 // (token, state) plus four per (token, channel): busy about half the time, as is the issue) and the latency
@@ -324,14 +326,22 @@ __global__ void __launch_bounds__(kCB * S, kMinBlocks) forward_kernel(const FwdA
 // (2^x by a degree-6 fit and the exponent bits, 10 instructions each; 0f4b09c) ran 0.4836 and 0.4991 ms against
 // 0.4791 ms in one run. Also tried and dropped: one interval per tile doing C(i - 1), A(i + 1) and B(i) on two
 // sets of shared buffers (one barrier a tile instead of two; 5-10 % slower, more stall on the loads' and stores'
-// registers).
+// registers). Removing parts of variant 7 one at a time (diagnostic builds, not kept, e5ef47a): the 64 phase-B
+// exps a warp-tile 0.480 -> 0.465 ms, every global load (an L1-resident address instead) 0.435 ms, phase B's B and
+// C shared loads 0.435 ms, the output stores 0.477 ms; ncu put the L1/TEX unit (shared memory and the global
+// loads' data path) at 87 % of its peak, issue at 55 %, the exp unit about half, DRAM 28 %. Variant 8 cuts the
+// shared-memory wavefronts a warp-tile by about a third (its phase-B warp of 8 channels x 4 slots reads Delta and
+// Delta u in one wavefront each instead of two; the partial outputs, 4 slots summed by 3 shuffles a quad, take 8
+// one-wavefront stores and 8 four-wavefront loads instead of 32 and 32): 0.461-0.464 against 0.481-0.483 ms.
 constexpr int kLC = 16;  // channels per block
 static_assert(kLC == kBwdBlock);
 // SL threads ("slots") per channel, each owning N / SL states; a block has 16 SL threads. Phases A and C: thread =
-// (channel tid % 16, quads tid / 16 + SL j); phase B: (channel, slot) = (tid % 16, tid / 16), its loop over the
+// (channel tid % 16, quads tid / 16 + SL j); phase B: (channel, slot) = (tid % 16, tid / 16) (variant 8: 8 channels
+// x 4 slots a warp, lanes 8 apart in slot), its loop over the
 // tile's quads unrolled U times (U = 8, the whole tile: 1.5 % faster than U = 2 on an H200). Tried on an H200 and
 // dropped: tiles of 64 tokens (no faster), 4 slots of 4 states (1.2x slower: 5.5 warps per SM), a phase-B warp of
-// 8 channels x 4 slots (the same time and the same shared-memory wavefronts, about 3 per 16-byte load) and of
+// 8 channels x 4 slots with the partials stored per slot (the same time and the same shared-memory wavefronts,
+// about 3 per 16-byte load; variant 8 is this warp with the partials summed in it first) and of
 // 4 channels x 8 slots (8-way bank conflicts on the partial-output stores, 1.65x slower); 16 slots of one state
 // (phases A and C on token pairs: twice the warps, 0.796 ms against 0.512 ms: twice the Delta and Delta u loads a
 // (token, state) and 16 partials a token to sum); a thread of 2 channels x 2 states (64-thread blocks: 0.5 shared
@@ -350,6 +360,8 @@ __host__ __device__ constexpr int lanes_floats() {
 
 template <int N, int T, int SL, int U, int M, bool kSeq>
 __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
+  constexpr bool kWR = M == 2;  // phase B's partial outputs summed over 4 slots in the warp (below)
+  static_assert(!kWR || (kLC == 16 && SL == 8));
   constexpr int NT = kLC * SL;  // threads
   constexpr int SP = N / SL, TP = lanes_row<T>(), NQ = T / 4, QPT = NQ * kLC / NT;  // states, quads per thread
   constexpr int BQ = N * NQ;  // 16-byte pieces of one tile of B (and of C)
@@ -362,14 +374,19 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
   const index_t b = blockIdx.y, d0 = index_t(blockIdx.x) * kLC, g = d0 / a.cpg, L = a.L, BE = a.batch * a.E;
   // channel c; r: the slot in phase B (states r + SL q), the first quad in phases A and C (quads r + SL j)
   const int c = tid % kLC, r = tid / kLC;
-  const index_t d = d0 + c, bd = b * a.E + d;
+  const index_t d = d0 + c;
+  // phase B's channel cs and slot rs: a warp of 16 channels x 2 slots (lanes 16 apart: slots), or with kWR of 8
+  // channels x 4 slots (lanes 8 apart: slots; warps 0 and 1 hold slots 0..3 of channels 0..7 and 8..15, warps 2
+  // and 3 slots 4..7)
+  const int cs = kWR ? (tid / 32 % 2) * 8 + tid % 8 : c, rs = kWR ? (tid / 64) * 4 + tid % 32 / 8 : r;
+  const index_t ds = d0 + cs, bds = b * a.E + ds;
   float a2[SP], h[SP];
 #pragma unroll
   for (int q = 0; q < SP; ++q) {
-    const int n = r + SL * q;
-    a2[q] = a.A[d * a.N + n] * kLog2e;
-    h[q] = a.init ? a.init[bd * a.N + n] : 0.f;
-    a.ckpt[index_t(n) * BE + bd] = h[q];  // the state entering chunk 0
+    const int n = rs + SL * q;
+    a2[q] = a.A[ds * a.N + n] * kLog2e;
+    h[q] = a.init ? a.init[bds * a.N + n] : 0.f;
+    a.ckpt[index_t(n) * BE + bds] = h[q];  // the state entering chunk 0
   }
   const float De = a.D[d], bias = a.bias[d];
   const bool has_z = a.z != nullptr;
@@ -431,8 +448,8 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
   // Phase B's terms for quad qd of the tile in shared memory: per state q and token k the decay
   // e = exp2(Delta A log2 e) (times the record-start flag), the input x = Delta u B and C
   auto quad_terms = [&](int qd, float (&e)[SP][4], float (&x)[SP][4], float (&cc)[SP][4]) {
-    const float4 dt4 = *reinterpret_cast<const float4*>(sdt + c * TP + 4 * qd);
-    const float4 du4 = *reinterpret_cast<const float4*>(sdu + c * TP + 4 * qd);
+    const float4 dt4 = *reinterpret_cast<const float4*>(sdt + cs * TP + 4 * qd);
+    const float4 du4 = *reinterpret_cast<const float4*>(sdu + cs * TP + 4 * qd);
     const float dtk[4] = {dt4.x, dt4.y, dt4.z, dt4.w}, duk[4] = {du4.x, du4.y, du4.z, du4.w};
     [[maybe_unused]] float keep[4] = {1.f, 1.f, 1.f, 1.f};
     if constexpr (kSeq) {
@@ -441,7 +458,7 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
     }
 #pragma unroll
     for (int q = 0; q < SP; ++q) {
-      const int n = r + SL * q;
+      const int n = rs + SL * q;
       const float4 b4 = *reinterpret_cast<const float4*>(sb + n * TP + 4 * qd);
       const float4 c4 = *reinterpret_cast<const float4*>(sc + n * TP + 4 * qd);
       const float bk[4] = {b4.x, b4.y, b4.z, b4.w}, ck[4] = {c4.x, c4.y, c4.z, c4.w};
@@ -506,7 +523,7 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
     if (t0 + T < L) fetch_at(t0 + T);
     if (t0 == next_ck) {  // the state entering chunk t0 / Q
 #pragma unroll
-      for (int q = 0; q < SP; ++q) a.ckpt[((t0 / a.Q) * N + r + SL * q) * BE + bd] = h[q];
+      for (int q = 0; q < SP; ++q) a.ckpt[((t0 / a.Q) * N + rs + SL * q) * BE + bds] = h[q];
       next_ck += a.Q;
     }
     // B. the recurrence over the tile, this thread's states; partial outputs per token. M = 0 stores each quad's
@@ -523,7 +540,7 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
         *reinterpret_cast<float4*>(sy + (r * kLC + c) * TP + 4 * qd) = make_float4(y[0], y[1], y[2], y[3]);
       }
     } else {
-      static_assert(U == NQ, "the pipelined phase B unrolls the whole tile");
+      static_assert(U == NQ, "the pipelined phase B unrolls the whole tile");  // (M = 1 or 2)
       float yq[NQ][4], e[2][SP][4], x[2][SP][4], cc[2][SP][4];
       quad_terms(0, e[0], x[0], cc[0]);
 #pragma unroll
@@ -531,10 +548,26 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
         if (qd + 1 < NQ) quad_terms(qd + 1, e[(qd + 1) & 1], x[(qd + 1) & 1], cc[(qd + 1) & 1]);
         quad_chain(e[qd & 1], x[qd & 1], cc[qd & 1], yq[qd]);
       }
+      if constexpr (kWR) {
+        // the warp's 4 slots of a channel summed by halving exchanges (lanes 16, then 8 apart), each lane left with
+        // one token k = rs % 4 of the quad, which it stores: the partial outputs are 2 sets (slots 0..3, 4..7)
+        // instead of SL, with a quarter of the stores' bytes
+        const bool hi16 = (tid & 16) != 0, hi8 = (tid & 8) != 0;
 #pragma unroll
-      for (int qd = 0; qd < NQ; ++qd)
-        *reinterpret_cast<float4*>(sy + (r * kLC + c) * TP + 4 * qd) =
-            make_float4(yq[qd][0], yq[qd][1], yq[qd][2], yq[qd][3]);
+        for (int qd = 0; qd < NQ; ++qd) {
+          const float* y = yq[qd];
+          const float s0 = __shfl_xor_sync(0xffffffffu, hi16 ? y[0] : y[2], 16);
+          const float s1 = __shfl_xor_sync(0xffffffffu, hi16 ? y[1] : y[3], 16);
+          const float k0 = (hi16 ? y[2] : y[0]) + s0, k1 = (hi16 ? y[3] : y[1]) + s1;
+          const float v = (hi8 ? k1 : k0) + __shfl_xor_sync(0xffffffffu, hi8 ? k0 : k1, 8);
+          sy[((rs / 4) * kLC + cs) * TP + 4 * qd + rs % 4] = v;
+        }
+      } else {
+#pragma unroll
+        for (int qd = 0; qd < NQ; ++qd)
+          *reinterpret_cast<float4*>(sy + (r * kLC + c) * TP + 4 * qd) =
+              make_float4(yq[qd][0], yq[qd][1], yq[qd][2], yq[qd][3]);
+      }
     }
     __syncthreads();
     // C. the slots' partials summed (in slot order), D skip, gate, store
@@ -544,7 +577,7 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
       const float4 p0 = *reinterpret_cast<const float4*>(sy + c * TP + 4 * qd);
       float y[4] = {p0.x, p0.y, p0.z, p0.w};
 #pragma unroll
-      for (int sl = 1; sl < SL; ++sl) {
+      for (int sl = 1; sl < (kWR ? 2 : SL); ++sl) {
         const float4 p = *reinterpret_cast<const float4*>(sy + (sl * kLC + c) * TP + 4 * qd);
         y[0] += p.x, y[1] += p.y, y[2] += p.z, y[3] += p.w;
       }
@@ -572,7 +605,7 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
   if (L_full < L) tile(L_full, std::false_type{});
   if (a.final_state) {
 #pragma unroll
-    for (int q = 0; q < SP; ++q) a.final_state[bd * N + r + SL * q] = h[q];
+    for (int q = 0; q < SP; ++q) a.final_state[bds * N + rs + SL * q] = h[q];
   }
 }
 
@@ -649,13 +682,14 @@ void forward(const FwdArgs& a) {
   // (the lanes address 2 x 32 rows of each operand with 32-bit offsets)
   const index_t ld_max = std::max({a.ld_u, a.ld_delta, a.ld_z, a.ld_bc, a.ld_out});
   const bool fits = lanes_fit(a.E, a.N, a.cpg, a.Q) && ld_max * 64 < (index_t(1) << 31);
-  if (v == 0) v = fits ? 7 : kDefault;
+  if (v == 0) v = fits ? 8 : kDefault;
   if (v >= 5 && !fits) v = kDefault;
   if (v >= 5) {
     switch (v) {  // (N = 8 in 8 slots: one state each)
       case 5: a.N == 16 ? launch_lanes<16, 32, 8, 2, 0>(a) : launch_lanes<8, 32, 8, 2, 0>(a); break;
       case 6: a.N == 16 ? launch_lanes<16, 32, 8, 8, 0>(a) : launch_lanes<8, 32, 8, 8, 0>(a); break;
-      default: a.N == 16 ? launch_lanes<16, 32, 8, 8, 1>(a) : launch_lanes<8, 32, 8, 8, 1>(a); break;
+      case 7: a.N == 16 ? launch_lanes<16, 32, 8, 8, 1>(a) : launch_lanes<8, 32, 8, 8, 1>(a); break;
+      default: a.N == 16 ? launch_lanes<16, 32, 8, 8, 2>(a) : launch_lanes<8, 32, 8, 8, 2>(a); break;
     }
     return;
   }
