@@ -333,6 +333,11 @@ __global__ void __launch_bounds__(kCB * S, kMinBlocks) forward_kernel(const FwdA
 // shared-memory wavefronts a warp-tile by about a third (its phase-B warp of 8 channels x 4 slots reads Delta and
 // Delta u in one wavefront each instead of two; the partial outputs, 4 slots summed by 3 shuffles a quad, take 8
 // one-wavefront stores and 8 four-wavefront loads instead of 32 and 32): 0.461-0.464 against 0.481-0.483 ms.
+// ncu on variant 8 (60109bc): L1/TEX's data pipe 83 % of its peak, 236 wavefronts a warp-tile, 185 of them
+// shared memory (the shuffles counted), its 50 16-byte shared loads 2.72 wavefronts each. Tried and dropped: the
+// same warp with a channel's 4 slots in neighbouring lanes (2 channels x 4 slots a quarter-warp: the B and C loads
+// uniform across quarters, Delta and Delta u not; 0.492-0.496 against 0.463-0.468 ms); the global loads as
+// ld.global.nc.L1::no_allocate (0.467-0.468 against 0.463 ms).
 constexpr int kLC = 16;  // channels per block
 static_assert(kLC == kBwdBlock);
 // SL threads ("slots") per channel, each owning N / SL states; a block has 16 SL threads. Phases A and C: thread =
