@@ -16,7 +16,7 @@ bool shape_fits(index_t E, index_t N, index_t cpg) {
 }
 
 constexpr int kOldVariants = 4;  // variants 1..4 are the time-parallel kernel's shapes, 5..7 the state lanes
-static_assert(kVariants == kOldVariants + 4);
+static_assert(kVariants == kOldVariants + 5);
 
 namespace {
 // (slots per channel, tokens per slot, states per group, u and delta staged in shared memory) of variants
@@ -44,6 +44,7 @@ const char* variant_name(int v) {
   if (v == 6) return "lanes T32 U8";
   if (v == 7) return "lanes T32 U8 pipelined";
   if (v == 8) return "lanes T32 U8 pipelined warp-summed";
+  if (v == 9) return "lanes T32 U8 pipelined warp-summed, split quarters";
   return v >= 1 && v <= kOldVariants ? kShapes[v - 1].name : "lanes T32 U8 pipelined warp-summed, or S8 K8 G4 staged where the lanes do not fit";
 }
 
@@ -304,7 +305,7 @@ __global__ void __launch_bounds__(kCB * S, kMinBlocks) forward_kernel(const FwdA
     for (int n = 0; n < N; ++n) a.final_state[bd * N + n] = scarry[cl * N + n];
 }
 
-// ---- The "state lanes" kernel (variants 5 to 8): a thread per (channel, slot of N / SL states), walking the
+// ---- The "state lanes" kernel (variants 5 to 9): a thread per (channel, slot of N / SL states), walking the
 // sequence in order. 4 x 1,536 channels x 16 states are 98,304 independent recurrences: enough threads without
 // parallelising over time, so every (token, state) costs one exp and one pass (the time-parallel kernel above runs
 // its tokens twice). A block owns 16 channels (of one group) and walks tiles of T tokens in three phases:
@@ -365,7 +366,7 @@ __host__ __device__ constexpr int lanes_floats() {
 
 template <int N, int T, int SL, int U, int M, bool kSeq>
 __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
-  constexpr bool kWR = M == 2;  // phase B's partial outputs summed over 4 slots in the warp (below)
+  constexpr bool kWR = M >= 2;  // phase B's partial outputs summed over 4 slots in the warp (below)
   static_assert(!kWR || (kLC == 16 && SL == 8));
   constexpr int NT = kLC * SL;  // threads
   constexpr int SP = N / SL, TP = lanes_row<T>(), NQ = T / 4, QPT = NQ * kLC / NT;  // states, quads per thread
@@ -381,9 +382,18 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
   const int c = tid % kLC, r = tid / kLC;
   const index_t d = d0 + c;
   // phase B's channel cs and slot rs: a warp of 16 channels x 2 slots (lanes 16 apart: slots), or with kWR of 8
-  // channels x 4 slots (lanes 8 apart: slots; warps 0 and 1 hold slots 0..3 of channels 0..7 and 8..15, warps 2
-  // and 3 slots 4..7)
-  const int cs = kWR ? (tid / 32 % 2) * 8 + tid % 8 : c, rs = kWR ? (tid / 64) * 4 + tid % 32 / 8 : r;
+  // channels x 4 slots (warps 0 and 1 hold slots 0..3 of channels 0..7 and 8..15, warps 2 and 3 slots 4..7). M = 2:
+  // a channel's slots are lanes 8 apart. M = 3: each quarter-warp holds 4 channels x 2 slots, and the two quarters
+  // of a half-warp differ in both (quarters 0..3: channels 0-3 x slots 0-1, 4-7 x 2-3, 0-3 x 2-3, 4-7 x 0-1), so
+  // that each 16-byte shared load of Delta, Delta u, B or C finds the two quarters of a half-warp on different
+  // banks. ncu's counts at 60109bc fit this rule for 16-byte loads: a half-warp takes one wavefront where its two
+  // quarters' banks are disjoint (a quarter's own lanes may share an address), two where they overlap, even on the
+  // same address. By it M = 2 takes 4 wavefronts a warp for Delta and Delta u (its quarters of a half-warp read the
+  // same 8 channels) and 2 for B and C, M = 3 takes 2 for each (and the quarter-warp form dropped above 2 and 4).
+  // A channel's slots are then lanes 4 and 16 apart.
+  const int ln = tid % 32, qh = ln / 8 % 2, hf = ln / 16;
+  const int cs = !kWR ? c : (tid / 32 % 2) * 8 + (M == 3 ? 4 * qh + ln % 4 : ln % 8);
+  const int rs = !kWR ? r : (tid / 64) * 4 + (M == 3 ? 2 * (qh ^ hf) + ln % 8 / 4 : ln / 8);
   const index_t ds = d0 + cs, bds = b * a.E + ds;
   float a2[SP], h[SP];
 #pragma unroll
@@ -554,18 +564,20 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
         quad_chain(e[qd & 1], x[qd & 1], cc[qd & 1], yq[qd]);
       }
       if constexpr (kWR) {
-        // the warp's 4 slots of a channel summed by halving exchanges (lanes 16, then 8 apart), each lane left with
-        // one token k = rs % 4 of the quad, which it stores: the partial outputs are 2 sets (slots 0..3, 4..7)
-        // instead of SL, with a quarter of the stores' bytes
-        const bool hi16 = (tid & 16) != 0, hi8 = (tid & 8) != 0;
+        // the warp's 4 slots of a channel summed by halving exchanges (lanes X1 = 16, then X2 = 8 or 4 apart), each
+        // lane left with one token k = 2 [lane & X1] + [lane & X2] of the quad, which it stores: the partial
+        // outputs are 2 sets (slots 0..3, 4..7) instead of SL, with a quarter of the stores' bytes
+        constexpr int X1 = 16, X2 = M == 3 ? 4 : 8;
+        const bool hi1 = (tid & X1) != 0, hi2 = (tid & X2) != 0;
+        const int k = 2 * int(hi1) + int(hi2);
 #pragma unroll
         for (int qd = 0; qd < NQ; ++qd) {
           const float* y = yq[qd];
-          const float s0 = __shfl_xor_sync(0xffffffffu, hi16 ? y[0] : y[2], 16);
-          const float s1 = __shfl_xor_sync(0xffffffffu, hi16 ? y[1] : y[3], 16);
-          const float k0 = (hi16 ? y[2] : y[0]) + s0, k1 = (hi16 ? y[3] : y[1]) + s1;
-          const float v = (hi8 ? k1 : k0) + __shfl_xor_sync(0xffffffffu, hi8 ? k0 : k1, 8);
-          sy[((rs / 4) * kLC + cs) * TP + 4 * qd + rs % 4] = v;
+          const float s0 = __shfl_xor_sync(0xffffffffu, hi1 ? y[0] : y[2], X1);
+          const float s1 = __shfl_xor_sync(0xffffffffu, hi1 ? y[1] : y[3], X1);
+          const float k0 = (hi1 ? y[2] : y[0]) + s0, k1 = (hi1 ? y[3] : y[1]) + s1;
+          const float v = (hi2 ? k1 : k0) + __shfl_xor_sync(0xffffffffu, hi2 ? k0 : k1, X2);
+          sy[((rs / 4) * kLC + cs) * TP + 4 * qd + k] = v;
         }
       } else {
 #pragma unroll
@@ -694,6 +706,7 @@ void forward(const FwdArgs& a) {
       case 5: a.N == 16 ? launch_lanes<16, 32, 8, 2, 0>(a) : launch_lanes<8, 32, 8, 2, 0>(a); break;
       case 6: a.N == 16 ? launch_lanes<16, 32, 8, 8, 0>(a) : launch_lanes<8, 32, 8, 8, 0>(a); break;
       case 7: a.N == 16 ? launch_lanes<16, 32, 8, 8, 1>(a) : launch_lanes<8, 32, 8, 8, 1>(a); break;
+      case 9: a.N == 16 ? launch_lanes<16, 32, 8, 8, 3>(a) : launch_lanes<8, 32, 8, 8, 3>(a); break;
       default: a.N == 16 ? launch_lanes<16, 32, 8, 8, 2>(a) : launch_lanes<8, 32, 8, 8, 2>(a); break;
     }
     return;
