@@ -15,7 +15,7 @@ bool shape_fits(index_t E, index_t N, index_t cpg) {
   return (N == 8 || N == 16) && E % kChannels == 0 && cpg % kChannels == 0;
 }
 
-constexpr int kOldVariants = 4;  // variants 1..4 are the time-parallel kernel's shapes, 5..7 the state lanes
+constexpr int kOldVariants = 4;  // variants 1..4 are the time-parallel kernel's shapes, 5..9 the state lanes
 static_assert(kVariants == kOldVariants + 5);
 
 namespace {
@@ -317,10 +317,10 @@ __global__ void __launch_bounds__(kCB * S, kMinBlocks) forward_kernel(const FwdA
 //   C. each thread sums the SL slots' partials for its 4 tokens, adds D u, gates with silu(z) and stores.
 // Variant 8 (the default) sums 4 slots' partials in the warp by shuffles before B stores them, so C sums 2.
 // Checkpoints fall on tile starts (T divides Q), so the recurrence has no per-token branch; only the last tile
-// checks the sequence's end. What bounds it (ncu on an H200, perf/RESULTS.md): the exp unit (one exp2 per
-// (token, state) plus four per (token, channel): busy about half the time, as is the issue) and the latency
-// of its and of the shared-memory loads' results, with 11-12 warps per SM (all that 4 x 1,536 channels x 8 slots
-// make). By ncu's per-instruction samples at da1d82e, phase B (with the next tile's loads) holds 72 % of the
+// checks the sequence's end. What bounds it (ncu on an H200, perf/RESULTS.md), as first read: the exp unit (one
+// exp2 per (token, state) plus four per (token, channel): busy about half the time, as is the issue) and the
+// latency of its and of the shared-memory loads' results, with 11-12 warps per SM (all that 4 x 1,536 channels x
+// 8 slots make); as later measured, the L1/TEX unit's wavefronts (the end of this comment). By ncu's per-instruction samples at da1d82e, phase B (with the next tile's loads) holds 72 % of the
 // stalls, C 17 %, A 8 %; in B the exp instructions wait on the exp unit's queue (64 of a warp's 80 exp-unit
 // operations a tile are there, 8 cycles each on a scheduler's quarter of the unit, against about 441 instructions
 // to issue), but the unit's throughput is not the bound: 1 or 2 of a quad's 8 decays on the FMA pipe instead
@@ -555,7 +555,7 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
         *reinterpret_cast<float4*>(sy + (r * kLC + c) * TP + 4 * qd) = make_float4(y[0], y[1], y[2], y[3]);
       }
     } else {
-      static_assert(U == NQ, "the pipelined phase B unrolls the whole tile");  // (M = 1 or 2)
+      static_assert(U == NQ, "the pipelined phase B unrolls the whole tile");  // (M = 1, 2 or 3)
       float yq[NQ][4], e[2][SP][4], x[2][SP][4], cc[2][SP][4];
       quad_terms(0, e[0], x[0], cc[0]);
 #pragma unroll
@@ -587,7 +587,7 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
       }
     }
     __syncthreads();
-    // C. the slots' partials summed (in slot order), D skip, gate, store
+    // C. the slots' partials summed (in slot order; kWR: the two sets), D skip, gate, store
 #pragma unroll
     for (int j = 0; j < QPT; ++j) {
       const int qd = r + SL * j;
