@@ -322,9 +322,9 @@ __global__ void __launch_bounds__(kCB * S, kMinBlocks) forward_kernel(const FwdA
 // exp2 per (token, state) plus four per (token, channel): busy about half the time, as is the issue) and the
 // latency of its and of the shared-memory loads' results, with 11-12 warps per SM (all that 4 x 1,536 channels x
 // 8 slots make); as later measured, the L1/TEX unit's wavefronts (the end of this comment). By ncu's
-// per-instruction samples at da1d82e, phase B (with the next tile's loads) holds 72 % of the stalls, C 17 %, A 8 %; in B the exp instructions wait on the exp unit's queue (64 of a warp's 80 exp-unit
-// operations a tile are there, 8 cycles each on a scheduler's quarter of the unit, against about 441 instructions
-// to issue), but the unit's throughput is not the bound: 1 or 2 of a quad's 8 decays on the FMA pipe instead
+// per-instruction samples at da1d82e, phase B (with the next tile's loads) holds 72 % of the stalls, C 17 %, A 8 %;
+// in B the exp instructions wait on the exp unit's queue (64 of a warp's 80 exp-unit operations a tile are there,
+// 8 cycles each on a scheduler's quarter of the unit, against about 441 instructions to issue), but the unit's throughput is not the bound: 1 or 2 of a quad's 8 decays on the FMA pipe instead
 // (2^x by a degree-6 fit and the exponent bits, 10 instructions each; 0f4b09c) ran 0.4836 and 0.4991 ms against
 // 0.4791 ms in one run. Also tried and dropped: one interval per tile doing C(i - 1), A(i + 1) and B(i) on two
 // sets of shared buffers (one barrier a tile instead of two; 5-10 % slower, more stall on the loads' and stores'
