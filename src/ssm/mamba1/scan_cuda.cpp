@@ -317,28 +317,28 @@ __global__ void __launch_bounds__(kCB * S, kMinBlocks) forward_kernel(const FwdA
 //      its own states' C h per token, and leaves those partial outputs in shared memory;
 //   C. each thread sums the SL slots' partials for its 4 tokens, adds D u, gates with silu(z) and stores.
 // Variant 8 (the default) sums 4 slots' partials in the warp by shuffles before B stores them, so C sums 2.
-// Checkpoints fall on tile starts (T divides Q), so the recurrence has no per-token branch; only the last tile
-// checks the sequence's end. What bounds it (ncu on an H200, perf/RESULTS.md), as first read: the exp unit (one
-// exp2 per (token, state) plus four per (token, channel): busy about half the time, as is the issue) and the
-// latency of its and of the shared-memory loads' results, with 11-12 warps per SM (all that 4 x 1,536 channels x
-// 8 slots make); as later measured, the L1/TEX unit's wavefronts (the end of this comment). By ncu's
-// per-instruction samples at da1d82e, phase B (with the next tile's loads) holds 72 % of the stalls, C 17 %, A 8 %;
-// in B the exp instructions wait on the exp unit's queue (64 of a warp's 80 exp-unit operations a tile are there,
-// 8 cycles each on a scheduler's quarter of the unit, against about 441 instructions to issue), but the unit's throughput is not the bound: 1 or 2 of a quad's 8 decays on the FMA pipe instead
-// (2^x by a degree-6 fit and the exponent bits, 10 instructions each; 0f4b09c) ran 0.4836 and 0.4991 ms against
-// 0.4791 ms in one run. Also tried and dropped: one interval per tile doing C(i - 1), A(i + 1) and B(i) on two
-// sets of shared buffers (one barrier a tile instead of two; 5-10 % slower, more stall on the loads' and stores'
-// registers). Removing parts of variant 7 one at a time (diagnostic builds, not kept, e5ef47a): the 64 phase-B
-// exps a warp-tile 0.480 -> 0.465 ms, every global load (an L1-resident address instead) 0.435 ms, phase B's B and
-// C shared loads 0.435 ms, the output stores 0.477 ms; ncu put the L1/TEX unit (shared memory and the global
+// Checkpoints fall on tile starts (T divides Q), so the recurrence has no per-token branch; only the last tile checks
+// the sequence's end. What bounds it (ncu on an H200, perf/RESULTS.md), as first read: the exp unit (one exp2 per
+// (token, state) plus four per (token, channel): busy about half the time, as is the issue) and the latency of its and
+// of the shared-memory loads' results, with 11-12 warps per SM (all that 4 x 1,536 channels x 8 slots make); as later
+// measured, the L1/TEX unit's wavefronts (the end of this comment). By ncu's per-instruction samples at da1d82e, phase
+// B (with the next tile's loads) holds 72 % of the stalls, C 17 %, A 8 %; in B the exp instructions wait on the exp
+// unit's queue (64 of a warp's 80 exp-unit operations a tile are there, 8 cycles each on a scheduler's quarter of the
+// unit, against about 441 instructions to issue), but the unit's throughput is not the bound: 1 or 2 of a quad's 8
+// decays on the FMA pipe instead (2^x by a degree-6 fit and the exponent bits, 10 instructions each; 0f4b09c) ran
+// 0.4836 and 0.4991 ms against 0.4791 ms in one run. Also tried and dropped: one interval per tile doing C(i - 1), A(i
+// + 1) and B(i) on two sets of shared buffers (one barrier a tile instead of two; 5-10 % slower, more stall on the
+// loads' and stores' registers). Removing parts of variant 7 one at a time (diagnostic builds, not kept, e5ef47a): the
+// 64 phase-B exps a warp-tile 0.480 -> 0.465 ms, every global load (an L1-resident address instead) 0.435 ms, phase B's
+// B and C shared loads 0.435 ms, the output stores 0.477 ms; ncu put the L1/TEX unit (shared memory and the global
 // loads' data path) at 87 % of its peak, issue at 55 %, the exp unit about half, DRAM 28 %. Variant 8 cuts the
-// shared-memory wavefronts a warp-tile by about a third (its phase-B warp of 8 channels x 4 slots reads Delta and
-// Delta u in one wavefront each instead of two; the partial outputs, 4 slots summed by 3 shuffles a quad, take 8
-// one-wavefront stores and 8 four-wavefront loads instead of 32 and 32): 0.461-0.464 against 0.481-0.483 ms.
-// ncu on variant 8 (60109bc): L1/TEX's data pipe 83 % of its peak, 236 wavefronts a warp-tile, 185 of them
-// shared memory (the shuffles counted), its 50 16-byte shared loads 2.72 wavefronts each. Tried and dropped: the
-// same warp with a channel's 4 slots in neighbouring lanes (2 channels x 4 slots a quarter-warp: the B and C loads
-// uniform across quarters, Delta and Delta u not; 0.492-0.496 against 0.463-0.468 ms); the global loads as
+// shared-memory wavefronts a warp-tile by about a third (its phase-B warp of 8 channels x 4 slots reads Delta and Delta
+// u in one wavefront each instead of two; the partial outputs, 4 slots summed by 3 shuffles a quad, take 8
+// one-wavefront stores and 8 four-wavefront loads instead of 32 and 32): 0.461-0.464 against 0.481-0.483 ms. ncu on
+// variant 8 (60109bc): L1/TEX's data pipe 83 % of its peak, 236 wavefronts a warp-tile, 185 of them shared memory (the
+// shuffles counted), its 50 16-byte shared loads 2.72 wavefronts each. Tried and dropped: the same warp with a
+// channel's 4 slots in neighbouring lanes (2 channels x 4 slots a quarter-warp: the B and C loads uniform across
+// quarters, Delta and Delta u not; 0.492-0.496 against 0.463-0.468 ms); the global loads as
 // ld.global.nc.L1::no_allocate (0.467-0.468 against 0.463 ms).
 constexpr int kLC = 16;  // channels per block
 static_assert(kLC == kBwdBlock);
