@@ -45,8 +45,8 @@ const char* variant_name(int v) {
   if (v == 7) return "lanes T32 U8 pipelined";
   if (v == 8) return "lanes T32 U8 pipelined warp-summed";
   if (v == 9) return "lanes T32 U8 pipelined warp-summed, split quarters";
-  return v >= 1 && v <= kOldVariants ? kShapes[v - 1].name
-                                      : "lanes T32 U8 pipelined warp-summed, or S8 K8 G4 staged where the lanes do not fit";
+  if (v >= 1 && v <= kOldVariants) return kShapes[v - 1].name;
+  return "lanes T32 U8 pipelined warp-summed, or S8 K8 G4 staged where the lanes do not fit";
 }
 
 #if defined(KOKKOS_ENABLE_CUDA)
