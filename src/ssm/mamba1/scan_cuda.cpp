@@ -708,7 +708,8 @@ void forward(const FwdArgs& a) {
       case 6: a.N == 16 ? launch_lanes<16, 32, 8, 8, 0>(a) : launch_lanes<8, 32, 8, 8, 0>(a); break;
       case 7: a.N == 16 ? launch_lanes<16, 32, 8, 8, 1>(a) : launch_lanes<8, 32, 8, 8, 1>(a); break;
       case 9: a.N == 16 ? launch_lanes<16, 32, 8, 8, 3>(a) : launch_lanes<8, 32, 8, 8, 3>(a); break;
-      default: a.N == 16 ? launch_lanes<16, 32, 8, 8, 2>(a) : launch_lanes<8, 32, 8, 8, 2>(a); break;
+      default:  // 8 (v is 5..kVariants here)
+        a.N == 16 ? launch_lanes<16, 32, 8, 8, 2>(a) : launch_lanes<8, 32, 8, 8, 2>(a); break;
     }
     return;
   }
