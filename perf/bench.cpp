@@ -27,6 +27,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <map>
@@ -425,10 +426,12 @@ void bench_ssd(int reps, const std::vector<SSDVariant>& variants) {
     record_rates(nf, fwd_bytes, fwd_flops, t_f);
     // the native kernels run (CUDA, a shape they take): each also timed with its former WMMA form
     const bool kernels = var.algo == SSDAlgo::fused && ssd_fused::fits(int(P), int(N), int(Q));
-    if (kernels) {  // the former WMMA chunk scan
-      const ssd_fused::FormScope form(ssd_fused::scan_form, ssd_fused::Form::wmma);
-      record(nf + " (chunk scan: WMMA kernel)", "time",
-             time_median(1, r, [&] { ssd_forward<T>(s, in, y, View4<float>()); }) * 1e3, "ms");
+    if (kernels) {  // the former WMMA chunk scan, and the mma kernel with its operands through a cp.async ring
+      for (auto [f, label] : {std::pair{ssd_fused::Form::wmma, " (chunk scan: WMMA kernel)"},
+                              std::pair{ssd_fused::Form::mma_ring, " (chunk scan: mma, cp.async ring)"}}) {
+        const ssd_fused::FormScope form(ssd_fused::scan_form, f);
+        record(nf + label, "time", time_median(1, r, [&] { ssd_forward<T>(s, in, y, View4<float>()); }) * 1e3, "ms");
+      }
     }
     // agreement with the first variant: max |y - y_0| / max |y_0| and the same for dx, dB, dC
     static std::vector<float> y0, dx0;

@@ -227,12 +227,13 @@ TEST_CASE("SSD fused tensor-core forward stays within bf16 rounding of the doubl
     Case c = sh.to_case();
     c.algo = SSDAlgo::fused;
     c.compute = GemmCompute::bf16;
-    // the chunk scan's mma.sync kernel and (CUDA builds) its earlier WMMA form
+    // the chunk scan's mma.sync kernel, (CUDA builds) its earlier WMMA form and its form with a cp.async ring
     const bool kernels = ssd_fused::fits(int(sh.P), int(sh.N), int(sh.Q));
-    for (ssd_fused::Form f : {ssd_fused::Form::mma, ssd_fused::Form::wmma}) {
-      if (f == ssd_fused::Form::wmma && !kernels) continue;
+    for (ssd_fused::Form f : {ssd_fused::Form::mma, ssd_fused::Form::wmma, ssd_fused::Form::mma_ring}) {
+      if (f != ssd_fused::Form::mma && !kernels) continue;
       const ssd_fused::FormScope form(ssd_fused::scan_form, f);
-      INFO("P=" << sh.P << " N=" << sh.N << " Q=" << sh.Q << (f == ssd_fused::Form::wmma ? " (WMMA form)" : ""));
+      INFO("P=" << sh.P << " N=" << sh.N << " Q=" << sh.Q
+                << (f == ssd_fused::Form::wmma ? " (WMMA form)" : f == ssd_fused::Form::mma_ring ? " (ring form)" : ""));
       c.records = true;
       c.init = true;
       check_forward<float>(c, 2e-2);

@@ -1119,9 +1119,19 @@ template <int PT>
 constexpr int kScanSteps = PT <= 4 ? 1 : 2;
 template <int PT>
 constexpr int kScanBlocks = PT <= 4 ? 4 : 2;
+// Form::mma_ring: blocks an SM with the ring's shared memory (kRing stages of 1 KB a warp: 16 KB a block, 72 KB
+// with the 56 KB above at headdim 64, d_state 128, chunk 256: 3 blocks an SM)
+constexpr int kRing = 4;
+template <int PT>
+constexpr int kRingBlocks = PT <= 4 ? 3 : 2;
+__host__ __device__ constexpr std::size_t scan_ring_smem(int P, int N, int Q) {
+  return scan_mma_smem(P, N, Q) + std::size_t(kThreads / 32) * kRing * 256 * 4;
+}
 
-template <int PT, bool V4>
-__global__ void __launch_bounds__(kThreads, kScanBlocks<PT>) chunk_scan_mma_kernel(const Args a) {
+template <int PT, bool V4, int RS>
+__global__ void __launch_bounds__(kThreads, RS == 0 ? kScanBlocks<PT> : kRingBlocks<PT>)
+    chunk_scan_mma_kernel(const Args a) {
+  static_assert(RS == 0 || (RS >= 2 && V4), "the ring's 16-byte copies need 16-byte aligned rows");
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int P = PT * 16, ldx = P + kPad, NB = 2 * PT;  // NB: 8-wide column blocks of P
   const int ldn = a.N + kPad;
@@ -1130,6 +1140,7 @@ __global__ void __launch_bounds__(kThreads, kScanBlocks<PT>) chunk_scan_mma_kern
   float* acs_s = reinterpret_cast<float*>(ss + P * ldn);  // acs log2 e
   float* dt_s = acs_s + a.Q;
   int* rec_s = reinterpret_cast<int*>(dt_s + a.Q);  // -1 past the chunk's end
+  [[maybe_unused]] float* ring = reinterpret_cast<float*>(rec_s + a.Q);  // RS: kThreads / 32 x RS stages of 256
 
   const int h = blockIdx.x, bc = blockIdx.y;
   const int b = bc / a.nc, ch = bc % a.nc, t0 = ch * a.Q, q = min(a.Q, a.L - t0), grp = h / (a.H / a.G);
@@ -1153,8 +1164,9 @@ __global__ void __launch_bounds__(kThreads, kScanBlocks<PT>) chunk_scan_mma_kern
 
   const int r_in = a.seq ? a.seq[row0 + (ch == 0 ? 0 : t0 - 1)] : 0;
   const float Dh = a.D[h];
-  const float* cg = a.xbc + (row0 + t0) * a.ldx + a.c_col + grp * a.N + 2 * cq;  // C at column 2 c
-  const float* CB = a.cb + (std::int64_t(bc) * a.G + grp) * a.Q * a.Q + 2 * cq;   // C B^T at column 2 c
+  const float* cg0 = a.xbc + (row0 + t0) * a.ldx + a.c_col + grp * a.N;      // C of the chunk
+  const float* CB0 = a.cb + (std::int64_t(bc) * a.G + grp) * a.Q * a.Q;      // C B^T of the chunk
+  const float *cg = cg0 + 2 * cq, *CB = CB0 + 2 * cq;                        // at column 2 c
   const int nm = (q + 15) / 16;
   for (int it = 0; it < a.Q / 64; ++it) {
     const int mt = 4 * it + ((it & 1) ? 3 - warp : warp);
@@ -1166,32 +1178,20 @@ __global__ void __launch_bounds__(kThreads, kScanBlocks<PT>) chunk_scan_mma_kern
 #pragma unroll
     for (int j = 0; j < NB; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 
-    // inter-chunk term: acc = C S_in^T (k = n), then row l scaled by e_in(l)
-    {
-      const float* c0 = cg + std::int64_t(l[0]) * a.ldx;
-      const float* c1 = c0 + 8 * a.ldx;
-      auto fetch = [&](int k, float2 (&f)[4]) {
-        const float2 z = make_float2(0.f, 0.f);
-        f[0] = in[0] ? load2<V4>(c0 + k) : z;
-        f[1] = in[1] ? load2<V4>(c1 + k) : z;
-        f[2] = in[0] ? load2<V4>(c0 + k + 8) : z;
-        f[3] = in[1] ? load2<V4>(c1 + k + 8) : z;
-      };
-      // blocks of kScanSteps steps (16 columns of C each), the next block in flight
-      pipelined<kScanSteps<PT>>(
-          a.N / 16, [&](int i, float2(&f)[4]) { fetch(16 * i, f); },
-          [&](int i, const float2(&cur)[4]) {
-            const int k = 16 * i;
-            const unsigned fa[4] = {pack_bf16(cur[0].x, cur[0].y), pack_bf16(cur[1].x, cur[1].y),
-                                    pack_bf16(cur[2].x, cur[2].y), pack_bf16(cur[3].x, cur[3].y)};
+    // inter-chunk term: acc = C S_in^T (k = n), then row l scaled by e_in(l); `inter` takes one step of 16
+    // columns of C (the A fragment, fp32 pairs), `scale_in` the rows' factors after the last
+    auto inter = [&](int k, const float2 (&cur)[4]) {
+      const unsigned fa[4] = {pack_bf16(cur[0].x, cur[0].y), pack_bf16(cur[1].x, cur[1].y),
+                              pack_bf16(cur[2].x, cur[2].y), pack_bf16(cur[3].x, cur[3].y)};
 #pragma unroll
-            for (int jj = 0; jj < PT; ++jj) {
-              unsigned fb[4];  // S_in rows p = 16 jj .. (k = n): B fragments of column blocks 2 jj and 2 jj + 1
-              ldsm4<false>(fb, ss + (16 * jj + lane % 8 + (lane / 16) * 8) * ldn + k + ((lane / 8) % 2) * 8);
-              mma_bf16(acc[2 * jj], fa, fb[0], fb[1]);
-              mma_bf16(acc[2 * jj + 1], fa, fb[2], fb[3]);
-            }
-          });
+      for (int jj = 0; jj < PT; ++jj) {
+        unsigned fb[4];  // S_in rows p = 16 jj .. (k = n): B fragments of column blocks 2 jj and 2 jj + 1
+        ldsm4<false>(fb, ss + (16 * jj + lane % 8 + (lane / 16) * 8) * ldn + k + ((lane / 8) % 2) * 8);
+        mma_bf16(acc[2 * jj], fa, fb[0], fb[1]);
+        mma_bf16(acc[2 * jj + 1], fa, fb[2], fb[3]);
+      }
+    };
+    auto scale_in = [&]() {
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         float e = 0.f;
@@ -1202,13 +1202,68 @@ __global__ void __launch_bounds__(kThreads, kScanBlocks<PT>) chunk_scan_mma_kern
 #pragma unroll
         for (int j = 0; j < NB; ++j) acc[j][2 * hr] *= e, acc[j][2 * hr + 1] *= e;
       }
-    }
-
+    };
     // intra-chunk term: acc += M X over the source steps s0 <= r0, M(l, s) = (C B^T)(l, s) exp(acs_l - acs_s)
     // Delta_s for s <= l in l's record and decays at or above the cutoff
-    {
-      const float al[2] = {acs_s[l[0]], acs_s[l[1]]};
-      const int rl[2] = {in[0] ? rec_s[l[0]] : -2, in[1] ? rec_s[l[1]] : -2};  // rows past the end: no source
+    const float al[2] = {acs_s[l[0]], acs_s[l[1]]};
+    const int rl[2] = {in[0] ? rec_s[l[0]] : -2, in[1] ? rec_s[l[1]] : -2};  // rows past the end: no source
+    // the step at s0 from cur (C B^T at rows l, columns s0 ..); kDiag: the diagonal step (s0 == r0), where s <= l
+    // is tested per element
+    auto step = [&](int s0, const float2 (&cur)[4], auto diag_tag) {
+      constexpr bool kDiag = decltype(diag_tag)::value;
+      unsigned fa[4];
+#pragma unroll
+      for (int kh = 0; kh < 2; ++kh) {  // columns s = s0 + 2 c + 8 kh (+ 1)
+        const int s = s0 + 2 * cq + 8 * kh;
+        const float2 as = *reinterpret_cast<const float2*>(acs_s + s);
+        const float2 ds = *reinterpret_cast<const float2*>(dt_s + s);
+        const int2 rs = *reinterpret_cast<const int2*>(rec_s + s);
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const float2 cbv = cur[2 * kh + hr];
+          float m[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float ev = ex2(fminf(al[hr] - (e ? as.y : as.x), 0.f));
+            const bool keep = (!kDiag || s + e <= l[hr]) && (e ? rs.y : rs.x) == rl[hr] && ev >= a.cutoff;
+            m[e] = keep ? (e ? cbv.y : cbv.x) * ev * (e ? ds.y : ds.x) : 0.f;
+          }
+          fa[2 * kh + hr] = pack_bf16(m[0], m[1]);
+        }
+      }
+#pragma unroll
+      for (int jj = 0; jj < PT; ++jj) {
+        unsigned fb[4];  // x rows s0 .. s0 + 15, columns 16 jj ..: transposed, B fragments of 2 jj and 2 jj + 1
+        ldsm4<true>(fb, xs + (s0 + lane % 8 + ((lane / 8) % 2) * 8) * ldx + 16 * jj + (lane / 16) * 8);
+        mma_bf16(acc[2 * jj], fa, fb[0], fb[1]);
+        mma_bf16(acc[2 * jj + 1], fa, fb[2], fb[3]);
+      }
+    };
+    // x of the tile's rows for the epilogue, in flight during the diagonal step
+    auto load_xv = [&]() {
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+        for (int j = 0; j < NB; ++j)
+          xv[hr][j] = in[hr] ? load2<V4>(xg + std::int64_t(l[hr]) * a.ldx + 2 * cq + 8 * j) : make_float2(0.f, 0.f);
+    };
+    if constexpr (RS == 0) {
+      {
+        const float* c0 = cg + std::int64_t(l[0]) * a.ldx;
+        const float* c1 = c0 + 8 * a.ldx;
+        auto fetch = [&](int k, float2 (&f)[4]) {
+          const float2 z = make_float2(0.f, 0.f);
+          f[0] = in[0] ? load2<V4>(c0 + k) : z;
+          f[1] = in[1] ? load2<V4>(c1 + k) : z;
+          f[2] = in[0] ? load2<V4>(c0 + k + 8) : z;
+          f[3] = in[1] ? load2<V4>(c1 + k + 8) : z;
+        };
+        // blocks of kScanSteps steps (16 columns of C each), the next block in flight
+        pipelined<kScanSteps<PT>>(
+            a.N / 16, [&](int i, float2(&f)[4]) { fetch(16 * i, f); },
+            [&](int i, const float2(&cur)[4]) { inter(16 * i, cur); });
+        scale_in();
+      }
       const float* cb0 = CB + std::int64_t(l[0]) * a.Q;
       const float* cb1 = cb0 + 8 * a.Q;
       auto fetch = [&](int s0, float2 (&f)[4]) {
@@ -1217,50 +1272,75 @@ __global__ void __launch_bounds__(kThreads, kScanBlocks<PT>) chunk_scan_mma_kern
         f[2] = load2<true>(cb0 + s0 + 8);
         f[3] = load2<true>(cb1 + s0 + 8);
       };
-      // the step at s0 from cur; kDiag: the diagonal step (s0 == r0), where s <= l is tested per element
-      auto step = [&](int s0, const float2 (&cur)[4], auto diag_tag) {
-        constexpr bool kDiag = decltype(diag_tag)::value;
-        unsigned fa[4];
-#pragma unroll
-        for (int kh = 0; kh < 2; ++kh) {  // columns s = s0 + 2 c + 8 kh (+ 1)
-          const int s = s0 + 2 * cq + 8 * kh;
-          const float2 as = *reinterpret_cast<const float2*>(acs_s + s);
-          const float2 ds = *reinterpret_cast<const float2*>(dt_s + s);
-          const int2 rs = *reinterpret_cast<const int2*>(rec_s + s);
-#pragma unroll
-          for (int hr = 0; hr < 2; ++hr) {
-            const float2 cbv = cur[2 * kh + hr];
-            float m[2];
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float ev = ex2(fminf(al[hr] - (e ? as.y : as.x), 0.f));
-              const bool keep = (!kDiag || s + e <= l[hr]) && (e ? rs.y : rs.x) == rl[hr] && ev >= a.cutoff;
-              m[e] = keep ? (e ? cbv.y : cbv.x) * ev * (e ? ds.y : ds.x) : 0.f;
-            }
-            fa[2 * kh + hr] = pack_bf16(m[0], m[1]);
-          }
-        }
-#pragma unroll
-        for (int jj = 0; jj < PT; ++jj) {
-          unsigned fb[4];  // x rows s0 .. s0 + 15, columns 16 jj ..: transposed, B fragments of 2 jj and 2 jj + 1
-          ldsm4<true>(fb, xs + (s0 + lane % 8 + ((lane / 8) % 2) * 8) * ldx + 16 * jj + (lane / 16) * 8);
-          mma_bf16(acc[2 * jj], fa, fb[0], fb[1]);
-          mma_bf16(acc[2 * jj + 1], fa, fb[2], fb[3]);
-        }
-      };
       // the diagonal step's C B^T in flight from the start; the steps below it in blocks, the next in flight
       float2 dg[4];
       fetch(r0, dg);
       pipelined<kScanSteps<PT>>(
           mt, [&](int i, float2(&f)[4]) { fetch(16 * i, f); },
           [&](int i, const float2(&cur)[4]) { step(16 * i, cur, std::false_type{}); });
-      // the diagonal step, with the epilogue's x in flight
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr)
-#pragma unroll
-        for (int j = 0; j < NB; ++j)
-          xv[hr][j] = in[hr] ? load2<V4>(xg + std::int64_t(l[hr]) * a.ldx + 2 * cq + 8 * j) : make_float2(0.f, 0.f);
+      load_xv();
       step(r0, dg, std::true_type{});
+    } else {
+      // The tile's A operands as one sequence of 16 x 16 fp32 steps: N / 16 of C (columns 16 j), mt of C B^T
+      // below the diagonal (columns 16 (j - nI)), then the diagonal's (columns r0), each copied by cp.async into
+      // stage j % RS of this warp's ring, RS - 1 steps ahead of its use. A stage holds 16 rows of 16 floats, the
+      // 16-byte piece c of row r at piece c ^ 2 [(r / 2) odd], so that the 8-byte reads of a fragment (rows g and
+      // g + 8, columns 2 c and 2 c + 8 for the lane's g and c) fall on distinct banks in each half-warp.
+      const int nI = a.N / 16, total = nI + mt + 1;
+      float* rw = ring + warp * RS * 256;
+      // the copies of step j (two 16-byte pieces a lane: rows lane / 2, pieces 2 (lane % 2) and + 1); an empty
+      // group past the last step keeps the count of groups in flight the same for every wait
+      auto issue = [&](int j) {
+        if (j < total) {
+          const int r = lane / 2;
+          float* dst = rw + (j % RS) * 256 + r * 16;
+          const int sw = ((r >> 1) & 1) << 1;
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            const int pc = 2 * (lane % 2) + k;
+            const float* src;
+            int bytes = 16;
+            if (j < nI) {  // C: rows past the chunk's end (or the sequence's) read as zeros
+              const bool ok = r0 + r < q;
+              src = ok ? cg0 + std::int64_t(r0 + r) * a.ldx + 16 * j + 4 * pc : cg0;
+              bytes = ok ? 16 : 0;
+            } else {
+              const int s0 = j < nI + mt ? 16 * (j - nI) : r0;
+              src = CB0 + std::int64_t(r0 + r) * a.Q + s0 + 4 * pc;
+            }
+            cuda_k::cp_async<16>(dst + 4 * (pc ^ sw), src, bytes);
+          }
+        }
+        cuda_k::cp_async_commit();
+      };
+      auto read = [&](int j, float2 (&f)[4]) {
+        const float* st = rw + (j % RS) * 256;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {  // (row g or g + 8, column 2 c or 2 c + 8), as the fetches above
+          const int r = g + 8 * (i % 2), col = 2 * cq + 8 * (i / 2);
+          const int sw = ((r >> 1) & 1) << 1;
+          f[i] = *reinterpret_cast<const float2*>(st + r * 16 + 4 * ((col / 4) ^ sw) + col % 4);
+        }
+      };
+#pragma unroll
+      for (int j = 0; j < RS - 1; ++j) issue(j);
+      for (int j = 0; j < total; ++j) {
+        cuda_k::cp_async_wait<RS - 2>();  // this lane's copies of step j have landed
+        __syncwarp();             // and every lane's; every lane is also done reading step j - 1's stage
+        float2 cur[4];
+        read(j, cur);
+        issue(j + RS - 1);  // into step j - 1's stage
+        if (j < nI) {
+          inter(16 * j, cur);
+          if (j == nI - 1) scale_in();
+        } else if (j < nI + mt) {
+          step(16 * (j - nI), cur, std::false_type{});
+        } else {
+          load_xv();
+          step(r0, cur, std::true_type{});
+        }
+      }
+      __syncwarp();  // every lane done with the ring before the next tile's copies
     }
 
     // y = acc + D x for the rows inside the chunk
@@ -1633,10 +1713,21 @@ template <int PT, bool V4>
 void launch(const Args& a, bool scan) {
   const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
   const std::size_t mma_bytes = scan_mma_smem(PT * 16, a.N, a.Q);
-  if (scan && scan_form == Form::mma && mma_bytes <= max_block_smem() && std::int64_t(a.batch) * a.nc <= 65535) {
-    allow_smem<chunk_scan_mma_kernel<PT, V4>>(mma_bytes, "chunk scan (mma)");
+  const std::size_t ring_bytes = scan_ring_smem(PT * 16, a.N, a.Q);
+  const bool grid_ok = std::int64_t(a.batch) * a.nc <= 65535;
+  if constexpr (V4) {
+    if (scan && scan_form == Form::mma_ring && ring_bytes <= max_block_smem() && grid_ok) {
+      allow_smem<chunk_scan_mma_kernel<PT, V4, kRing>>(ring_bytes, "chunk scan (mma, ring)");
+      chunk_scan_mma_kernel<PT, V4, kRing><<<dim3(a.H, a.batch * a.nc), kThreads, ring_bytes, st>>>(a);
+      check_launch("chunk scan (mma, ring)");
+      return;
+    }
+  }
+  // (mma_ring where its ring does not apply: the mma form)
+  if (scan && scan_form != Form::wmma && mma_bytes <= max_block_smem() && grid_ok) {
+    allow_smem<chunk_scan_mma_kernel<PT, V4, 0>>(mma_bytes, "chunk scan (mma)");
     // the heads of a chunk side by side in the launch order: they read the same C and C B^T
-    chunk_scan_mma_kernel<PT, V4><<<dim3(a.H, a.batch * a.nc), kThreads, mma_bytes, st>>>(a);
+    chunk_scan_mma_kernel<PT, V4, 0><<<dim3(a.H, a.batch * a.nc), kThreads, mma_bytes, st>>>(a);
     check_launch("chunk scan (mma)");
   } else if (scan) {
     const dim3 grid((a.Q + kTile - 1) / kTile, a.H, a.batch * a.nc);

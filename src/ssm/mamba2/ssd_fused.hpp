@@ -64,7 +64,10 @@ void intra_backward(const Args& a);
 // timing the two side by side in perf/bench.cpp). scan_form picks the forward's chunk scan (wmma is also taken
 // where the mma form's shared memory, x and S_in of a whole chunk, would exceed the device's limit per block, or
 // batch x chunks would exceed 65,535, its grid's second dimension), intra_form the backward's intra-chunk kernel.
-enum class Form { mma, wmma };
+// mma_ring (the chunk scan only; elsewhere and where its rows are not 16-byte aligned, mma): the mma kernel with
+// its A operands (C, C B^T) copied by cp.async into a ring of 4 steps a warp in shared memory, 3 steps ahead of
+// their use, at 3 blocks an SM instead of 4 (compiled, not yet timed on a GPU).
+enum class Form { mma, wmma, mma_ring };
 extern Form scan_form, intra_form;
 // `which` set to `f` for the scope's life, then restored (also when the scope is left by an exception).
 struct FormScope {
