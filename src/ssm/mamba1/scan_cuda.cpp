@@ -15,8 +15,8 @@ bool shape_fits(index_t E, index_t N, index_t cpg) {
   return (N == 8 || N == 16) && E % kChannels == 0 && cpg % kChannels == 0;
 }
 
-constexpr int kOldVariants = 4;  // variants 1..4 are the time-parallel kernel's shapes, 5..11 the state lanes
-static_assert(kVariants == kOldVariants + 7);
+constexpr int kOldVariants = 4;  // variants 1..4 are the time-parallel kernel's shapes, 5..9 the state lanes
+static_assert(kVariants == kOldVariants + 5);
 
 namespace {
 // (slots per channel, tokens per slot, states per group, u and delta staged in shared memory) of variants
@@ -45,8 +45,6 @@ const char* variant_name(int v) {
   if (v == 7) return "lanes T32 U8 pipelined";
   if (v == 8) return "lanes T32 U8 pipelined warp-summed";
   if (v == 9) return "lanes T32 U8 pipelined warp-summed, split quarters";
-  if (v == 10) return "lanes T32 U8 pipelined warp-summed, split quarters, B C from global";
-  if (v == 11) return "lanes T32 U8 pipelined warp-summed, split quarters, B C from global, L1 prefetch";
   if (v >= 1 && v <= kOldVariants) return kShapes[v - 1].name;
   return "lanes T32 U8 pipelined warp-summed, or S8 K8 G4 staged where the lanes do not fit";
 }
@@ -105,25 +103,6 @@ __device__ __forceinline__ Vec<G> lds(const float* p) {
   }
   return r;
 }
-
-// G consecutive floats (G = 1, 2 or 4, aligned to G floats) from global memory through the read-only path.
-template <int G>
-__device__ __forceinline__ Vec<G> ldg_vec(const float* p) {
-  Vec<G> r;
-  if constexpr (G == 4) {
-    const float4 x = __ldg(reinterpret_cast<const float4*>(p));
-    r.v[0] = x.x, r.v[1] = x.y, r.v[2] = x.z, r.v[3] = x.w;
-  } else if constexpr (G == 2) {
-    const float2 x = __ldg(reinterpret_cast<const float2*>(p));
-    r.v[0] = x.x, r.v[1] = x.y;
-  } else {
-    r.v[0] = __ldg(p);
-  }
-  return r;
-}
-
-// The cache line holding p brought into L1 (a hint: no result, no fault on any address).
-__device__ __forceinline__ void prefetch_l1(const float* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
 
 // One B|C tile: TI rows (tokens) of 2N floats (B then C) in units of G floats (what a lane reads at once); unit j of
 // row r is stored at unit (j + r / K) % (2N / G), so that the S slots, reading the same state of different rows,
@@ -327,7 +306,7 @@ __global__ void __launch_bounds__(kCB * S, kMinBlocks) forward_kernel(const FwdA
     for (int n = 0; n < N; ++n) a.final_state[bd * N + n] = scarry[cl * N + n];
 }
 
-// ---- The "state lanes" kernel (variants 5 to 11): a thread per (channel, slot of N / SL states), walking the
+// ---- The "state lanes" kernel (variants 5 to 9): a thread per (channel, slot of N / SL states), walking the
 // sequence in order. 4 x 1,536 channels x 16 states are 98,304 independent recurrences: enough threads without
 // parallelising over time, so every (token, state) costs one exp and one pass (the time-parallel kernel above runs
 // its tokens twice). A block owns 16 channels (of one group) and walks tiles of T tokens in three phases:
@@ -375,15 +354,11 @@ static_assert(kLC == kBwdBlock);
 // (token, state) and 16 partials a token to sum); a thread of 2 channels x 2 states (64-thread blocks: 0.5 shared
 // loads a (token, state) instead of 0.75, 20 % fewer load wavefronts, but 5.4 warps per SM issuing on 43 % of
 // cycles: 0.655 ms); phase B's shared-memory loads two quads ahead instead of one (the same instruction count
-// after ptxas's scheduling, 0.4813 against 0.4809 ms). perf/RESULTS.md, 2026-12-04.
-// GB (variants 10 and 11, compiled but not yet run on a GPU): variant 9 with phase B reading B and C straight from
-// global memory (one SP-float load a token each, the lane's states made adjacent) instead of from the tile that
-// phase A stages. By the wavefront counts above a 16-byte shared load serves at most two quarter-warps a
-// wavefront (8 bytes a lane) and a warp's load of 4 distinct 8-byte pieces of one 32-byte sector takes one
-// wavefront (the same 8 bytes a lane), so phase B's B and C cost the same either way, and staging's global loads
-// and shared stores (about 24 of variant 9's predicted 203 wavefronts a warp-tile) go; the price is a wide
-// multiply-add per row and operand and the loads' L1 latency (variant 11 prefetches the next tile's rows into L1
-// during the current tile, variant 10 does not).
+// after ptxas's scheduling, 0.4813 against 0.4809 ms); phase B reading B and C straight from global memory (one
+// 8-byte load a token and operand, a lane's 2 states adjacent) instead of from phase A's staged tile, with and
+// without an L1 prefetch of the next tile's rows (variant 9's warp; the staging's loads and stores, about 24 of
+// a warp-tile's L1 wavefronts, gone): 0.656 and 0.638 ms against variant 8's 0.462 ms (d509ce6, reverted).
+// perf/RESULTS.md, 2026-12-04.
 template <int T>
 __host__ __device__ constexpr int lanes_row() {
   return T + 4;  // a padded row of T floats: 16-byte aligned, and 8 consecutive rows start in 8 different bank quads
@@ -394,7 +369,7 @@ __host__ __device__ constexpr int lanes_floats() {
   return (2 * kLC + 2 * N + SL * kLC) * lanes_row<T>() + T;
 }
 
-template <int N, int T, int SL, int U, int M, int GB, bool kSeq>
+template <int N, int T, int SL, int U, int M, bool kSeq>
 __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
   constexpr bool kWR = M >= 2;  // phase B's partial outputs summed over 4 slots in the warp (below)
   static_assert(!kWR || (kLC == 16 && SL == 8));
@@ -402,7 +377,6 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
   constexpr int SP = N / SL, TP = lanes_row<T>(), NQ = T / 4, QPT = NQ * kLC / NT;  // states, quads per thread
   constexpr int BQ = N * NQ;  // 16-byte pieces of one tile of B (and of C)
   static_assert(N % SL == 0 && (NQ * kLC) % NT == 0 && BQ <= NT * QPT && NT % N == 0);
-  static_assert(GB == 0 || (M >= 1 && U == NQ && 2 * T <= NT), "B and C from global memory: pipelined phase B");
   extern __shared__ float4 lsmem4[];  // lanes_floats<N, T, SL>(): Delta, Delta u, B, C, partial outputs, keep flags
   float* sdt = reinterpret_cast<float*>(lsmem4);
   float *sdu = sdt + kLC * TP, *sb = sdu + kLC * TP, *sc = sb + N * TP, *sy = sc + N * TP;
@@ -426,13 +400,10 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
   const int cs = !kWR ? c : (tid / 32 % 2) * 8 + (M == 3 ? 4 * qh + ln % 4 : ln % 8);
   const int rs = !kWR ? r : (tid / 64) * 4 + (M == 3 ? 2 * (qh ^ hf) + ln % 8 / 4 : ln / 8);
   const index_t ds = d0 + cs, bds = b * a.E + ds;
-  // phase B's q-th state: rs + SL q (B and C staged), or SP rs + q (GB: a lane's states adjacent, read from global
-  // memory as one SP-float load a token)
-  const int st0 = GB ? SP * rs : rs, stq = GB ? 1 : SL;  // state q = st0 + stq q
   float a2[SP], h[SP];
 #pragma unroll
   for (int q = 0; q < SP; ++q) {
-    const int n = (st0 + stq * q);
+    const int n = rs + SL * q;
     a2[q] = a.A[ds * a.N + n] * kLog2e;
     h[q] = a.init ? a.init[bds * a.N + n] : 0.f;
     a.ckpt[index_t(n) * BE + bds] = h[q];  // the state entering chunk 0
@@ -455,12 +426,6 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
   const index_t bc_off = (b * L + 4 * (tid / N)) * a.ld_bc + g * N + tid % N;
   const float *gb = a.B + bc_off, *gc = a.C + bc_off;
   float* go = a.out + (b * L + 4 * r) * a.ld_out + d;
-  // GB: this lane's SP states of B and C at the current tile's first row (phase B reads rows from them), and
-  // (GB = 2) the row of B (tid < T) or C (T <= tid < 2 T) whose cache line this thread prefetches into L1 a tile
-  // ahead
-  const float* tbb = a.B + b * L * a.ld_bc + g * N + SP * rs;
-  const float* tbc = a.C + b * L * a.ld_bc + g * N + SP * rs;
-  const float* gpf = (tid < T ? a.B : a.C) + (b * L + tid % T) * a.ld_bc + g * N;
   // the tile at t0 (kFull: all T tokens inside the sequence, no checks); the pointers then move on by T rows
   auto fetch = [&](index_t t0, auto full_tag) {
     constexpr bool kFull = decltype(full_tag)::value;
@@ -479,7 +444,7 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
         if constexpr (kSeq) ps[j][k + 1] = c == 0 && tq + k < L ? seq[tq + k] : 0;
       }
       if constexpr (kSeq) ps[j][0] = c == 0 && tq > 0 && tq < L ? seq[tq - 1] : 0;
-      if (GB == 0 && tid + NT * j < BQ) {
+      if (tid + NT * j < BQ) {
         const index_t tb = t0 + 4 * ((tid + NT * j) / N);
         const float *qb = gb + 4 * (NT / N) * j * lbc, *qc = gc + 4 * (NT / N) * j * lbc;
 #pragma unroll
@@ -491,10 +456,6 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
         }
       }
     }
-    if constexpr (GB == 2) {
-      if (tid < 2 * T && (kFull || t0 + tid % T < L)) prefetch_l1(gpf);
-      gpf += T * index_t(lbc);
-    }
     gu += T * index_t(lu), gd += T * index_t(ldl), gz += T * index_t(lz), gb += T * index_t(lbc),
         gc += T * index_t(lbc);
   };
@@ -504,27 +465,9 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
     else
       fetch(t0, std::false_type{});
   };
-  // Phase B's terms for quad qd of the tile in shared memory (GB: B and C from global memory, rows past the
-  // sequence's end read as 0 in the last tile, kFull false): per state q and token k the decay
+  // Phase B's terms for quad qd of the tile in shared memory: per state q and token k the decay
   // e = exp2(Delta A log2 e) (times the record-start flag), the input x = Delta u B and C
-  auto quad_terms = [&](int qd, float (&e)[SP][4], float (&x)[SP][4], float (&cc)[SP][4], index_t t0, bool full) {
-    [[maybe_unused]] float gbk[SP][4], gck[SP][4];
-    if constexpr (GB != 0) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int row = 4 * qd + k;
-        Vec<SP> vb, vc;
-        if (full || t0 + row < L) {
-          vb = ldg_vec<SP>(tbb + row * lbc);
-          vc = ldg_vec<SP>(tbc + row * lbc);
-        } else {
-#pragma unroll
-          for (int q = 0; q < SP; ++q) vb.v[q] = vc.v[q] = 0.f;
-        }
-#pragma unroll
-        for (int q = 0; q < SP; ++q) gbk[q][k] = vb.v[q], gck[q][k] = vc.v[q];
-      }
-    }
+  auto quad_terms = [&](int qd, float (&e)[SP][4], float (&x)[SP][4], float (&cc)[SP][4]) {
     const float4 dt4 = *reinterpret_cast<const float4*>(sdt + cs * TP + 4 * qd);
     const float4 du4 = *reinterpret_cast<const float4*>(sdu + cs * TP + 4 * qd);
     const float dtk[4] = {dt4.x, dt4.y, dt4.z, dt4.w}, duk[4] = {du4.x, du4.y, du4.z, du4.w};
@@ -535,16 +478,10 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
     }
 #pragma unroll
     for (int q = 0; q < SP; ++q) {
-      float bk[4], ck[4];
-      if constexpr (GB == 0) {
-        const int n = (st0 + stq * q);
-        const float4 b4 = *reinterpret_cast<const float4*>(sb + n * TP + 4 * qd);
-        const float4 c4 = *reinterpret_cast<const float4*>(sc + n * TP + 4 * qd);
-        bk[0] = b4.x, bk[1] = b4.y, bk[2] = b4.z, bk[3] = b4.w, ck[0] = c4.x, ck[1] = c4.y, ck[2] = c4.z, ck[3] = c4.w;
-      } else {
-#pragma unroll
-        for (int k = 0; k < 4; ++k) bk[k] = gbk[q][k], ck[k] = gck[q][k];
-      }
+      const int n = rs + SL * q;
+      const float4 b4 = *reinterpret_cast<const float4*>(sb + n * TP + 4 * qd);
+      const float4 c4 = *reinterpret_cast<const float4*>(sc + n * TP + 4 * qd);
+      const float bk[4] = {b4.x, b4.y, b4.z, b4.w}, ck[4] = {c4.x, c4.y, c4.z, c4.w};
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         e[q][k] = ex2(dtk[k] * a2[q]);
@@ -596,7 +533,7 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
           }
         }
       }
-      if (GB == 0 && tid + NT * j < BQ) {
+      if (tid + NT * j < BQ) {
         const int piece = tid + NT * j, at = (piece % N) * TP + 4 * (piece / N);
         *reinterpret_cast<float4*>(sb + at) = make_float4(pb[j][0], pb[j][1], pb[j][2], pb[j][3]);
         *reinterpret_cast<float4*>(sc + at) = make_float4(pc[j][0], pc[j][1], pc[j][2], pc[j][3]);
@@ -606,7 +543,7 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
     if (t0 + T < L) fetch_at(t0 + T);
     if (t0 == next_ck) {  // the state entering chunk t0 / Q
 #pragma unroll
-      for (int q = 0; q < SP; ++q) a.ckpt[((t0 / a.Q) * N + (st0 + stq * q)) * BE + bds] = h[q];
+      for (int q = 0; q < SP; ++q) a.ckpt[((t0 / a.Q) * N + rs + SL * q) * BE + bds] = h[q];
       next_ck += a.Q;
     }
     // B. the recurrence over the tile, this thread's states; partial outputs per token. M = 0 stores each quad's
@@ -618,17 +555,17 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
 #pragma unroll U
       for (int qd = 0; qd < NQ; ++qd) {
         float e[SP][4], x[SP][4], cc[SP][4], y[4];
-        quad_terms(qd, e, x, cc, t0, kFull);
+        quad_terms(qd, e, x, cc);
         quad_chain(e, x, cc, y);
         *reinterpret_cast<float4*>(sy + (r * kLC + c) * TP + 4 * qd) = make_float4(y[0], y[1], y[2], y[3]);
       }
     } else {
       static_assert(U == NQ, "the pipelined phase B unrolls the whole tile");  // (M = 1, 2 or 3)
       float yq[NQ][4], e[2][SP][4], x[2][SP][4], cc[2][SP][4];
-      quad_terms(0, e[0], x[0], cc[0], t0, kFull);
+      quad_terms(0, e[0], x[0], cc[0]);
 #pragma unroll
       for (int qd = 0; qd < NQ; ++qd) {
-        if (qd + 1 < NQ) quad_terms(qd + 1, e[(qd + 1) & 1], x[(qd + 1) & 1], cc[(qd + 1) & 1], t0, kFull);
+        if (qd + 1 < NQ) quad_terms(qd + 1, e[(qd + 1) & 1], x[(qd + 1) & 1], cc[(qd + 1) & 1]);
         quad_chain(e[qd & 1], x[qd & 1], cc[qd & 1], yq[qd]);
       }
       if constexpr (kWR) {
@@ -683,7 +620,6 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
       }
     }
     go += T * index_t(lo);
-    if constexpr (GB != 0) tbb += T * index_t(lbc), tbc += T * index_t(lbc);
   };
   fetch_at(0);
   const index_t L_full = L / T * T;
@@ -691,26 +627,26 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
   if (L_full < L) tile(L_full, std::false_type{});
   if (a.final_state) {
 #pragma unroll
-    for (int q = 0; q < SP; ++q) a.final_state[bds * N + (st0 + stq * q)] = h[q];
+    for (int q = 0; q < SP; ++q) a.final_state[bds * N + rs + SL * q] = h[q];
   }
 }
 
-template <int N, int T, int SL, int U, int M, int GB, bool kSeq>
+template <int N, int T, int SL, int U, int M, bool kSeq>
 void launch_lanes_one(const FwdArgs& a) {
   constexpr int bytes = int(sizeof(float)) * lanes_floats<N, T, SL>();
   static_assert(bytes <= 48 * 1024, "past 48 KiB a launch must first raise cudaFuncAttributeMaxDynamicSharedMemorySize");
-  lanes_kernel<N, T, SL, U, M, GB, kSeq><<<dim3(unsigned(a.E / kLC), unsigned(a.batch)), kLC * SL, bytes,
+  lanes_kernel<N, T, SL, U, M, kSeq><<<dim3(unsigned(a.E / kLC), unsigned(a.batch)), kLC * SL, bytes,
                              Kokkos::DefaultExecutionSpace().cuda_stream()>>>(a);
   const cudaError_t e = cudaGetLastError();
   require(e == cudaSuccess, "selective_scan_forward (CUDA)", "the kernel failed to launch: ", cudaGetErrorString(e));
 }
 
-template <int N, int T, int SL, int U, int M, int GB = 0>
+template <int N, int T, int SL, int U, int M>
 void launch_lanes(const FwdArgs& a) {
   if (a.seq)
-    launch_lanes_one<N, T, SL, U, M, GB, true>(a);
+    launch_lanes_one<N, T, SL, U, M, true>(a);
   else
-    launch_lanes_one<N, T, SL, U, M, GB, false>(a);
+    launch_lanes_one<N, T, SL, U, M, false>(a);
 }
 
 template <int N, int S, int K, int G, bool kStage, bool kSeq>
@@ -776,8 +712,6 @@ void forward(const FwdArgs& a) {
       case 6: a.N == 16 ? launch_lanes<16, 32, 8, 8, 0>(a) : launch_lanes<8, 32, 8, 8, 0>(a); break;
       case 7: a.N == 16 ? launch_lanes<16, 32, 8, 8, 1>(a) : launch_lanes<8, 32, 8, 8, 1>(a); break;
       case 9: a.N == 16 ? launch_lanes<16, 32, 8, 8, 3>(a) : launch_lanes<8, 32, 8, 8, 3>(a); break;
-      case 10: a.N == 16 ? launch_lanes<16, 32, 8, 8, 3, 1>(a) : launch_lanes<8, 32, 8, 8, 3, 1>(a); break;
-      case 11: a.N == 16 ? launch_lanes<16, 32, 8, 8, 3, 2>(a) : launch_lanes<8, 32, 8, 8, 3, 2>(a); break;
       default:  // 8 (v is 5..kVariants here)
         a.N == 16 ? launch_lanes<16, 32, 8, 8, 2>(a) : launch_lanes<8, 32, 8, 8, 2>(a); break;
     }
