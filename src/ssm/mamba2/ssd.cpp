@@ -316,12 +316,21 @@ bool states_by_four(index_t N, std::initializer_list<const void*> bases) {
 
 // In place: states(b, c) becomes the state entering chunk c; final (if non-empty) gets the state after the last.
 // Each work item walks VW consecutive (p, n) elements through the chunks (VW = 4: one 16-byte access per chunk; with
-// one 4-byte value per thread the pass ran near 1.8 TB/s on an H200), with the loads of the next kAhead chunks in
-// flight (a ring in registers, the chunk loop unrolled by kAhead) while the chain runs: the chain's only dependence
-// is H, and the loads are of other elements than the stores. At batch 1 a pass over 65,536 tokens has 48 k work
-// items (11.6 warps an SM on an H200) for 256 chunks, so one load in flight each left it latency-bound (0.21 ms,
-// about 1.9 TB/s, perf/RESULTS.md, twentieth session).
+// one 4-byte value per thread the pass ran near 1.8 TB/s on an H200), with the loads of the next kAhead chunks, the
+// states and the chunks' decay factors, in flight (rings in registers, the chunk loop unrolled by kAhead) while the
+// chain runs. The decay's loads (the cumsum and the record ids) matter most: read in the chunk's own iteration they
+// come after the previous chunk's store, which the compiler cannot move them above (the arrays might alias), so
+// every chunk waited one load's latency: at batch 1 x 65,536 (256 chunks) the pass took 0.199 ms (forward) and
+// 0.248 ms (backward) on an H200 with the states alone kAhead ahead (perf/RESULTS.md, twenty-ninth session), as
+// with one ahead.
 constexpr int kAhead = 4;
+
+// The factor a state is carried by across chunk ch (zero where a record starts inside it).
+template <class T>
+KOKKOS_INLINE_FUNCTION acc_t<T> chunk_decay(const Ctx<T>& c, index_t b, index_t h, index_t ch) {
+  const index_t last = c.chunk_end(ch) - 1;
+  return c.rec(b, last) == c.rec_in(b, ch) ? exp_nonpos(c.acs(b, h, last)) : acc_t<T>(0);
+}
 
 template <int VW, class T>
 void state_passing_vw(const Ctx<T>& c, const View4<const acc_t<T>>& init, const View4<acc_t<T>>& final_state) {
@@ -331,13 +340,16 @@ void state_passing_vw(const Ctx<T>& c, const View4<const acc_t<T>>& init, const 
   par_for("ssd::state_passing", c.Bsz * c.H, c.Pd * c.N / VW, KOKKOS_LAMBDA(index_t bh, index_t q) {
     const index_t b = bh / c.H, h = bh % c.H, pn = q * VW, p = pn / c.N, n = pn % c.N;
     P* st = &c.states(b, 0, h, p, n);
-    P H[VW], ring[kAhead][VW] = {};
+    P H[VW], ring[kAhead][VW] = {}, dring[kAhead] = {};
     if (has_init)
       load_vec<VW>(&init(b, h, p, n), H);
     else
       for (int k = 0; k < VW; ++k) H[k] = P(0);
     for (int j = 0; j < kAhead; ++j)
-      if (j < c.nc) load_vec<VW>(st + j * cstride, ring[j]);
+      if (j < c.nc) {
+        load_vec<VW>(st + j * cstride, ring[j]);
+        dring[j] = chunk_decay(c, b, h, j);
+      }
     for (index_t c0 = 0; c0 < c.nc; c0 += kAhead) {
       MM_UNROLL
       for (int j = 0; j < kAhead; ++j) {  // (unrolled: ring[j] stays in registers)
@@ -345,9 +357,11 @@ void state_passing_vw(const Ctx<T>& c, const View4<const acc_t<T>>& init, const 
         if (ch >= c.nc) break;
         P local[VW];
         for (int k = 0; k < VW; ++k) local[k] = ring[j][k];
-        if (ch + kAhead < c.nc) load_vec<VW>(st + (ch + kAhead) * cstride, ring[j]);
-        const index_t last = c.chunk_end(ch) - 1;
-        const P decay = c.rec(b, last) == c.rec_in(b, ch) ? exp_nonpos(c.acs(b, h, last)) : P(0);
+        const P decay = dring[j];
+        if (ch + kAhead < c.nc) {
+          load_vec<VW>(st + (ch + kAhead) * cstride, ring[j]);
+          dring[j] = chunk_decay(c, b, h, ch + kAhead);
+        }
         store_vec<VW>(st + ch * cstride, H);
         for (int k = 0; k < VW; ++k) H[k] = decay * H[k] + local[k];
       }
@@ -374,13 +388,16 @@ void state_passing_bwd_vw(const Ctx<T>& c, const View5<acc_t<T>>& dstates, const
   par_for("ssd::state_passing_bwd", c.Bsz * c.H, c.Pd * c.N / VW, KOKKOS_LAMBDA(index_t bh, index_t q) {
     const index_t b = bh / c.H, h = bh % c.H, pn = q * VW, p = pn / c.N, n = pn % c.N;
     P* st = &dstates(b, 0, h, p, n);
-    P dH[VW], ring[kAhead][VW] = {};
+    P dH[VW], ring[kAhead][VW] = {}, dring[kAhead] = {};
     if (has_dfinal)
       load_vec<VW>(&dfinal_state(b, h, p, n), dH);
     else
       for (int k = 0; k < VW; ++k) dH[k] = P(0);
     for (int j = 0; j < kAhead; ++j)
-      if (j < c.nc) load_vec<VW>(st + (c.nc - 1 - j) * cstride, ring[j]);
+      if (j < c.nc) {
+        load_vec<VW>(st + (c.nc - 1 - j) * cstride, ring[j]);
+        dring[j] = chunk_decay(c, b, h, c.nc - 1 - j);
+      }
     for (index_t r0 = 0; r0 < c.nc; r0 += kAhead) {  // r: chunks from the last
       MM_UNROLL
       for (int j = 0; j < kAhead; ++j) {
@@ -388,9 +405,11 @@ void state_passing_bwd_vw(const Ctx<T>& c, const View5<acc_t<T>>& dstates, const
         if (ch < 0) break;
         P from_outputs[VW];
         for (int k = 0; k < VW; ++k) from_outputs[k] = ring[j][k];
-        if (ch - kAhead >= 0) load_vec<VW>(st + (ch - kAhead) * cstride, ring[j]);
-        const index_t last = c.chunk_end(ch) - 1;
-        const P decay = c.rec(b, last) == c.rec_in(b, ch) ? exp_nonpos(c.acs(b, h, last)) : P(0);
+        const P decay = dring[j];
+        if (ch - kAhead >= 0) {
+          load_vec<VW>(st + (ch - kAhead) * cstride, ring[j]);
+          dring[j] = chunk_decay(c, b, h, ch - kAhead);
+        }
         store_vec<VW>(st + ch * cstride, dH);
         for (int k = 0; k < VW; ++k) dH[k] = from_outputs[k] + decay * dH[k];
       }
