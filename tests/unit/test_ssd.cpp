@@ -232,8 +232,9 @@ TEST_CASE("SSD fused tensor-core forward stays within bf16 rounding of the doubl
     for (ssd_fused::Form f : {ssd_fused::Form::mma, ssd_fused::Form::wmma, ssd_fused::Form::mma_ring}) {
       if (f != ssd_fused::Form::mma && !kernels) continue;
       const ssd_fused::FormScope form(ssd_fused::scan_form, f);
-      INFO("P=" << sh.P << " N=" << sh.N << " Q=" << sh.Q
-                << (f == ssd_fused::Form::wmma ? " (WMMA form)" : f == ssd_fused::Form::mma_ring ? " (ring form)" : ""));
+      const char* form_name =
+          f == ssd_fused::Form::wmma ? " (WMMA form)" : f == ssd_fused::Form::mma_ring ? " (ring form)" : "";
+      INFO("P=" << sh.P << " N=" << sh.N << " Q=" << sh.Q << form_name);
       c.records = true;
       c.init = true;
       check_forward<float>(c, 2e-2);

@@ -15,8 +15,8 @@ bool shape_fits(index_t E, index_t N, index_t cpg) {
   return (N == 8 || N == 16) && E % kChannels == 0 && cpg % kChannels == 0;
 }
 
-constexpr int kOldVariants = 4;  // variants 1..4 are the time-parallel kernel's shapes, 5..9 the state lanes
-static_assert(kVariants == kOldVariants + 5);
+constexpr int kOldVariants = 4;  // variants 1..4 are the time-parallel kernel's shapes, 5..8 the state lanes
+static_assert(kVariants == kOldVariants + 4);
 
 namespace {
 // (slots per channel, tokens per slot, states per group, u and delta staged in shared memory) of variants
@@ -44,7 +44,6 @@ const char* variant_name(int v) {
   if (v == 6) return "lanes T32 U8";
   if (v == 7) return "lanes T32 U8 pipelined";
   if (v == 8) return "lanes T32 U8 pipelined warp-summed";
-  if (v == 9) return "lanes T32 U8 pipelined warp-summed, split quarters";
   if (v >= 1 && v <= kOldVariants) return kShapes[v - 1].name;
   return "lanes T32 U8 pipelined warp-summed, or S8 K8 G4 staged where the lanes do not fit";
 }
@@ -306,7 +305,7 @@ __global__ void __launch_bounds__(kCB * S, kMinBlocks) forward_kernel(const FwdA
     for (int n = 0; n < N; ++n) a.final_state[bd * N + n] = scarry[cl * N + n];
 }
 
-// ---- The "state lanes" kernel (variants 5 to 9): a thread per (channel, slot of N / SL states), walking the
+// ---- The "state lanes" kernel (variants 5 to 8): a thread per (channel, slot of N / SL states), walking the
 // sequence in order. 4 x 1,536 channels x 16 states are 98,304 independent recurrences: enough threads without
 // parallelising over time, so every (token, state) costs one exp and one pass (the time-parallel kernel above runs
 // its tokens twice). A block owns 16 channels (of one group) and walks tiles of T tokens in three phases:
@@ -356,9 +355,9 @@ static_assert(kLC == kBwdBlock);
 // cycles: 0.655 ms); phase B's shared-memory loads two quads ahead instead of one (the same instruction count
 // after ptxas's scheduling, 0.4813 against 0.4809 ms); phase B reading B and C straight from global memory (one
 // 8-byte load a token and operand, a lane's 2 states adjacent) instead of from phase A's staged tile, with and
-// without an L1 prefetch of the next tile's rows (variant 9's warp; the staging's loads and stores, about 24 of
-// a warp-tile's L1 wavefronts, gone): 0.656 and 0.638 ms against variant 8's 0.462 ms (d509ce6, reverted).
-// perf/RESULTS.md, 2026-12-04.
+// without an L1 prefetch of the next tile's rows (the dropped variant 9's warp, below; the staging's loads and
+// stores, about 24 of a warp-tile's L1 wavefronts, gone): 0.656 and 0.638 ms against variant 8's 0.462 ms
+// (d509ce6, reverted). perf/RESULTS.md, 2026-12-04.
 template <int T>
 __host__ __device__ constexpr int lanes_row() {
   return T + 4;  // a padded row of T floats: 16-byte aligned, and 8 consecutive rows start in 8 different bank quads
@@ -387,18 +386,16 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
   const int c = tid % kLC, r = tid / kLC;
   const index_t d = d0 + c;
   // phase B's channel cs and slot rs: a warp of 16 channels x 2 slots (lanes 16 apart: slots), or with kWR of 8
-  // channels x 4 slots (warps 0 and 1 hold slots 0..3 of channels 0..7 and 8..15, warps 2 and 3 slots 4..7). M = 2:
-  // a channel's slots are lanes 8 apart. M = 3: each quarter-warp holds 4 channels x 2 slots, and the two quarters
-  // of a half-warp differ in both (quarters 0..3: channels 0-3 x slots 0-1, 4-7 x 2-3, 0-3 x 2-3, 4-7 x 0-1), so
-  // that each 16-byte shared load of Delta, Delta u, B or C finds the two quarters of a half-warp on different
-  // banks. ncu's counts at 60109bc fit this rule for 16-byte loads: a half-warp takes one wavefront where its two
-  // quarters' banks are disjoint (a quarter's own lanes may share an address), two where they overlap, even on the
-  // same address. By it M = 2 takes 4 wavefronts a warp for Delta and Delta u (its quarters of a half-warp read the
-  // same 8 channels) and 2 for B and C, M = 3 takes 2 for each (and the quarter-warp form dropped above 2 and 4).
-  // A channel's slots are then lanes 4 and 16 apart.
-  const int ln = tid % 32, qh = ln / 8 % 2, hf = ln / 16;
-  const int cs = !kWR ? c : (tid / 32 % 2) * 8 + (M == 3 ? 4 * qh + ln % 4 : ln % 8);
-  const int rs = !kWR ? r : (tid / 64) * 4 + (M == 3 ? 2 * (qh ^ hf) + ln % 8 / 4 : ln / 8);
+  // channels x 4 slots (warps 0 and 1 hold slots 0..3 of channels 0..7 and 8..15, warps 2 and 3 slots 4..7), a
+  // channel's slots lanes 8 apart. Its 16-byte shared loads take 4 wavefronts (Delta, Delta u: 8 channels a
+  // quarter-warp) and 2 (B, C: one slot's row a quarter-warp) by ncu. Tried and dropped (53e638a, variant 9):
+  // quarter-warps of 4 channels x 2 slots, the two quarters of each half-warp differing in both, meant to bring
+  // Delta and Delta u to 2 wavefronts by a rule fitted to those counts (a half-warp's two quarters share a
+  // wavefront where their banks are disjoint); ncu counted the same 53.5 M shared-load wavefronts as variant 8 and
+  // it ran 0.469 against 0.462 ms: the rule holds for quarters that each read one address, not in general.
+  const int ln = tid % 32;
+  const int cs = !kWR ? c : (tid / 32 % 2) * 8 + ln % 8;
+  const int rs = !kWR ? r : (tid / 64) * 4 + ln / 8;
   const index_t ds = d0 + cs, bds = b * a.E + ds;
   float a2[SP], h[SP];
 #pragma unroll
@@ -560,7 +557,7 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
         *reinterpret_cast<float4*>(sy + (r * kLC + c) * TP + 4 * qd) = make_float4(y[0], y[1], y[2], y[3]);
       }
     } else {
-      static_assert(U == NQ, "the pipelined phase B unrolls the whole tile");  // (M = 1, 2 or 3)
+      static_assert(U == NQ, "the pipelined phase B unrolls the whole tile");  // (M = 1 or 2)
       float yq[NQ][4], e[2][SP][4], x[2][SP][4], cc[2][SP][4];
       quad_terms(0, e[0], x[0], cc[0]);
 #pragma unroll
@@ -569,10 +566,10 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
         quad_chain(e[qd & 1], x[qd & 1], cc[qd & 1], yq[qd]);
       }
       if constexpr (kWR) {
-        // the warp's 4 slots of a channel summed by halving exchanges (lanes X1 = 16, then X2 = 8 or 4 apart), each
+        // the warp's 4 slots of a channel summed by halving exchanges (lanes X1 = 16, then X2 = 8 apart), each
         // lane left with one token k = 2 [lane & X1] + [lane & X2] of the quad, which it stores: the partial
         // outputs are 2 sets (slots 0..3, 4..7) instead of SL, with a quarter of the stores' bytes
-        constexpr int X1 = 16, X2 = M == 3 ? 4 : 8;
+        constexpr int X1 = 16, X2 = 8;
         const bool hi1 = (tid & X1) != 0, hi2 = (tid & X2) != 0;
         const int k = 2 * int(hi1) + int(hi2);
 #pragma unroll
@@ -711,7 +708,6 @@ void forward(const FwdArgs& a) {
       case 5: a.N == 16 ? launch_lanes<16, 32, 8, 2, 0>(a) : launch_lanes<8, 32, 8, 2, 0>(a); break;
       case 6: a.N == 16 ? launch_lanes<16, 32, 8, 8, 0>(a) : launch_lanes<8, 32, 8, 8, 0>(a); break;
       case 7: a.N == 16 ? launch_lanes<16, 32, 8, 8, 1>(a) : launch_lanes<8, 32, 8, 8, 1>(a); break;
-      case 9: a.N == 16 ? launch_lanes<16, 32, 8, 8, 3>(a) : launch_lanes<8, 32, 8, 8, 3>(a); break;
       default:  // 8 (v is 5..kVariants here)
         a.N == 16 ? launch_lanes<16, 32, 8, 8, 2>(a) : launch_lanes<8, 32, 8, 8, 2>(a); break;
     }

@@ -22,7 +22,7 @@
 // The checkpoints (the state entering every chunk of `chunk` tokens) and the final state are written on the way.
 // Variants (S, K, G, staged) trade warps for registers and shuffles; `variant` picks one (1..4).
 //
-// The second kernel, the "state lanes" (variants 5 to 9; the default where it fits: 2.5x faster than the first on
+// The second kernel, the "state lanes" (variants 5 to 8; the default where it fits: 2.5x faster than the first on
 // an H200), does not parallelise over time: a thread per (channel, 2 of the 16 states) walks the sequence in tiles
 // of 32 tokens (4 x 1,536 channels x 8 threads are enough threads), so each (token, state) costs one exp and one
 // pass, with the per-(token, channel) work (softplus, Delta u, D skip, gate) done once per tile cooperatively and
@@ -53,14 +53,14 @@ struct FwdArgs {
 // Channels per block; d_inner and the channels per group must be multiples of it.
 constexpr index_t kChannels = 8;
 // The kernel variants one may ask for by number (1..kVariants).
-constexpr int kVariants = 9;
+constexpr int kVariants = 8;
 
 // Whether this build has the kernel (CUDA as Kokkos' default execution space).
 bool compiled();
 // The shape rules the kernel needs besides 16-byte alignment (which the caller checks on the pointers): N of 8 or
 // 16, E and cpg multiples of kChannels.
 bool shape_fits(index_t E, index_t N, index_t cpg);
-// Whether the state-lanes kernel (variants 5 to 9: tiles of 32 tokens, the recurrence's loop unrolled 2 or 8
+// Whether the state-lanes kernel (variants 5 to 8: tiles of 32 tokens, the recurrence's loop unrolled 2 or 8
 // times, 8 pipelined with its partial outputs summed in the warp) takes this shape: N of 8 or 16, E and cpg
 // multiples of 16, 32 dividing the checkpoint interval Q. Variant 0 (the default) is variant 8 where it fits and
 // S8 K8 G4 staged elsewhere.
