@@ -1131,7 +1131,7 @@ __host__ __device__ constexpr std::size_t scan_ring_smem(int P, int N, int Q) {
 template <int PT, bool V4, int RS>
 __global__ void __launch_bounds__(kThreads, RS == 0 ? kScanBlocks<PT> : kRingBlocks<PT>)
     chunk_scan_mma_kernel(const Args a) {
-  static_assert(RS == 0 || (RS >= 2 && V4), "the ring's 16-byte copies need 16-byte aligned rows");
+  static_assert(RS == 0 || (RS >= 2 && (RS & (RS - 1)) == 0 && V4), "a ring of 2^k stages, 16-byte aligned rows");
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int P = PT * 16, ldx = P + kPad, NB = 2 * PT;  // NB: 8-wide column blocks of P
   const int ldn = a.N + kPad;
@@ -1168,6 +1168,20 @@ __global__ void __launch_bounds__(kThreads, RS == 0 ? kScanBlocks<PT> : kRingBlo
   const float* CB0 = a.cb + (std::int64_t(bc) * a.G + grp) * a.Q * a.Q;      // C B^T of the chunk
   const float *cg = cg0 + 2 * cq, *CB = CB0 + 2 * cq;                        // at column 2 c
   const int nm = (q + 15) / 16;
+  // RS: this warp's ring, a stage of 16 rows x 16 floats with the 16-byte piece c of row r at piece
+  // c ^ 2 [(r / 2) odd], so that a fragment's 8-byte reads (rows g and g + 8, columns 2 c and 2 c + 8) fall on
+  // distinct banks in each half-warp; wr0: where this lane's first copied piece goes (row lane / 2, piece
+  // 2 (lane % 2)), rd: where its fragment's 4 pairs are (as the fetches of the RS = 0 form: f[i] at row
+  // g + 8 (i % 2), column 2 c + 8 (i / 2))
+  [[maybe_unused]] float* ring_w = ring + warp * RS * 256;
+  [[maybe_unused]] const int pc0x4 = 8 * (lane % 2);
+  [[maybe_unused]] const int wr0 = (lane / 2) * 16 + 4 * ((2 * (lane % 2)) ^ ((((lane / 2) >> 1) & 1) << 1));
+  [[maybe_unused]] int rd[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int r = g + 8 * (i % 2), col = 2 * cq + 8 * (i / 2);
+    rd[i] = r * 16 + 4 * ((col / 4) ^ (((r >> 1) & 1) << 1)) + col % 4;
+  }
   for (int it = 0; it < a.Q / 64; ++it) {
     const int mt = 4 * it + ((it & 1) ? 3 - warp : warp);
     if (mt >= nm) continue;  // past the short last chunk's end (no barrier below)
@@ -1283,63 +1297,52 @@ __global__ void __launch_bounds__(kThreads, RS == 0 ? kScanBlocks<PT> : kRingBlo
     } else {
       // The tile's A operands as one sequence of 16 x 16 fp32 steps: N / 16 of C (columns 16 j), mt of C B^T
       // below the diagonal (columns 16 (j - nI)), then the diagonal's (columns r0), each copied by cp.async into
-      // stage j % RS of this warp's ring, RS - 1 steps ahead of its use. A stage holds 16 rows of 16 floats, the
-      // 16-byte piece c of row r at piece c ^ 2 [(r / 2) odd], so that the 8-byte reads of a fragment (rows g and
-      // g + 8, columns 2 c and 2 c + 8 for the lane's g and c) fall on distinct banks in each half-warp.
+      // stage j % RS of this warp's ring (above), RS - 1 steps ahead of its use.
       const int nI = a.N / 16, total = nI + mt + 1;
-      float* rw = ring + warp * RS * 256;
-      // the copies of step j (two 16-byte pieces a lane: rows lane / 2, pieces 2 (lane % 2) and + 1); an empty
-      // group past the last step keeps the count of groups in flight the same for every wait
+      // the copies of step j (two adjacent 16-byte pieces a lane: row lane / 2 of the step, pieces 2 (lane % 2)
+      // and + 1, at this lane's ring offsets wr0 and wr0 ^ 4); an empty group past the last step keeps the count
+      // of groups in flight the same for every wait. C's rows past the chunk's end (or the sequence's) read as
+      // zeros; C B^T's rows exist for the whole chunk.
+      const int rr = r0 + lane / 2;
+      const bool cok = rr < q;
+      const float* csrc = cok ? cg0 + std::int64_t(rr) * a.ldx + pc0x4 : cg0;
+      const float* cbsrc = CB0 + std::int64_t(rr) * a.Q + pc0x4;
       auto issue = [&](int j) {
         if (j < total) {
-          const int r = lane / 2;
-          float* dst = rw + (j % RS) * 256 + r * 16;
-          const int sw = ((r >> 1) & 1) << 1;
-#pragma unroll
-          for (int k = 0; k < 2; ++k) {
-            const int pc = 2 * (lane % 2) + k;
-            const float* src;
-            int bytes = 16;
-            if (j < nI) {  // C: rows past the chunk's end (or the sequence's) read as zeros
-              const bool ok = r0 + r < q;
-              src = ok ? cg0 + std::int64_t(r0 + r) * a.ldx + 16 * j + 4 * pc : cg0;
-              bytes = ok ? 16 : 0;
-            } else {
-              const int s0 = j < nI + mt ? 16 * (j - nI) : r0;
-              src = CB0 + std::int64_t(r0 + r) * a.Q + s0 + 4 * pc;
-            }
-            cuda_k::cp_async<16>(dst + 4 * (pc ^ sw), src, bytes);
-          }
+          float* dst = ring_w + (j & (RS - 1)) * 256;
+          const float* src = j < nI ? (cok ? csrc + 16 * j : cg0) : cbsrc + (j < nI + mt ? 16 * (j - nI) : r0);
+          const int bytes = j < nI && !cok ? 0 : 16;
+          cuda_k::cp_async<16>(dst + wr0, src, bytes);
+          cuda_k::cp_async<16>(dst + (wr0 ^ 4), src + 4, bytes);
         }
         cuda_k::cp_async_commit();
       };
-      auto read = [&](int j, float2 (&f)[4]) {
-        const float* st = rw + (j % RS) * 256;
+      // step j's A fragment from its stage (this lane's offsets rd) once every lane's copies of it have landed,
+      // then the copies of step j + RS - 1 into the stage step j - 1 used
+      auto advance = [&](int j, float2 (&f)[4]) {
+        cuda_k::cp_async_wait<RS - 2>();  // this lane's copies of step j have landed
+        __syncwarp();                     // and every lane's; every lane is also done reading step j - 1's stage
+        const float* st = ring_w + (j & (RS - 1)) * 256;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {  // (row g or g + 8, column 2 c or 2 c + 8), as the fetches above
-          const int r = g + 8 * (i % 2), col = 2 * cq + 8 * (i / 2);
-          const int sw = ((r >> 1) & 1) << 1;
-          f[i] = *reinterpret_cast<const float2*>(st + r * 16 + 4 * ((col / 4) ^ sw) + col % 4);
-        }
+        for (int i = 0; i < 4; ++i) f[i] = *reinterpret_cast<const float2*>(st + rd[i]);
+        issue(j + RS - 1);
       };
 #pragma unroll
       for (int j = 0; j < RS - 1; ++j) issue(j);
-      for (int j = 0; j < total; ++j) {
-        cuda_k::cp_async_wait<RS - 2>();  // this lane's copies of step j have landed
-        __syncwarp();             // and every lane's; every lane is also done reading step j - 1's stage
-        float2 cur[4];
-        read(j, cur);
-        issue(j + RS - 1);  // into step j - 1's stage
-        if (j < nI) {
-          inter(16 * j, cur);
-          if (j == nI - 1) scale_in();
-        } else if (j < nI + mt) {
-          step(16 * (j - nI), cur, std::false_type{});
-        } else {
-          load_xv();
-          step(r0, cur, std::true_type{});
-        }
+      float2 cur[4];
+      int j = 0;
+      for (; j < nI; ++j) {
+        advance(j, cur);
+        inter(16 * j, cur);
       }
+      scale_in();
+      for (; j < nI + mt; ++j) {
+        advance(j, cur);
+        step(16 * (j - nI), cur, std::false_type{});
+      }
+      advance(j, cur);
+      load_xv();
+      step(r0, cur, std::true_type{});
       __syncwarp();  // every lane done with the ring before the next tile's copies
     }
 
