@@ -426,8 +426,9 @@ void bench_ssd(int reps, const std::vector<SSDVariant>& variants) {
     record_rates(nf, fwd_bytes, fwd_flops, t_f);
     // the native kernels run (CUDA, a shape they take): each also timed with its former WMMA form
     const bool kernels = var.algo == SSDAlgo::fused && ssd_fused::fits(int(P), int(N), int(Q));
-    if (kernels) {  // the former WMMA chunk scan, and the mma kernel with its operands through a cp.async ring
+    if (kernels) {  // each form of the chunk scan (one of them the default above)
       for (auto [f, label] : {std::pair{ssd_fused::Form::wmma, " (chunk scan: WMMA kernel)"},
+                              std::pair{ssd_fused::Form::mma, " (chunk scan: mma, operands in registers)"},
                               std::pair{ssd_fused::Form::mma_ring, " (chunk scan: mma, cp.async ring)"}}) {
         const ssd_fused::FormScope form(ssd_fused::scan_form, f);
         record(nf + label, "time", time_median(1, r, [&] { ssd_forward<T>(s, in, y, View4<float>()); }) * 1e3, "ms");

@@ -59,14 +59,16 @@ void chunk_scan(const Args& a);
 // (dX and the sums over l come from A = K^T dY: dX = Delta A + the diagonal, sum_{l > s} K DX = X_s . A_s).
 void intra_backward(const Args& a);
 
-// Which kernel a fused pass runs: mma (the default: mma.sync with the A operands and the elementwise steps in
-// registers) or wmma (the earlier WMMA kernels, whose tiles go through shared memory; kept for the tests and for
-// timing the two side by side in perf/bench.cpp). scan_form picks the forward's chunk scan (wmma is also taken
+// Which kernel a fused pass runs: mma (mma.sync with the A operands and the elementwise steps in registers; the
+// intra-chunk backward's default), mma_ring (the chunk scan only, its default; elsewhere, and where its rows are not
+// 16-byte aligned or its shared memory exceeds the device's limit, mma: the mma kernel with its A operands, C then
+// C B^T, copied by cp.async into a ring of 4 steps a warp in shared memory, 3 steps ahead of their use, at 3 blocks
+// an SM instead of 4: on an H200 at L 65,536, 24 heads, headdim 64, d_state 128 the forward took 1.384 against
+// 1.477 ms with mma in the same run, the kernel 836 against 906 us under ncu, perf/RESULTS.md, twenty-ninth
+// session) or wmma (the earlier WMMA kernels, whose tiles go through shared memory; kept for the tests and for
+// timing the forms side by side in perf/bench.cpp). scan_form picks the forward's chunk scan (wmma is also taken
 // where the mma form's shared memory, x and S_in of a whole chunk, would exceed the device's limit per block, or
 // batch x chunks would exceed 65,535, its grid's second dimension), intra_form the backward's intra-chunk kernel.
-// mma_ring (the chunk scan only; elsewhere and where its rows are not 16-byte aligned, mma): the mma kernel with
-// its A operands (C, C B^T) copied by cp.async into a ring of 4 steps a warp in shared memory, 3 steps ahead of
-// their use, at 3 blocks an SM instead of 4 (compiled, not yet timed on a GPU).
 enum class Form { mma, wmma, mma_ring };
 extern Form scan_form, intra_form;
 // `which` set to `f` for the scope's life, then restored (also when the scope is left by an exception).
