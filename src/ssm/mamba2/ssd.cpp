@@ -320,9 +320,9 @@ bool states_by_four(index_t N, std::initializer_list<const void*> bases) {
 // states and the chunks' decay factors, in flight (rings in registers, the chunk loop unrolled by kAhead) while the
 // chain runs. The decay's loads (the cumsum and the record ids) matter most: read in the chunk's own iteration they
 // come after the previous chunk's store, which the compiler cannot move them above (the arrays might alias), so
-// every chunk waited one load's latency: at batch 1 x 65,536 (256 chunks) the pass took 0.199 ms (forward) and
-// 0.248 ms (backward) on an H200 with the states alone kAhead ahead (perf/RESULTS.md, twenty-ninth session), as
-// with one ahead.
+// every chunk waited one load's latency: at batch 1 x 65,536 (256 chunks) on an H200 the pass took 0.199 ms
+// (forward) and 0.248 ms (backward) with the states alone kAhead ahead, as with one ahead, and 0.179 / 0.237 ms with
+// the decays ahead too (about 2.25 TB/s forward; perf/RESULTS.md, twenty-ninth session).
 constexpr int kAhead = 4;
 
 // The factor a state is carried by across chunk ch (zero where a record starts inside it).
