@@ -424,7 +424,7 @@ void bench_ssd(int reps, const std::vector<SSDVariant>& variants) {
     const double t_f = time_median(1, r, [&] { ssd_forward<T>(s, in, y, View4<float>()); });
     record(nf, "time", t_f * 1e3, "ms");
     record_rates(nf, fwd_bytes, fwd_flops, t_f);
-    // the native kernels run (CUDA, a shape they take): each also timed with its former WMMA form
+    // the native kernels run (CUDA, a shape they take): each also timed in its other forms
     const bool kernels = var.algo == SSDAlgo::fused && ssd_fused::fits(int(P), int(N), int(Q));
     if (kernels) {  // each form of the chunk scan (one of them the default above)
       for (auto [f, label] : {std::pair{ssd_fused::Form::wmma, " (chunk scan: WMMA kernel)"},

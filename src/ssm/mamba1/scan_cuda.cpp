@@ -370,7 +370,7 @@ __host__ __device__ constexpr int lanes_floats() {
 
 template <int N, int T, int SL, int U, int M, bool kSeq>
 __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
-  constexpr bool kWR = M >= 2;  // phase B's partial outputs summed over 4 slots in the warp (below)
+  constexpr bool kWR = M == 2;  // phase B's partial outputs summed over 4 slots in the warp (below)
   static_assert(!kWR || (kLC == 16 && SL == 8));
   constexpr int NT = kLC * SL;  // threads
   constexpr int SP = N / SL, TP = lanes_row<T>(), NQ = T / 4, QPT = NQ * kLC / NT;  // states, quads per thread
@@ -393,9 +393,7 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
   // Delta and Delta u to 2 wavefronts by a rule fitted to those counts (a half-warp's two quarters share a
   // wavefront where their banks are disjoint); ncu counted the same 53.5 M shared-load wavefronts as variant 8 and
   // it ran 0.469 against 0.462 ms: the rule holds for quarters that each read one address, not in general.
-  const int ln = tid % 32;
-  const int cs = !kWR ? c : (tid / 32 % 2) * 8 + ln % 8;
-  const int rs = !kWR ? r : (tid / 64) * 4 + ln / 8;
+  const int cs = kWR ? (tid / 32 % 2) * 8 + tid % 8 : c, rs = kWR ? (tid / 64) * 4 + tid % 32 / 8 : r;
   const index_t ds = d0 + cs, bds = b * a.E + ds;
   float a2[SP], h[SP];
 #pragma unroll
@@ -566,20 +564,18 @@ __global__ void __launch_bounds__(kLC * SL, 3) lanes_kernel(const FwdArgs a) {
         quad_chain(e[qd & 1], x[qd & 1], cc[qd & 1], yq[qd]);
       }
       if constexpr (kWR) {
-        // the warp's 4 slots of a channel summed by halving exchanges (lanes X1 = 16, then X2 = 8 apart), each
-        // lane left with one token k = 2 [lane & X1] + [lane & X2] of the quad, which it stores: the partial
-        // outputs are 2 sets (slots 0..3, 4..7) instead of SL, with a quarter of the stores' bytes
-        constexpr int X1 = 16, X2 = 8;
-        const bool hi1 = (tid & X1) != 0, hi2 = (tid & X2) != 0;
-        const int k = 2 * int(hi1) + int(hi2);
+        // the warp's 4 slots of a channel summed by halving exchanges (lanes 16, then 8 apart), each lane left with
+        // one token k = rs % 4 of the quad, which it stores: the partial outputs are 2 sets (slots 0..3, 4..7)
+        // instead of SL, with a quarter of the stores' bytes
+        const bool hi16 = (tid & 16) != 0, hi8 = (tid & 8) != 0;
 #pragma unroll
         for (int qd = 0; qd < NQ; ++qd) {
           const float* y = yq[qd];
-          const float s0 = __shfl_xor_sync(0xffffffffu, hi1 ? y[0] : y[2], X1);
-          const float s1 = __shfl_xor_sync(0xffffffffu, hi1 ? y[1] : y[3], X1);
-          const float k0 = (hi1 ? y[2] : y[0]) + s0, k1 = (hi1 ? y[3] : y[1]) + s1;
-          const float v = (hi2 ? k1 : k0) + __shfl_xor_sync(0xffffffffu, hi2 ? k0 : k1, X2);
-          sy[((rs / 4) * kLC + cs) * TP + 4 * qd + k] = v;
+          const float s0 = __shfl_xor_sync(0xffffffffu, hi16 ? y[0] : y[2], 16);
+          const float s1 = __shfl_xor_sync(0xffffffffu, hi16 ? y[1] : y[3], 16);
+          const float k0 = (hi16 ? y[2] : y[0]) + s0, k1 = (hi16 ? y[3] : y[1]) + s1;
+          const float v = (hi8 ? k1 : k0) + __shfl_xor_sync(0xffffffffu, hi8 ? k0 : k1, 8);
+          sy[((rs / 4) * kLC + cs) * TP + 4 * qd + rs % 4] = v;
         }
       } else {
 #pragma unroll
