@@ -621,3 +621,117 @@ TEST_CASE("SSD with per-token decays and weights equals the dt form, forward and
     CHECK(rel_err(dbias, to_vec(g.ddt_bias)) < 1e-10);
   }
 }
+
+namespace {
+// Per-token skip coefficients (batch, H, L) for d's shape, seeded.
+template <class T>
+View3<acc_t<T>> token_skip(const Data<T>& d) {
+  View3<acc_t<T>> v("D_token", d.cs.B, d.cs.H, d.cs.L);
+  fill_uniform(v, 31);
+  return v;
+}
+}  // namespace
+
+TEST_CASE("SSD per-token skip coefficient D_token: y gains D_token x, dx gains D_token dy, its gradient is dy . x",
+          "[ssd][gradcheck]") {
+  // y is linear in D_token, so against the same call without it the forward must differ by exactly D_token x and
+  // the backward by D_token dy in dx, every other gradient unchanged, and dL/dD_token(b, h, t) = dy_t . x_t (h).
+  for (SSDAlgo algo : kAlgos) {
+    Case c;
+    c.L = 45;
+    c.algo = algo;
+    INFO("algo " << algo_name(algo));
+    Data<double> d(c);
+    const index_t rows = c.B * c.L, E = c.H * c.P;
+    const View3<double> dtok = token_skip(d);
+    SSDIn<double> in_t = d.in();
+    in_t.D_token = dtok;
+    View2<double> y0("y0", rows, E), y1("y1", rows, E);
+    View4<double> f0("f0", c.B, c.H, c.P, c.N), f1("f1", c.B, c.H, c.P, c.N);
+    ssd_forward<double>(d.shape, d.in(), y0, f0);
+    ssd_forward<double>(d.shape, in_t, y1, f1);
+    const auto x = to_vec(d.xbc), dk = to_vec(dtok), v0 = to_vec(y0);
+    const index_t ldx = index_t(d.xbc.extent(1));
+    std::vector<double> want(v0);
+    for (index_t b = 0; b < c.B; ++b)
+      for (index_t t = 0; t < c.L; ++t)
+        for (index_t h = 0; h < c.H; ++h)
+          for (index_t p = 0; p < c.P; ++p)
+            want[(b * c.L + t) * E + h * c.P + p] += dk[(b * c.H + h) * c.L + t] * x[(b * c.L + t) * ldx + h * c.P + p];
+    CHECK(rel_err(to_vec(y1), want) < 1e-12);
+    CHECK(rel_err(to_vec(f1), to_vec(f0)) == 0.0);
+
+    View2<double> dy("dy", rows, E);
+    View4<double> dfin("dfin", c.B, c.H, c.P, c.N);
+    fill_uniform(dy, 21);
+    fill_uniform(dfin, 22);
+    SSDGrad<double> g0 = d.grads(true), g1 = d.grads(true);
+    g1.dD_token = View3<double>("dD_token", c.B, c.H, c.L);
+    ssd_backward<double>(d.shape, d.in(), dy, dfin, g0);
+    ssd_backward<double>(d.shape, in_t, dy, dfin, g1);
+    const auto dyv = to_vec(dy);
+    std::vector<double> dx_want = to_vec(g0.dxbc), ddot(c.B * c.H * c.L, 0.0);
+    for (index_t b = 0; b < c.B; ++b)
+      for (index_t t = 0; t < c.L; ++t)
+        for (index_t h = 0; h < c.H; ++h)
+          for (index_t p = 0; p < c.P; ++p) {
+            const index_t r = b * c.L + t;
+            dx_want[r * ldx + h * c.P + p] += dk[(b * c.H + h) * c.L + t] * dyv[r * E + h * c.P + p];
+            ddot[(b * c.H + h) * c.L + t] += dyv[r * E + h * c.P + p] * x[r * ldx + h * c.P + p];
+          }
+    CHECK(rel_err(to_vec(g1.dxbc), dx_want) < 1e-12);
+    CHECK(rel_err(to_vec(g1.dD_token), ddot) < 1e-12);
+    CHECK(rel_err(to_vec(g1.ddt), to_vec(g0.ddt)) < 1e-12);
+    CHECK(rel_err(to_vec(g1.dA_log), to_vec(g0.dA_log)) < 1e-12);
+    CHECK(rel_err(to_vec(g1.ddt_bias), to_vec(g0.ddt_bias)) < 1e-12);
+    CHECK(rel_err(to_vec(g1.dD), to_vec(g0.dD)) < 1e-12);
+    CHECK(rel_err(to_vec(g1.dinit_state), to_vec(g0.dinit_state)) < 1e-12);
+
+    SSDIn<double> bad = d.in();
+    bad.D_token = View3<double>("short", c.B, c.H, c.L - 1);
+    CHECK_THROWS_WITH(ssd_forward<double>(d.shape, bad, y1, f1), ContainsSubstring("D_token must be (batch, nheads"));
+  }
+}
+
+TEST_CASE("SSD fused tensor-core kernels with D_token equal the fp32 GEMM formulation's within bf16 rounding",
+          "[ssd][gradcheck]") {
+  // The chunk scan's three forms and the state epilogue's two (headdim 128 with d_state 128 takes the per-tile
+  // one) add D_token per row, and the epilogue gives its gradient in fp32; on host builds both sides are the GEMM
+  // formulation in fp32.
+  for (const FusedShape& sh : {FusedShape{300, 4, 16, 2, 32, 64}, FusedShape{333, 2, 64, 1, 128, 128},
+                               FusedShape{160, 2, 128, 1, 128, 64}}) {
+    const bool kernels = ssd_fused::fits(int(sh.P), int(sh.N), int(sh.Q));
+    std::vector<double> ref[4];
+    for (int k = 0; k < (kernels ? 4 : 2); ++k) {  // 0 gemm fp32; 1 fused (mma); 2 WMMA scan; 3 ring scan
+      Case c = sh.to_case();
+      c.dt_lo = 0.02;
+      c.algo = k == 0 ? SSDAlgo::gemm : SSDAlgo::fused;
+      c.compute = k == 0 ? GemmCompute::fp32 : GemmCompute::bf16;
+      const ssd_fused::FormScope form(ssd_fused::scan_form, k == 2   ? ssd_fused::Form::wmma
+                                                            : k == 3 ? ssd_fused::Form::mma_ring
+                                                                     : ssd_fused::Form::mma);
+      Data<float> d(c);
+      const index_t rows = c.B * c.L;
+      SSDIn<float> in = d.in();
+      const View3<float> dtok = token_skip(d);
+      in.D_token = dtok;
+      View2<float> y("y", rows, c.H * c.P), dy("dy", rows, c.H * c.P);
+      ssd_forward<float>(d.shape, in, y, View4<float>());
+      fill_uniform(dy, 21);
+      SSDGrad<float> g = d.grads(false);
+      g.dD_token = View3<float>("dD_token", c.B, c.H, c.L);
+      ssd_backward<float>(d.shape, in, dy, View4<const float>(), g);
+      const std::vector<double> got[4] = {to_vec(y), to_vec(g.dxbc), to_vec(g.dD_token), to_vec(g.dD)};
+      INFO("P=" << sh.P << " N=" << sh.N << " Q=" << sh.Q << " variant " << k);
+      for (int i = 0; i < 4; ++i) {
+        if (k == 0) {
+          ref[i] = got[i];
+          continue;
+        }
+        INFO("output " << i);
+        // y and dx to bf16 rounding; dD_token (and so dD) from fp32 products of the same fp32 inputs
+        CHECK(rel_err(got[i], ref[i]) < (i < 2 ? 2e-2 : 1e-4));
+      }
+    }
+  }
+}

@@ -67,6 +67,7 @@ struct Ctx {
   View5<P> states;      // (batch, nchunks, H, P, N): chunk-local states, then the state entering each chunk
   View5<P> cb;          // (batch, nchunks, G, Q, Q): C_l . B_s for s <= l, shared by the heads of a group
   View3<const P> pa, pw;  // SSDIn::log_decay and weight (per_token: delta holds the weight), or empty
+  View3<const P> dtok;    // SSDIn::D_token, or empty
   bool pre = false;
   std::uintptr_t* gptrs = nullptr;  // with G > 1: pointer arrays of the per-group GEMMs batched over groups
 
@@ -85,6 +86,10 @@ struct Ctx {
     return P(xbc(row(b, t), c_col + g * N + n));
   }
   KOKKOS_INLINE_FUNCTION P A(index_t h) const { return -Kokkos::exp(A_log(h)); }
+  // the skip coefficient of head h at token t: D_h, plus D_token where given
+  KOKKOS_INLINE_FUNCTION P Dt(index_t b, index_t h, index_t t) const {
+    return dtok.extent(0) > 0 ? D(h) + dtok(b, h, t) : D(h);
+  }
   // the per-token exponent a_t of the decay (after dt_cumsum: delta holds Delta_t, or the given weight)
   KOKKOS_INLINE_FUNCTION P a_tok(index_t b, index_t h, index_t t) const {
     return pre ? pa(b, h, t) : delta(b, h, t) * A(h);
@@ -118,6 +123,8 @@ Ctx<T> make_ctx(const SSDShape& s, const SSDIn<T>& in, PoolScope& ws, PoolScope*
   };
   require(!pre || (per_token_shape(in.log_decay) && per_token_shape(in.weight)), "ssd",
           "log_decay and weight must be (batch, nheads, seqlen) = (", s.batch, ", ", s.nheads, ", ", s.seqlen, ")");
+  require(in.D_token.extent(0) == 0 || per_token_shape(in.D_token), "ssd", "D_token must be (batch, nheads, seqlen) = (",
+          s.batch, ", ", s.nheads, ", ", s.seqlen, ")");
   require(in.seq_idx.extent(0) == 0 ||
               (index_t(in.seq_idx.extent(0)) == s.batch && index_t(in.seq_idx.extent(1)) == s.seqlen),
           "ssd", "seq_idx must be (batch, seqlen)");
@@ -134,6 +141,7 @@ Ctx<T> make_ctx(const SSDShape& s, const SSDIn<T>& in, PoolScope& ws, PoolScope*
   c.seq = in.seq_idx;
   c.pa = in.log_decay;
   c.pw = in.weight;
+  c.dtok = in.D_token;
   c.pre = pre;
   c.Bsz = s.batch;
   c.L = s.seqlen;
@@ -681,6 +689,7 @@ inline ssd_fused::Args fused_args(const Ctx<float>& c) {
   a.delta = c.delta.data();
   a.seq = c.seq.extent(0) > 0 ? c.seq.data() : nullptr;
   a.D = c.D.data();
+  a.dtok = c.dtok.extent(0) > 0 ? c.dtok.data() : nullptr;
   a.states = c.states.data();
   a.cb = c.cb.data();
   a.batch = int(c.Bsz);
@@ -752,7 +761,10 @@ void ssd_forward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, co
                 blk<const T*>(c.states.data(), c.N, c.H * PN, c.hpg * PN), T(0), tok(y.data(), ldy, gP), c.G, c.gptrs);
   per_token_heads(
       "ssd::out_scale", c, KOKKOS_LAMBDA(index_t b, index_t h, index_t t) { return e_in_of(c, b, h, t); },
-      KOKKOS_LAMBDA(index_t r, int hp, int h, T e) { y(r, hp) = e * y(r, hp) + c.D(h) * c.xbc(r, c.x_col + hp); });
+      KOKKOS_LAMBDA(index_t r, int hp, int h, T e) {
+        const T Dv = c.dtok.extent(0) > 0 ? c.Dt(r / c.L, h, r % c.L) : c.D(h);
+        y(r, hp) = e * y(r, hp) + Dv * c.xbc(r, c.x_col + hp);
+      });
   // intra-chunk outputs M X, a block of heads at a time
   const auto w1 = g.w1;
   const index_t nbc = c.Bsz * c.nc, QQ = c.Q * c.Q;
@@ -971,6 +983,7 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
         ssd_fused::Args a = fused_block_args(c, dy.data(), ldy, dX, ldd, v.data(), blk0, nh);
         a.dstates = dstates.data();
         a.wdecay = wdec.data();
+        a.ddot_f32 = gr.dD_token.extent(0) > 0;
         ssd_fused::state_epilogue(a);
       }
     } else {
@@ -984,7 +997,7 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
               const index_t b = r / c.L, t = r % c.L, last = c.chunk_end(t / c.Q) - 1;
               T es = c.rec(b, t) == c.rec(b, last) ? exp_nonpos(c.acs(b, h, last) - c.acs(b, h, t)) : T(0);
               es = es < T(kNegligibleDecay) ? T(0) : es;
-              const T dlt = c.delta(b, h, t), Dh = c.D(h);
+              const T dlt = c.delta(b, h, t), Dh = c.Dt(b, h, t);
               T dds = 0, winter = 0;
               Kokkos::parallel_reduce(
                   Kokkos::ThreadVectorRange(tm, c.Pd),
@@ -1008,6 +1021,8 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
     // terms in parallel into team scratch, then the team's reverse scan and reductions.
     const auto dla = gr.dlog_decay;
     const auto dwt = gr.dweight;
+    const auto dDtok = gr.dD_token;
+    const bool want_dtok = dDtok.extent(0) > 0;
     par_for_team_vec(
         "ssd::bwd_dacs", nh * nbc, kTeam, kVector,
         KOKKOS_LAMBDA(const Team& tm) {
@@ -1070,6 +1085,7 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
             partial(b, ch, h, 2) = dD;
           });
           Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, q), [&](index_t il) {
+            if (want_dtok) dDtok(b, h, t0 + il) = ddot(il);
             if (c.pre) {
               dla(b, h, t0 + il) = du(il);
               dwt(b, h, t0 + il) = base(il);
@@ -1138,7 +1154,6 @@ void ssd_forward(const SSDShape& s, const SSDIn<T>& in, const View2<T>& y, const
         c.decode(id, b, ch, h);
         const index_t g = h / c.hpg, t0 = ch * c.Q, t1 = c.chunk_end(ch);
         const int r_in = c.rec_in(b, ch);
-        const P Dh = c.D(h);
         Scratch1<P> ea(tm.team_scratch(lvl), c.Q);         // exp(a_t) = exp(Delta_t A): one exponential per token
         Scratch1<P> S(tm.team_scratch(lvl), c.Pd * ldS);   // state entering the chunk, (P, N + 1)
         Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, t0, t1),
@@ -1149,14 +1164,14 @@ void ssd_forward(const SSDShape& s, const SSDIn<T>& in, const View2<T>& y, const
         tm.team_barrier();
         Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, t0, t1), [&](index_t l) {
           const int r_l = c.rec(b, l);
-          const P acs_l = c.acs(b, h, l);
+          const P acs_l = c.acs(b, h, l), Dl = c.Dt(b, h, l);
           P e_in = r_l == r_in ? exp_nonpos(acs_l) : P(0);
           e_in = e_in < P(kNegligibleDecay) ? P(0) : e_in;
           const T* xl = c.xrow(b, l, h);
           const T* Cl = c.crow(b, l, g);
           T* yl = &y(c.row(b, l), h * c.Pd);
           Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.Pd), [&](index_t p) {
-            P acc = Dh * P(xl[p]);
+            P acc = Dl * P(xl[p]);
             if (e_in != P(0)) {
               const P* Sp = &S(p * ldS);
               P cs = 0;
@@ -1193,6 +1208,10 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
                      gr.dlog_decay.extent(2) == c.delta.extent(2) && gr.dweight.extent(0) == c.delta.extent(0) &&
                      gr.dweight.extent(1) == c.delta.extent(1) && gr.dweight.extent(2) == c.delta.extent(2)),
           "ssd_backward", "with per-token decays and weights, dlog_decay and dweight must be (batch, nheads, seqlen)");
+  require(gr.dD_token.extent(0) == 0 ||
+              (gr.dD_token.extent(0) == c.delta.extent(0) && gr.dD_token.extent(1) == c.delta.extent(1) &&
+               gr.dD_token.extent(2) == c.delta.extent(2)),
+          "ssd_backward", "dD_token must be (batch, nheads, seqlen)");
   if (ssd_resolved_algo(s) != SSDAlgo::portable) {  // fused: the backward is the GEMM formulation's
     ssd_backward_gemm<T>(c, s, in, dy, dfinal_state, gr, ws,
                          ssd_resolved_algo(s) == SSDAlgo::fused && fused_applies(c), from_kept);
@@ -1246,6 +1265,8 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
   const index_t ddt_col = gr.ddt_col >= 0 ? gr.ddt_col : c.dt_col;
   const auto dla = gr.dlog_decay;
   const auto dwt = gr.dweight;
+  const auto dDtok = gr.dD_token;
+  const bool want_dtok = dDtok.extent(0) > 0;
   const index_t Q = c.Q;
   // Large (global-memory) team scratch: K = E' (C.B), DX = dy_l . x_s, E' = [same record] exp(Acs_l - Acs_s)
   // (Q x Q each, s <= l). On chip: seven per-token vectors and dL/dH_c with rows padded to N + 1 (lanes over p read
@@ -1264,7 +1285,7 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
         c.decode(id, b, ch, h);
         const index_t g = h / c.hpg, t0 = ch * c.Q, t1 = c.chunk_end(ch), q = t1 - t0, last = t1 - 1;
         const int r_in = c.rec_in(b, ch), r_last = c.rec(b, last);
-        const P A = c.pre ? P(0) : c.A(h), Dh = c.D(h), acs_last = c.acs(b, h, last);
+        const P A = c.pre ? P(0) : c.A(h), acs_last = c.acs(b, h, last);
         Scratch2<P> K(tm.team_scratch(1), Q, Q), DX(tm.team_scratch(1), Q, Q), E(tm.team_scratch(1), Q, Q);
         Scratch1<P> in_sum(tm.team_scratch(0), Q), out_sum(tm.team_scratch(0), Q), w_inter(tm.team_scratch(0), Q),
             w_state(tm.team_scratch(0), Q), ddelta(tm.team_scratch(0), Q), ddot(tm.team_scratch(0), Q),
@@ -1346,7 +1367,7 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
         // outgoing intra and state sums.
         Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, q), [&](index_t is) {
           const index_t s2 = t0 + is, rs = c.row(b, s2);
-          const P dlt = c.delta(b, h, s2);
+          const P dlt = c.delta(b, h, s2), Ds = c.Dt(b, h, s2);
           P es = c.rec(b, s2) == r_last ? exp_nonpos(acs_last - c.acs(b, h, s2)) : P(0);
           es = es < P(kNegligibleDecay) ? P(0) : es;  // as in chunk_state
           const T* xs = c.xrow(b, s2, h);
@@ -1370,7 +1391,7 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
                 P bdh = 0;
                 for (index_t n = 0; n < c.N; ++n) bdh += P(Bs[n]) * dHp[n];
                 dacc += P(xs[p]) * bdh;
-                dxs[p] = static_cast<T>(Dh * P(dys[p]) + dlt * ap + dlt * es * bdh);
+                dxs[p] = static_cast<T>(Ds * P(dys[p]) + dlt * ap + dlt * es * bdh);
               },
               dd_state);
           Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.N), [&](index_t n) {
@@ -1408,6 +1429,7 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
             if (ij == q - 1) dacs += wstate_total + wdecay;
             run += dacs;  // da_j
             dD += ddot(ij);
+            if (want_dtok) dDtok(b, h, j) = ddot(ij);
             if (c.pre) {  // per-token decay and weight: their gradients as they are
               dla(b, h, j) = run;
               dwt(b, h, j) = ddelta(ij);

@@ -63,6 +63,10 @@ struct SSDIn {
   // Mamba-3 runs its SISO scan through this form (data-dependent A, trapezoidal weights). ssd_step ignores it.
   View3<const acc_t<T>> log_decay, weight;
   bool per_token() const { return log_decay.extent(0) > 0; }
+  // A per-token part of the skip coefficient, or empty: y_t = S_t C_t + (D_h + D_token(b, h, t)) x_t, (batch, H, L).
+  // Mamba-3 gives its trapezoid's diagonal correction (gamma_t - w_t) (q~_t . k~_t) here, which would otherwise be
+  // a pass of its own over y (and one over dy and x in the backward). ssd_step ignores it.
+  View3<const acc_t<T>> D_token;
 };
 
 template <class T>
@@ -75,6 +79,10 @@ struct SSDGrad {
   // With SSDIn::per_token(): the gradients of log_decay and weight (batch, H, L) are written here instead of ddt,
   // dA_log and ddt_bias (left untouched); dD is accumulated as always.
   View3<acc_t<T>> dlog_decay, dweight;
+  // With SSDIn::D_token, when non-empty: its gradient dy_t . x_t per (batch, H, L) is written here (fp32 products
+  // where the fused kernels run, which then also give dD from them; the gemm algorithm's come from its dY X^T
+  // product under `compute`).
+  View3<acc_t<T>> dD_token;
 };
 
 // What the forward of the gemm and fused algorithms can keep so that the backward does not form it again: Delta

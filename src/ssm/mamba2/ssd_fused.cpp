@@ -404,6 +404,8 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 4 : 2) chunk_scan_kernel(c
   for (int i = 0; i < PT; ++i) wmma::store_matrix_sync(ys + warp * 16 * ldy + i * 16, acc[i], ldy, wmma::mem_row_major);
   __syncthreads();
   const float Dh = a.D[h];
+  // D_token of the tile's tokens (row0 H + h L + t indexes (batch, H, L) at b = row0 / L)
+  const float* dtk = a.dtok ? a.dtok + row0 * a.H + std::int64_t(h) * a.L + t0 + l0 : nullptr;
   batched<kTile, P>(
       [&](int l, int p) {
         return l < nl ? load4<V4>(a.xbc + (row0 + t0 + l0 + l) * a.ldx + a.x_col + h * P + p)
@@ -412,8 +414,9 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 4 : 2) chunk_scan_kernel(c
       [&](int l, int p, float4 x) {
         if (l >= nl) return;
         const float* yv = ys + l * ldy + p;
+        const float Dl = dtk ? Dh + dtk[l] : Dh;
         store4<V4>(a.y + (row0 + t0 + l0 + l) * a.ldy + h * P + p,
-                   make_float4(yv[0] + Dh * x.x, yv[1] + Dh * x.y, yv[2] + Dh * x.z, yv[3] + Dh * x.w));
+                   make_float4(yv[0] + Dl * x.x, yv[1] + Dl * x.y, yv[2] + Dl * x.z, yv[3] + Dl * x.w));
       });
 }
 
@@ -1349,14 +1352,15 @@ __global__ void __launch_bounds__(kThreads, RS == 0 ? kScanBlocks<PT> : kRingBlo
       __syncwarp();  // every lane done with the ring before the next tile's copies
     }
 
-    // y = acc + D x for the rows inside the chunk
+    // y = acc + D x for the rows inside the chunk (D_token added per row where given)
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       if (!in[hr]) continue;
       float* yr = a.y + (row0 + t0 + l[hr]) * a.ldy + h * P + 2 * cq;
+      const float Dl = a.dtok ? Dh + a.dtok[row0 * a.H + std::int64_t(h) * a.L + t0 + l[hr]] : Dh;
 #pragma unroll
       for (int j = 0; j < NB; ++j)
-        store2<V4>(yr + 8 * j, make_float2(acc[j][2 * hr] + Dh * xv[hr][j].x, acc[j][2 * hr + 1] + Dh * xv[hr][j].y));
+        store2<V4>(yr + 8 * j, make_float2(acc[j][2 * hr] + Dl * xv[hr][j].x, acc[j][2 * hr + 1] + Dl * xv[hr][j].y));
     }
   }
 }
@@ -1401,7 +1405,8 @@ __device__ __forceinline__ void epilogue_factors(const Args& a, int b, int h, in
 // The per-token pass of the state epilogue over the tokens l0 .. l0 + nl - 1 of the chunk starting at row
 // row0 + t0, head h (hi in the call's block), with T1 in f1 and T2 in f2 (64 x P fp32, rows P + 4 apart) and the
 // tile's es, e_in and Delta in shared memory:
-//   dX_l += D dY_l + Delta_l es_l T1_l,   v4(l) = e_in(l) dY_l . T2_l,   v5(l) = es(l) X_l . T1_l.
+//   dX_l += D dY_l + Delta_l es_l T1_l,   v4(l) = e_in(l) dY_l . T2_l,   v5(l) = es(l) X_l . T1_l
+// (D = D[h] + dtok(l) where dtok is given; with ddot_f32 also v3(l) = dY_l . X_l in fp32).
 template <int PT, bool V4>
 __device__ __forceinline__ void epilogue_tokens(const Args& a, const float* f1, const float* f2, const float* es_l,
                                                 const float* ein_l, const float* dt_l, std::int64_t row0, int t0,
@@ -1415,6 +1420,7 @@ __device__ __forceinline__ void epilogue_tokens(const Args& a, const float* f1, 
   static_assert(kTile / kRowStep % kRB == 0, "whole batches of rows");
   const int cq = tid % kTpr;
   const float Dh = a.D[h];
+  const float* dtk = a.dtok ? a.dtok + row0 * a.H + std::int64_t(h) * a.L + t0 + l0 : nullptr;  // (b, h, t0 + l0)
   for (int rb = 0; rb < kTile / kRowStep; rb += kRB) {
     float4 x4[kRB][kCPer], dy4[kRB][kCPer], dx4[kRB][kCPer];
 #pragma unroll
@@ -1435,10 +1441,10 @@ __device__ __forceinline__ void epilogue_tokens(const Args& a, const float* f1, 
     for (int i = 0; i < kRB; ++i) {
       const int r = tid / kTpr + (rb + i) * kRowStep;
       const std::int64_t row = row0 + t0 + l0 + r;
-      float dds = 0.f, win = 0.f;
+      float dds = 0.f, win = 0.f, dot = 0.f;
       if (r < nl) {
         float* dxr = a.dx + row * a.ldd + a.x_col + h * P;
-        const float des = dt_l[r] * es_l[r];
+        const float des = dt_l[r] * es_l[r], Dl = dtk ? Dh + dtk[r] : Dh;
 #pragma unroll
         for (int j = 0; j < kCPer; ++j) {
           const int p = 4 * (cq + j * kTpr);
@@ -1448,8 +1454,9 @@ __device__ __forceinline__ void epilogue_tokens(const Args& a, const float* f1, 
           const float4 t2 = *reinterpret_cast<const float4*>(f2 + r * ldo + p);
           dds += x.x * t1.x + x.y * t1.y + x.z * t1.z + x.w * t1.w;
           win += dy.x * t2.x + dy.y * t2.y + dy.z * t2.z + dy.w * t2.w;
-          const float4 o = make_float4(dx.x + Dh * dy.x + des * t1.x, dx.y + Dh * dy.y + des * t1.y,
-                                       dx.z + Dh * dy.z + des * t1.z, dx.w + Dh * dy.w + des * t1.w);
+          if (a.ddot_f32) dot += dy.x * x.x + dy.y * x.y + dy.z * x.z + dy.w * x.w;
+          const float4 o = make_float4(dx.x + Dl * dy.x + des * t1.x, dx.y + Dl * dy.y + des * t1.y,
+                                       dx.z + Dl * dy.z + des * t1.z, dx.w + Dl * dy.w + des * t1.w);
           store4<V4>(dxr + p, o);
         }
       }
@@ -1457,9 +1464,11 @@ __device__ __forceinline__ void epilogue_tokens(const Args& a, const float* f1, 
       for (int o = kTpr / 2; o > 0; o >>= 1) {
         dds += __shfl_xor_sync(0xffffffffu, dds, o);
         win += __shfl_xor_sync(0xffffffffu, win, o);
+        if (a.ddot_f32) dot += __shfl_xor_sync(0xffffffffu, dot, o);
       }
       if (cq == 0 && r < nl) {
         float* vr = a.v + (std::int64_t(hi) * nr + row0 + t0 + l0 + r) * 6;
+        if (a.ddot_f32) vr[3] = dot;
         vr[4] = ein_l[r] * win;
         vr[5] = es_l[r] * dds;
       }

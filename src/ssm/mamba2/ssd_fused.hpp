@@ -17,6 +17,7 @@ struct Args {
   const float* delta = nullptr;  // (batch, H, L)
   const std::int32_t* seq = nullptr;  // (batch, L) record ids, or null (one record)
   const float* D = nullptr;           // (H)
+  const float* dtok = nullptr;        // (batch, H, L): added to D[h] per token (SSDIn::D_token), or null
   float* states = nullptr;            // (batch, nchunks, H, P, N)
   const float* cb = nullptr;          // (batch, nchunks, G, Q, Q): C_l . B_s
   float* y = nullptr;                 // (batch L, ldy), head h at columns h P
@@ -33,6 +34,7 @@ struct Args {
   float* w2 = nullptr;  // (runs, batch nchunks, Q, Q): dC B^T summed over each run's heads
   const float* dstates = nullptr;  // (batch, nchunks, H, P, N): dL/d(state at each chunk's end) (state_epilogue)
   float* wdecay = nullptr;  // (batch, nchunks, H): sum(dH o S_in) per chunk and head, where epilogue_writes_wdecay
+  bool ddot_f32 = false;    // state_epilogue: v3(l) = dY_l . X_l in fp32, over intra_backward's bf16 DX(l, l)
   int h0 = 0, nh = 0, run_len = 1;
 };
 
@@ -46,7 +48,7 @@ bool fits(int headdim, int dstate, int chunk);
 void chunk_state(const Args& a);
 
 // y <- e_in(l) C_l S_in^T + sum_{s <= l, same record} (C_l . B_s) exp(acs_l - acs_s) Delta_s x_s + D x_l, with
-// states holding the state entering each chunk.
+// states holding the state entering each chunk (D: D[h], plus dtok at token l where given).
 void chunk_scan(const Args& a);
 
 // The intra-chunk part of the backward for the block of heads in `a` (ssd.cpp's GEMM formulation computes the
@@ -84,8 +86,8 @@ struct FormScope {
 // The per-token state terms of the backward for the block of heads in `a`, with states holding S_in (the state
 // entering each chunk) and dstates dH: T1 = B dH^T, T2 = C S_in^T per (chunk, head) on tensor cores (bf16 with
 // dH and S_in resident per chunk where epilogue_writes_wdecay, else tf32 per 64-token tile), then
-//   dX += D dY + Delta es T1   (added at column x_col + h P of dx),
-//   v4(l) = e_in(l) dY_l . T2_l,   v5(l) = es(l) X_l . T1_l
+//   dX += D dY + Delta es T1   (added at column x_col + h P of dx; D + dtok(l) where dtok is given),
+//   v4(l) = e_in(l) dY_l . T2_l,   v5(l) = es(l) X_l . T1_l   (and v3(l) = dY_l . X_l in fp32 with ddot_f32)
 // (ssd.cpp's GEMM formulation writes T1 and T2 to device memory and reads them back in a Kokkos kernel), and in
 // the resident form, where wdecay is given, wdecay(b, c, h) = sum(dH o S_in) in fp32.
 void state_epilogue(const Args& a);

@@ -409,30 +409,37 @@ void rotate_quads(const Ctx<T>& c) {
   });
 }
 
-// y += (gamma_t - w_t) (q~ . k~) v (v: the x columns of qkv; q~ . k~ from the rotation, c.qkd)
+// The trapezoid's diagonal correction as the SSD's per-token skip coefficient (SSDIn::D_token):
+//   dtok(b, h, t) = (gamma_t - w_t) (q~_t . k~_t)
+// so that y_t = SSD(w) + D v_t + dtok v_t (the diagonal's weight is gamma_t where the SSD's is w_t) and the SSD's
+// backward adds dtok dy_t to dv and gives dy_t . v_t (dD_token). q~ . k~ from the rotation (c.qkd) where its quad
+// kernel ran, else formed here.
 template <class T>
-void diagonal_quads(const Ctx<T>& c, const View2<T>& y) {
+void diag_coefficient(const Ctx<T>& c, const View3<acc_t<T>>& dtok) {
   using P = acc_t<T>;
-  par_for_rows("mamba3::diagonal", c.Bsz * c.L * c.H, KOKKOS_LAMBDA(const Team& tm, index_t i) {
-    const index_t rw = i / c.H, h = i % c.H, b = rw / c.L, t = rw % c.L;
-    const P f = (c.gamma(b, h, t) - c.w(b, h, t)) * c.qkd(rw, h);
-    const P* v = &c.qkv(rw, h * c.Pd);
-    T* yt = &y(rw, h * c.Pd);
-    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.Pd / 4), [&](index_t j) {
-      P vv[4], o[4];
-      load_vec<4>(v + 4 * j, vv);
-      load_vec<4>(yt + 4 * j, o);
-      for (int e = 0; e < 4; ++e) o[e] += f * vv[e];
-      store_vec<4>(yt + 4 * j, o);
+  if (c.qkd.extent(0) > 0 && quads_ok(c)) {
+    par_for("mamba3::diag_coefficient", c.Bsz * c.H, c.L, KOKKOS_LAMBDA(index_t bh, index_t t) {
+      const index_t b = bh / c.H, h = bh % c.H;
+      dtok(b, h, t) = (c.gamma(b, h, t) - c.w(b, h, t)) * c.qkd(b * c.L + t, h);
     });
+    return;
+  }
+  par_for_rows("mamba3::diag_coefficient", c.Bsz * c.L * c.H, KOKKOS_LAMBDA(const Team& tm, index_t i) {
+    const index_t rw = i / c.H, h = i % c.H, b = rw / c.L, t = rw % c.L;
+    const P* q = c.qrow(rw, h, 0);
+    const P* k = c.krow(rw, h, 0);
+    P qk = 0;
+    Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(tm, c.N), [&](index_t n, P& a) { a += q[n] * k[n]; }, qk);
+    Kokkos::single(Kokkos::PerThread(tm), [&]() { dtok(b, h, t) = (c.gamma(b, h, t) - c.w(b, h, t)) * qk; });
   });
 }
 
-// The diagonal's backward on quads (see backward_ssd), from the rotation's q~ . k~: ddg, dw, dv (into dvo's
-// columns v_col + h Pd, with the final carry's v gradient) and fdv = (gamma_t - w_t) (dy . v), whose terms in dq~
-// and dk~ the rotation's backward adds (rotate_bwd_reduce, with the final carry's k gradient).
+// The diagonal's backward on quads (see backward_ssd), from the SSD's dyv = dy . v per token (its D_token
+// gradient) and the rotation's q~ . k~: ddg, dw, fdv = (gamma_t - w_t) (dy . v), whose terms in dq~ and dk~ the
+// rotation's backward adds (rotate_bwd_reduce, with the final carry's k gradient), and dv: the SSD's dX (which
+// holds the diagonal's term dtok dy) copied into dvo's columns v_col + h Pd, with the final carry's v gradient.
 template <class T>
-void diagonal_bwd_quads(const Ctx<T>& c, const View2<const T>& dy, const View2<acc_t<T>>& dqkv,
+void diagonal_bwd_quads(const Ctx<T>& c, const View3<acc_t<T>>& dyv, const View2<acc_t<T>>& dqkv,
                         const View3<acc_t<T>>& ddg, const View3<acc_t<T>>& dw, const View2<T>& dvo, index_t v_col,
                         const Mamba3Carry<acc_t<T>>& dfin) {
   using P = acc_t<T>;
@@ -440,33 +447,20 @@ void diagonal_bwd_quads(const Ctx<T>& c, const View2<const T>& dy, const View2<a
   const auto fv = dfin.v;
   par_for_rows("mamba3::diagonal_bwd", c.Bsz * c.L * c.H, KOKKOS_LAMBDA(const Team& tm, index_t i) {
     const index_t rw = i / c.H, h = i % c.H, b = rw / c.L, t = rw % c.L, Pd = c.Pd;
-    const P* v = &c.qkv(rw, h * Pd);
-    const T* dyt = &dy(rw, h * Pd);
-    const P qk = c.qkd(rw, h);
-    P dyv = 0;
-    Kokkos::parallel_reduce(
-        Kokkos::ThreadVectorRange(tm, Pd / 4),
-        [&](index_t j, P& a) {
-          P x[4], y[4];
-          load_vec<4>(dyt + 4 * j, x);
-          load_vec<4>(v + 4 * j, y);
-          a += x[0] * y[0] + x[1] * y[1] + x[2] * y[2] + x[3] * y[3];
-        },
-        dyv);
-    const P f = c.gamma(b, h, t) - c.w(b, h, t), m = qk * dyv, fq = f * qk;
+    const P d = dyv(b, h, t), m = c.qkd(rw, h) * d;
     Kokkos::single(Kokkos::PerThread(tm), [&]() {
       ddg(b, h, t) = m;
       dw(b, h, t) -= m;  // the SSD counted the diagonal with weight w_t
-      c.fdv(rw, h) = f * dyv;
+      c.fdv(rw, h) = (c.gamma(b, h, t) - c.w(b, h, t)) * d;
     });
     const bool last = has_dfinal && t == c.L - 1;
     const P* dx = &dqkv(rw, h * Pd);
     T* dvr = &dvo(rw, v_col + h * Pd);
     Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, Pd / 4), [&](index_t j) {
-      P xx[4], gy[4], o[4];
-      load_vec<4>(dx + 4 * j, xx);
-      load_vec<4>(dyt + 4 * j, gy);
-      for (int e = 0; e < 4; ++e) o[e] = xx[e] + fq * gy[e] + (last ? fv(b, h, 0, 4 * j + e) : P(0));
+      P o[4];
+      load_vec<4>(dx + 4 * j, o);
+      if (last)
+        for (int e = 0; e < 4; ++e) o[e] += fv(b, h, 0, 4 * j + e);
       store_vec<4>(dvr + 4 * j, o);
     });
   });
@@ -756,28 +750,18 @@ View4<acc_t<T>> entering_states(const Ctx<T>& c, const Mamba3Carry<acc_t<T>>& in
   return sh0;
 }
 
-// y = the SSD's output + (gamma_t - w_t) (q~_t . k~_t) v_t (the trapezoid's diagonal weight is gamma_t, the SSD's
-// w_t); final_S (when non-empty) gets the state after the last token; keep (with pool): the SSD's intermediates.
+// y = the SSD's output with the per-token skip coefficient (gamma_t - w_t) (q~_t . k~_t) (diag_coefficient: the
+// trapezoid's diagonal weight is gamma_t, the SSD's w_t); final_S (when non-empty) gets the state after the last
+// token; keep (with pool): the SSD's intermediates.
 template <class T>
 void forward_ssd(const Ctx<T>& c, const Mamba3ScanShape& s, const Mamba3Carry<acc_t<T>>& init, const View2<T>& y,
                  const View4<acc_t<T>>& final_S, PoolScope& ws, SSDSaved<T>* keep, PoolScope* pool) {
   using P = acc_t<T>;
-  ssd_forward<T>(ssd_shape(c, s), ssd_in(c, entering_states(c, init, ws)), y, final_S, keep, pool);
-  if (c.qkd.extent(0) > 0 && quads_ok(c, {{y.data(), y.stride(0)}})) {
-    diagonal_quads(c, y);
-    return;
-  }
-  par_for_rows("mamba3::diagonal", c.Bsz * c.L * c.H, KOKKOS_LAMBDA(const Team& tm, index_t i) {
-    const index_t rw = i / c.H, h = i % c.H, b = rw / c.L, t = rw % c.L;
-    const P* q = c.qrow(rw, h, 0);
-    const P* k = c.krow(rw, h, 0);
-    P qk = 0;
-    Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(tm, c.N), [&](index_t n, P& a) { a += q[n] * k[n]; }, qk);
-    const P f = (c.gamma(b, h, t) - c.w(b, h, t)) * qk;
-    const P* v = &c.qkv(rw, h * c.Pd);
-    T* yt = &y(rw, h * c.Pd);
-    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.Pd), [&](index_t p) { yt[p] = T(P(yt[p]) + f * v[p]); });
-  });
+  View3<P> dtok = ws.take<View3<P>>("mamba3::d_token", c.Bsz, c.H, c.L);
+  diag_coefficient(c, dtok);
+  SSDIn<T> si = ssd_in(c, entering_states(c, init, ws));
+  si.D_token = dtok;
+  ssd_forward<T>(ssd_shape(c, s), si, y, final_S, keep, pool);
 }
 
 }  // namespace
@@ -1112,42 +1096,44 @@ void backward_portable(const Ctx<T>& c, const Mamba3ScanIn<T>& in, const View2<c
 }
 
 // The SSD route's part of the backward, with the outputs of backward_portable: the SSD's backward (per-token
-// gradients of the decay exponents and weights), then the diagonal's correction (gamma_t - w_t) (q~ . k~) v and the
-// final carry's k and v (those of each row's last token).
+// gradients of the decay exponents and weights; the diagonal's correction (gamma_t - w_t) (q~ . k~) v as its
+// per-token skip coefficient, so dv gets its term there and dy . v comes back as that coefficient's gradient), then
+// the rest of the diagonal's gradient and the final carry's k and v (those of each row's last token).
 template <class T>
 bool backward_ssd(const Ctx<T>& c, const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, const View2<const T>& dy,
                   const Mamba3Carry<acc_t<T>>& dfin, const Mamba3ScanGrad<T>& gr, const View2<acc_t<T>>& dqkv,
                   const View3<acc_t<T>>& da, const View3<acc_t<T>>& dw, const View3<acc_t<T>>& ddg,
                   const View4<acc_t<T>>& dsh0, PoolScope& ws, const SSDSaved<T>* kept) {
   using P = acc_t<T>;
+  View3<P> dtok = ws.take<View3<P>>("mamba3::d_token", c.Bsz, c.H, c.L);
+  View3<P> dyv = ws.take<View3<P>>("mamba3::dy_dot_v", c.Bsz, c.H, c.L);
+  diag_coefficient(c, dtok);
+  SSDIn<T> si = ssd_in(c, entering_states(c, in.init, ws));
+  si.D_token = dtok;
   SSDGrad<T> g;
   g.dxbc = dqkv;
   g.dD = gr.dD;
   g.dinit_state = dsh0;
   g.dlog_decay = da;
   g.dweight = dw;
-  ssd_backward<T>(ssd_shape(c, s), ssd_in(c, entering_states(c, in.init, ws)), dy, dfin.S, g, kept);
+  g.dD_token = dyv;
+  ssd_backward<T>(ssd_shape(c, s), si, dy, dfin.S, g, kept);
   const bool has_dfinal = !dfin.empty();
   const auto fv = dfin.v;
   const auto fk = dfin.k;
   const auto dvo = gr.dv;
   const index_t v_col = in.v_col;
-  if (c.qkd.extent(0) > 0 &&
-      quads_ok(c, {{dy.data(), dy.stride(0)}, {dqkv.data(), dqkv.stride(0)}, {dvo.data(), dvo.stride(0)}})) {
-    diagonal_bwd_quads(c, dy, dqkv, ddg, dw, dvo, v_col, dfin);
+  if (c.qkd.extent(0) > 0 && quads_ok(c, {{dqkv.data(), dqkv.stride(0)}, {dvo.data(), dvo.stride(0)}})) {
+    diagonal_bwd_quads(c, dyv, dqkv, ddg, dw, dvo, v_col, dfin);
     return true;  // the terms in dq~ and dk~ are the rotation backward's to add
   }
   par_for_rows("mamba3::diagonal_bwd", c.Bsz * c.L * c.H, KOKKOS_LAMBDA(const Team& tm, index_t i) {
     const index_t rw = i / c.H, h = i % c.H, b = rw / c.L, t = rw % c.L;
     const P* q = c.qrow(rw, h, 0);
     const P* k = c.krow(rw, h, 0);
-    const P* v = &c.qkv(rw, h * c.Pd);
-    const T* dyt = &dy(rw, h * c.Pd);
-    P qk = 0, dyv = 0;
+    P qk = 0;
     Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(tm, c.N), [&](index_t n, P& a) { a += q[n] * k[n]; }, qk);
-    Kokkos::parallel_reduce(
-        Kokkos::ThreadVectorRange(tm, c.Pd), [&](index_t p, P& a) { a += P(dyt[p]) * v[p]; }, dyv);
-    const P f = c.gamma(b, h, t) - c.w(b, h, t), m = qk * dyv;
+    const P d = dyv(b, h, t), f = c.gamma(b, h, t) - c.w(b, h, t), m = qk * d;
     Kokkos::single(Kokkos::PerThread(tm), [&]() {
       ddg(b, h, t) = m;
       dw(b, h, t) -= m;  // the SSD counted the diagonal with weight w_t
@@ -1156,12 +1142,12 @@ bool backward_ssd(const Ctx<T>& c, const Mamba3ScanShape& s, const Mamba3ScanIn<
     P* dq = &dqkv(rw, c.q_off + h * c.N);
     P* dk = &dqkv(rw, c.k_off + h * c.N);
     Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.N), [&](index_t n) {
-      dq[n] += f * dyv * k[n];
-      dk[n] += f * dyv * q[n] + (last ? fk(b, h, 0, n) : P(0));
+      dq[n] += f * d * k[n];
+      dk[n] += f * d * q[n] + (last ? fk(b, h, 0, n) : P(0));
     });
     const P* dx = &dqkv(rw, h * c.Pd);
     Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.Pd), [&](index_t p) {
-      dvo(rw, v_col + h * c.Pd + p) = static_cast<T>(dx[p] + f * qk * P(dyt[p]) + (last ? fv(b, h, 0, p) : P(0)));
+      dvo(rw, v_col + h * c.Pd + p) = static_cast<T>(dx[p] + (last ? fv(b, h, 0, p) : P(0)));
     });
   });
   return false;
