@@ -735,3 +735,64 @@ TEST_CASE("SSD fused tensor-core kernels with D_token equal the fp32 GEMM formul
     }
   }
 }
+
+TEST_CASE("SSD backward writes dx into a matrix of its own when given, the same values", "[ssd][gradcheck]") {
+  // SSDGrad::dx (Mamba-3 has its dv written straight into the in_proj gradient): dx at column dx_col + h P of the
+  // given matrix equals the x columns of dxbc in a call without it, which are then left untouched; every other
+  // gradient is the same. Double on portable and gemm (exactly), float on fused at a shape its kernels take (CUDA
+  // builds; elsewhere gemm) to the last bits, since only the destination changes.
+  struct Run {
+    SSDAlgo algo;
+    bool fused_shape;
+  };
+  for (const Run& run : {Run{SSDAlgo::portable, false}, Run{SSDAlgo::gemm, false}, Run{SSDAlgo::fused, true}}) {
+    Case c;
+    if (run.fused_shape) c = FusedShape{300, 4, 16, 2, 32, 64}.to_case();
+    c.dt_lo = 0.02;
+    c.algo = run.algo;
+    c.compute = run.algo == SSDAlgo::fused ? GemmCompute::bf16 : GemmCompute::fp32;
+    INFO("algo " << algo_name(run.algo));
+    auto grads = [&](auto tag) {
+      using T = decltype(tag);
+      Data<T> d(c);
+      const index_t rows = c.B * c.L, E = c.H * c.P, off = 4;
+      View2<T> dy("dy", rows, E);
+      fill_uniform(dy, 21);
+      SSDGrad<T> g0 = d.grads(true), g1 = d.grads(true);
+      g1.dx = View2<T>("dx_own", rows, off + E + 4);  // rows 16-byte aligned: the same kernels as dxbc
+      g1.dx_col = off;
+      ssd_backward<T>(d.shape, d.in(), dy, View4<const acc_t<T>>(), g0);
+      ssd_backward<T>(d.shape, d.in(), dy, View4<const acc_t<T>>(), g1);
+      const auto a = to_vec(g0.dxbc), b = to_vec(g1.dxbc), own = to_vec(g1.dx);
+      const index_t ld = index_t(g0.dxbc.extent(1)), lo = index_t(g1.dx.extent(1));
+      std::vector<double> x0, x1, rest0, rest1;
+      bool untouched = true;
+      for (index_t r = 0; r < rows; ++r)
+        for (index_t j = 0; j < ld; ++j) {
+          if (j < E) {
+            x0.push_back(a[r * ld + j]);
+            x1.push_back(own[r * lo + off + j]);
+            untouched = untouched && b[r * ld + j] == 0.0;
+          } else {
+            rest0.push_back(a[r * ld + j]);
+            rest1.push_back(b[r * ld + j]);
+          }
+        }
+      CHECK(untouched);
+      CHECK(rel_err(x1, x0) == 0.0);
+      CHECK(rel_err(rest1, rest0) == 0.0);
+      CHECK(rel_err(to_vec(g1.ddt), to_vec(g0.ddt)) == 0.0);
+      CHECK(rel_err(to_vec(g1.dD), to_vec(g0.dD)) == 0.0);
+      CHECK(rel_err(to_vec(g1.dinit_state), to_vec(g0.dinit_state)) == 0.0);
+      SSDGrad<T> bad = d.grads(false);
+      bad.dx = View2<T>("dx_short", rows, E);
+      bad.dx_col = 1;
+      CHECK_THROWS_WITH(ssd_backward<T>(d.shape, d.in(), dy, View4<const acc_t<T>>(), bad),
+                        ContainsSubstring("dx must have batch * seqlen rows"));
+    };
+    if (run.fused_shape)
+      grads(float{});
+    else
+      grads(double{});
+  }
+}

@@ -826,6 +826,10 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
   const index_t ddt_col = gr.ddt_col >= 0 ? gr.ddt_col : c.dt_col;
   const index_t ldd = index_t(dxbc.stride(0));
   T* dX = dxbc.data();
+  // dx of head h at dXx + r lddx + h P (gr.dx where given, else dxbc's x columns)
+  const bool own_dx = gr.dx.extent(0) > 0;
+  T* const dXx = own_dx ? gr.dx.data() + gr.dx_col : dX + c.x_col;
+  const index_t lddx = own_dx ? index_t(gr.dx.stride(0)) : ldd;
   // the state terms of dB and dC, summed over a group's heads by the K dimension:
   // dB = (es Delta X) dH, dC = (e_in dY) S_in (the Q x Q terms are added per block below)
   // (every group in one two-level batched call)
@@ -858,7 +862,7 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
       if constexpr (std::is_same_v<T, float>) {
         const index_t ntile = (c.Q + 63) / 64;  // the fused kernels' 64-token tiles
         const View3<T> insum = ws.take<View3<T>>("ssd::insum_parts", ntile, nh, nr);
-        ssd_fused::Args a = fused_block_args(c, dy.data(), ldy, dX, ldd, v.data(), blk0, nh);
+        ssd_fused::Args a = fused_block_args(c, dy.data(), ldy, dXx, lddx, v.data(), blk0, nh);
         a.insum = insum.data();
         a.w2 = w2.data();
         a.run_len = int(rl);
@@ -945,7 +949,7 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
           });
       // dX = M^T dY of every head of the block (the rest added below)
       chunk_gemm<T>(c, cmp, Trans::T, Trans::N, kQ, c.Pd, kQ, T(1), blk<const T*>(w1.data(), c.Q, QQ, nbc * QQ),
-                    tok(dy.data() + blk0 * c.Pd, ldy, c.Pd), T(0), tok(dX + c.x_col + blk0 * c.Pd, ldd, c.Pd), nh,
+                    tok(dy.data() + blk0 * c.Pd, ldy, c.Pd), T(0), tok(dXx + blk0 * c.Pd, lddx, c.Pd), nh,
                     g.ptrs.data());
     }
     // runs of whole groups (a run per group): the dB and dC products of every run in one two-level batched call
@@ -980,7 +984,7 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
     // not captured, which reads host stack memory on the device)
     if (fused) {
       if constexpr (std::is_same_v<T, float>) {
-        ssd_fused::Args a = fused_block_args(c, dy.data(), ldy, dX, ldd, v.data(), blk0, nh);
+        ssd_fused::Args a = fused_block_args(c, dy.data(), ldy, dXx, lddx, v.data(), blk0, nh);
         a.dstates = dstates.data();
         a.wdecay = wdec.data();
         a.ddot_f32 = gr.dD_token.extent(0) > 0;
@@ -1004,7 +1008,7 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
                   [&](index_t p, T& acc) {
                     const T bdh = t1(r, hi * c.Pd + p);
                     acc += c.xbc(r, c.x_col + h * c.Pd + p) * bdh;
-                    dxbc(r, c.x_col + h * c.Pd + p) += Dh * dy(r, h * c.Pd + p) + dlt * es * bdh;
+                    dXx[r * lddx + h * c.Pd + p] += Dh * dy(r, h * c.Pd + p) + dlt * es * bdh;
                   },
                   dds);
               Kokkos::parallel_reduce(
@@ -1208,6 +1212,9 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
                      gr.dlog_decay.extent(2) == c.delta.extent(2) && gr.dweight.extent(0) == c.delta.extent(0) &&
                      gr.dweight.extent(1) == c.delta.extent(1) && gr.dweight.extent(2) == c.delta.extent(2)),
           "ssd_backward", "with per-token decays and weights, dlog_decay and dweight must be (batch, nheads, seqlen)");
+  require(gr.dx.extent(0) == 0 || (index_t(gr.dx.extent(0)) == c.Bsz * c.L &&
+                                     index_t(gr.dx.extent(1)) >= gr.dx_col + c.H * c.Pd && gr.dx_col >= 0),
+          "ssd_backward", "dx must have batch * seqlen rows and columns from dx_col for nheads * headdim");
   require(gr.dD_token.extent(0) == 0 ||
               (gr.dD_token.extent(0) == c.delta.extent(0) && gr.dD_token.extent(1) == c.delta.extent(1) &&
                gr.dD_token.extent(2) == c.delta.extent(2)),
@@ -1261,6 +1268,9 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
   View3<P> dCh = ws.take<View3<P>>("ssd::dCh", c.Bsz * c.L, c.H, c.N);
   View4<P> partial = ws.take<View4<P>>("ssd::partial", c.Bsz, c.nc, c.H, 3);
   const auto dxbc = gr.dxbc;
+  const bool own_dx = gr.dx.extent(0) > 0;
+  T* const dXx = own_dx ? gr.dx.data() + gr.dx_col : dxbc.data() + c.x_col;  // dx of head h at dXx + r lddx + h P
+  const index_t lddx = own_dx ? index_t(gr.dx.stride(0)) : index_t(dxbc.stride(0));
   const auto ddt = gr.ddt;
   const index_t ddt_col = gr.ddt_col >= 0 ? gr.ddt_col : c.dt_col;
   const auto dla = gr.dlog_decay;
@@ -1380,7 +1390,7 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
           }
           // the chunk-state term (dH_c flows back into the tokens that built the chunk's final state)
           const T* dys = dyrow(s2);
-          T* dxs = &dxbc(rs, c.x_col + h * c.Pd);
+          T* dxs = dXx + rs * lddx + h * c.Pd;
           P dd_state = 0;
           Kokkos::parallel_reduce(
               Kokkos::ThreadVectorRange(tm, c.Pd),

@@ -72,6 +72,10 @@ struct SSDIn {
 template <class T>
 struct SSDGrad {
   View2<T> dxbc;  // dx, dB, dC are written into the same columns as the inputs
+  // dx into a matrix of its own where non-empty (rows b L + t, head h at column dx_col + h P), its columns of dxbc
+  // then left untouched: Mamba-3 has the SSD write dv straight into its in_proj gradient.
+  View2<T> dx;
+  index_t dx_col = 0;
   View2<T> ddt;   // d(raw dt) written at the same column as dt, or from column ddt_col where that is >= 0
   index_t ddt_col = -1;
   View1<acc_t<T>> dA_log, ddt_bias, dD;  // accumulated (+=)

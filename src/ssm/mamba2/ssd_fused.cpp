@@ -636,7 +636,7 @@ __global__ void __launch_bounds__(kThreads, 2) intra_bwd_kernel(const Args a) {
             if (s >= ns) return;
             const float* fa = f + s * ldo + p;
             const float d = dt_s[s], k = kss[s];
-            store4<V4>(a.dx + (row0 + t0 + s0 + s) * a.ldd + a.x_col + h * P + p,
+            store4<V4>(a.dx + (row0 + t0 + s0 + s) * a.ldd + h * P + p,
                        make_float4(d * (fa[0] + k * g.x), d * (fa[1] + k * g.y), d * (fa[2] + k * g.z),
                                    d * (fa[3] + k * g.w)));
           });
@@ -967,7 +967,7 @@ __global__ void __launch_bounds__(kThreads, 2) intra_bwd_mma_kernel(const Args a
             vr[3] = diag[sl];
           }
           const float* dyr = a.dy + (row0 + t0 + s0 + sl) * a.ldy + h * P + 2 * cq;
-          float* dxr = a.dx + (row0 + t0 + s0 + sl) * a.ldd + a.x_col + h * P + 2 * cq;
+          float* dxr = a.dx + (row0 + t0 + s0 + sl) * a.ldd + h * P + 2 * cq;
           float2 gv[NB];
 #pragma unroll
           for (int jp = 0; jp < NB; ++jp) {
@@ -1434,7 +1434,7 @@ __device__ __forceinline__ void epilogue_tokens(const Args& a, const float* f1, 
         const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
         x4[i][j] = in ? load4<V4>(a.xbc + row * a.ldx + a.x_col + h * P + p) : z;
         dy4[i][j] = in ? load4<V4>(a.dy + row * a.ldy + h * P + p) : z;
-        dx4[i][j] = in ? load4<V4>(a.dx + row * a.ldd + a.x_col + h * P + p) : z;
+        dx4[i][j] = in ? load4<V4>(a.dx + row * a.ldd + h * P + p) : z;
       }
     }
 #pragma unroll
@@ -1443,7 +1443,7 @@ __device__ __forceinline__ void epilogue_tokens(const Args& a, const float* f1, 
       const std::int64_t row = row0 + t0 + l0 + r;
       float dds = 0.f, win = 0.f, dot = 0.f;
       if (r < nl) {
-        float* dxr = a.dx + row * a.ldd + a.x_col + h * P;
+        float* dxr = a.dx + row * a.ldd + h * P;
         const float des = dt_l[r] * es_l[r], Dl = dtk ? Dh + dtk[r] : Dh;
 #pragma unroll
         for (int j = 0; j < kCPer; ++j) {

@@ -27,7 +27,7 @@ struct Args {
   // backward (intra_backward): a block of heads h0 .. h0 + nh - 1, in runs of run_len heads (never straddling a
   // group); dy (batch L, ldy) is read with head h at columns h P
   const float* dy = nullptr;
-  float* dx = nullptr;  // dX written (not added) at column x_col + h P of rows ldd apart
+  float* dx = nullptr;  // dX: token row r, head h at dx + r ldd + h P (written by intra_backward, then added to)
   std::int64_t ldd = 0;
   float* v = nullptr;   // (nh, batch L, 6) per-token sums of ssd.cpp's GEMM backward (entries 0, 1, 3 here)
   float* insum = nullptr;  // (Q / 64, nh, batch L): entry 2's part from each source tile j (for tokens in tiles >= j)

@@ -435,34 +435,18 @@ void diag_coefficient(const Ctx<T>& c, const View3<acc_t<T>>& dtok) {
 }
 
 // The diagonal's backward on quads (see backward_ssd), from the SSD's dyv = dy . v per token (its D_token
-// gradient) and the rotation's q~ . k~: ddg, dw, fdv = (gamma_t - w_t) (dy . v), whose terms in dq~ and dk~ the
-// rotation's backward adds (rotate_bwd_reduce, with the final carry's k gradient), and dv: the SSD's dX (which
-// holds the diagonal's term dtok dy) copied into dvo's columns v_col + h Pd, with the final carry's v gradient.
+// gradient) and the rotation's q~ . k~: ddg, dw and fdv = (gamma_t - w_t) (dy . v), whose terms in dq~ and dk~ the
+// rotation's backward adds (rotate_bwd_reduce, with the final carry's k gradient). (dv's term dtok dy is the SSD's.)
 template <class T>
-void diagonal_bwd_quads(const Ctx<T>& c, const View3<acc_t<T>>& dyv, const View2<acc_t<T>>& dqkv,
-                        const View3<acc_t<T>>& ddg, const View3<acc_t<T>>& dw, const View2<T>& dvo, index_t v_col,
-                        const Mamba3Carry<acc_t<T>>& dfin) {
+void diagonal_bwd_quads(const Ctx<T>& c, const View3<acc_t<T>>& dyv, const View3<acc_t<T>>& ddg,
+                        const View3<acc_t<T>>& dw) {
   using P = acc_t<T>;
-  const bool has_dfinal = !dfin.empty();
-  const auto fv = dfin.v;
-  par_for_rows("mamba3::diagonal_bwd", c.Bsz * c.L * c.H, KOKKOS_LAMBDA(const Team& tm, index_t i) {
-    const index_t rw = i / c.H, h = i % c.H, b = rw / c.L, t = rw % c.L, Pd = c.Pd;
-    const P d = dyv(b, h, t), m = c.qkd(rw, h) * d;
-    Kokkos::single(Kokkos::PerThread(tm), [&]() {
-      ddg(b, h, t) = m;
-      dw(b, h, t) -= m;  // the SSD counted the diagonal with weight w_t
-      c.fdv(rw, h) = (c.gamma(b, h, t) - c.w(b, h, t)) * d;
-    });
-    const bool last = has_dfinal && t == c.L - 1;
-    const P* dx = &dqkv(rw, h * Pd);
-    T* dvr = &dvo(rw, v_col + h * Pd);
-    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, Pd / 4), [&](index_t j) {
-      P o[4];
-      load_vec<4>(dx + 4 * j, o);
-      if (last)
-        for (int e = 0; e < 4; ++e) o[e] += fv(b, h, 0, 4 * j + e);
-      store_vec<4>(dvr + 4 * j, o);
-    });
+  par_for("mamba3::diagonal_bwd", c.Bsz * c.H, c.L, KOKKOS_LAMBDA(index_t bh, index_t t) {
+    const index_t b = bh / c.H, h = bh % c.H;
+    const P d = dyv(b, h, t), m = c.qkd(b * c.L + t, h) * d;
+    ddg(b, h, t) = m;
+    dw(b, h, t) -= m;  // the SSD counted the diagonal with weight w_t
+    c.fdv(b * c.L + t, h) = (c.gamma(b, h, t) - c.w(b, h, t)) * d;
   });
 }
 
@@ -1096,9 +1080,10 @@ void backward_portable(const Ctx<T>& c, const Mamba3ScanIn<T>& in, const View2<c
 }
 
 // The SSD route's part of the backward, with the outputs of backward_portable: the SSD's backward (per-token
-// gradients of the decay exponents and weights; the diagonal's correction (gamma_t - w_t) (q~ . k~) v as its
-// per-token skip coefficient, so dv gets its term there and dy . v comes back as that coefficient's gradient), then
-// the rest of the diagonal's gradient and the final carry's k and v (those of each row's last token).
+// gradients of the decay exponents and weights; dv written straight into gr.dv; the diagonal's correction
+// (gamma_t - w_t) (q~ . k~) v as its per-token skip coefficient, so dv gets its term there and dy . v comes back as
+// that coefficient's gradient), then the rest of the diagonal's gradient and the final carry's k and v (those of
+// each row's last token).
 template <class T>
 bool backward_ssd(const Ctx<T>& c, const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, const View2<const T>& dy,
                   const Mamba3Carry<acc_t<T>>& dfin, const Mamba3ScanGrad<T>& gr, const View2<acc_t<T>>& dqkv,
@@ -1117,14 +1102,21 @@ bool backward_ssd(const Ctx<T>& c, const Mamba3ScanShape& s, const Mamba3ScanIn<
   g.dlog_decay = da;
   g.dweight = dw;
   g.dD_token = dyv;
+  g.dx = gr.dv;  // dv straight into the in_proj gradient (with the diagonal's term dtok dy)
+  g.dx_col = in.v_col;
   ssd_backward<T>(ssd_shape(c, s), si, dy, dfin.S, g, kept);
   const bool has_dfinal = !dfin.empty();
   const auto fv = dfin.v;
   const auto fk = dfin.k;
   const auto dvo = gr.dv;
   const index_t v_col = in.v_col;
-  if (c.qkd.extent(0) > 0 && quads_ok(c, {{dqkv.data(), dqkv.stride(0)}, {dvo.data(), dvo.stride(0)}})) {
-    diagonal_bwd_quads(c, dyv, dqkv, ddg, dw, dvo, v_col, dfin);
+  if (has_dfinal)  // the final carry's v is the last token's
+    par_for("mamba3::dv_final", c.Bsz * c.H, c.Pd, KOKKOS_LAMBDA(index_t bh, index_t p) {
+      const index_t b = bh / c.H, h = bh % c.H, rw = b * c.L + c.L - 1;
+      dvo(rw, v_col + h * c.Pd + p) = static_cast<T>(P(dvo(rw, v_col + h * c.Pd + p)) + fv(b, h, 0, p));
+    });
+  if (c.qkd.extent(0) > 0 && quads_ok(c, {{dqkv.data(), dqkv.stride(0)}})) {
+    diagonal_bwd_quads(c, dyv, ddg, dw);
     return true;  // the terms in dq~ and dk~ are the rotation backward's to add
   }
   par_for_rows("mamba3::diagonal_bwd", c.Bsz * c.L * c.H, KOKKOS_LAMBDA(const Team& tm, index_t i) {
@@ -1144,10 +1136,6 @@ bool backward_ssd(const Ctx<T>& c, const Mamba3ScanShape& s, const Mamba3ScanIn<
     Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.N), [&](index_t n) {
       dq[n] += f * d * k[n];
       dk[n] += f * d * q[n] + (last ? fk(b, h, 0, n) : P(0));
-    });
-    const P* dx = &dqkv(rw, h * c.Pd);
-    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.Pd), [&](index_t p) {
-      dvo(rw, v_col + h * c.Pd + p) = static_cast<T>(dx[p] + (last ? fv(b, h, 0, p) : P(0)));
     });
   });
   return false;
