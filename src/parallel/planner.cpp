@@ -306,22 +306,22 @@ LayerMem mem_mamba3(const Mamba3Config& c, const Dims& d, Recompute pol) {
   ss.algo = c.scan_algo;
   ss.compute = c.scan_compute;
   if (ss.via_ssd()) {
-    // SISO through the SSD (scan.cpp): Delta, lambda, A, w, A Delta, the phases, [v | k~ | q~] per head and
+    // SISO through the SSD (scan.cpp): Delta, lambda, A, w, A Delta, the phases, [k~ | q~] per head and
     // q~ . k~, with the SSD's own saved context (one group per head), stay with the layer's activations
     // (Mamba3Acts::scan, Mamba3ScanSaved) and the backward reads them instead of forming them; transient: the
     // diagonal's backward factor (one per (token, head), taken in the forward too) and its coefficient (the SSD's
     // D_token, one per (token, head), in both passes), the phases' carries, the SSD's other buffers; the
-    // backward's dsh0, d[v | k~ | q~] and three per-token gradients around the SSD's backward, and D_token's
+    // backward's dsh0, d[k~ | q~] and three per-token gradients around the SSD's backward, and D_token's
     SSDShape sh;
     sh.algo = c.scan_algo;
     sh.compute = c.scan_compute;
     const auto [fwd, bwd] = ssd_gemm_mem(H, H, N, P, Q, sh, d);
     const double saved = ssd_saved_ctx_bytes(H, H, N, P, Q, d);
-    const double kept_ctx = d.a * d.n * (6 * H + H * S + H * P + 2 * H * N) + saved, fdv = d.a * d.n * H;
+    const double kept_ctx = d.a * d.n * (6 * H + H * S + 2 * H * N) + saved, fdv = d.a * d.n * H;
     m.full += kept_ctx;
     m.keep = pol == Recompute::none ? m.full : 0.0;
     m.fwd_extra = 2 * fdv + std::max(carry, fwd - saved);
-    m.bwd_extra = grads + 2 * fdv + d.a * d.b * H * P * N + d.a * d.n * (H * P + 2 * H * N + 4 * H) + bwd - saved;
+    m.bwd_extra = grads + 2 * fdv + d.a * d.b * H * P * N + d.a * d.n * (2 * H * N + 4 * H) + bwd - saved;
     return m;
   }
   // the portable kernels (scan.cpp): Delta, lambda, A, the in-chunk cumsum, w, the phases, rotated q and k, and the

@@ -796,3 +796,74 @@ TEST_CASE("SSD backward writes dx into a matrix of its own when given, the same 
       grads(double{});
   }
 }
+
+TEST_CASE("SSD reads x from a matrix of its own when given, the same results", "[ssd][gradcheck]") {
+  // SSDIn::x (Mamba-3 has the SSD read its v out of the in_proj output): x at column x_col + h P of the given
+  // matrix, with xbc's x columns zeroed so that a read of them would show, gives the forward and every gradient
+  // of the call that reads x from xbc (dx then into a matrix of its own, which such a call must give). Double on portable and gemm, float on fused at a shape its kernels take
+  // (CUDA builds; elsewhere gemm): only the source changes, so exactly.
+  struct Run {
+    SSDAlgo algo;
+    bool fused_shape;
+  };
+  for (const Run& run : {Run{SSDAlgo::portable, false}, Run{SSDAlgo::gemm, false}, Run{SSDAlgo::fused, true}}) {
+    Case c;
+    if (run.fused_shape) c = FusedShape{300, 4, 16, 2, 32, 64}.to_case();
+    c.dt_lo = 0.02;
+    c.algo = run.algo;
+    c.compute = run.algo == SSDAlgo::fused ? GemmCompute::bf16 : GemmCompute::fp32;
+    INFO("algo " << algo_name(run.algo));
+    auto check = [&](auto tag) {
+      using T = decltype(tag);
+      using Pt = acc_t<T>;
+      Data<T> d(c);
+      const index_t rows = c.B * c.L, E = c.H * c.P, off = 4;
+      // x moved into its own matrix (rows 16-byte aligned: the same kernels), xbc's copy zeroed
+      View2<T> xo("x_own", rows, off + E + 4), xbc2("xbc2", rows, d.xbc.extent(1));
+      Kokkos::deep_copy(xbc2, d.xbc);
+      Kokkos::deep_copy(Kokkos::subview(xo, Kokkos::ALL, std::make_pair(off, off + E)),
+                        Kokkos::subview(d.xbc, Kokkos::ALL, std::make_pair(index_t(0), E)));
+      Kokkos::deep_copy(Kokkos::subview(xbc2, Kokkos::ALL, std::make_pair(index_t(0), E)), T(0));
+      SSDIn<T> in1 = d.in();
+      in1.xbc = xbc2;
+      in1.x = xo;
+      in1.x_col = off;
+      View2<T> y0("y0", rows, E), y1("y1", rows, E), dy("dy", rows, E);
+      View4<Pt> f0("f0", c.B, c.H, c.P, c.N), f1("f1", c.B, c.H, c.P, c.N);
+      ssd_forward<T>(d.shape, d.in(), y0, f0);
+      ssd_forward<T>(d.shape, in1, y1, f1);
+      CHECK(rel_err(to_vec(y1), to_vec(y0)) == 0.0);
+      CHECK(rel_err(to_vec(f1), to_vec(f0)) == 0.0);
+      fill_uniform(dy, 21);
+      SSDGrad<T> g0 = d.grads(true), g1 = d.grads(true);
+      ssd_backward<T>(d.shape, d.in(), dy, View4<const Pt>(), g0);
+      CHECK_THROWS_WITH(ssd_backward<T>(d.shape, in1, dy, View4<const Pt>(), g1),
+                        ContainsSubstring("needs one for its gradient (SSDGrad::dx)"));
+      g1.dx = View2<T>("dx_own", rows, off + E + 4);
+      g1.dx_col = off;
+      ssd_backward<T>(d.shape, in1, dy, View4<const Pt>(), g1);
+      // dx in its own matrix, dB and dC where they were
+      const auto a = to_vec(g0.dxbc), b = to_vec(g1.dxbc), own = to_vec(g1.dx);
+      const index_t ld = index_t(g0.dxbc.extent(1)), lo = index_t(g1.dx.extent(1));
+      std::vector<double> x0, x1, rest0, rest1;
+      for (index_t r = 0; r < rows; ++r)
+        for (index_t j = 0; j < ld; ++j) {
+          (j < E ? x0 : rest0).push_back(a[r * ld + j]);
+          (j < E ? x1 : rest1).push_back(j < E ? own[r * lo + off + j] : b[r * ld + j]);
+        }
+      CHECK(rel_err(x1, x0) == 0.0);
+      CHECK(rel_err(rest1, rest0) == 0.0);
+      CHECK(rel_err(to_vec(g1.ddt), to_vec(g0.ddt)) == 0.0);
+      CHECK(rel_err(to_vec(g1.dA_log), to_vec(g0.dA_log)) == 0.0);
+      CHECK(rel_err(to_vec(g1.dD), to_vec(g0.dD)) == 0.0);
+      CHECK(rel_err(to_vec(g1.dinit_state), to_vec(g0.dinit_state)) == 0.0);
+      SSDIn<T> bad = in1;
+      bad.x_col = 9;  // past the columns x has
+      CHECK_THROWS_WITH(ssd_forward<T>(d.shape, bad, y1, f1), ContainsSubstring("x has"));
+    };
+    if (run.fused_shape)
+      check(float{});
+    else
+      check(double{});
+  }
+}

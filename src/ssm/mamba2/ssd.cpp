@@ -58,6 +58,7 @@ template <class T>
 struct Ctx {
   using P = acc_t<T>;
   View2<const T> xbc, dt;
+  View2<const T> xs;  // x: SSDIn::x where given, else xbc (its column x_col + h P)
   index_t x_col, b_col, c_col, dt_col;
   View1<const P> A_log, dt_bias, D;
   SeqIdxView seq;
@@ -77,7 +78,7 @@ struct Ctx {
   KOKKOS_INLINE_FUNCTION int rec_in(index_t b, index_t c) const { return c == 0 ? rec(b, 0) : rec(b, c * Q - 1); }
   KOKKOS_INLINE_FUNCTION index_t chunk_end(index_t c) const { return (c + 1) * Q < L ? (c + 1) * Q : L; }
   KOKKOS_INLINE_FUNCTION P x(index_t b, index_t t, index_t h, index_t p) const {
-    return P(xbc(row(b, t), x_col + h * Pd + p));
+    return P(xs(row(b, t), x_col + h * Pd + p));
   }
   KOKKOS_INLINE_FUNCTION P Bm(index_t b, index_t t, index_t g, index_t n) const {
     return P(xbc(row(b, t), b_col + g * N + n));
@@ -102,7 +103,7 @@ struct Ctx {
   }
   // Rows of x (P values of head h), B and C (N values of group g) of token t: contiguous.
   KOKKOS_INLINE_FUNCTION const T* xrow(index_t b, index_t t, index_t h) const {
-    return &xbc(row(b, t), x_col + h * Pd);
+    return &xs(row(b, t), x_col + h * Pd);
   }
   KOKKOS_INLINE_FUNCTION const T* brow(index_t b, index_t t, index_t g) const { return &xbc(row(b, t), b_col + g * N); }
   KOKKOS_INLINE_FUNCTION const T* crow(index_t b, index_t t, index_t g) const { return &xbc(row(b, t), c_col + g * N); }
@@ -128,8 +129,14 @@ Ctx<T> make_ctx(const SSDShape& s, const SSDIn<T>& in, PoolScope& ws, PoolScope*
   require(in.seq_idx.extent(0) == 0 ||
               (index_t(in.seq_idx.extent(0)) == s.batch && index_t(in.seq_idx.extent(1)) == s.seqlen),
           "ssd", "seq_idx must be (batch, seqlen)");
+  require(in.x.extent(0) == 0 || (index_t(in.x.extent(0)) == s.batch * s.seqlen &&
+                                  index_t(in.x.extent(1)) >= in.x_col + s.nheads * s.headdim),
+          "ssd", "x has ", in.x.extent(0), " rows and ", in.x.extent(1), " columns, expected batch * seqlen = ",
+          s.batch * s.seqlen, " rows and columns from x_col = ", in.x_col, " for nheads * headdim = ",
+          s.nheads * s.headdim);
   Ctx<T> c;
   c.xbc = in.xbc;
+  c.xs = in.x.extent(0) > 0 ? in.x : in.xbc;
   c.dt = in.dt;
   c.x_col = in.x_col;
   c.b_col = in.b_col;
@@ -645,7 +652,7 @@ void state_weights(const Ctx<T>& c, const GemmCtx<T>& g) {
         const T e = exp_nonpos(c.acs(b, h, last) - c.acs(b, h, t));
         return (c.rec(b, t) != c.rec(b, last) || e < T(kNegligibleDecay)) ? T(0) : e * c.delta(b, h, t);
       },
-      c.xbc.data() + c.x_col, index_t(c.xbc.stride(0)), xw.data(), index_t(xw.stride(0)));
+      c.xs.data() + c.x_col, index_t(c.xs.stride(0)), xw.data(), index_t(xw.stride(0)));
 }
 
 // Chunk-local states (into c.states), then the state passing (c.states becomes the state entering each chunk),
@@ -682,7 +689,8 @@ inline ssd_fused::Args fused_args(const Ctx<float>& c) {
   ssd_fused::Args a;
   a.xbc = c.xbc.data();
   a.ldx = index_t(c.xbc.stride(0));
-  a.x_col = c.x_col;
+  a.xs = c.xs.data() + c.x_col;
+  a.ldxs = index_t(c.xs.stride(0));
   a.b_col = c.b_col;
   a.c_col = c.c_col;
   a.acs = c.acs.data();
@@ -763,7 +771,7 @@ void ssd_forward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, co
       "ssd::out_scale", c, KOKKOS_LAMBDA(index_t b, index_t h, index_t t) { return e_in_of(c, b, h, t); },
       KOKKOS_LAMBDA(index_t r, int hp, int h, T e) {
         const T Dv = c.dtok.extent(0) > 0 ? c.Dt(r / c.L, h, r % c.L) : c.D(h);
-        y(r, hp) = e * y(r, hp) + Dv * c.xbc(r, c.x_col + hp);
+        y(r, hp) = e * y(r, hp) + Dv * c.xs(r, c.x_col + hp);
       });
   // intra-chunk outputs M X, a block of heads at a time
   const auto w1 = g.w1;
@@ -791,7 +799,8 @@ void ssd_forward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, co
       });
     });
     chunk_gemm<T>(c, cmp, Trans::N, Trans::N, kQ, c.Pd, kQ, T(1), blk<const T*>(w1.data(), c.Q, QQ, nbc * QQ),
-                  tok(X + c.x_col + blk0 * c.Pd, g.ldx, c.Pd), T(1), tok(y.data() + blk0 * c.Pd, ldy, c.Pd), nh,
+                  tok(c.xs.data() + c.x_col + blk0 * c.Pd, index_t(c.xs.stride(0)), c.Pd), T(1),
+                  tok(y.data() + blk0 * c.Pd, ldy, c.Pd), nh,
                   g.ptrs.data());
   }
 }
@@ -878,7 +887,8 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
     } else {
       // DX = dY X^T of every head of the block
       chunk_gemm<T>(c, cmp, Trans::N, Trans::T, kQ, kQ, c.Pd, T(1), tok(dy.data() + blk0 * c.Pd, ldy, c.Pd),
-                    tok(X + c.x_col + blk0 * c.Pd, g.ldx, c.Pd), T(0), blk(w1.data(), c.Q, QQ, nbc * QQ), nh,
+                    tok(c.xs.data() + c.x_col + blk0 * c.Pd, index_t(c.xs.stride(0)), c.Pd), T(0),
+                    blk(w1.data(), c.Q, QQ, nbc * QQ), nh,
                     g.ptrs.data());
       // column sums over l >= s (one thread per source token; rows of the workspace are read coalesced)
       par_for_team_vec("ssd::bwd_colsums", nh * nbc, kTeam, kVector, KOKKOS_LAMBDA(const Team& tm) {
@@ -1007,7 +1017,7 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
                   Kokkos::ThreadVectorRange(tm, c.Pd),
                   [&](index_t p, T& acc) {
                     const T bdh = t1(r, hi * c.Pd + p);
-                    acc += c.xbc(r, c.x_col + h * c.Pd + p) * bdh;
+                    acc += c.xs(r, c.x_col + h * c.Pd + p) * bdh;
                     dXx[r * lddx + h * c.Pd + p] += Dh * dy(r, h * c.Pd + p) + dlt * es * bdh;
                   },
                   dds);
@@ -1212,6 +1222,8 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
                      gr.dlog_decay.extent(2) == c.delta.extent(2) && gr.dweight.extent(0) == c.delta.extent(0) &&
                      gr.dweight.extent(1) == c.delta.extent(1) && gr.dweight.extent(2) == c.delta.extent(2)),
           "ssd_backward", "with per-token decays and weights, dlog_decay and dweight must be (batch, nheads, seqlen)");
+  require(in.x.extent(0) == 0 || gr.dx.extent(0) > 0, "ssd_backward",
+          "x given as a matrix of its own (SSDIn::x) needs one for its gradient (SSDGrad::dx)");
   require(gr.dx.extent(0) == 0 || (index_t(gr.dx.extent(0)) == c.Bsz * c.L &&
                                      index_t(gr.dx.extent(1)) >= gr.dx_col + c.H * c.Pd && gr.dx_col >= 0),
           "ssd_backward", "dx must have batch * seqlen rows and columns from dx_col for nheads * headdim");

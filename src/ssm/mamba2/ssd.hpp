@@ -53,6 +53,9 @@ template <class T>
 struct SSDIn {
   View2<const T> xbc;   // x at column x_col + h * P + p, B at b_col + g * N + n, C at c_col + g * N + n
   index_t x_col = 0, b_col = 0, c_col = 0;
+  // x from a matrix of its own where non-empty (rows b L + t, head h at column x_col + h P of it; xbc then holds
+  // only B and C): Mamba-3 reads its v straight out of the in_proj output instead of copying it next to k~, q~.
+  View2<const T> x;
   View2<const T> dt;    // raw dt (before dt_bias and softplus) at column dt_col + h
   index_t dt_col = 0;
   View1<const acc_t<T>> A_log, dt_bias, D;  // (H)
@@ -73,7 +76,8 @@ template <class T>
 struct SSDGrad {
   View2<T> dxbc;  // dx, dB, dC are written into the same columns as the inputs
   // dx into a matrix of its own where non-empty (rows b L + t, head h at column dx_col + h P), its columns of dxbc
-  // then left untouched: Mamba-3 has the SSD write dv straight into its in_proj gradient.
+  // then left untouched: Mamba-3 has the SSD write dv straight into its in_proj gradient. Required when x was
+  // given as a matrix of its own (SSDIn::x).
   View2<T> dx;
   index_t dx_col = 0;
   View2<T> ddt;   // d(raw dt) written at the same column as dt, or from column ddt_col where that is >= 0

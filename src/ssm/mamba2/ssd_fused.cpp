@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 4 : 2) chunk_state_kernel(
     float* bs = xs + kSl * ldxs;
     const int s0 = k * kSl, ns = min(kSl, q - s0);
     const float* src = xrow + std::int64_t(s0) * a.ldx;
-    stage_f32<kSl, P, V4>(xs, ldxs, src + a.x_col + h * P, a.ldx, ns, P);
+    stage_f32<kSl, P, V4>(xs, ldxs, a.xs + (row0 + t0 + s0) * a.ldxs + h * P, a.ldxs, ns, P);
     stage_f32<kSl, kTile, V4>(bs, ldbs, src + a.b_col + g * a.N + n0, a.ldx, ns, nw);
     cuda_k::cp_async_commit();
   };
@@ -306,7 +306,7 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 4 : 2) chunk_scan_kernel(c
   const float* S = a.states + (std::int64_t(bc) * a.H + h) * P * a.N;
   const float* lrow = a.xbc + (row0 + t0 + l0) * a.ldx;
   const float* CB = a.cb + ((std::int64_t(bc) * a.G + g) * a.Q + l0) * a.Q;
-  const float* xsrc = a.xbc + (row0 + t0) * a.ldx + a.x_col + h * P;
+  const float* xsrc = a.xs + (row0 + t0) * a.ldxs + h * P;
   const int nsl_n = (a.N + kSl - 1) / kSl, s_end = min(q, l0 + kTile);
   const int nsl = nsl_n + (s_end + kSl - 1) / kSl;
   auto stage_slice = [&](int k) {
@@ -321,7 +321,7 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 4 : 2) chunk_scan_kernel(c
       // inside the row) and masked when converted
       const int s0 = (k - nsl_n) * kSl;
       stage_f32<kTile, kSl, true>(as, kLdS, CB + s0, a.Q, nl, kSl);
-      stage_f32<kSl, P, V4>(bs, ldxs, xsrc + std::int64_t(s0) * a.ldx, a.ldx, min(kSl, q - s0), P);
+      stage_f32<kSl, P, V4>(bs, ldxs, xsrc + std::int64_t(s0) * a.ldxs, a.ldxs, min(kSl, q - s0), P);
     }
     cuda_k::cp_async_commit();
   };
@@ -408,7 +408,7 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 4 : 2) chunk_scan_kernel(c
   const float* dtk = a.dtok ? a.dtok + row0 * a.H + std::int64_t(h) * a.L + t0 + l0 : nullptr;
   batched<kTile, P>(
       [&](int l, int p) {
-        return l < nl ? load4<V4>(a.xbc + (row0 + t0 + l0 + l) * a.ldx + a.x_col + h * P + p)
+        return l < nl ? load4<V4>(a.xs + (row0 + t0 + l0 + l) * a.ldxs + h * P + p)
                       : make_float4(0.f, 0.f, 0.f, 0.f);
       },
       [&](int l, int p, float4 x) {
@@ -516,7 +516,7 @@ __global__ void __launch_bounds__(kThreads, 2) intra_bwd_kernel(const Args a) {
         dt_s[tid] = tid < ns ? dlt[t0 + s0 + tid] : 0.f;
         diag[tid] = 0.f;
       }
-      stage<kTile, P, V4>(xs, ldx, a.xbc + (row0 + t0 + s0) * a.ldx + a.x_col + h * P, a.ldx, ns, P);
+      stage<kTile, P, V4>(xs, ldx, a.xs + (row0 + t0 + s0) * a.ldxs + h * P, a.ldxs, ns, P);
       wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[PT];  // A: rows s 16 w .., all of P
 #pragma unroll
       for (int i = 0; i < PT; ++i) wmma::fill_fragment(acc[i], 0.f);
@@ -818,7 +818,7 @@ __global__ void __launch_bounds__(kThreads, 2) intra_bwd_mma_kernel(const Args a
         dt_s[tid] = tid < ns ? dlt[t0 + s0 + tid] : 0.f;
         diag[tid] = 0.f;
       }
-      stage<kTile, P, V4>(xs, ldx, a.xbc + (row0 + t0 + s0) * a.ldx + a.x_col + h * P, a.ldx, ns, P);
+      stage<kTile, P, V4>(xs, ldx, a.xs + (row0 + t0 + s0) * a.ldxs + h * P, a.ldxs, ns, P);
       float acc[NB][4];  // A = K'^T dY: rows s = 16 warp + g (+ 8), columns p = 8 jp + 2 cq (+ 1)
 #pragma unroll
       for (int jp = 0; jp < NB; ++jp) acc[jp][0] = acc[jp][1] = acc[jp][2] = acc[jp][3] = 0.f;
@@ -1152,7 +1152,7 @@ __global__ void __launch_bounds__(kThreads, RS == 0 ? kScanBlocks<PT> : kRingBlo
   const int b = bc / a.nc, ch = bc % a.nc, t0 = ch * a.Q, q = min(a.Q, a.L - t0), grp = h / (a.H / a.G);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, cq = lane % 4;
   const std::int64_t row0 = std::int64_t(b) * a.L;
-  const float* xg = a.xbc + (row0 + t0) * a.ldx + a.x_col + h * P;  // x of the chunk's first token
+  const float* xg = a.xs + (row0 + t0) * a.ldxs + h * P;  // x of the chunk's first token
   {
     const float* acs = a.acs + (std::int64_t(b) * a.H + h) * a.L + t0;
     const float* dlt = a.delta + (std::int64_t(b) * a.H + h) * a.L + t0;
@@ -1163,7 +1163,7 @@ __global__ void __launch_bounds__(kThreads, RS == 0 ? kScanBlocks<PT> : kRingBlo
       rec_s[i] = in ? (a.seq ? a.seq[row0 + t0 + i] : 0) : -1;
     }
   }
-  stage_rows<V4>(xs, ldx, xg, a.ldx, a.Q, q, P);
+  stage_rows<V4>(xs, ldx, xg, a.ldxs, a.Q, q, P);
   // N % 16 == 0: S_in rows are 16-byte aligned
   stage_rows<true>(ss, ldn, a.states + (std::int64_t(bc) * a.H + h) * P * a.N, a.N, P, P, a.N);
   __syncthreads();
@@ -1265,7 +1265,7 @@ __global__ void __launch_bounds__(kThreads, RS == 0 ? kScanBlocks<PT> : kRingBlo
       for (int hr = 0; hr < 2; ++hr)
 #pragma unroll
         for (int j = 0; j < NB; ++j)
-          xv[hr][j] = in[hr] ? load2<V4>(xg + std::int64_t(l[hr]) * a.ldx + 2 * cq + 8 * j) : make_float2(0.f, 0.f);
+          xv[hr][j] = in[hr] ? load2<V4>(xg + std::int64_t(l[hr]) * a.ldxs + 2 * cq + 8 * j) : make_float2(0.f, 0.f);
     };
     if constexpr (RS == 0) {
       {
@@ -1432,7 +1432,7 @@ __device__ __forceinline__ void epilogue_tokens(const Args& a, const float* f1, 
         const int p = 4 * (cq + j * kTpr);
         const bool in = r < nl && p < P;
         const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
-        x4[i][j] = in ? load4<V4>(a.xbc + row * a.ldx + a.x_col + h * P + p) : z;
+        x4[i][j] = in ? load4<V4>(a.xs + row * a.ldxs + h * P + p) : z;
         dy4[i][j] = in ? load4<V4>(a.dy + row * a.ldy + h * P + p) : z;
         dx4[i][j] = in ? load4<V4>(a.dx + row * a.ldd + h * P + p) : z;
       }
@@ -1720,8 +1720,8 @@ std::size_t scan_smem(int P, int Q) { return scan_tok_offset(P) + 3 * std::size_
 
 // 16-byte loads and stores when every row start is 16-byte aligned.
 bool aligned4(const Args& a) {
-  return aligned16(a.xbc) && aligned16(a.y) && a.ldx % 4 == 0 && a.ldy % 4 == 0 && a.x_col % 4 == 0 && a.b_col % 4 == 0 &&
-         a.c_col % 4 == 0;
+  return aligned16(a.xbc) && aligned16(a.xs) && aligned16(a.y) && a.ldx % 4 == 0 && a.ldxs % 4 == 0 &&
+         a.ldy % 4 == 0 && a.b_col % 4 == 0 && a.c_col % 4 == 0;
 }
 
 template <int PT, bool V4>

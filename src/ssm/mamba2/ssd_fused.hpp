@@ -11,8 +11,10 @@ namespace mm::ssd_fused {
 
 // Raw row-major views of one call (the same arrays as ssd.cpp's Ctx).
 struct Args {
-  const float* xbc = nullptr;  // x at column x_col + h P + p, B at b_col + g N + n, C at c_col + g N + n
-  std::int64_t ldx = 0, x_col = 0, b_col = 0, c_col = 0;
+  const float* xbc = nullptr;  // B at column b_col + g N + n, C at c_col + g N + n of rows ldx apart
+  std::int64_t ldx = 0, b_col = 0, c_col = 0;
+  const float* xs = nullptr;  // x: token row r, head h at xs + r ldxs + h P (xbc's x columns, or a matrix of its own)
+  std::int64_t ldxs = 0;
   const float* acs = nullptr;    // (batch, H, L): in-chunk inclusive cumsum of Delta A
   const float* delta = nullptr;  // (batch, H, L)
   const std::int32_t* seq = nullptr;  // (batch, L) record ids, or null (one record)
@@ -86,7 +88,7 @@ struct FormScope {
 // The per-token state terms of the backward for the block of heads in `a`, with states holding S_in (the state
 // entering each chunk) and dstates dH: T1 = B dH^T, T2 = C S_in^T per (chunk, head) on tensor cores (bf16 with
 // dH and S_in resident per chunk where epilogue_writes_wdecay, else tf32 per 64-token tile), then
-//   dX += D dY + Delta es T1   (added at column x_col + h P of dx; D + dtok(l) where dtok is given),
+//   dX += D dY + Delta es T1   (added to head h at dx + r ldd + h P; D + dtok(l) where dtok is given),
 //   v4(l) = e_in(l) dY_l . T2_l,   v5(l) = es(l) X_l . T1_l   (and v3(l) = dY_l . X_l in fp32 with ddot_f32)
 // (ssd.cpp's GEMM formulation writes T1 and T2 to device memory and reads them back in a Kokkos kernel), and in
 // the resident form, where wdecay is given, wdecay(b, c, h) = sum(dH o S_in) in fp32.

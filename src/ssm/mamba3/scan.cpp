@@ -124,7 +124,7 @@ bool quads_ok(const Ctx<T>& c, std::initializer_list<std::pair<const void*, long
   }
 }
 
-// The call's context. Its per-token quantities, phases, [v | k~ | q~] and q~ . k~ come from `kept` where given
+// The call's context. Its per-token quantities, phases, [k~ | q~] and q~ . k~ come from `kept` where given
 // (non-empty; the caller then skips `recompute`), else from `keep_pool` where given (the forward keeping them),
 // else from the call's pool ws.
 template <class T>
@@ -189,11 +189,11 @@ Ctx<T> make_ctx(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, PoolScope& 
   c.halved = s.pairing == RopePairing::halved;
   c.A_floor = P(s.A_floor);
   c.ssd = s.via_ssd();
-  const index_t xw = c.ssd ? s.nheads * s.headdim : 0;  // v's columns (SSD route)
-  c.k_off = xw;
-  c.q_off = xw + HRN;
+  // qkv: [k~ | q~] (the SSD route reads v, its x, straight out of the input: SSDIn::x)
+  c.k_off = 0;
+  c.q_off = HRN;
   if (kept && !kept->empty()) {
-    require(c.ssd && index_t(kept->qkv.extent(0)) == rows && index_t(kept->qkv.extent(1)) == xw + 2 * HRN &&
+    require(c.ssd && index_t(kept->qkv.extent(0)) == rows && index_t(kept->qkv.extent(1)) == 2 * HRN &&
                 index_t(kept->delta.extent(0)) == s.batch && index_t(kept->delta.extent(1)) == s.nheads &&
                 index_t(kept->delta.extent(2)) == s.seqlen && index_t(kept->phi.extent(3)) == s.nangles,
             "mamba3_scan", "the kept forward context does not match this call's shape");
@@ -214,7 +214,7 @@ Ctx<T> make_ctx(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, PoolScope& 
     if (!c.ssd) c.acs = v3("mamba3::acs");
     c.w = v3("mamba3::w");
     c.phi = kp.take<View4<P>>("mamba3::phi", s.batch, s.nheads, s.seqlen, s.nangles);
-    c.qkv = kp.take<View2<P>>("mamba3::qkv", rows, xw + 2 * HRN);
+    c.qkv = kp.take<View2<P>>("mamba3::qkv", rows, 2 * HRN);
     if (c.ssd) {
       c.ad = v3("mamba3::a_delta");
     } else {  // the portable kernels' chunk states (the SSD keeps its own)
@@ -335,21 +335,12 @@ KOKKOS_INLINE_FUNCTION void rot_pair_bwd(T& g0, T& g1, T y0, T y1, T s, T c, T& 
   g1 = a1;
 }
 
-// q~ = Rot(phi) (q + q_bias), k~ = Rot(phi) (k + k_bias); the SSD route also copies v to the x columns.
+// q~ = Rot(phi) (q + q_bias), k~ = Rot(phi) (k + k_bias).
 template <class T>
 void rotate_quads(const Ctx<T>& c) {
   using P = acc_t<T>;
   par_for_rows("mamba3::rotate", c.Bsz * c.L * c.H, KOKKOS_LAMBDA(const Team& tm, index_t i) {
     const index_t rw = i / c.H, h = i % c.H, b = rw / c.L, t = rw % c.L, g = h / c.hpg, N = c.N;
-    if (c.ssd) {
-      const T* vi = c.vrow(rw, h, 0);
-      P* xo = &c.qkv(rw, h * c.Pd);
-      Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.Pd / 4), [&](index_t j) {
-        P x[4];
-        load_vec<4>(vi + 4 * j, x);
-        store_vec<4>(xo + 4 * j, x);
-      });
-    }
     const T* qi = &c.qk(rw, c.q_col + g * N);
     const T* ki = &c.qk(rw, c.k_col + g * N);
     const P* qb = c.q_bias.data() + h * N;
@@ -599,11 +590,6 @@ void rotate(const Ctx<T>& c) {
     const P* kb = &c.k_bias(hr * c.N);
     P* qo = &c.qkv(rw, c.q_off + hr * c.N);
     P* ko = &c.qkv(rw, c.k_off + hr * c.N);
-    if (c.ssd) {  // rank 1: v of head h is the SSD's x
-      const T* vin = c.vrow(rw, h, 0);
-      Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.Pd),
-                           [&](index_t p) { c.qkv(rw, h * c.Pd + p) = P(vin[p]); });
-    }
     Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.N), [&](index_t n) {
       const P qn = P(qin[n]) + qb[n], kn = P(kin[n]) + kb[n];
       index_t ai, m;
@@ -704,13 +690,14 @@ SSDShape ssd_shape(const Ctx<T>& c, const Mamba3ScanShape& s) {
   return sh;
 }
 
-// The SSD's inputs: x = v, B = k~, C = q~ out of c.qkv, decay exponents A_t Delta_t, weights w_t, and Sh_{-1}
-// (entering_states) as the initial state.
+// The SSD's inputs: x = v straight out of the input, B = k~, C = q~ out of c.qkv, decay exponents A_t Delta_t,
+// weights w_t, and Sh_{-1} (entering_states) as the initial state.
 template <class T>
 SSDIn<T> ssd_in(const Ctx<T>& c, const View4<acc_t<T>>& sh0) {
   SSDIn<T> in;
   in.xbc = c.qkv;
-  in.x_col = 0;
+  in.x = c.v;
+  in.x_col = c.v_col;
   in.b_col = c.k_off;
   in.c_col = c.q_off;
   in.D = c.D;

@@ -31,7 +31,8 @@
 // reduction is ordered (no atomics).
 //
 // SISO (R = 1) is the Mamba-2 SSD of ssm/mamba2/ssd.hpp with per-token decay exponent A_t Delta_t, weight w_t,
-// x = v and, per head (ngroups = nheads), B = k~, C = q~ (SSDIn::log_decay / weight), plus the diagonal's correction
+// x = v (read where it lies: SSDIn::x) and, per head (ngroups = nheads), B = k~, C = q~ (SSDIn::log_decay /
+// weight), plus the diagonal's correction as a per-token skip coefficient (SSDIn::D_token)
 //   y_t += (gamma_t - w_t) (q~_t . k~_t) v_t
 // and Sh_{-1} as the SSD's initial state; Mamba3ScanShape::algo chooses between this file's kernels (portable) and
 // that route (gemm, fused: the SSD's GEMM formulation or tensor-core kernels, under `compute`).
@@ -107,9 +108,9 @@ struct Mamba3ScanGrad {
 };
 
 // What the forward of the SSD route (via_ssd) can keep so that the backward does not form it again: the per-token
-// quantities Delta, lambda, A_t, w_t, A_t Delta_t (batch, H, L), the phases (batch, H, L, S), [v | k~ | q~] per
-// head (batch L, H P + 2 H N) with q~ . k~ per (row, head), and the SSD's own SSDSaved (the chunk states and
-// C B^T, with one group per head). The backward then skips the per-token pass, the phases, the rotation and the
+// quantities Delta, lambda, A_t, w_t, A_t Delta_t (batch, H, L), the phases (batch, H, L, S), [k~ | q~] per head
+// (batch L, 2 H N; the SSD reads v, its x, out of the input) with q~ . k~ per (row, head), and the SSD's own
+// SSDSaved (the chunk states and C B^T, with one group per head). The backward then skips the per-token pass, the phases, the rotation and the
 // SSD's recomputation. The planner counts these with the layer's activations (parallel/planner.cpp, mem_mamba3).
 template <class T>
 struct Mamba3ScanSaved {
