@@ -800,8 +800,9 @@ TEST_CASE("SSD backward writes dx into a matrix of its own when given, the same 
 TEST_CASE("SSD reads x from a matrix of its own when given, the same results", "[ssd][gradcheck]") {
   // SSDIn::x (Mamba-3 has the SSD read its v out of the in_proj output): x at column x_col + h P of the given
   // matrix, with xbc's x columns zeroed so that a read of them would show, gives the forward and every gradient
-  // of the call that reads x from xbc (dx then into a matrix of its own, which such a call must give). Double on portable and gemm, float on fused at a shape its kernels take
-  // (CUDA builds; elsewhere gemm): only the source changes, so exactly.
+  // of the call that reads x from xbc (dx then into a matrix of its own, which such a call must give). Double on
+  // portable and gemm, float on fused at a shape its kernels take (CUDA builds; elsewhere gemm): only the source
+  // changes, so exactly.
   struct Run {
     SSDAlgo algo;
     bool fused_shape;

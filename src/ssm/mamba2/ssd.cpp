@@ -124,8 +124,8 @@ Ctx<T> make_ctx(const SSDShape& s, const SSDIn<T>& in, PoolScope& ws, PoolScope*
   };
   require(!pre || (per_token_shape(in.log_decay) && per_token_shape(in.weight)), "ssd",
           "log_decay and weight must be (batch, nheads, seqlen) = (", s.batch, ", ", s.nheads, ", ", s.seqlen, ")");
-  require(in.D_token.extent(0) == 0 || per_token_shape(in.D_token), "ssd", "D_token must be (batch, nheads, seqlen) = (",
-          s.batch, ", ", s.nheads, ", ", s.seqlen, ")");
+  require(in.D_token.extent(0) == 0 || per_token_shape(in.D_token), "ssd",
+          "D_token must be (batch, nheads, seqlen) = (", s.batch, ", ", s.nheads, ", ", s.seqlen, ")");
   require(in.seq_idx.extent(0) == 0 ||
               (index_t(in.seq_idx.extent(0)) == s.batch && index_t(in.seq_idx.extent(1)) == s.seqlen),
           "ssd", "seq_idx must be (batch, seqlen)");

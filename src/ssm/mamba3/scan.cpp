@@ -456,8 +456,9 @@ constexpr std::size_t kRotFastScratch = 46 * 1024;  // on-chip team scratch up t
 // -g0 y1 + g1 y0 per angle; the un-rotated gradients are not written back: they are summed over the heads of each
 // group into dqk (columns q_col / k_col + g N + n, written) and over each tile of rows into `partial`
 // (tile, [k: h N + n | q: H N + h N + n]), whose sum over the tiles is the biases' gradient. One team per (tile of
-// rows, group); for each head of the group every slot loads its rows' q, k, dq, dk at once, then handles them in
-// turn; the group sums stay in team scratch and the slots' column sums are added in slot order (no atomics; the
+// rows, group); for each head of the group every slot loads its rows' q, k (the group's, un-rotated: the head's q~
+// and k~ are formed again from them, its biases and its phases, which reads 2 N values a row from the cache where
+// the head's own q~ and k~ were 2 N a head from memory), dq and dk at once, then handles them in turn; the group sums stay in team scratch and the slots' column sums are added in slot order (no atomics; the
 // same sums for any team size). Interleaved pairs: a lane takes one quad (two angles); halved pairs: a quad of
 // each half (four angles). In team scratch value e of lane u sits at column e U + u (U lanes), so a warp's
 // accesses fall in distinct banks.
@@ -497,14 +498,16 @@ void rotate_bwd_reduce(const Ctx<T>& c, const View2<acc_t<T>>& dqkv, const View4
                 }
               };
               // the slot's rows first, all loads in flight together (a row past the tile's end reads the tile's
-              // last row again; its values are not used)
+              // last row again; its values are not used): the group's un-rotated q and k (shared by the group's
+              // heads, so mostly from cache after the first head) with this head's biases, rotated below, in
+              // place of reading the head's own q~ and k~ (two rows of N a head from memory)
               P q[KR][W], k[KR][W], dq[KR][W], dk[KR][W];
               for (int rr = 0; rr < KR; ++rr) {
                 const index_t lr = sl * KR + rr < nr ? sl * KR + rr : nr - 1, rw = r0 + lr;
-                const P* row = c.qkv.data() + rw * c.qkv.stride(0);
+                const P* grow = c.qk.data() + rw * c.qk.stride(0);
                 const P* drow = dqkv.data() + rw * dqkv.stride(0);
-                ld(row + c.q_off + h * N, q[rr]);
-                ld(row + c.k_off + h * N, k[rr]);
+                ld(grow + c.q_col + g * N, q[rr]);
+                ld(grow + c.k_col + g * N, k[rr]);
                 ld(drow + c.q_off + h * N, dq[rr]);
                 ld(drow + c.k_off + h * N, dk[rr]);
               }
@@ -514,6 +517,41 @@ void rotate_bwd_reduce(const Ctx<T>& c, const View2<acc_t<T>>& dqkv, const View4
                 const index_t lr = sl * KR + rr;
                 if (lr < nr) {
                   const index_t rw = r0 + lr, b = rw / c.L, t = rw % c.L;
+                  P* dph = dphi.data() + b * dphi.stride(0) + h * dphi.stride(1) + t * dphi.stride(2);
+                  const P* ph = c.phi.data() + b * c.phi.stride(0) + h * c.phi.stride(1) + t * c.phi.stride(2);
+                  // angles 4u + e on pairs (e, 4 + e) of the lane's values (halved), or 2u + e on (2e, 2e + 1);
+                  // past the S angles a pair is not rotated. Interleaved pairs hold their two sines and cosines
+                  // for the backward below; halved ones form their four again there (ptxas, sm_90, at the
+                  // 80-register bound: holding them spilled 136 bytes where forming them again spills 52;
+                  // interleaved 64 bytes held, 88 formed again)
+                  constexpr int A = kHalved ? 4 : 2, AH = kHalved ? 1 : A;
+                  const index_t left = c.S - A * u;
+                  P sn[AH], co[AH];
+                  if constexpr (!kHalved) {
+                    for (int e = 0; e < A; ++e) {
+                      sn[e] = e < left ? Kokkos::sin(ph[A * u + e]) : P(0);
+                      co[e] = e < left ? Kokkos::cos(ph[A * u + e]) : P(1);
+                    }
+                  }
+                  {  // q~ = Rot(phi) (q + q_bias), k~ likewise: rotate_quads' arithmetic
+                    P bb[W];
+                    ld(c.q_bias.data() + h * N, bb);
+                    for (int e = 0; e < W; ++e) q[rr][e] += bb[e];
+                    ld(c.k_bias.data() + h * N, bb);
+                    for (int e = 0; e < W; ++e) k[rr][e] += bb[e];
+                    for (int e = 0; e < A; ++e) {
+                      if (e >= left) break;
+                      const int i0 = kHalved ? e : 2 * e, i1 = kHalved ? 4 + e : 2 * e + 1;
+                      if constexpr (kHalved) {
+                        const P se = Kokkos::sin(ph[A * u + e]), ce = Kokkos::cos(ph[A * u + e]);
+                        rot_pair(q[rr][i0], q[rr][i1], se, ce);
+                        rot_pair(k[rr][i0], k[rr][i1], se, ce);
+                      } else {
+                        rot_pair(q[rr][i0], q[rr][i1], sn[e], co[e]);
+                        rot_pair(k[rr][i0], k[rr][i1], sn[e], co[e]);
+                      }
+                    }
+                  }
                   if (diag) {
                     const P fd = c.fdv(rw, h);
                     const bool last = has_fk && t == c.L - 1;
@@ -522,18 +560,18 @@ void rotate_bwd_reduce(const Ctx<T>& c, const View2<acc_t<T>>& dqkv, const View4
                       dk[rr][e] += fd * q[rr][e] + (last ? fk(b, h, 0, dim(u, e)) : P(0));
                     }
                   }
-                  P* dph = dphi.data() + b * dphi.stride(0) + h * dphi.stride(1) + t * dphi.stride(2);
-                  const P* ph = c.phi.data() + b * c.phi.stride(0) + h * c.phi.stride(1) + t * c.phi.stride(2);
-                  // angles 4u + e on pairs (e, 4 + e) of the lane's values (halved), or 2u + e on (2e, 2e + 1)
-                  constexpr int A = kHalved ? 4 : 2;
-                  const index_t left = c.S - A * u;
                   for (int e = 0; e < A; ++e) {
                     if (e >= left) break;
                     const int i0 = kHalved ? e : 2 * e, i1 = kHalved ? 4 + e : 2 * e + 1;
-                    const P sn = Kokkos::sin(ph[A * u + e]), co = Kokkos::cos(ph[A * u + e]);
                     P acc = 0;
-                    rot_pair_bwd(dq[rr][i0], dq[rr][i1], q[rr][i0], q[rr][i1], sn, co, acc);
-                    rot_pair_bwd(dk[rr][i0], dk[rr][i1], k[rr][i0], k[rr][i1], sn, co, acc);
+                    if constexpr (kHalved) {
+                      const P se = Kokkos::sin(ph[A * u + e]), ce = Kokkos::cos(ph[A * u + e]);
+                      rot_pair_bwd(dq[rr][i0], dq[rr][i1], q[rr][i0], q[rr][i1], se, ce, acc);
+                      rot_pair_bwd(dk[rr][i0], dk[rr][i1], k[rr][i0], k[rr][i1], se, ce, acc);
+                    } else {
+                      rot_pair_bwd(dq[rr][i0], dq[rr][i1], q[rr][i0], q[rr][i1], sn[e], co[e], acc);
+                      rot_pair_bwd(dk[rr][i0], dk[rr][i1], k[rr][i0], k[rr][i1], sn[e], co[e], acc);
+                    }
                     dph[A * u + e] = acc;
                   }
                   for (int e = 0; e < W; ++e) {

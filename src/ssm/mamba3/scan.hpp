@@ -110,8 +110,9 @@ struct Mamba3ScanGrad {
 // What the forward of the SSD route (via_ssd) can keep so that the backward does not form it again: the per-token
 // quantities Delta, lambda, A_t, w_t, A_t Delta_t (batch, H, L), the phases (batch, H, L, S), [k~ | q~] per head
 // (batch L, 2 H N; the SSD reads v, its x, out of the input) with q~ . k~ per (row, head), and the SSD's own
-// SSDSaved (the chunk states and C B^T, with one group per head). The backward then skips the per-token pass, the phases, the rotation and the
-// SSD's recomputation. The planner counts these with the layer's activations (parallel/planner.cpp, mem_mamba3).
+// SSDSaved (the chunk states and C B^T, with one group per head). The backward then skips the per-token pass, the
+// phases, the rotation and the SSD's recomputation. The planner counts these with the layer's activations
+// (parallel/planner.cpp, mem_mamba3).
 template <class T>
 struct Mamba3ScanSaved {
   View3<acc_t<T>> delta, lam, Av, w, ad;
