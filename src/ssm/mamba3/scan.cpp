@@ -458,8 +458,9 @@ constexpr std::size_t kRotFastScratch = 46 * 1024;  // on-chip team scratch up t
 // (tile, [k: h N + n | q: H N + h N + n]), whose sum over the tiles is the biases' gradient. One team per (tile of
 // rows, group); for each head of the group every slot loads its rows' q, k (the group's, un-rotated: the head's q~
 // and k~ are formed again from them, its biases and its phases, which reads 2 N values a row from the cache where
-// the head's own q~ and k~ were 2 N a head from memory), dq and dk at once, then handles them in turn; the group sums stay in team scratch and the slots' column sums are added in slot order (no atomics; the
-// same sums for any team size). Interleaved pairs: a lane takes one quad (two angles); halved pairs: a quad of
+// the head's own q~ and k~ were 2 N a head from memory), dq and dk at once, then handles them in turn; the group
+// sums stay in team scratch and the slots' column sums are added in slot order (no atomics; the same sums for any
+// team size). Interleaved pairs: a lane takes one quad (two angles); halved pairs: a quad of
 // each half (four angles). In team scratch value e of lane u sits at column e U + u (U lanes), so a warp's
 // accesses fall in distinct banks.
 template <class T, bool kHalved>
