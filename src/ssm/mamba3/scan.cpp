@@ -730,7 +730,10 @@ SSDShape ssd_shape(const Ctx<T>& c, const Mamba3ScanShape& s) {
 }
 
 // The SSD's inputs: x = v straight out of the input, B = k~, C = q~ out of c.qkv, decay exponents A_t Delta_t,
-// weights w_t, and Sh_{-1} (entering_states) as the initial state.
+// weights w_t, and Sh_{-1} (entering_states) as the initial state. (The fused kernels take 16-byte accesses only
+// where every operand's rows allow them: an in_proj width d_in_proj or a v column that is not a multiple of 4
+// floats, e.g. nheads = 6, sends them to their 4-byte form. Until 3b2779d v was copied next to k~ and q~, which
+// kept x aligned at the cost of that copy.)
 template <class T>
 SSDIn<T> ssd_in(const Ctx<T>& c, const View4<acc_t<T>>& sh0) {
   SSDIn<T> in;
