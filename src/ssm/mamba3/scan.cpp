@@ -400,6 +400,18 @@ void rotate_quads(const Ctx<T>& c) {
   });
 }
 
+// q~ . k~ of row rw, head h (rank 0) by the team's vector lanes: the diagonal's passes where the rotation's quad
+// kernel did not leave it in c.qkd.
+template <class T>
+KOKKOS_INLINE_FUNCTION acc_t<T> qk_dot(const Ctx<T>& c, const Team& tm, index_t rw, index_t h) {
+  using P = acc_t<T>;
+  const P* q = c.qrow(rw, h, 0);
+  const P* k = c.krow(rw, h, 0);
+  P qk = 0;
+  Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(tm, c.N), [&](index_t n, P& a) { a += q[n] * k[n]; }, qk);
+  return qk;
+}
+
 // The trapezoid's diagonal correction as the SSD's per-token skip coefficient (SSDIn::D_token):
 //   dtok(b, h, t) = (gamma_t - w_t) (q~_t . k~_t)
 // so that y_t = SSD(w) + D v_t + dtok v_t (the diagonal's weight is gamma_t where the SSD's is w_t) and the SSD's
@@ -417,10 +429,7 @@ void diag_coefficient(const Ctx<T>& c, const View3<acc_t<T>>& dtok) {
   }
   par_for_rows("mamba3::diag_coefficient", c.Bsz * c.L * c.H, KOKKOS_LAMBDA(const Team& tm, index_t i) {
     const index_t rw = i / c.H, h = i % c.H, b = rw / c.L, t = rw % c.L;
-    const P* q = c.qrow(rw, h, 0);
-    const P* k = c.krow(rw, h, 0);
-    P qk = 0;
-    Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(tm, c.N), [&](index_t n, P& a) { a += q[n] * k[n]; }, qk);
+    const P qk = qk_dot(c, tm, rw, h);
     Kokkos::single(Kokkos::PerThread(tm), [&]() { dtok(b, h, t) = (c.gamma(b, h, t) - c.w(b, h, t)) * qk; });
   });
 }
@@ -1152,8 +1161,7 @@ bool backward_ssd(const Ctx<T>& c, const Mamba3ScanShape& s, const Mamba3ScanIn<
     const index_t rw = i / c.H, h = i % c.H, b = rw / c.L, t = rw % c.L;
     const P* q = c.qrow(rw, h, 0);
     const P* k = c.krow(rw, h, 0);
-    P qk = 0;
-    Kokkos::parallel_reduce(Kokkos::ThreadVectorRange(tm, c.N), [&](index_t n, P& a) { a += q[n] * k[n]; }, qk);
+    const P qk = qk_dot(c, tm, rw, h);
     const P d = dyv(b, h, t), f = c.gamma(b, h, t) - c.w(b, h, t), m = qk * d;
     Kokkos::single(Kokkos::PerThread(tm), [&]() {
       ddg(b, h, t) = m;
