@@ -189,6 +189,19 @@ Ctx<T> make_ctx(const SSDShape& s, const SSDIn<T>& in, PoolScope& ws, PoolScope*
   return c;
 }
 
+// Where a backward writes dx: head h of token row r at p + r ld + h P (SSDGrad::dx from its dx_col where given,
+// else dxbc's x columns).
+template <class T>
+struct DxOut {
+  T* p;
+  index_t ld;
+};
+template <class T>
+DxOut<T> dx_out(const Ctx<T>& c, const SSDGrad<T>& gr) {
+  if (gr.dx.extent(0) > 0) return {gr.dx.data() + gr.dx_col, index_t(gr.dx.stride(0))};
+  return {gr.dxbc.data() + c.x_col, index_t(gr.dxbc.stride(0))};
+}
+
 // Segments of team_inclusive_scan: the scratch its totals take (the most segments a team scans in).
 constexpr int kScanSegments = 32;
 
@@ -835,10 +848,9 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
   const index_t ddt_col = gr.ddt_col >= 0 ? gr.ddt_col : c.dt_col;
   const index_t ldd = index_t(dxbc.stride(0));
   T* dX = dxbc.data();
-  // dx of head h at dXx + r lddx + h P (gr.dx where given, else dxbc's x columns)
-  const bool own_dx = gr.dx.extent(0) > 0;
-  T* const dXx = own_dx ? gr.dx.data() + gr.dx_col : dX + c.x_col;
-  const index_t lddx = own_dx ? index_t(gr.dx.stride(0)) : ldd;
+  const DxOut<T> dxo = dx_out(c, gr);  // dx of head h at dXx + r lddx + h P
+  T* const dXx = dxo.p;
+  const index_t lddx = dxo.ld;
   // the state terms of dB and dC, summed over a group's heads by the K dimension:
   // dB = (es Delta X) dH, dC = (e_in dY) S_in (the Q x Q terms are added per block below)
   // (every group in one two-level batched call)
@@ -1280,9 +1292,9 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
   View3<P> dCh = ws.take<View3<P>>("ssd::dCh", c.Bsz * c.L, c.H, c.N);
   View4<P> partial = ws.take<View4<P>>("ssd::partial", c.Bsz, c.nc, c.H, 3);
   const auto dxbc = gr.dxbc;
-  const bool own_dx = gr.dx.extent(0) > 0;
-  T* const dXx = own_dx ? gr.dx.data() + gr.dx_col : dxbc.data() + c.x_col;  // dx of head h at dXx + r lddx + h P
-  const index_t lddx = own_dx ? index_t(gr.dx.stride(0)) : index_t(dxbc.stride(0));
+  const DxOut<T> dxo = dx_out(c, gr);  // dx of head h at dXx + r lddx + h P
+  T* const dXx = dxo.p;
+  const index_t lddx = dxo.ld;
   const auto ddt = gr.ddt;
   const index_t ddt_col = gr.ddt_col >= 0 ? gr.ddt_col : c.dt_col;
   const auto dla = gr.dlog_decay;

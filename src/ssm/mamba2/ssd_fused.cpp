@@ -32,6 +32,12 @@ constexpr int kTile = 64, kThreads = 128, kPad = 8, kLdTile = kTile + kPad;
 
 __device__ __forceinline__ float decay(float d) { return __expf(fminf(d, 0.f)); }
 
+// The skip coefficient of head h at token t of the batch row whose first token row is row0 (= b L): D[h], plus
+// D_token (a.dtok, (batch, H, L)) where given.
+__device__ __forceinline__ float skip_coef(const Args& a, float Dh, std::int64_t row0, int h, int t) {
+  return a.dtok ? Dh + a.dtok[row0 * a.H + std::int64_t(h) * a.L + t] : Dh;
+}
+
 void check_launch(const char* what) {
   const cudaError_t e = cudaGetLastError();
   require(e == cudaSuccess, "ssd fused", what, " failed to launch: ", cudaGetErrorString(e));
@@ -404,8 +410,6 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 4 : 2) chunk_scan_kernel(c
   for (int i = 0; i < PT; ++i) wmma::store_matrix_sync(ys + warp * 16 * ldy + i * 16, acc[i], ldy, wmma::mem_row_major);
   __syncthreads();
   const float Dh = a.D[h];
-  // D_token of the tile's tokens (row0 H + h L + t indexes (batch, H, L) at b = row0 / L)
-  const float* dtk = a.dtok ? a.dtok + row0 * a.H + std::int64_t(h) * a.L + t0 + l0 : nullptr;
   batched<kTile, P>(
       [&](int l, int p) {
         return l < nl ? load4<V4>(a.xs + (row0 + t0 + l0 + l) * a.ldxs + h * P + p)
@@ -414,7 +418,7 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 4 : 2) chunk_scan_kernel(c
       [&](int l, int p, float4 x) {
         if (l >= nl) return;
         const float* yv = ys + l * ldy + p;
-        const float Dl = dtk ? Dh + dtk[l] : Dh;
+        const float Dl = skip_coef(a, Dh, row0, h, t0 + l0 + l);
         store4<V4>(a.y + (row0 + t0 + l0 + l) * a.ldy + h * P + p,
                    make_float4(yv[0] + Dl * x.x, yv[1] + Dl * x.y, yv[2] + Dl * x.z, yv[3] + Dl * x.w));
       });
@@ -1357,7 +1361,7 @@ __global__ void __launch_bounds__(kThreads, RS == 0 ? kScanBlocks<PT> : kRingBlo
     for (int hr = 0; hr < 2; ++hr) {
       if (!in[hr]) continue;
       float* yr = a.y + (row0 + t0 + l[hr]) * a.ldy + h * P + 2 * cq;
-      const float Dl = a.dtok ? Dh + a.dtok[row0 * a.H + std::int64_t(h) * a.L + t0 + l[hr]] : Dh;
+      const float Dl = skip_coef(a, Dh, row0, h, t0 + l[hr]);
 #pragma unroll
       for (int j = 0; j < NB; ++j)
         store2<V4>(yr + 8 * j, make_float2(acc[j][2 * hr] + Dl * xv[hr][j].x, acc[j][2 * hr + 1] + Dl * xv[hr][j].y));
@@ -1420,7 +1424,6 @@ __device__ __forceinline__ void epilogue_tokens(const Args& a, const float* f1, 
   static_assert(kTile / kRowStep % kRB == 0, "whole batches of rows");
   const int cq = tid % kTpr;
   const float Dh = a.D[h];
-  const float* dtk = a.dtok ? a.dtok + row0 * a.H + std::int64_t(h) * a.L + t0 + l0 : nullptr;  // (b, h, t0 + l0)
   for (int rb = 0; rb < kTile / kRowStep; rb += kRB) {
     float4 x4[kRB][kCPer], dy4[kRB][kCPer], dx4[kRB][kCPer];
 #pragma unroll
@@ -1444,7 +1447,7 @@ __device__ __forceinline__ void epilogue_tokens(const Args& a, const float* f1, 
       float dds = 0.f, win = 0.f, dot = 0.f;
       if (r < nl) {
         float* dxr = a.dx + row * a.ldd + h * P;
-        const float des = dt_l[r] * es_l[r], Dl = dtk ? Dh + dtk[r] : Dh;
+        const float des = dt_l[r] * es_l[r], Dl = skip_coef(a, Dh, row0, h, t0 + l0 + r);
 #pragma unroll
         for (int j = 0; j < kCPer; ++j) {
           const int p = 4 * (cq + j * kTpr);
