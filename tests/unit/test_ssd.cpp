@@ -736,21 +736,55 @@ TEST_CASE("SSD fused tensor-core kernels with D_token equal the fp32 GEMM formul
   }
 }
 
+namespace {
+// The runs of the own-x and own-dx tests: portable and gemm in double, fused in float at a shape its kernels take
+// (CUDA builds; elsewhere gemm).
+struct OwnRun {
+  SSDAlgo algo;
+  bool fused_shape;
+};
+constexpr OwnRun kOwnRuns[] = {{SSDAlgo::portable, false}, {SSDAlgo::gemm, false}, {SSDAlgo::fused, true}};
+Case own_case(const OwnRun& run) {
+  Case c;
+  if (run.fused_shape) c = FusedShape{300, 4, 16, 2, 32, 64}.to_case();
+  c.dt_lo = 0.02;
+  c.algo = run.algo;
+  c.compute = run.algo == SSDAlgo::fused ? GemmCompute::bf16 : GemmCompute::fp32;
+  return c;
+}
+// g0's dxbc (x in its first E columns) against g1's dx given as a matrix of its own (x from column off): the x
+// gradients of both, the other dxbc columns of both, and whether g1's dxbc x columns were left at zero.
+struct DxSplit {
+  std::vector<double> x0, x1, rest0, rest1;
+  bool untouched = true;
+};
+template <class T>
+DxSplit split_dx(const SSDGrad<T>& g0, const SSDGrad<T>& g1, index_t E, index_t off) {
+  const auto a = to_vec(g0.dxbc), b = to_vec(g1.dxbc), own = to_vec(g1.dx);
+  const index_t ld = index_t(g0.dxbc.extent(1)), lo = index_t(g1.dx.extent(1)), rows = index_t(g0.dxbc.extent(0));
+  DxSplit s;
+  for (index_t r = 0; r < rows; ++r)
+    for (index_t j = 0; j < ld; ++j) {
+      if (j < E) {
+        s.x0.push_back(a[r * ld + j]);
+        s.x1.push_back(own[r * lo + off + j]);
+        s.untouched = s.untouched && b[r * ld + j] == 0.0;
+      } else {
+        s.rest0.push_back(a[r * ld + j]);
+        s.rest1.push_back(b[r * ld + j]);
+      }
+    }
+  return s;
+}
+}  // namespace
+
 TEST_CASE("SSD backward writes dx into a matrix of its own when given, the same values", "[ssd][gradcheck]") {
   // SSDGrad::dx (Mamba-3 has its dv written straight into the in_proj gradient): dx at column dx_col + h P of the
   // given matrix equals the x columns of dxbc in a call without it, which are then left untouched; every other
   // gradient is the same. Double on portable and gemm (exactly), float on fused at a shape its kernels take (CUDA
   // builds; elsewhere gemm) to the last bits, since only the destination changes.
-  struct Run {
-    SSDAlgo algo;
-    bool fused_shape;
-  };
-  for (const Run& run : {Run{SSDAlgo::portable, false}, Run{SSDAlgo::gemm, false}, Run{SSDAlgo::fused, true}}) {
-    Case c;
-    if (run.fused_shape) c = FusedShape{300, 4, 16, 2, 32, 64}.to_case();
-    c.dt_lo = 0.02;
-    c.algo = run.algo;
-    c.compute = run.algo == SSDAlgo::fused ? GemmCompute::bf16 : GemmCompute::fp32;
+  for (const OwnRun& run : kOwnRuns) {
+    const Case c = own_case(run);
     INFO("algo " << algo_name(run.algo));
     auto grads = [&](auto tag) {
       using T = decltype(tag);
@@ -763,24 +797,10 @@ TEST_CASE("SSD backward writes dx into a matrix of its own when given, the same 
       g1.dx_col = off;
       ssd_backward<T>(d.shape, d.in(), dy, View4<const acc_t<T>>(), g0);
       ssd_backward<T>(d.shape, d.in(), dy, View4<const acc_t<T>>(), g1);
-      const auto a = to_vec(g0.dxbc), b = to_vec(g1.dxbc), own = to_vec(g1.dx);
-      const index_t ld = index_t(g0.dxbc.extent(1)), lo = index_t(g1.dx.extent(1));
-      std::vector<double> x0, x1, rest0, rest1;
-      bool untouched = true;
-      for (index_t r = 0; r < rows; ++r)
-        for (index_t j = 0; j < ld; ++j) {
-          if (j < E) {
-            x0.push_back(a[r * ld + j]);
-            x1.push_back(own[r * lo + off + j]);
-            untouched = untouched && b[r * ld + j] == 0.0;
-          } else {
-            rest0.push_back(a[r * ld + j]);
-            rest1.push_back(b[r * ld + j]);
-          }
-        }
-      CHECK(untouched);
-      CHECK(rel_err(x1, x0) == 0.0);
-      CHECK(rel_err(rest1, rest0) == 0.0);
+      const DxSplit sp = split_dx(g0, g1, E, off);
+      CHECK(sp.untouched);
+      CHECK(rel_err(sp.x1, sp.x0) == 0.0);
+      CHECK(rel_err(sp.rest1, sp.rest0) == 0.0);
       CHECK(rel_err(to_vec(g1.ddt), to_vec(g0.ddt)) == 0.0);
       CHECK(rel_err(to_vec(g1.dD), to_vec(g0.dD)) == 0.0);
       CHECK(rel_err(to_vec(g1.dinit_state), to_vec(g0.dinit_state)) == 0.0);
@@ -803,16 +823,8 @@ TEST_CASE("SSD reads x from a matrix of its own when given, the same results", "
   // of the call that reads x from xbc (dx then into a matrix of its own, which such a call must give). Double on
   // portable and gemm, float on fused at a shape its kernels take (CUDA builds; elsewhere gemm): only the source
   // changes, so exactly.
-  struct Run {
-    SSDAlgo algo;
-    bool fused_shape;
-  };
-  for (const Run& run : {Run{SSDAlgo::portable, false}, Run{SSDAlgo::gemm, false}, Run{SSDAlgo::fused, true}}) {
-    Case c;
-    if (run.fused_shape) c = FusedShape{300, 4, 16, 2, 32, 64}.to_case();
-    c.dt_lo = 0.02;
-    c.algo = run.algo;
-    c.compute = run.algo == SSDAlgo::fused ? GemmCompute::bf16 : GemmCompute::fp32;
+  for (const OwnRun& run : kOwnRuns) {
+    const Case c = own_case(run);
     INFO("algo " << algo_name(run.algo));
     auto check = [&](auto tag) {
       using T = decltype(tag);
@@ -844,16 +856,10 @@ TEST_CASE("SSD reads x from a matrix of its own when given, the same results", "
       g1.dx_col = off;
       ssd_backward<T>(d.shape, in1, dy, View4<const Pt>(), g1);
       // dx in its own matrix, dB and dC where they were
-      const auto a = to_vec(g0.dxbc), b = to_vec(g1.dxbc), own = to_vec(g1.dx);
-      const index_t ld = index_t(g0.dxbc.extent(1)), lo = index_t(g1.dx.extent(1));
-      std::vector<double> x0, x1, rest0, rest1;
-      for (index_t r = 0; r < rows; ++r)
-        for (index_t j = 0; j < ld; ++j) {
-          (j < E ? x0 : rest0).push_back(a[r * ld + j]);
-          (j < E ? x1 : rest1).push_back(j < E ? own[r * lo + off + j] : b[r * ld + j]);
-        }
-      CHECK(rel_err(x1, x0) == 0.0);
-      CHECK(rel_err(rest1, rest0) == 0.0);
+      const DxSplit sp = split_dx(g0, g1, E, off);
+      CHECK(sp.untouched);
+      CHECK(rel_err(sp.x1, sp.x0) == 0.0);
+      CHECK(rel_err(sp.rest1, sp.rest0) == 0.0);
       CHECK(rel_err(to_vec(g1.ddt), to_vec(g0.ddt)) == 0.0);
       CHECK(rel_err(to_vec(g1.dA_log), to_vec(g0.dA_log)) == 0.0);
       CHECK(rel_err(to_vec(g1.dD), to_vec(g0.dD)) == 0.0);
