@@ -612,6 +612,32 @@ void bench_mamba3(int reps, const SSDVariant& var, index_t batch, index_t seqlen
     mixer.backward(acts, batch, seqlen, dout, du);
   };
   time_with_memory(name, reps, one);
+  // the native kernels run (CUDA, a shape they take): the backward's dB and dC (one head a group here) also by
+  // ssd_fused::bc_backward, against the GEMM form above, with the largest gradients' agreement
+  if (var.algo == SSDAlgo::fused && ssd_fused::fits(int(cfg.headdim), int(cfg.d_state), int(cfg.chunk_size))) {
+    auto host = [](const auto& v) {
+      auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
+      return std::vector<float>(h.data(), h.data() + h.size());
+    };
+    one();
+    Kokkos::fence();
+    const std::vector<float> du0 = host(du), g0 = host(ps.grads());
+    const ssd_fused::FormScope form(ssd_fused::bc_form, ssd_fused::BcForm::kernel);
+    time_with_memory(name + " (dB, dC: one kernel)", reps, one);
+    one();
+    Kokkos::fence();
+    auto rel = [](const std::vector<float>& a, const std::vector<float>& b) {
+      double num = 0, den = 0;
+      for (std::size_t i = 0; i < a.size(); ++i) {
+        num = std::max(num, std::abs(double(a[i]) - double(b[i])));
+        den = std::max(den, std::abs(double(b[i])));
+      }
+      return den > 0 ? num / den : num;
+    };
+    record(name + " (dB, dC: one kernel)", "du max diff / max |du| against the GEMM form", rel(host(du), du0), "");
+    record(name + " (dB, dC: one kernel)", "parameter gradients max diff / max against the GEMM form",
+           rel(host(ps.grads()), g0), "");
+  }
 }
 
 // MoE layer (issue 5): 65,536 tokens, d_model 768, 8 SwiGLU experts of d_ff 2,048, top-1 and top-2, softmax

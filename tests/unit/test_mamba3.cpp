@@ -8,6 +8,7 @@
 #include "reference/mamba3_ref.hpp"
 #include "reference/ssd_ref.hpp"
 #include "ssm/mamba2/ssd.hpp"
+#include "ssm/mamba2/ssd_fused.hpp"
 #include "ssm/mamba3/mixer.hpp"
 #include "ssm/mamba3/scan.hpp"
 #include "util.hpp"
@@ -359,21 +360,24 @@ TEST_CASE("Mamba-3 SISO through the fused SSD kernels stays within bf16 rounding
   struct Shape {
     index_t L, H, P, N, S;
   };
-  for (const Shape& sh : {Shape{200, 2, 16, 32, 8}, Shape{150, 2, 64, 128, 32}}) {
-    M3Case c;
-    c.L = sh.L;
-    c.H = sh.H;
-    c.P = sh.P;
-    c.N = sh.N;
-    c.S = sh.S;
-    c.Q = 64;
-    c.seq = make_records(c.B, c.L, {{70, 128}, {}});
-    c.algo = SSDAlgo::fused;
-    c.compute = GemmCompute::bf16;
-    INFO("P=" << sh.P << " N=" << sh.N);
-    // per-token gradients to bf16 rounding; the sums over all tokens (biases, D) get some cancellation
-    check_ssd_route(c, 2e-2, 2e-2, 5e-2);
-  }
+  // (both forms of the SSD backward's dB and dC, one head a group here: GEMMs and ssd_fused::bc_backward)
+  for (const Shape& sh : {Shape{200, 2, 16, 32, 8}, Shape{150, 2, 64, 128, 32}})
+    for (ssd_fused::BcForm bc : {ssd_fused::BcForm::gemm, ssd_fused::BcForm::kernel}) {
+      M3Case c;
+      c.L = sh.L;
+      c.H = sh.H;
+      c.P = sh.P;
+      c.N = sh.N;
+      c.S = sh.S;
+      c.Q = 64;
+      c.seq = make_records(c.B, c.L, {{70, 128}, {}});
+      c.algo = SSDAlgo::fused;
+      c.compute = GemmCompute::bf16;
+      const ssd_fused::FormScope form(ssd_fused::bc_form, bc);
+      INFO("P=" << sh.P << " N=" << sh.N << " dB, dC " << (bc == ssd_fused::BcForm::kernel ? "kernel" : "GEMMs"));
+      // per-token gradients to bf16 rounding; the sums over all tokens (biases, D) get some cancellation
+      check_ssd_route(c, 2e-2, 2e-2, 5e-2);
+    }
 }
 
 TEST_CASE("Mamba-3 SISO through the SSD in fp32: the token passes agree with the recurrence and the portable kernels",

@@ -693,6 +693,73 @@ TEST_CASE("SSD per-token skip coefficient D_token: y gains D_token x, dx gains D
   }
 }
 
+TEST_CASE("SSD fused backward's one-kernel dB and dC (one head a group) equal the fp32 GEMM formulation's",
+          "[ssd][gradcheck]") {
+  // ssd_fused::bc_backward (BcForm::kernel) where ngroups = nheads: a short last chunk, chunks of 128 and 256 (the
+  // intra-chunk term over several 64-token slices), d_state 160 (a second, partial block of 128 columns) and 80,
+  // headdim 16 to 128, records, an initial state, blocks of one head (h0 > 0); the recomputing backward and the
+  // one from the forward's kept intermediates. Each against the gemm algorithm in fp32 (tied to finite
+  // differences by the double tests) and against the fused backward with the GEMM form of dB and dC. On host
+  // builds every side is the GEMM formulation in fp32.
+  struct Shape : FusedShape {
+    double workspace_heads;
+  };
+  for (const Shape& sh : {Shape{{300, 4, 16, 4, 32, 64}, 8}, Shape{{333, 2, 64, 2, 128, 128}, 1},
+                          Shape{{200, 3, 128, 3, 160, 64}, 2}, Shape{{256, 2, 48, 2, 80, 256}, 1}}) {
+    for (bool records : {true, false})
+      for (bool kept : {false, true}) {
+        const bool kernels = ssd_fused::fits(int(sh.P), int(sh.N), int(sh.Q));
+        std::vector<std::vector<double>> grads[3];  // 0: gemm fp32; 1: fused, dB dC by GEMMs; 2: by bc_backward
+        for (int k = 0; k < 3; ++k) {
+          Case c = sh.to_case();
+          c.records = records;
+          c.dt_lo = 0.02;
+          c.algo = k == 0 ? SSDAlgo::gemm : SSDAlgo::fused;
+          c.compute = k == 0 ? GemmCompute::fp32 : GemmCompute::bf16;
+          const index_t nc = (c.L + c.Q - 1) / c.Q;
+          // blocks of heads: the fused backward sizes them by its own per-head arrays
+          const double per_head = kernels && k > 0 ? ssd_fused_head_bytes(double(c.B * c.L), c.Q, sizeof(float))
+                                                   : double(c.B * nc * c.Q * c.Q * sizeof(float));
+          c.workspace = per_head * sh.workspace_heads;
+          const ssd_fused::FormScope form(ssd_fused::bc_form,
+                                          k == 2 ? ssd_fused::BcForm::kernel : ssd_fused::BcForm::gemm);
+          Data<float> d(c);
+          if (!kept) {
+            grads[k] = backward_grads(d);
+            continue;
+          }
+          View2<float> y("y", c.B * c.L, c.H * c.P);
+          PoolScope pool;
+          SSDSaved<float> sv;
+          ssd_forward<float>(d.shape, d.in(), y, View4<float>(), &sv, &pool);
+          grads[k] = backward_grads(d, &sv);
+        }
+        for (int k = 1; k < 3; ++k)
+          for (std::size_t i = 0; i < grads[0].size(); ++i) {
+            INFO("P=" << sh.P << " N=" << sh.N << " Q=" << sh.Q << " records=" << records << " kept=" << kept
+                      << " gradient " << i << (k == 2 ? " (bc_backward)" : " (GEMM dB, dC)"));
+            CHECK(rel_err(grads[k][i], grads[0][i]) < (i < 2 ? 2e-2 : 5e-2));
+          }
+        // the two fused forms differ only in how dB and dC are formed (bf16 operands against tf32 GEMMs)
+        for (std::size_t i = 0; i < grads[1].size(); ++i) {
+          INFO("P=" << sh.P << " N=" << sh.N << " Q=" << sh.Q << " records=" << records << " kept=" << kept
+                    << " gradient " << i << ", bc_backward against the GEMM form");
+          CHECK(rel_err(grads[2][i], grads[1][i]) < (i < 2 ? 2e-2 : 5e-2));
+        }
+      }
+  }
+  // the kernel asks for one head a group
+  if (ssd_fused::fits(16, 32, 64)) {
+    ssd_fused::Args a;
+    a.H = 4;
+    a.G = 2;
+    a.P = 16;
+    a.N = 32;
+    a.Q = 64;
+    CHECK_THROWS_WITH(ssd_fused::bc_backward(a), ContainsSubstring("one head a group"));
+  }
+}
+
 TEST_CASE("SSD fused tensor-core kernels with D_token equal the fp32 GEMM formulation's within bf16 rounding",
           "[ssd][gradcheck]") {
   // The chunk scan's three forms and the state epilogue's two (headdim 128 with d_state 128 takes the per-tile

@@ -825,10 +825,14 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
   const GemmCompute cmp = fused ? fused_chunk_compute(s.compute) : s.compute;
   if (!from_kept) dt_cumsum(c);
   const GemmCtx<T> g = make_gemm_ctx(c, s.gemm_workspace_bytes, true, ws, !fused);
-  if (from_kept)  // Delta, the cumsum, S_in and C B^T as the forward left them
-    state_weights(c, g);
-  else
+  // one head a group under BcForm::kernel: dB and dC of a block's heads in one kernel each (ssd_fused::bc_backward),
+  // which scales X and dY itself: no xw, no state-term GEMMs, no W2 GEMMs
+  const bool bc_kernel = fused && c.hpg == 1 && ssd_fused::bc_form == ssd_fused::BcForm::kernel;
+  if (from_kept) {  // Delta, the cumsum, S_in and C B^T as the forward left them
+    if (!bc_kernel) state_weights(c, g);
+  } else {
     gemm_states_and_cb(c, g, cmp, in.init_state, View4<T>());
+  }
   const T* X = c.xbc.data();
   const index_t PN = c.Pd * c.N, ldy = index_t(dy.stride(0)), nbc = c.Bsz * c.nc, QQ = c.Q * c.Q, nr = c.Bsz * c.L;
   const index_t gP = c.hpg * c.Pd;
@@ -854,7 +858,7 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
   // the state terms of dB and dC, summed over a group's heads by the K dimension:
   // dB = (es Delta X) dH, dC = (e_in dY) S_in (the Q x Q terms are added per block below)
   // (every group in one two-level batched call)
-  {
+  if (!bc_kernel) {
     const ChunkOp<const T*> dHg = blk<const T*>(dstates.data(), c.N, c.H * PN, c.hpg * PN),
                             Sg = blk<const T*>(c.states.data(), c.N, c.H * PN, c.hpg * PN);
     chunk_gemm<T>(c, cmp, Trans::N, Trans::N, kQ, c.N, gP, T(1), tok<const T*>(g.xw.data(), g.HP, gP), dHg, T(0),
@@ -975,8 +979,17 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
                     g.ptrs.data());
     }
     // runs of whole groups (a run per group): the dB and dC products of every run in one two-level batched call
-    const bool group_runs = rl == c.hpg && nruns > 1 && c.gptrs != nullptr;
-    if (group_runs) {
+    const bool group_runs = !bc_kernel && rl == c.hpg && nruns > 1 && c.gptrs != nullptr;
+    if (bc_kernel) {
+      if constexpr (std::is_same_v<T, float>) {
+        ssd_fused::Args a = fused_block_args(c, dy.data(), ldy, dXx, lddx, v.data(), blk0, nh);
+        a.w2 = w2.data();
+        a.dstates = dstates.data();
+        a.dbc = dX;
+        a.lddbc = ldd;
+        ssd_fused::bc_backward(a);
+      }
+    } else if (group_runs) {
       const index_t grp0 = blk0 / c.hpg;
       const ChunkOp<const T*> W2 = blk<const T*>(w2.data(), c.Q, QQ, nbc * QQ);
       chunk_gemm<T>(c, cmp, Trans::T, Trans::N, kQ, c.N, kQ, T(1), W2, tok(X + c.c_col + grp0 * c.N, g.ldx, c.N),
@@ -994,7 +1007,7 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
         chunk_gemm<T>(c, cmp, Trans::N, Trans::T, kQ, hn * c.Pd, c.N, T(1), Cg,
                       blk<const T*>(c.states.data() + h0 * PN, c.N, c.H * PN), T(0), tok(t2.data() + hi0 * c.Pd, ldt1));
       }
-      if (!group_runs) {
+      if (!group_runs && !bc_kernel) {
         // dB += (sum_h dCB)^T C, dC += (sum_h dCB) B
         const ChunkOp<const T*> W2 = blk<const T*>(w2.data() + u * nbc * QQ, c.Q, QQ);
         chunk_gemm<T>(c, cmp, Trans::T, Trans::N, kQ, c.N, kQ, T(1), W2, Cg, T(1), tok(dX + c.b_col + grp * c.N, ldd));

@@ -17,6 +17,7 @@
 namespace mm::ssd_fused {
 
 Form scan_form = Form::mma_ring, intra_form = Form::mma;
+BcForm bc_form = BcForm::gemm;
 
 #if defined(KOKKOS_ENABLE_CUDA)
 namespace {
@@ -1718,6 +1719,136 @@ void launch_epilogue(const Args& a) {
   check_launch("state epilogue");
 }
 
+// ------------------------------------------------------------------ backward, dB and dC where a group is one head
+
+// bc_backward's shared memory: a bf16 A tile (64 rows by KA = max(P, 64): the scaled X or dY rows, or a 64 x 64
+// slice of W2), a bf16 B tile (KA rows by 128 columns of d_state: dH or S_in, or 64 rows of C or B), the fp32 output
+// tile (64 x 128) over both once the products are done, then es, e_in and Delta of the 64 tokens.
+constexpr int kNT = 128;  // d_state columns per block
+__host__ __device__ constexpr int bcg_ka(int P) { return P > kTile ? P : kTile; }
+__host__ __device__ constexpr std::size_t bcg_fac_offset(int P) {
+  const std::size_t tiles = (std::size_t(kTile) * (bcg_ka(P) + kPad) + std::size_t(bcg_ka(P)) * (kNT + kPad)) * 2;
+  const std::size_t out = std::size_t(kTile) * (kNT + 4) * 4;
+  return align128(tiles > out ? tiles : out);
+}
+__host__ __device__ constexpr std::size_t bcg_smem(int P) { return bcg_fac_offset(P) + 3 * kTile * 4; }
+
+__device__ __forceinline__ float4 scale4(float4 v, float f) { return make_float4(v.x * f, v.y * f, v.z * f, v.w * f); }
+
+// One block per (64 tokens r0 .. r0 + 63 of a chunk and 128 columns n0 .. of d_state, head of the block, (row,
+// chunk)); warp w owns rows 16 w .. 16 w + 15 of each output tile and its 8 column fragments. For dB, then dC:
+// the state term over K = P (A = es Delta X or e_in dY rows, B = dH or S_in), then the intra-chunk term over the
+// chunk's 64-token slices that can be non-zero (dB: W2^T C over l >= s, the slices from the tile's own on; dC:
+// W2 B over s <= l, the slices up to the tile's own), staged synchronously (loads batched, see batched()); the
+// fp32 result goes through shared memory to the output columns, each element written once.
+template <int PT, bool V4>
+__global__ void __launch_bounds__(kThreads, PT <= 4 ? 3 : 2) bc_backward_kernel(const Args a) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  constexpr int P = PT * 16, lda = bcg_ka(P) + kPad, ldb = kNT + kPad, ldo = kNT + 4, NF = kNT / 16;
+  bf* ah = reinterpret_cast<bf*>(smem);
+  bf* bh = ah + kTile * lda;
+  float* outs = reinterpret_cast<float*>(smem);  // after the products
+  float* es_l = reinterpret_cast<float*>(smem + bcg_fac_offset(P));
+  float* ein_l = es_l + kTile;
+  float* dt_l = ein_l + kTile;
+
+  const int ntl = (a.N + kNT - 1) / kNT;
+  const int rt = blockIdx.x / ntl, n0 = (blockIdx.x % ntl) * kNT, hi = blockIdx.y, h = a.h0 + hi, bc = blockIdx.z;
+  const int b = bc / a.nc, ch = bc % a.nc, t0 = ch * a.Q, q = min(a.Q, a.L - t0), r0 = rt * kTile;
+  if (r0 >= q) return;  // a tile past the short last chunk (the whole block, before any barrier)
+  const int nr = min(kTile, q - r0), nw = min(kNT, a.N - n0), g = h / (a.H / a.G), nsl = (q + kTile - 1) / kTile;
+  const int warp = threadIdx.x / 32;
+  const std::int64_t row0 = std::int64_t(b) * a.L, rows = row0 + t0;  // the chunk's first token row
+  const float* W2 = a.w2 + (std::int64_t(hi) * a.batch * a.nc + bc) * a.Q * a.Q;  // runs of one head: run hi
+  const std::int64_t sidx = (std::int64_t(bc) * a.H + h) * P * a.N + n0;      // (p = 0, n0) of the head's state
+  const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+  epilogue_factors(a, b, h, ch, row0, t0, q, r0, nr, es_l, ein_l, dt_l);
+  __syncthreads();
+
+  for (int o = 0; o < 2; ++o) {
+    const bool dc = o == 1;  // 0: dB, 1: dC
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[NF];
+#pragma unroll
+    for (int j = 0; j < NF; ++j) wmma::fill_fragment(acc[j], 0.f);
+    {  // the state term, K = P
+      const float* src = dc ? a.dy + (rows + r0) * a.ldy + h * P : a.xs + (rows + r0) * a.ldxs + h * P;
+      const std::int64_t lds = dc ? a.ldy : a.ldxs;
+      batched<kTile, P>([&](int r, int c) { return r < nr ? load4<V4>(src + r * lds + c) : zero; },
+                        [&](int r, int c, float4 v) {
+                          store4_bf16(ah + r * lda + c, scale4(v, dc ? ein_l[r] : es_l[r] * dt_l[r]));
+                        });
+      const float* st = (dc ? a.states : a.dstates) + sidx;
+      batched<P, kNT>([&](int r, int c) { return c < nw ? load4<true>(st + std::int64_t(r) * a.N + c) : zero; },
+                      [&](int r, int c, float4 v) { store4_bf16(bh + r * ldb + c, v); });
+      __syncthreads();
+#pragma unroll
+      for (int kk = 0; kk < P; kk += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::row_major> fa;
+        wmma::load_matrix_sync(fa, ah + warp * 16 * lda + kk, lda);
+#pragma unroll
+        for (int j = 0; j < NF; ++j) {
+          if (j * 16 >= nw) continue;
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::row_major> fb;
+          wmma::load_matrix_sync(fb, bh + kk * ldb + j * 16, ldb);
+          wmma::mma_sync(acc[j], fa, fb, acc[j]);
+        }
+      }
+      __syncthreads();
+    }
+    // the intra-chunk term over the slices k of 64 tokens: A = W2 restricted to (l in the l range, s in the s
+    // range) as [l][s] (zero where l < s or past the chunk), B = C (dB) or B (dC) rows of the slice
+    const int k0 = dc ? 0 : rt, k1 = dc ? rt : nsl - 1;
+    for (int k = k0; k <= k1; ++k) {
+      const int c0 = k * kTile, nk = min(kTile, q - c0);
+      const int l0 = dc ? r0 : c0, s0 = dc ? c0 : r0, nl = dc ? nr : nk, ns = dc ? nk : nr;
+      batched<kTile, kTile>(
+          [&](int l, int s) { return l < nl ? load4<true>(W2 + std::int64_t(l0 + l) * a.Q + s0 + s) : zero; },
+          [&](int l, int s, float4 v) {
+            auto m = [&](int i, float x) { return s + i < ns && l0 + l >= s0 + s + i ? x : 0.f; };
+            store4_bf16(ah + l * lda + s, make_float4(m(0, v.x), m(1, v.y), m(2, v.z), m(3, v.w)));
+          });
+      const float* src = a.xbc + (rows + c0) * a.ldx + (dc ? a.b_col : a.c_col) + std::int64_t(g) * a.N + n0;
+      batched<kTile, kNT>([&](int r, int c) { return r < nk && c < nw ? load4<V4>(src + r * a.ldx + c) : zero; },
+                          [&](int r, int c, float4 v) { store4_bf16(bh + r * ldb + c, v); });
+      __syncthreads();
+#pragma unroll
+      for (int kk = 0; kk < kTile; kk += 16) {
+        if (dc) {  // W2 B: A(l, s) at ah[l lda + s]
+          wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::row_major> fa;
+          wmma::load_matrix_sync(fa, ah + warp * 16 * lda + kk, lda);
+#pragma unroll
+          for (int j = 0; j < NF; ++j) {
+            if (j * 16 >= nw) continue;
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::row_major> fb;
+            wmma::load_matrix_sync(fb, bh + kk * ldb + j * 16, ldb);
+            wmma::mma_sync(acc[j], fa, fb, acc[j]);
+          }
+        } else {  // W2^T C: A(s, l) = W2(l, s) at ah[l lda + s], a column-major fragment
+          wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::col_major> fa;
+          wmma::load_matrix_sync(fa, ah + kk * lda + warp * 16, lda);
+#pragma unroll
+          for (int j = 0; j < NF; ++j) {
+            if (j * 16 >= nw) continue;
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::row_major> fb;
+            wmma::load_matrix_sync(fb, bh + kk * ldb + j * 16, ldb);
+            wmma::mma_sync(acc[j], fa, fb, acc[j]);
+          }
+        }
+      }
+      __syncthreads();  // before the next slice is staged (or the output tile overwrites the stages)
+    }
+#pragma unroll
+    for (int j = 0; j < NF; ++j)
+      if (j * 16 < nw) wmma::store_matrix_sync(outs + warp * 16 * ldo + j * 16, acc[j], ldo, wmma::mem_row_major);
+    __syncthreads();
+    float* dst = a.dbc + (rows + r0) * a.lddbc + (dc ? a.c_col : a.b_col) + std::int64_t(g) * a.N + n0;
+    for_own<kTile, kNT>([&](int r, int c) {
+      if (r < nr && c < nw) store4<V4>(dst + r * a.lddbc + c, *reinterpret_cast<const float4*>(outs + r * ldo + c));
+    });
+    __syncthreads();  // before dC stages over the output tile
+  }
+}
+
 std::size_t state_smem(int P, int Q) { return cstate_w_offset(P) + std::size_t(Q) * 4; }
 std::size_t scan_smem(int P, int Q) { return scan_tok_offset(P) + 3 * std::size_t(Q) * 4; }
 
@@ -1773,6 +1904,22 @@ void launch(const Args& a, bool scan) {
 // 16-byte accesses to dy and dx as well.
 bool aligned4_bwd(const Args& a) {
   return aligned4(a) && aligned16(a.dy) && aligned16(a.dx) && a.ldd % 4 == 0;
+}
+
+template <int PT>
+void launch_bc(const Args& a) {
+  const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
+  const std::size_t bytes = bcg_smem(PT * 16);
+  const dim3 grid(((a.Q + kTile - 1) / kTile) * ((a.N + kNT - 1) / kNT), a.nh, a.batch * a.nc);
+  const bool v4 = aligned4(a) && aligned16(a.dy) && a.ldy % 4 == 0 && aligned16(a.dbc) && a.lddbc % 4 == 0;
+  if (v4) {
+    allow_smem<bc_backward_kernel<PT, true>>(bytes, "dB, dC (one head a group)");
+    bc_backward_kernel<PT, true><<<grid, kThreads, bytes, st>>>(a);
+  } else {
+    allow_smem<bc_backward_kernel<PT, false>>(bytes, "dB, dC (one head a group)");
+    bc_backward_kernel<PT, false><<<grid, kThreads, bytes, st>>>(a);
+  }
+  check_launch("dB, dC (one head a group)");
 }
 
 template <int PT>
@@ -1843,6 +1990,12 @@ void state_epilogue(const Args& a) {
 
 bool epilogue_writes_wdecay(int headdim, int dstate) { return epr_smem(headdim, dstate) <= kEprMaxSmem; }
 
+void bc_backward(const Args& a) {
+  Kokkos::Profiling::ScopedRegion region("ssd::fused_bc_backward");
+  require(a.G == a.H, "ssd fused", "bc_backward needs one head a group (nheads ", a.H, ", ngroups ", a.G, ")");
+  with_tiles(a, [&](auto pt) { launch_bc<decltype(pt)::value>(a); });
+}
+
 #else  // host backends: never called (ssd.cpp asks `fits` first)
 
 bool fits(int, int, int) { return false; }
@@ -1851,6 +2004,7 @@ void chunk_scan(const Args&) { require(false, "ssd fused", "the fused kernels ne
 void intra_backward(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
 void state_epilogue(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
 bool epilogue_writes_wdecay(int, int) { return false; }
+void bc_backward(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
 
 #endif
 

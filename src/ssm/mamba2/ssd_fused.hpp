@@ -37,6 +37,8 @@ struct Args {
   const float* dstates = nullptr;  // (batch, nchunks, H, P, N): dL/d(state at each chunk's end) (state_epilogue)
   float* wdecay = nullptr;  // (batch, nchunks, H): sum(dH o S_in) per chunk and head, where epilogue_writes_wdecay
   bool ddot_f32 = false;    // state_epilogue: v3(l) = dY_l . X_l in fp32, over intra_backward's bf16 DX(l, l)
+  float* dbc = nullptr;  // bc_backward: d(xBC), dB at dbc + r lddbc + b_col + g N + n, dC at c_col (xbc's columns)
+  std::int64_t lddbc = 0;
   int h0 = 0, nh = 0, run_len = 1;
 };
 
@@ -75,11 +77,23 @@ void intra_backward(const Args& a);
 // batch x chunks would exceed 65,535, its grid's second dimension), intra_form the backward's intra-chunk kernel.
 enum class Form { mma, wmma, mma_ring };
 extern Form scan_form, intra_form;
+
+// How the backward forms dB and dC where every group is one head (ngroups = nheads: Mamba-3's SISO route, or a
+// Mamba-2 layer configured so): gemm, as for any grouping, four two-level batched cuBLAS products per block of
+// heads (the state terms (es Delta X) dH and (e_in dY) S_in, then W2^T C and W2 B added) over operands in device
+// memory (the es Delta X copy and dY's scaled copy included); kernel, bc_backward: both outputs of a (64 tokens,
+// head, chunk) formed in one pass and written once. At the Mamba-3 bench shape (8 x 8,192 tokens, 24 heads,
+// headdim 64, d_state 128, chunk 64) the four products move about 11.6 GB and bc_backward about 6 GB (counted);
+// it has not been timed yet, so gemm stays the default until it is (perf/RESULTS.md).
+enum class BcForm { gemm, kernel };
+extern BcForm bc_form;
+
 // `which` set to `f` for the scope's life, then restored (also when the scope is left by an exception).
+template <class F>
 struct FormScope {
-  Form& which;
-  Form saved;
-  FormScope(Form& w, Form f) : which(w), saved(w) { which = f; }
+  F& which;
+  F saved;
+  FormScope(F& w, F f) : which(w), saved(w) { which = f; }
   ~FormScope() { which = saved; }
   FormScope(const FormScope&) = delete;
   FormScope& operator=(const FormScope&) = delete;
@@ -96,5 +110,12 @@ void state_epilogue(const Args& a);
 
 // Whether state_epilogue takes the resident form for this headdim and d_state (and so fills Args::wdecay).
 bool epilogue_writes_wdecay(int headdim, int dstate);
+
+// dB and dC of every group of the block of heads in `a` where each group is one head (G = H; BcForm::kernel),
+// written (not added) to the B and C columns of dbc:
+//   dB_s = es(s) Delta_s X_s dH + sum_{l >= s} W2(l, s) C_l,   dC_l = e_in(l) dY_l S_in + sum_{s <= l} W2(l, s) B_s
+// with dstates dH, states S_in and w2 as intra_backward left it (runs of one head). One block per (64 tokens,
+// 128 columns of d_state, head, chunk) on tensor cores (WMMA, bf16 operands, fp32 accumulation).
+void bc_backward(const Args& a);
 
 }  // namespace mm::ssd_fused
