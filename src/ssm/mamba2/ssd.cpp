@@ -826,7 +826,7 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
   if (!from_kept) dt_cumsum(c);
   const GemmCtx<T> g = make_gemm_ctx(c, s.gemm_workspace_bytes, true, ws, !fused);
   // one head a group under BcForm::kernel: dB and dC of a block's heads in one kernel each (ssd_fused::bc_backward),
-  // which scales X and dY itself: no xw, no state-term GEMMs, no W2 GEMMs
+  // which scales X and dY itself: no xw, no scaled dY, no state-term GEMMs, no W2 GEMMs
   const bool bc_kernel = fused && c.hpg == 1 && ssd_fused::bc_form == ssd_fused::BcForm::kernel;
   if (from_kept) {  // Delta, the cumsum, S_in and C B^T as the forward left them
     if (!bc_kernel) state_weights(c, g);
@@ -837,14 +837,29 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
   const index_t PN = c.Pd * c.N, ldy = index_t(dy.stride(0)), nbc = c.Bsz * c.nc, QQ = c.Q * c.Q, nr = c.Bsz * c.L;
   const index_t gP = c.hpg * c.Pd;
 
-  // dL/dS_in from each chunk's own outputs: (diag(e_in) dY)^T C; xw (es Delta x) stays for dB's state term
-  View2<T> dye = ws.take<View2<T>>("ssd::dye", nr, g.HP);
-  scale_token_heads(
-      "ssd::dy_scaled", c, KOKKOS_LAMBDA(index_t b, index_t h, index_t t) { return e_in_of(c, b, h, t); }, dy.data(),
-      ldy, dye.data(), index_t(dye.stride(0)));
+  // dL/dS_in from each chunk's own outputs: (diag(e_in) dY)^T C; xw (es Delta x) stays for dB's state term.
+  // Under bc_kernel nothing else reads e_in dY, and the chunk-state kernel forms the product per head from dY and C
+  // with the weights e_in (no scaled copy of dY: 2 x 4 B L H P bytes less)
   View5<T> dstates = ws.take<View5<T>>("ssd::dstates", c.Bsz, c.nc, c.H, c.Pd, c.N);
-  chunk_gemm<T>(c, cmp, Trans::T, Trans::N, gP, c.N, kQ, T(1), tok<const T*>(dye.data(), g.HP, gP),
-                tok(X + c.c_col, g.ldx, c.N), T(0), blk(dstates.data(), c.N, c.H * PN, c.hpg * PN), c.G, c.gptrs);
+  View2<T> dye;
+  if (bc_kernel) {
+    if constexpr (std::is_same_v<T, float>) {
+      ssd_fused::Args a = fused_args(c);
+      a.xs = dy.data();
+      a.ldxs = ldy;
+      a.b_col = c.c_col;
+      a.states = dstates.data();
+      a.ein_weights = true;
+      ssd_fused::chunk_state(a);
+    }
+  } else {
+    dye = ws.take<View2<T>>("ssd::dye", nr, g.HP);
+    scale_token_heads(
+        "ssd::dy_scaled", c, KOKKOS_LAMBDA(index_t b, index_t h, index_t t) { return e_in_of(c, b, h, t); },
+        dy.data(), ldy, dye.data(), index_t(dye.stride(0)));
+    chunk_gemm<T>(c, cmp, Trans::T, Trans::N, gP, c.N, kQ, T(1), tok<const T*>(dye.data(), g.HP, gP),
+                  tok(X + c.c_col, g.ldx, c.N), T(0), blk(dstates.data(), c.N, c.H * PN, c.hpg * PN), c.G, c.gptrs);
+  }
   state_passing_bwd(c, dstates, dfinal_state, gr.dinit_state);
 
   const auto dxbc = gr.dxbc;

@@ -216,12 +216,14 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 4 : 2) chunk_state_kernel(
   stage_slice(0);
   {
     const float acs_last = acs[t0 + q - 1];
-    const int rec_last = a.seq ? a.seq[row0 + t0 + q - 1] : 0;
+    // the record whose state the weights follow: the chunk's last token's (es Delta), or the one entering the
+    // chunk (e_in: the last token of the chunk before, the first for chunk 0)
+    const int rec_w = a.seq ? a.seq[row0 + (a.ein_weights ? (ch == 0 ? 0 : t0 - 1) : t0 + q - 1)] : 0;
     for (int s = tid; s < nsl * kSl; s += kThreads) {
       float v = 0.f;
-      if (s < q && (!a.seq || a.seq[row0 + t0 + s] == rec_last)) {
-        const float e = decay(acs_last - acs[t0 + s]);
-        v = e < a.cutoff ? 0.f : e * dlt[t0 + s];
+      if (s < q && (!a.seq || a.seq[row0 + t0 + s] == rec_w)) {
+        const float e = a.ein_weights ? decay(acs[t0 + s]) : decay(acs_last - acs[t0 + s]);
+        v = e < a.cutoff ? 0.f : (a.ein_weights ? e : e * dlt[t0 + s]);
       }
       w[s] = v;
     }

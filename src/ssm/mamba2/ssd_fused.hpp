@@ -37,6 +37,9 @@ struct Args {
   const float* dstates = nullptr;  // (batch, nchunks, H, P, N): dL/d(state at each chunk's end) (state_epilogue)
   float* wdecay = nullptr;  // (batch, nchunks, H): sum(dH o S_in) per chunk and head, where epilogue_writes_wdecay
   bool ddot_f32 = false;    // state_epilogue: v3(l) = dY_l . X_l in fp32, over intra_backward's bf16 DX(l, l)
+  // chunk_state: the weights e_in(l) (the decay from the chunk's start, zero outside the record entering it) instead
+  // of es Delta: with xs = dY and b_col = c_col, the gradient of the state at each chunk's end from its outputs
+  bool ein_weights = false;
   float* dbc = nullptr;  // bc_backward: d(xBC), dB at dbc + r lddbc + b_col + g N + n, dC at c_col (xbc's columns)
   std::int64_t lddbc = 0;
   int h0 = 0, nh = 0, run_len = 1;
@@ -48,7 +51,8 @@ struct Args {
 bool fits(int headdim, int dstate, int chunk);
 
 // states <- the chunk-local states sum_s [same record as the chunk's last token] exp(acs_last - acs_s) Delta_s
-// x_s B_s^T (before the state passing).
+// x_s B_s^T (before the state passing); with ein_weights the weights are e_in(s) = [same record as the state
+// entering the chunk] exp(acs_s) (the backward's dH from the chunk's own outputs: xs = dY, B = C).
 void chunk_state(const Args& a);
 
 // y <- e_in(l) C_l S_in^T + sum_{s <= l, same record} (C_l . B_s) exp(acs_l - acs_s) Delta_s x_s + D x_l, with
@@ -82,9 +86,11 @@ extern Form scan_form, intra_form;
 // Mamba-2 layer configured so): gemm, as for any grouping, four two-level batched cuBLAS products per block of
 // heads (the state terms (es Delta X) dH and (e_in dY) S_in, then W2^T C and W2 B added) over operands in device
 // memory (the es Delta X copy and dY's scaled copy included); kernel, bc_backward: both outputs of a (64 tokens,
-// head, chunk) formed in one pass and written once. At the Mamba-3 bench shape (8 x 8,192 tokens, 24 heads,
-// headdim 64, d_state 128, chunk 64) the four products move about 11.6 GB and bc_backward about 6 GB (counted);
-// it has not been timed yet, so gemm stays the default until it is (perf/RESULTS.md).
+// head, chunk) formed in one pass and written once, and dH's chunk terms (e_in dY)^T C by chunk_state with
+// ein_weights instead of a GEMM on dY's scaled copy, which is then not formed. At the Mamba-3 bench shape
+// (8 x 8,192 tokens, 24 heads, headdim 64, d_state 128, chunk 64) the four products move about 11.6 GB and
+// bc_backward about 6 GB, and the scaled copy 0.8 GB (counted); none of it has been timed yet, so gemm stays the
+// default until it is (perf/RESULTS.md).
 enum class BcForm { gemm, kernel };
 extern BcForm bc_form;
 
