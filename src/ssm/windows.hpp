@@ -10,6 +10,12 @@
 // internals from its boundary state and handing the gradient of that state to the window on its left. The
 // results are those of one pass up to rounding; the working memory follows W.
 //
+// A window's rows need no device allocation of their own (on CUDA each was a cudaMalloc and a synchronising
+// cudaFree per window): with batch 1 a window's rows [t0, t0 + Lw) of the row-major (L, D) u, out, dout, du (and
+// its record ids) are contiguous, so the mixer gets subviews of them (it overwrites out and du, never adds to
+// them, and keeps none of a window's views past the window); with batch > 1 they are gathered into and scattered
+// from packed buffers that one PoolScope per call takes once (core/pool.hpp: cached blocks) for every window.
+//
 // Acts must have the members u, conv_init, ssm_init (what an explicit-state forward keeps) and win_conv, win_ssm
 // (vectors of the boundary states, entry w - 1 for window w).
 #pragma once
@@ -19,6 +25,7 @@
 
 #include "core/error.hpp"
 #include "core/kokkos_types.hpp"
+#include "core/pool.hpp"
 #include "layers/conv1d.hpp"
 #include "parallel/context_parallel.hpp"
 
@@ -43,13 +50,21 @@ void scatter(const View2<const T>& src, index_t L, index_t t0, index_t Lw, const
   });
 }
 
-// The record ids of tokens [t0, t0 + Lw) (empty stays empty).
-inline SeqIdxView seq_window(const SeqIdxView& seq, index_t t0, index_t Lw) {
+// Rows [r0, r0 + n) of a row-major matrix: contiguous, so a subview with the matrix's own (LayoutRight) type.
+template <class T>
+View2<T> row_range(const View2<T>& x, index_t r0, index_t n) {
+  return Kokkos::subview(x, Kokkos::make_pair(r0, r0 + n), Kokkos::ALL);
+}
+
+// The record ids of tokens [t0, t0 + Lw) (empty stays empty): with one batch row the ids themselves (contiguous,
+// an unmanaged view of them), else copied into `buf` (batch * W >= batch * Lw ids, a pool block of the caller's).
+inline SeqIdxView seq_window(const SeqIdxView& seq, index_t t0, index_t Lw, const View1<std::int32_t>& buf) {
   if (seq.extent(0) == 0) return seq;
-  Kokkos::View<std::int32_t**, Layout, Mem> w(Kokkos::view_alloc(Kokkos::WithoutInitializing, "window::seq"),
-                                              seq.extent(0), Lw);
+  using Ids = Kokkos::View<const std::int32_t**, Layout, Mem, Unmanaged>;
+  if (seq.extent(0) == 1) return Ids(seq.data() + t0, 1, Lw);
+  const Kokkos::View<std::int32_t**, Layout, Mem, Unmanaged> w(buf.data(), seq.extent(0), Lw);
   par_for("window::seq", seq.extent(0), Lw, KOKKOS_LAMBDA(index_t b, index_t t) { w(b, t) = seq(b, t0 + t); });
-  return w;
+  return Ids(w.data(), seq.extent(0), Lw);
 }
 
 // Zeroes the batch rows of a state (or of its gradient) whose window starts a new record at t0.
@@ -109,26 +124,32 @@ template <class Mixer, class Acts, class T>
 void forward(const Mixer& m, index_t W, const View2<T>& u, index_t batch, index_t seqlen, const SeqIdxView& seq,
              const View2<T>& out, Acts& acts) {
   const index_t nw = (seqlen + W - 1) / W, D = u.extent(1), Dout = out.extent(1);
+  const bool packed = batch > 1;  // batch 1: the window's rows are a row range of u and out
   acts = Acts{};
   acts.u = u;
+  PoolScope ws;  // the packed buffers and record ids, sized for a full window and reused by every window
+  const View2<T> ubuf = packed ? ws.take<View2<T>>("window::u", batch * W, D) : View2<T>();
+  const View2<T> obuf = packed ? ws.take<View2<T>>("window::out", batch * W, Dout) : View2<T>();
+  const View1<std::int32_t> sbuf =
+      packed && seq.extent(0) > 0 ? ws.take<View1<std::int32_t>>("window::seq", batch * W) : View1<std::int32_t>();
   using State = decltype(m.make_state(batch));
   State cur;
   for (index_t w = 0; w < nw; ++w) {
     const index_t t0 = w * W, Lw = std::min(W, seqlen - t0);
-    View2<T> uw = make_uninit<View2<T>>("window::u", batch * Lw, D);
-    View2<T> ow = make_uninit<View2<T>>("window::out", batch * Lw, Dout);
-    gather<T>(u, seqlen, t0, Lw, uw);
+    const View2<T> uw = packed ? row_range(ubuf, 0, batch * Lw) : row_range(u, t0, Lw);
+    const View2<T> ow = packed ? row_range(obuf, 0, batch * Lw) : row_range(out, t0, Lw);
+    if (packed) gather<T>(u, seqlen, t0, Lw, uw);
     if (w > 0) zero_new_records(seq, t0, cur);
     State next;
     if (w + 1 < nw) next = m.make_state(batch);
-    Acts aw;
-    m.forward(uw, batch, Lw, seq_window(seq, t0, Lw), ow, aw, false, w > 0 ? &cur : nullptr,
+    Acts aw;  // dropped at the end of the window (with its views of uw) but for the copies kept below
+    m.forward(uw, batch, Lw, seq_window(seq, t0, Lw, sbuf), ow, aw, false, w > 0 ? &cur : nullptr,
               w + 1 < nw ? &next : nullptr);
     if (w > 0) {  // the forward's copies of the state the window started from
       acts.win_conv.push_back(aw.conv_init);
       acts.win_ssm.push_back(aw.ssm_init);
     }
-    scatter<T>(ow, seqlen, t0, Lw, out);
+    if (packed) scatter<T>(ow, seqlen, t0, Lw, out);
     cur = next;
   }
 }
@@ -140,15 +161,24 @@ void backward(const Mixer& m, index_t W, Acts& a, index_t batch, index_t seqlen,
   const index_t nw = (seqlen + W - 1) / W, D = du.extent(1), Dout = dout.extent(1);
   require(index_t(a.win_ssm.size()) == nw - 1, "windowed backward", "the windowed forward kept ", a.win_ssm.size(),
           " boundary states for ", nw, " windows");
+  const bool packed = batch > 1;  // batch 1: the window's rows are a row range of u, dout and du
+  PoolScope ws;  // the packed buffers and record ids, sized for a full window and reused by every window
+  const View2<T> ubuf = packed ? ws.take<View2<T>>("window::u", batch * W, D) : View2<T>();
+  const View2<T> dobuf = packed ? ws.take<View2<T>>("window::dout", batch * W, Dout) : View2<T>();
+  const View2<T> dubuf = packed ? ws.take<View2<T>>("window::du", batch * W, D) : View2<T>();
+  const View1<std::int32_t> sbuf =
+      packed && seq.extent(0) > 0 ? ws.take<View1<std::int32_t>>("window::seq", batch * W) : View1<std::int32_t>();
   using State = decltype(m.make_state(batch));
   State dcarry;  // gradient of the state the window to the right started from
   for (index_t w = nw - 1; w >= 0; --w) {
     const index_t t0 = w * W, Lw = std::min(W, seqlen - t0);
-    View2<T> uw = make_uninit<View2<T>>("window::u", batch * Lw, D);
-    View2<T> dow = make_uninit<View2<T>>("window::dout", batch * Lw, Dout);
-    View2<T> duw = make_uninit<View2<T>>("window::du", batch * Lw, D);
-    gather<T>(a.u, seqlen, t0, Lw, uw);
-    gather<T>(dout, seqlen, t0, Lw, dow);
+    const View2<T> uw = packed ? row_range(ubuf, 0, batch * Lw) : row_range(a.u, t0, Lw);
+    const View2<const T> dow = packed ? View2<const T>(row_range(dobuf, 0, batch * Lw)) : row_range(dout, t0, Lw);
+    const View2<T> duw = packed ? row_range(dubuf, 0, batch * Lw) : row_range(du, t0, Lw);
+    if (packed) {
+      gather<T>(a.u, seqlen, t0, Lw, uw);
+      gather<T>(dout, seqlen, t0, Lw, row_range(dobuf, 0, batch * Lw));
+    }
     Acts aw;
     aw.u = uw;
     if (w > 0) {
@@ -157,9 +187,9 @@ void backward(const Mixer& m, index_t W, Acts& a, index_t batch, index_t seqlen,
     }
     State dinit;
     if (w > 0) dinit = m.make_state(batch);
-    m.backward(aw, batch, Lw, seq_window(seq, t0, Lw), dow, duw, w + 1 < nw ? &dcarry : nullptr,
+    m.backward(aw, batch, Lw, seq_window(seq, t0, Lw, sbuf), dow, duw, w + 1 < nw ? &dcarry : nullptr,
                w > 0 ? &dinit : nullptr);
-    scatter<T>(duw, seqlen, t0, Lw, du);
+    if (packed) scatter<T>(duw, seqlen, t0, Lw, du);
     if (w > 0) {
       zero_new_records(seq, t0, dinit);  // those rows started from zero, not from the state
       dcarry = dinit;
