@@ -693,19 +693,22 @@ TEST_CASE("SSD per-token skip coefficient D_token: y gains D_token x, dx gains D
   }
 }
 
-TEST_CASE("SSD fused backward's one-kernel dB and dC (one head a group) equal the fp32 GEMM formulation's",
+TEST_CASE("SSD fused backward's one-kernel dB and dC (BcForm::kernel) equal the fp32 GEMM formulation's",
           "[ssd][gradcheck]") {
-  // ssd_fused::bc_backward (BcForm::kernel) where ngroups = nheads: a short last chunk, chunks of 128 and 256 (the
-  // intra-chunk term over several 64-token slices), d_state 160 (a second, partial block of 128 columns) and 80,
-  // headdim 16 to 128, records, an initial state, blocks of one head (h0 > 0); the recomputing backward and the
-  // one from the forward's kept intermediates. Each against the gemm algorithm in fp32 (tied to finite
-  // differences by the double tests) and against the fused backward with the GEMM form of dB and dC. On host
-  // builds every side is the GEMM formulation in fp32.
+  // ssd_fused::bc_backward with one head a group and with groups of 2 and 3 heads: a short last chunk, chunks of
+  // 128 and 256 (the intra-chunk term over several 64-token slices), d_state 160 (a second, partial block of 128
+  // columns) and 80, headdim 16 to 128, records, an initial state, blocks of heads after the first (h0 > 0), and a
+  // workspace that splits a group (where the GEMM form is kept); the recomputing backward and the one from the
+  // forward's kept intermediates. Each against the gemm algorithm in fp32 (tied to finite differences by the
+  // double tests) and against the fused backward with the GEMM form. On host builds every side is the GEMM
+  // formulation in fp32.
   struct Shape : FusedShape {
     double workspace_heads;
   };
   for (const Shape& sh : {Shape{{300, 4, 16, 4, 32, 64}, 8}, Shape{{333, 2, 64, 2, 128, 128}, 1},
-                          Shape{{200, 3, 128, 3, 160, 64}, 2}, Shape{{256, 2, 48, 2, 80, 256}, 1}}) {
+                          Shape{{200, 3, 128, 3, 160, 64}, 2}, Shape{{256, 2, 48, 2, 80, 256}, 1},
+                          Shape{{300, 4, 16, 2, 32, 64}, 8}, Shape{{200, 4, 128, 2, 160, 64}, 2},
+                          Shape{{256, 3, 48, 1, 80, 256}, 3}, Shape{{300, 4, 16, 2, 32, 64}, 1}}) {
     for (bool records : {true, false})
       for (bool kept : {false, true}) {
         const bool kernels = ssd_fused::fits(int(sh.P), int(sh.N), int(sh.Q));
@@ -736,19 +739,19 @@ TEST_CASE("SSD fused backward's one-kernel dB and dC (one head a group) equal th
         }
         for (int k = 1; k < 3; ++k)
           for (std::size_t i = 0; i < grads[0].size(); ++i) {
-            INFO("P=" << sh.P << " N=" << sh.N << " Q=" << sh.Q << " records=" << records << " kept=" << kept
-                      << " gradient " << i << (k == 2 ? " (bc_backward)" : " (GEMM dB, dC)"));
+            INFO("P=" << sh.P << " G=" << sh.G << " N=" << sh.N << " Q=" << sh.Q << " records=" << records
+                      << " kept=" << kept << " workspace heads " << sh.workspace_heads << " gradient " << i << (k == 2 ? " (bc_backward)" : " (GEMM dB, dC)"));
             CHECK(rel_err(grads[k][i], grads[0][i]) < (i < 2 ? 2e-2 : 5e-2));
           }
         // the two fused forms differ only in how dB and dC are formed (bf16 operands against tf32 GEMMs)
         for (std::size_t i = 0; i < grads[1].size(); ++i) {
-          INFO("P=" << sh.P << " N=" << sh.N << " Q=" << sh.Q << " records=" << records << " kept=" << kept
-                    << " gradient " << i << ", bc_backward against the GEMM form");
+          INFO("P=" << sh.P << " G=" << sh.G << " N=" << sh.N << " Q=" << sh.Q << " records=" << records
+                    << " kept=" << kept << " workspace heads " << sh.workspace_heads << " gradient " << i << ", bc_backward against the GEMM form");
           CHECK(rel_err(grads[2][i], grads[1][i]) < (i < 2 ? 2e-2 : 5e-2));
         }
       }
   }
-  // the kernel asks for one head a group
+  // the kernel asks for runs of whole groups
   if (ssd_fused::fits(16, 32, 64)) {
     ssd_fused::Args a;
     a.H = 4;
@@ -756,7 +759,9 @@ TEST_CASE("SSD fused backward's one-kernel dB and dC (one head a group) equal th
     a.P = 16;
     a.N = 32;
     a.Q = 64;
-    CHECK_THROWS_WITH(ssd_fused::bc_backward(a), ContainsSubstring("one head a group"));
+    a.nh = 4;
+    a.run_len = 1;
+    CHECK_THROWS_WITH(ssd_fused::bc_backward(a), ContainsSubstring("runs of whole groups"));
   }
 }
 

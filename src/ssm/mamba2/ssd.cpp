@@ -825,9 +825,9 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
   const GemmCompute cmp = fused ? fused_chunk_compute(s.compute) : s.compute;
   if (!from_kept) dt_cumsum(c);
   const GemmCtx<T> g = make_gemm_ctx(c, s.gemm_workspace_bytes, true, ws, !fused);
-  // one head a group under BcForm::kernel: dB and dC of a block's heads in one kernel each (ssd_fused::bc_backward),
-  // which scales X and dY itself: no xw, no scaled dY, no state-term GEMMs, no W2 GEMMs
-  const bool bc_kernel = fused && c.hpg == 1 && ssd_fused::bc_form == ssd_fused::BcForm::kernel;
+  // BcForm::kernel, where every block of heads is whole groups: dB and dC of a block's groups in one kernel
+  // (ssd_fused::bc_backward), which scales X and dY itself: no xw, no scaled dY, no state-term or W2 GEMMs
+  const bool bc_kernel = fused && g.run_len == c.hpg && ssd_fused::bc_form == ssd_fused::BcForm::kernel;
   if (from_kept) {  // Delta, the cumsum, S_in and C B^T as the forward left them
     if (!bc_kernel) state_weights(c, g);
   } else {
@@ -999,6 +999,7 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
       if constexpr (std::is_same_v<T, float>) {
         ssd_fused::Args a = fused_block_args(c, dy.data(), ldy, dXx, lddx, v.data(), blk0, nh);
         a.w2 = w2.data();
+        a.run_len = int(rl);
         a.dstates = dstates.data();
         a.dbc = dX;
         a.lddbc = ldd;

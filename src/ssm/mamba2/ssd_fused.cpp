@@ -1737,13 +1737,14 @@ __host__ __device__ constexpr std::size_t bcg_smem(int P) { return bcg_fac_offse
 
 __device__ __forceinline__ float4 scale4(float4 v, float f) { return make_float4(v.x * f, v.y * f, v.z * f, v.w * f); }
 
-// One block per (64 tokens r0 .. r0 + 63 of a chunk and 128 columns n0 .. of d_state, head of the block, (row,
-// chunk)); warp w owns rows 16 w .. 16 w + 15 of each output tile and its 8 column fragments. For dB, then dC:
-// the state term over K = P (A = es Delta X or e_in dY rows, B = dH or S_in), then the intra-chunk term over the
-// chunk's 64-token slices that can be non-zero (dB: W2^T C over l >= s, the slices from the tile's own on; dC:
-// W2 B over s <= l, the slices up to the tile's own), staged synchronously (loads batched, see batched()); the
+// One block per (64 tokens r0 .. r0 + 63 of a chunk and 128 columns n0 .. of d_state, run u of the block (a run is
+// a whole group), (row, chunk)); warp w owns rows 16 w .. 16 w + 15 of each output tile and its 8 column fragments.
+// For dB, then dC: the state terms of the group's heads, one head at a time over K = P (A = es Delta X or e_in dY
+// rows of the head, B = its dH or S_in), then the intra-chunk term over the chunk's 64-token slices that can be
+// non-zero (dB: W2^T C over l >= s, the slices from the tile's own on; dC: W2 B over s <= l, the slices up to the
+// tile's own; W2 already summed over the run's heads), staged synchronously (loads batched, see batched()); the
 // fp32 result goes through shared memory to the output columns, each element written once.
-template <int PT, bool V4>
+template <int PT, bool V4, bool kOne>
 __global__ void __launch_bounds__(kThreads, PT <= 4 ? 3 : 2) bc_backward_kernel(const Args a) {
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int P = PT * 16, lda = bcg_ka(P) + kPad, ldb = kNT + kPad, ldo = kNT + 4, NF = kNT / 16;
@@ -1754,32 +1755,42 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 3 : 2) bc_backward_kernel(
   float* ein_l = es_l + kTile;
   float* dt_l = ein_l + kTile;
 
-  const int ntl = (a.N + kNT - 1) / kNT;
-  const int rt = blockIdx.x / ntl, n0 = (blockIdx.x % ntl) * kNT, hi = blockIdx.y, h = a.h0 + hi, bc = blockIdx.z;
+  const int ntl = (a.N + kNT - 1) / kNT, hpg = a.H / a.G;
+  const int rt = blockIdx.x / ntl, n0 = (blockIdx.x % ntl) * kNT, u = blockIdx.y, bc = blockIdx.z;
   const int b = bc / a.nc, ch = bc % a.nc, t0 = ch * a.Q, q = min(a.Q, a.L - t0), r0 = rt * kTile;
   if (r0 >= q) return;  // a tile past the short last chunk (the whole block, before any barrier)
-  const int nr = min(kTile, q - r0), nw = min(kNT, a.N - n0), g = h / (a.H / a.G), nsl = (q + kTile - 1) / kTile;
+  const int g = (a.h0 + u * a.run_len) / hpg;  // the run's group (runs are whole groups here)
+  const int nr = min(kTile, q - r0), nw = min(kNT, a.N - n0), nsl = (q + kTile - 1) / kTile;
   const int warp = threadIdx.x / 32;
   const std::int64_t row0 = std::int64_t(b) * a.L, rows = row0 + t0;  // the chunk's first token row
-  const float* W2 = a.w2 + (std::int64_t(hi) * a.batch * a.nc + bc) * a.Q * a.Q;  // runs of one head: run hi
-  const std::int64_t sidx = (std::int64_t(bc) * a.H + h) * P * a.N + n0;      // (p = 0, n0) of the head's state
+  const float* W2 = a.w2 + (std::int64_t(u) * a.batch * a.nc + bc) * a.Q * a.Q;
   const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
-  epilogue_factors(a, b, h, ch, row0, t0, q, r0, nr, es_l, ein_l, dt_l);
-  __syncthreads();
+  if constexpr (kOne) {  // the one head's factors, for both outputs
+    epilogue_factors(a, b, g, ch, row0, t0, q, r0, nr, es_l, ein_l, dt_l);
+    __syncthreads();
+  }
 
   for (int o = 0; o < 2; ++o) {
     const bool dc = o == 1;  // 0: dB, 1: dC
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[NF];
 #pragma unroll
     for (int j = 0; j < NF; ++j) wmma::fill_fragment(acc[j], 0.f);
-    {  // the state term, K = P
+    // (kOne: one head a group, a loop of one known at compile time, the factors formed once above; ptxas, sm_90,
+    // at the 168-register bound of headdim <= 64: 40 bytes of spill stores at headdim 64 and none below it with
+    // kOne, 24 to 128 bytes without)
+    for (int hh = 0; hh < (kOne ? 1 : hpg); ++hh) {  // the state terms, K = P a head
+      const int h = g * hpg + hh;
+      if constexpr (!kOne) {
+        epilogue_factors(a, b, h, ch, row0, t0, q, r0, nr, es_l, ein_l, dt_l);
+        __syncthreads();
+      }
       const float* src = dc ? a.dy + (rows + r0) * a.ldy + h * P : a.xs + (rows + r0) * a.ldxs + h * P;
       const std::int64_t lds = dc ? a.ldy : a.ldxs;
       batched<kTile, P>([&](int r, int c) { return r < nr ? load4<V4>(src + r * lds + c) : zero; },
                         [&](int r, int c, float4 v) {
                           store4_bf16(ah + r * lda + c, scale4(v, dc ? ein_l[r] : es_l[r] * dt_l[r]));
                         });
-      const float* st = (dc ? a.states : a.dstates) + sidx;
+      const float* st = (dc ? a.states : a.dstates) + (std::int64_t(bc) * a.H + h) * P * a.N + n0;
       batched<P, kNT>([&](int r, int c) { return c < nw ? load4<true>(st + std::int64_t(r) * a.N + c) : zero; },
                       [&](int r, int c, float4 v) { store4_bf16(bh + r * ldb + c, v); });
       __syncthreads();
@@ -1795,7 +1806,7 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 3 : 2) bc_backward_kernel(
           wmma::mma_sync(acc[j], fa, fb, acc[j]);
         }
       }
-      __syncthreads();
+      __syncthreads();  // before the next head's factors and tiles
     }
     // the intra-chunk term over the slices k of 64 tokens: A = W2 restricted to (l in the l range, s in the s
     // range) as [l][s] (zero where l < s or past the chunk), B = C (dB) or B (dC) rows of the slice
@@ -1908,20 +1919,24 @@ bool aligned4_bwd(const Args& a) {
   return aligned4(a) && aligned16(a.dy) && aligned16(a.dx) && a.ldd % 4 == 0;
 }
 
+template <int PT, bool V4, bool kOne>
+void launch_bc(const Args& a, const dim3& grid, std::size_t bytes, cudaStream_t st) {
+  allow_smem<bc_backward_kernel<PT, V4, kOne>>(bytes, "dB, dC (bc_backward)");
+  bc_backward_kernel<PT, V4, kOne><<<grid, kThreads, bytes, st>>>(a);
+}
+
 template <int PT>
 void launch_bc(const Args& a) {
   const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
   const std::size_t bytes = bcg_smem(PT * 16);
-  const dim3 grid(((a.Q + kTile - 1) / kTile) * ((a.N + kNT - 1) / kNT), a.nh, a.batch * a.nc);
+  const dim3 grid(((a.Q + kTile - 1) / kTile) * ((a.N + kNT - 1) / kNT), a.nh / a.run_len, a.batch * a.nc);
   const bool v4 = aligned4(a) && aligned16(a.dy) && a.ldy % 4 == 0 && aligned16(a.dbc) && a.lddbc % 4 == 0;
-  if (v4) {
-    allow_smem<bc_backward_kernel<PT, true>>(bytes, "dB, dC (one head a group)");
-    bc_backward_kernel<PT, true><<<grid, kThreads, bytes, st>>>(a);
-  } else {
-    allow_smem<bc_backward_kernel<PT, false>>(bytes, "dB, dC (one head a group)");
-    bc_backward_kernel<PT, false><<<grid, kThreads, bytes, st>>>(a);
-  }
-  check_launch("dB, dC (one head a group)");
+  const bool one = a.G == a.H;
+  if (v4)
+    one ? launch_bc<PT, true, true>(a, grid, bytes, st) : launch_bc<PT, true, false>(a, grid, bytes, st);
+  else
+    one ? launch_bc<PT, false, true>(a, grid, bytes, st) : launch_bc<PT, false, false>(a, grid, bytes, st);
+  check_launch("dB, dC (bc_backward)");
 }
 
 template <int PT>
@@ -1994,7 +2009,10 @@ bool epilogue_writes_wdecay(int headdim, int dstate) { return epr_smem(headdim, 
 
 void bc_backward(const Args& a) {
   Kokkos::Profiling::ScopedRegion region("ssd::fused_bc_backward");
-  require(a.G == a.H, "ssd fused", "bc_backward needs one head a group (nheads ", a.H, ", ngroups ", a.G, ")");
+  const int hpg = a.G > 0 ? a.H / a.G : 0;
+  require(hpg > 0 && a.run_len == hpg && a.h0 % hpg == 0 && a.nh % hpg == 0, "ssd fused",
+          "bc_backward needs runs of whole groups (heads per group ", hpg, ", run length ", a.run_len, ", block of ",
+          a.nh, " heads from ", a.h0, ")");
   with_tiles(a, [&](auto pt) { launch_bc<decltype(pt)::value>(a); });
 }
 

@@ -82,15 +82,15 @@ void intra_backward(const Args& a);
 enum class Form { mma, wmma, mma_ring };
 extern Form scan_form, intra_form;
 
-// How the backward forms dB and dC where every group is one head (ngroups = nheads: Mamba-3's SISO route, or a
-// Mamba-2 layer configured so): gemm, as for any grouping, four two-level batched cuBLAS products per block of
-// heads (the state terms (es Delta X) dH and (e_in dY) S_in, then W2^T C and W2 B added) over operands in device
-// memory (the es Delta X copy and dY's scaled copy included); kernel, bc_backward: both outputs of a (64 tokens,
-// head, chunk) formed in one pass and written once, and dH's chunk terms (e_in dY)^T C by chunk_state with
-// ein_weights instead of a GEMM on dY's scaled copy, which is then not formed. At the Mamba-3 bench shape
-// (8 x 8,192 tokens, 24 heads, headdim 64, d_state 128, chunk 64) the four products move about 11.6 GB and
-// bc_backward about 6 GB, and the scaled copy 0.8 GB (counted); none of it has been timed yet, so gemm stays the
-// default until it is (perf/RESULTS.md).
+// How the fused backward forms dB and dC: gemm, two-level batched cuBLAS products per block of heads (the state
+// terms (es Delta X) dH and (e_in dY) S_in of every group, then W2^T C and W2 B added) over operands in device
+// memory (copies of es Delta X and of e_in dY included); kernel, where each block of heads is whole groups (always
+// for one head a group, as Mamba-3's SISO route has; for Mamba-2's groups where the workspace budget holds a whole
+// group): bc_backward, both outputs of a (64 tokens, group, chunk) formed in one pass and written once, and dH's
+// chunk terms (e_in dY)^T C by chunk_state with ein_weights instead of a GEMM on the scaled copy of dY, which is then
+// not formed (nor that of X). At the Mamba-3 bench shape (8 x 8,192 tokens, 24 heads, one a group, headdim 64,
+// d_state 128, chunk 64) the four products move about 11.6 GB and bc_backward about 6 GB, and the two copies 1.6 GB
+// (counted); none of it has been timed yet, so gemm stays the default until it is (perf/RESULTS.md).
 enum class BcForm { gemm, kernel };
 extern BcForm bc_form;
 
@@ -117,11 +117,12 @@ void state_epilogue(const Args& a);
 // Whether state_epilogue takes the resident form for this headdim and d_state (and so fills Args::wdecay).
 bool epilogue_writes_wdecay(int headdim, int dstate);
 
-// dB and dC of every group of the block of heads in `a` where each group is one head (G = H; BcForm::kernel),
-// written (not added) to the B and C columns of dbc:
-//   dB_s = es(s) Delta_s X_s dH + sum_{l >= s} W2(l, s) C_l,   dC_l = e_in(l) dY_l S_in + sum_{s <= l} W2(l, s) B_s
-// with dstates dH, states S_in and w2 as intra_backward left it (runs of one head). One block per (64 tokens,
-// 128 columns of d_state, head, chunk) on tensor cores (WMMA, bf16 operands, fp32 accumulation).
+// dB and dC of every group of the block of heads in `a`, whose runs (run_len) are whole groups (BcForm::kernel),
+// written (not added) to the B and C columns of dbc: over the group's heads h
+//   dB_s = sum_h es_h(s) Delta_h(s) X_h(s) dH_h + sum_{l >= s} W2(l, s) C_l,
+//   dC_l = sum_h e_in,h(l) dY_h(l) S_in,h + sum_{s <= l} W2(l, s) B_s
+// with dstates dH, states S_in and w2 (summed over each run's heads) as intra_backward left it. One block per
+// (64 tokens, 128 columns of d_state, group, chunk) on tensor cores (WMMA, bf16 operands, fp32 accumulation).
 void bc_backward(const Args& a);
 
 }  // namespace mm::ssd_fused
