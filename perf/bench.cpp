@@ -7,6 +7,8 @@
 //                  [--lm-window W]   (the LM's Mamba-2 layers in windows of W tokens: model.mixer_window)
 //                  [--ssd V,..] [--lm-ssd V,..]   V: portable | gemm-C | fused-C, C = fp32 | tf32 | bf16 (SSD variants
 //                  timed; the first is the reference the others' outputs are compared with)
+//                  [--bc-form gemm|kernel]   (how the fused backward forms dB and dC: ssd_fused::BcForm; the ssd and
+//                  mamba3 cases also time the other form)
 //   mpiexec -n N mambamoe_bench --only lm --cp N ...   (the LM step with every sequence split over N ranks)
 //   mpiexec -n N mambamoe_bench --only lm --cp N --backend nccl   (the same over NCCL: device buffers, one GPU per rank)
 //
@@ -467,6 +469,12 @@ void bench_ssd(int reps, const std::vector<SSDVariant>& variants) {
       record(nfb + " (intra-chunk backward: WMMA kernel)", "time", time_median(1, r, [&] { fwd_bwd(true); }) * 1e3,
              "ms");
     }
+    if (kernels) {  // the other form of dB and dC (ssd_fused::BcForm; the group of 24 heads is one run here)
+      const bool kern = ssd_fused::bc_form == ssd_fused::BcForm::kernel;
+      const ssd_fused::FormScope form(ssd_fused::bc_form, kern ? ssd_fused::BcForm::gemm : ssd_fused::BcForm::kernel);
+      record(nfb + (kern ? " (dB, dC: GEMMs)" : " (dB, dC: one kernel)"), "time",
+             time_median(1, r, [&] { fwd_bwd(true); }) * 1e3, "ms");
+    }
     if (g_profile) {
       kprof::report(nf, [&] { ssd_forward<T>(s, in, y, View4<float>()); });
       PoolScope pool;
@@ -612,8 +620,8 @@ void bench_mamba3(int reps, const SSDVariant& var, index_t batch, index_t seqlen
     mixer.backward(acts, batch, seqlen, dout, du);
   };
   time_with_memory(name, reps, one);
-  // the native kernels run (CUDA, a shape they take): the backward's dB and dC (one head a group here) also by
-  // ssd_fused::bc_backward, against the GEMM form above, with the largest gradients' agreement
+  // the native kernels run (CUDA, a shape they take): the backward's dB and dC (one head a group here) also in the
+  // other ssd_fused::BcForm (--bc-form picks the one above), with the largest gradients' agreement
   if (var.algo == SSDAlgo::fused && ssd_fused::fits(int(cfg.headdim), int(cfg.d_state), int(cfg.chunk_size))) {
     auto host = [](const auto& v) {
       auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
@@ -622,8 +630,10 @@ void bench_mamba3(int reps, const SSDVariant& var, index_t batch, index_t seqlen
     one();
     Kokkos::fence();
     const std::vector<float> du0 = host(du), g0 = host(ps.grads());
-    const ssd_fused::FormScope form(ssd_fused::bc_form, ssd_fused::BcForm::kernel);
-    time_with_memory(name + " (dB, dC: one kernel)", reps, one);
+    const bool kern = ssd_fused::bc_form == ssd_fused::BcForm::kernel;
+    const std::string other = name + (kern ? " (dB, dC: GEMMs)" : " (dB, dC: one kernel)");
+    const ssd_fused::FormScope form(ssd_fused::bc_form, kern ? ssd_fused::BcForm::gemm : ssd_fused::BcForm::kernel);
+    time_with_memory(other, reps, one);
     one();
     Kokkos::fence();
     auto rel = [](const std::vector<float>& a, const std::vector<float>& b) {
@@ -634,9 +644,8 @@ void bench_mamba3(int reps, const SSDVariant& var, index_t batch, index_t seqlen
       }
       return den > 0 ? num / den : num;
     };
-    record(name + " (dB, dC: one kernel)", "du max diff / max |du| against the GEMM form", rel(host(du), du0), "");
-    record(name + " (dB, dC: one kernel)", "parameter gradients max diff / max against the GEMM form",
-           rel(host(ps.grads()), g0), "");
+    record(other, "du: max diff / max |du| of the other form", rel(host(du), du0), "");
+    record(other, "parameter gradients: max diff / max of the other form", rel(host(ps.grads()), g0), "");
   }
 }
 
@@ -792,7 +801,8 @@ void bench_lm(index_t batch, index_t seqlen, int reps, int cp_size, parallel::Ba
                            (cp_size > 1 ? " cp" + std::to_string(cp_size) : "") +
                            (cp_size > 1 && backend == parallel::Backend::nccl ? " nccl" : "") +
                            (window > 0 ? " window " + std::to_string(window) : "") +
-                           (policy == Recompute::none ? " keep all" : " recompute mixer");
+                           (policy == Recompute::none ? " keep all" : " recompute mixer") +
+                           (ssd_fused::bc_form == ssd_fused::BcForm::kernel ? " (dB, dC: one kernel)" : "");
   record(name, "parameters", double(lm.params().count()) / 1e6, "M");
   std::int64_t step = 0;
   auto one = [&] {
@@ -871,6 +881,14 @@ int run(int argc, char** argv, int cp_size, int rank) {
     else if (a == "--profile") g_profile = true;
     else if (a == "--lm-ssd") lm_ssd = next();
     else if (a == "--lm-recompute") lm_recompute = next();
+    else if (a == "--bc-form") {  // how every fused backward in the run forms dB and dC (ssd_fused::BcForm)
+      const std::string f = next();
+      if (f != "gemm" && f != "kernel") {
+        std::cerr << "mambamoe_bench: --bc-form " << f << " is not one of: gemm kernel\n";
+        return 2;
+      }
+      ssd_fused::bc_form = f == "kernel" ? ssd_fused::BcForm::kernel : ssd_fused::BcForm::gemm;
+    }
     else if (a == "--backend") {
       const std::string b = next();
       if (b != "mpi" && b != "nccl") {
@@ -881,7 +899,7 @@ int run(int argc, char** argv, int cp_size, int rank) {
     }
     else {
       std::cerr << "mambamoe_bench: unknown option " << a
-                << " (known: --out DIR, --only copy,gemm,ssd,mamba1,mamba3,moe,lm, --reps N, --lm-batch B, --lm-seqlen L, --lm-window W, --mamba-batch B, --mamba-seqlen L, --moe-tokens N, --cp N, --backend mpi|nccl, --ssd V1,V2,.., --lm-ssd V1,.., --lm-recompute mixer,none; V: portable, gemm-C, fused-C with C = fp32, tf32, bf16)\n";
+                << " (known: --out DIR, --only copy,gemm,ssd,mamba1,mamba3,moe,lm, --reps N, --lm-batch B, --lm-seqlen L, --lm-window W, --mamba-batch B, --mamba-seqlen L, --moe-tokens N, --cp N, --backend mpi|nccl, --ssd V1,V2,.., --lm-ssd V1,.., --lm-recompute mixer,none, --bc-form gemm|kernel; V: portable, gemm-C, fused-C with C = fp32, tf32, bf16)\n";
       return 2;
     }
   }
