@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -50,10 +51,13 @@ void from_vec(const V& v, const std::vector<double>& src) {
 }
 
 // max_i |a_i - b_i| / max(max_i |b_i|, floor): relative to the reference's scale.
+// (infinity where either side holds a NaN or an infinity: std::max passes over a NaN, so without that check an
+// output with NaNs in it could pass every tolerance)
 inline double rel_err(const std::vector<double>& a, const std::vector<double>& b, double floor = 1e-12) {
   REQUIRE(a.size() == b.size());
   double num = 0, den = floor;
   for (std::size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return std::numeric_limits<double>::infinity();
     num = std::max(num, std::abs(a[i] - b[i]));
     den = std::max(den, std::abs(b[i]));
   }
