@@ -623,8 +623,11 @@ struct GemmCtx {
   View1<std::uintptr_t> ptrs;                 // (3 hb B nc): operand pointers of the (chunk, head) GEMMs
 };
 
+// (skip_xw_for_groups: no xw where the blocks of heads are whole groups: the fused backward from a kept context
+// under BcForm::kernel, which never reads it)
 template <class T>
-GemmCtx<T> make_gemm_ctx(const Ctx<T>& c, double budget, bool backward, PoolScope& ws, bool per_head_qq = true) {
+GemmCtx<T> make_gemm_ctx(const Ctx<T>& c, double budget, bool backward, PoolScope& ws, bool per_head_qq = true,
+                         bool skip_xw_for_groups = false) {
   GemmCtx<T> g;
   g.ldx = index_t(c.xbc.stride(0));
   g.HP = c.H * c.Pd;
@@ -636,7 +639,7 @@ GemmCtx<T> make_gemm_ctx(const Ctx<T>& c, double budget, bool backward, PoolScop
   g.hb = bl.heads;
   g.runs = bl.runs;
   g.run_len = g.hb / g.runs;
-  g.xw = ws.take<View2<T>>("ssd::xw", c.Bsz * c.L, g.HP);
+  if (!(skip_xw_for_groups && g.run_len == c.hpg)) g.xw = ws.take<View2<T>>("ssd::xw", c.Bsz * c.L, g.HP);
   if (per_head_qq) {  // the fused backward needs neither the per-head Q x Q workspace nor the pointer arrays
     g.w1 = ws.take<View4<T>>("ssd::qq1", g.hb, c.Bsz * c.nc, c.Q, c.Q);
     g.ptrs = ws.take<View1<std::uintptr_t>>("ssd::gemm_pointers", 3 * g.hb * c.Bsz * c.nc);
@@ -824,10 +827,12 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
                        bool from_kept) {
   const GemmCompute cmp = fused ? fused_chunk_compute(s.compute) : s.compute;
   if (!from_kept) dt_cumsum(c);
-  const GemmCtx<T> g = make_gemm_ctx(c, s.gemm_workspace_bytes, true, ws, !fused);
   // BcForm::kernel, where every block of heads is whole groups: dB and dC of a block's groups in one kernel
-  // (ssd_fused::bc_backward), which scales X and dY itself: no xw, no scaled dY, no state-term or W2 GEMMs
-  const bool bc_kernel = fused && g.run_len == c.hpg && ssd_fused::bc_form == ssd_fused::BcForm::kernel;
+  // (ssd_fused::bc_backward), which scales X and dY itself: no xw (from a kept context not even taken), no scaled
+  // dY, no state-term or W2 GEMMs
+  const bool bc_form = fused && ssd_fused::bc_form == ssd_fused::BcForm::kernel;
+  const GemmCtx<T> g = make_gemm_ctx(c, s.gemm_workspace_bytes, true, ws, !fused, bc_form && from_kept);
+  const bool bc_kernel = bc_form && g.run_len == c.hpg;
   if (from_kept) {  // Delta, the cumsum, S_in and C B^T as the forward left them
     if (!bc_kernel) state_weights(c, g);
   } else {
