@@ -244,6 +244,22 @@ double time_with_memory(const std::string& name, int reps, const std::function<v
   return t;
 }
 
+// A device view's elements on the host (float), and max |a - b| / max |b| of two such copies: the agreement of two
+// variants' outputs that the bench prints.
+template <class V>
+std::vector<float> to_host(const V& v) {
+  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
+  return std::vector<float>(h.data(), h.data() + h.size());
+}
+double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    num = std::max(num, std::abs(double(a[i]) - double(b[i])));
+    den = std::max(den, std::abs(double(b[i])));
+  }
+  return den > 0 ? num / den : num;
+}
+
 // The device floors measured in this run (0 when --only leaves them out): the fastest copy's bandwidth and the
 // fastest GEMM rate (bf16 on CUDA, fp32 on host builds); kernels report their achieved fraction of them.
 double g_copy_tbs = 0, g_gemm_tflops = 0;
@@ -438,18 +454,6 @@ void bench_ssd(int reps, const std::vector<SSDVariant>& variants) {
     }
     // agreement with the first variant: max |y - y_0| / max |y_0| and the same for dx, dB, dC
     static std::vector<float> y0, dx0;
-    auto host = [](const View2<T>& v) {
-      auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
-      return std::vector<float>(h.data(), h.data() + h.size());
-    };
-    auto rel = [](const std::vector<float>& a, const std::vector<float>& b) {
-      double num = 0, den = 0;
-      for (std::size_t i = 0; i < a.size(); ++i) {
-        num = std::max(num, std::abs(double(a[i]) - double(b[i])));
-        den = std::max(den, std::abs(double(b[i])));
-      }
-      return den > 0 ? num / den : num;
-    };
     // forward + backward as the mixer runs them: the forward keeps its context (Delta, cumsum, S_in, C B^T) for
     // the backward (SSDSaved; nothing for portable); and, recorded apart, a backward that forms it again
     auto fwd_bwd = [&](bool keep) {
@@ -485,11 +489,12 @@ void bench_ssd(int reps, const std::vector<SSDVariant>& variants) {
     }
     Kokkos::fence();
     if (vi == 0) {
-      y0 = host(y);
-      dx0 = host(dxbc);
+      y0 = to_host(y);
+      dx0 = to_host(dxbc);
     } else {
-      record(nf, "max abs diff of y vs " + variants[0].name + " / max abs y", rel(host(y), y0), "");
-      record(nfb, "max abs diff of dx,dB,dC vs " + variants[0].name + " / max abs", rel(host(dxbc), dx0), "");
+      record(nf, "max abs diff of y vs " + variants[0].name + " / max abs y", max_rel_diff(to_host(y), y0), "");
+      record(nfb, "max abs diff of dx,dB,dC vs " + variants[0].name + " / max abs", max_rel_diff(to_host(dxbc), dx0),
+             "");
     }
   }
 }
@@ -623,29 +628,18 @@ void bench_mamba3(int reps, const SSDVariant& var, index_t batch, index_t seqlen
   // the native kernels run (CUDA, a shape they take): the backward's dB and dC (one head a group here) also in the
   // other ssd_fused::BcForm (--bc-form picks the one above), with the largest gradients' agreement
   if (var.algo == SSDAlgo::fused && ssd_fused::fits(int(cfg.headdim), int(cfg.d_state), int(cfg.chunk_size))) {
-    auto host = [](const auto& v) {
-      auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
-      return std::vector<float>(h.data(), h.data() + h.size());
-    };
     one();
     Kokkos::fence();
-    const std::vector<float> du0 = host(du), g0 = host(ps.grads());
+    const std::vector<float> du0 = to_host(du), g0 = to_host(ps.grads());
     const bool kern = ssd_fused::bc_form == ssd_fused::BcForm::kernel;
     const std::string other = name + (kern ? " (dB, dC: GEMMs)" : " (dB, dC: one kernel)");
     const ssd_fused::FormScope form(ssd_fused::bc_form, kern ? ssd_fused::BcForm::gemm : ssd_fused::BcForm::kernel);
     time_with_memory(other, reps, one);
     one();
     Kokkos::fence();
-    auto rel = [](const std::vector<float>& a, const std::vector<float>& b) {
-      double num = 0, den = 0;
-      for (std::size_t i = 0; i < a.size(); ++i) {
-        num = std::max(num, std::abs(double(a[i]) - double(b[i])));
-        den = std::max(den, std::abs(double(b[i])));
-      }
-      return den > 0 ? num / den : num;
-    };
-    record(other, "du: max diff / max |du| of the other form", rel(host(du), du0), "");
-    record(other, "parameter gradients: max diff / max of the other form", rel(host(ps.grads()), g0), "");
+    record(other, "du: max diff / max |du| of the other form", max_rel_diff(to_host(du), du0), "");
+    record(other, "parameter gradients: max diff / max of the other form", max_rel_diff(to_host(ps.grads()), g0),
+           "");
   }
 }
 
