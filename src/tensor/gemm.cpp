@@ -283,23 +283,70 @@ void batched2d_cublas(Trans ta, Trans tb, index_t m, index_t n, index_t k, T alp
 
 #else
 
-// Host: one thread per output element of a two-level batch (entry (j, i) at X + j sXj + i sXi), the k loop
-// inside (row-major, op as given).
+// sum_k x_k y_k of two contiguous rows, vectorised as an OpenMP simd reduction where OpenMP is on (without it the
+// compiler keeps the sum's order and so a scalar dependency chain).
+template <class T>
+inline T dot_rows(const T* x, const T* y, index_t k) {
+  T acc = 0;
+#if defined(_OPENMP)
+#pragma omp simd reduction(+ : acc)
+#endif
+  for (index_t kk = 0; kk < k; ++kk) acc += x[kk] * y[kk];
+  return acc;
+}
+
+// Host: one work item per output row of a two-level batch (entry (j, i) at X + j sXj + i sXi; row-major, op as
+// given): with B not transposed the row is alpha sum_k op(A)_ik B_k + beta C_i, 16 columns at a time held in
+// registers over k (contiguous loads of B's rows, vectorised; B reused from cache by the entry's other rows); with
+// B transposed each element is a dot product of contiguous rows (A's row where A is not transposed). One thread
+// per output element with the k loop inside, the earlier form, read B down its columns: 60 % of a CPU training
+// step of a 4-layer d_model 128 LM with the GEMM form of the SSD went there, and the step took 1.5x as long (2
+// cores, 20 steps of 8 x 1,024 tokens: 33.1 against 22.1-22.5 s).
 template <class T>
 void batched2d_host(Trans ta, Trans tb, index_t m, index_t n, index_t k, T alpha, const T* A, index_t lda,
                     index_t sAj, index_t sAi, const T* B, index_t ldb, index_t sBj, index_t sBi, T beta, T* C,
                     index_t ldc, index_t sCj, index_t sCi, index_t nj, index_t ni) {
   if (m == 0 || n == 0 || nj == 0 || ni == 0) return;
   const bool at = ta == Trans::T, bt = tb == Trans::T;
-  par_for("gemm::batched_2d", nj * ni * m, n, KOKKOS_LAMBDA(index_t bi, index_t jj) {
-    const index_t e = bi / m, i = bi % m, bj = e / ni, b_i = e % ni;
+  par_for("gemm::batched_2d", nj * ni * m, KOKKOS_LAMBDA(index_t row) {
+    const index_t e = row / m, i = row % m, bj = e / ni, b_i = e % ni;
     const T* a = A + bj * sAj + b_i * sAi;
     const T* bb = B + bj * sBj + b_i * sBi;
-    T acc = 0;
-    for (index_t kk = 0; kk < k; ++kk)
-      acc += (at ? a[kk * lda + i] : a[i * lda + kk]) * (bt ? bb[jj * ldb + kk] : bb[kk * ldb + jj]);
-    T& c = C[bj * sCj + b_i * sCi + i * ldc + jj];
-    c = alpha * acc + (beta == T(0) ? T(0) : beta * c);
+    T* c = C + bj * sCj + b_i * sCi + i * ldc;
+    if (bt) {
+      for (index_t jj = 0; jj < n; ++jj) {
+        const T* br = bb + jj * ldb;
+        T acc = 0;
+        if (!at) {
+          acc = dot_rows(a + i * lda, br, k);
+        } else {
+          for (index_t kk = 0; kk < k; ++kk) acc += a[kk * lda + i] * br[kk];
+        }
+        c[jj] = alpha * acc + (beta == T(0) ? T(0) : beta * c[jj]);
+      }
+      return;
+    }
+    // blocks of 16 columns in registers across the k loop (one load of B and one multiply-add an element)
+    // (op(A)_ik at ap[k as]: the branch on the transpose out of the loops, which it kept from vectorising)
+    constexpr int kW = 16;
+    const T* ap = at ? a + i : a + i * lda;
+    const index_t as = at ? lda : 1;
+    index_t j0 = 0;
+    for (; j0 + kW <= n; j0 += kW) {
+      T acc[kW];
+      for (int u = 0; u < kW; ++u) acc[u] = T(0);
+      for (index_t kk = 0; kk < k; ++kk) {
+        const T aik = ap[kk * as];
+        const T* br = bb + kk * ldb + j0;
+        for (int u = 0; u < kW; ++u) acc[u] += aik * br[u];
+      }
+      for (int u = 0; u < kW; ++u) c[j0 + u] = alpha * acc[u] + (beta == T(0) ? T(0) : beta * c[j0 + u]);
+    }
+    for (index_t jj = j0; jj < n; ++jj) {
+      T acc = 0;
+      for (index_t kk = 0; kk < k; ++kk) acc += ap[kk * as] * bb[kk * ldb + jj];
+      c[jj] = alpha * acc + (beta == T(0) ? T(0) : beta * c[jj]);
+    }
   });
 }
 
