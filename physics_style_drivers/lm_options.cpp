@@ -194,9 +194,10 @@ void declare_backbone_options(io::Deck& d) {
               "working memory follows the window, not the sequence; same results as one pass. 0: one pass")
       .add<std::string>("model.ssd_algorithm", "auto",
                         "M2 layers and M3 SISO layers: how the SSD is computed: auto (on CUDA fused under "
-                        "ssd_precision = bf16, else gemm; portable on CPU), portable (Kokkos team kernels; M3: its own "
-                        "scan kernels), gemm (batched chunk GEMMs), fused (CUDA: the chunk scan's forward and the "
-                        "backward's intra-chunk products in tensor-core kernels, bf16 operands; otherwise gemm)")
+                        "ssd_precision = bf16, else gemm; on CPU gemm for M2, M3's own scan kernels), portable "
+                        "(Kokkos team kernels; M3: its own scan kernels), gemm (batched chunk GEMMs), fused (CUDA: "
+                        "the chunk scan's forward and the backward's intra-chunk products in tensor-core kernels, "
+                        "bf16 operands; otherwise gemm)")
       .add<std::string>("model.ssd_precision", "fp32",
                         "M2 and M3 SISO layers, CUDA: arithmetic of the SSD's chunk GEMMs: fp32, tf32 or bf16 "
                         "(tensor cores, fp32 accumulation); CPU builds always compute in fp32")

@@ -2,6 +2,7 @@
 // reference, the reduction to Mamba-2's SSD, finite-difference gradients of every scan input and mixer parameter,
 // prefill + step decoding, windowed processing with a carried state, and configuration errors.
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "catch.hpp"
@@ -352,6 +353,20 @@ void check_ssd_route(M3Case c, double fwd_tol, double tok_tol, double sum_tol) {
   }
 }
 }  // namespace
+
+TEST_CASE("Mamba-3 SISO's automatic route: through the SSD on CUDA, the scan's own kernels on host builds", "[mamba3]") {
+  Mamba3ScanShape s;
+  s.rank = 1;
+  const bool cuda = std::string(Exec::name()) == "Cuda";
+  CHECK(s.via_ssd() == cuda);
+  s.algo = SSDAlgo::gemm;  // an explicit SSD algorithm is taken on any backend
+  CHECK(s.via_ssd());
+  s.algo = SSDAlgo::portable;
+  CHECK_FALSE(s.via_ssd());
+  s.algo = SSDAlgo::gemm;
+  s.rank = 2;  // MIMO: always the scan's own kernels
+  CHECK_FALSE(s.via_ssd());
+}
 
 TEST_CASE("Mamba-3 SISO through the fused SSD kernels stays within bf16 rounding (forward and backward)", "[mamba3]") {
   // Shapes the CUDA kernels take (headdim and d_state multiples of 16, chunk 64): the forward against the double

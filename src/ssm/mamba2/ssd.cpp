@@ -1167,10 +1167,9 @@ SSDAlgo ssd_resolved_algo(const SSDShape& s) {
   // bf16 arithmetic asked for: the fused kernels (bf16 operands; they fall back to gemm where the shape does not
   // suit them); fp32 or tf32: gemm, whose products keep that arithmetic
   if (std::is_same_v<Exec, Kokkos::Cuda>) return s.compute == GemmCompute::bf16 ? SSDAlgo::fused : SSDAlgo::gemm;
-  return SSDAlgo::portable;
-#else
-  return SSDAlgo::portable;
 #endif
+  // host: gemm (the chunk products in the host batched GEMM)
+  return SSDAlgo::gemm;
 }
 
 template <class T>

@@ -22,10 +22,13 @@ void Mamba3ScanShape::validate(const char* where) const {
 
 bool Mamba3ScanShape::via_ssd() const {
   if (rank != 1 || algo == SSDAlgo::portable) return false;
-  SSDShape sh;
-  sh.algo = algo;
-  sh.compute = compute;
-  return ssd_resolved_algo(sh) != SSDAlgo::portable;
+  if (algo != SSDAlgo::automatic) return true;
+  // automatic: through the SSD on CUDA (as ssd_resolved_algo picks there), this file's own kernels on host builds
+#if defined(KOKKOS_ENABLE_CUDA)
+  return std::is_same_v<Exec, Kokkos::Cuda>;
+#else
+  return false;
+#endif
 }
 
 namespace {

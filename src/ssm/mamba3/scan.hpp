@@ -60,7 +60,7 @@ struct Mamba3ScanShape {
   SSDAlgo algo = SSDAlgo::automatic;
   GemmCompute compute = GemmCompute::fp32;
   index_t nchunks() const { return (seqlen + chunk - 1) / chunk; }
-  // The SSD route applies (SISO and an algorithm other than portable after resolution).
+  // The SSD route applies: SISO with gemm or fused, or with automatic on CUDA.
   bool via_ssd() const;
   void validate(const char* where) const;
 };
