@@ -89,8 +89,9 @@ extern Form scan_form, intra_form;
 // group): bc_backward, both outputs of a (64 tokens, group, chunk) formed in one pass and written once, and dH's
 // chunk terms (e_in dY)^T C by chunk_state with ein_weights instead of a GEMM on the scaled copy of dY, which is then
 // not formed (nor that of X). At the Mamba-3 bench shape (8 x 8,192 tokens, 24 heads, one a group, headdim 64,
-// d_state 128, chunk 64) the four products move about 11.6 GB and bc_backward about 6 GB, and the two copies 1.6 GB
-// (counted); none of it has been timed yet, so gemm stays the default until it is (perf/RESULTS.md).
+// d_state 128, chunk 64) the GEMM form's passes for dH's chunk terms, dB and dC move about 13.3 GB and the kernel
+// form's 8.8 GB (counted, perf/RESULTS.md, thirty-first session); neither has been timed yet, so gemm stays the
+// default until they are.
 enum class BcForm { gemm, kernel };
 extern BcForm bc_form;
 
