@@ -110,7 +110,7 @@ void windows_equal_one_pass(const Config& base) {
             grads[windowed] = to_vec(ps.grads());
           }
           INFO("batch " << B << ", records cut " << cut << ", window " << W << ", save " << save);
-          auto finite = [](const std::vector<double>& v) {  // (rel_err's max would pass over a NaN)
+          auto finite = [](const std::vector<double>& v) {  // (rel_err fails on them too; this names the output)
             for (double x : v)
               if (!std::isfinite(x)) return false;
             return true;
