@@ -1737,6 +1737,20 @@ __host__ __device__ constexpr std::size_t bcg_smem(int P) { return bcg_fac_offse
 
 __device__ __forceinline__ float4 scale4(float4 v, float f) { return make_float4(v.x * f, v.y * f, v.z * f, v.w * f); }
 
+// acc[j] += fa times the 16 x 16 tile of B at rows kk .., columns 16 j .. of bh (rows ldb apart), for the column
+// fragments j inside the nw valid columns (nw a multiple of 16, so the test is the warp's as a whole)
+template <int NF, class FragA>
+__device__ __forceinline__ void mma_row_tiles(wmma::fragment<wmma::accumulator, 16, 16, 16, float> (&acc)[NF],
+                                              const FragA& fa, const bf* bh, int ldb, int kk, int nw) {
+#pragma unroll
+  for (int j = 0; j < NF; ++j) {
+    if (j * 16 >= nw) continue;
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::row_major> fb;
+    wmma::load_matrix_sync(fb, bh + kk * ldb + j * 16, ldb);
+    wmma::mma_sync(acc[j], fa, fb, acc[j]);
+  }
+}
+
 // One block per (64 tokens r0 .. r0 + 63 of a chunk and 128 columns n0 .. of d_state, run u of the block (a run is
 // a whole group), (row, chunk)); warp w owns rows 16 w .. 16 w + 15 of each output tile and its 8 column fragments.
 // For dB, then dC: the state terms of the group's heads, one head at a time over K = P (A = es Delta X or e_in dY
@@ -1798,13 +1812,7 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 3 : 2) bc_backward_kernel(
       for (int kk = 0; kk < P; kk += 16) {
         wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::row_major> fa;
         wmma::load_matrix_sync(fa, ah + warp * 16 * lda + kk, lda);
-#pragma unroll
-        for (int j = 0; j < NF; ++j) {
-          if (j * 16 >= nw) continue;
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::row_major> fb;
-          wmma::load_matrix_sync(fb, bh + kk * ldb + j * 16, ldb);
-          wmma::mma_sync(acc[j], fa, fb, acc[j]);
-        }
+        mma_row_tiles(acc, fa, bh, ldb, kk, nw);
       }
       __syncthreads();  // before the next head's factors and tiles
     }
@@ -1829,23 +1837,11 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 3 : 2) bc_backward_kernel(
         if (dc) {  // W2 B: A(l, s) at ah[l lda + s]
           wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::row_major> fa;
           wmma::load_matrix_sync(fa, ah + warp * 16 * lda + kk, lda);
-#pragma unroll
-          for (int j = 0; j < NF; ++j) {
-            if (j * 16 >= nw) continue;
-            wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::row_major> fb;
-            wmma::load_matrix_sync(fb, bh + kk * ldb + j * 16, ldb);
-            wmma::mma_sync(acc[j], fa, fb, acc[j]);
-          }
+          mma_row_tiles(acc, fa, bh, ldb, kk, nw);
         } else {  // W2^T C: A(s, l) = W2(l, s) at ah[l lda + s], a column-major fragment
           wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::col_major> fa;
           wmma::load_matrix_sync(fa, ah + kk * lda + warp * 16, lda);
-#pragma unroll
-          for (int j = 0; j < NF; ++j) {
-            if (j * 16 >= nw) continue;
-            wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::row_major> fb;
-            wmma::load_matrix_sync(fb, bh + kk * ldb + j * 16, ldb);
-            wmma::mma_sync(acc[j], fa, fb, acc[j]);
-          }
+          mma_row_tiles(acc, fa, bh, ldb, kk, nw);
         }
       }
       __syncthreads();  // before the next slice is staged (or the output tile overwrites the stages)
