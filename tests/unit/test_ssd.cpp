@@ -42,6 +42,19 @@ struct FusedShape {
   }
 };
 
+// A fused-kernel shape with a workspace budget of this many heads (blocks of heads and runs), and that budget in
+// bytes for case c: per head a Q x Q workspace, or where the fused backward runs (fused_blocks) its own per-head
+// arrays, by which it sizes its blocks of heads.
+struct BlockedShape : FusedShape {
+  double workspace_heads;
+};
+double head_budget(const Case& c, bool fused_blocks, double heads) {
+  const index_t nc = (c.L + c.Q - 1) / c.Q;
+  const double per_head = fused_blocks ? ssd_fused_head_bytes(double(c.B * c.L), c.Q, sizeof(float))
+                                       : double(c.B * nc * c.Q * c.Q * sizeof(float));
+  return per_head * heads;
+}
+
 const char* algo_name(SSDAlgo a) {
   return a == SSDAlgo::gemm ? "gemm" : a == SSDAlgo::fused ? "fused" : "portable";
 }
@@ -252,9 +265,7 @@ TEST_CASE("SSD fused tensor-core backward equals the fp32 GEMM formulation's wit
   // takes the per-tile form (ssd_fused::epilogue_writes_wdecay is false there; true for the others); every
   // gradient against the gemm algorithm in fp32, which the double tests tie to finite differences. On host builds
   // both are the fp32 GEMM formulation.
-  struct Shape : FusedShape {
-    double workspace_heads;  // the Q x Q workspace budget in heads (blocks of heads and runs)
-  };
+  using Shape = BlockedShape;
   for (const Shape& sh : {Shape{{300, 4, 16, 2, 32, 64}, 8}, Shape{{333, 2, 64, 1, 128, 128}, 1},
                           Shape{{200, 4, 128, 2, 80, 64}, 2}, Shape{{256, 3, 48, 1, 16, 256}, 3},
                           Shape{{160, 2, 128, 1, 128, 64}, 2}}) {
@@ -270,11 +281,7 @@ TEST_CASE("SSD fused tensor-core backward equals the fp32 GEMM formulation's wit
         c.dt_lo = 0.02;
         c.algo = k == 0 ? SSDAlgo::gemm : SSDAlgo::fused;
         c.compute = k == 0 ? GemmCompute::fp32 : GemmCompute::bf16;
-        const index_t nc = (c.L + c.Q - 1) / c.Q;
-        c.workspace = double(c.B * nc * c.Q * c.Q * sizeof(float)) * sh.workspace_heads;
-        // the fused backward sizes its blocks of heads by its own per-head arrays
-        if (k >= 1 && kernels)
-          c.workspace = ssd_fused_head_bytes(double(c.B * c.L), c.Q, sizeof(float)) * sh.workspace_heads;
+        c.workspace = head_budget(c, k >= 1 && kernels, sh.workspace_heads);
         const ssd_fused::FormScope form(ssd_fused::intra_form, k == 2 ? ssd_fused::Form::wmma : ssd_fused::Form::mma);
         grads[k] = backward_grads(Data<float>(c));
       }
@@ -703,9 +710,7 @@ TEST_CASE("SSD fused backward's one-kernel dB and dC (BcForm::kernel) equal the 
   // forward's kept intermediates. Each against the gemm algorithm in fp32 (tied to finite differences by the
   // double tests) and against the fused backward with the GEMM form. On host builds every side is the GEMM
   // formulation in fp32.
-  struct Shape : FusedShape {
-    double workspace_heads;
-  };
+  using Shape = BlockedShape;
   for (const Shape& sh : {Shape{{300, 4, 16, 4, 32, 64}, 8}, Shape{{333, 2, 64, 2, 128, 128}, 1},
                           Shape{{200, 3, 128, 3, 160, 64}, 2}, Shape{{256, 2, 48, 2, 80, 256}, 1},
                           Shape{{300, 4, 16, 2, 32, 64}, 8}, Shape{{200, 4, 128, 2, 160, 64}, 2},
@@ -720,11 +725,7 @@ TEST_CASE("SSD fused backward's one-kernel dB and dC (BcForm::kernel) equal the 
           c.dt_lo = 0.02;
           c.algo = k == 0 ? SSDAlgo::gemm : SSDAlgo::fused;
           c.compute = k == 0 ? GemmCompute::fp32 : GemmCompute::bf16;
-          const index_t nc = (c.L + c.Q - 1) / c.Q;
-          // blocks of heads: the fused backward sizes them by its own per-head arrays
-          const double per_head = kernels && k > 0 ? ssd_fused_head_bytes(double(c.B * c.L), c.Q, sizeof(float))
-                                                   : double(c.B * nc * c.Q * c.Q * sizeof(float));
-          c.workspace = per_head * sh.workspace_heads;
+          c.workspace = head_budget(c, kernels && k > 0, sh.workspace_heads);
           const ssd_fused::FormScope form(ssd_fused::bc_form,
                                           k == 2 ? ssd_fused::BcForm::kernel : ssd_fused::BcForm::gemm);
           Data<float> d(c);
@@ -741,13 +742,15 @@ TEST_CASE("SSD fused backward's one-kernel dB and dC (BcForm::kernel) equal the 
         for (int k = 1; k < 3; ++k)
           for (std::size_t i = 0; i < grads[0].size(); ++i) {
             INFO("P=" << sh.P << " G=" << sh.G << " N=" << sh.N << " Q=" << sh.Q << " records=" << records
-                      << " kept=" << kept << " workspace heads " << sh.workspace_heads << " gradient " << i << (k == 2 ? " (bc_backward)" : " (GEMM dB, dC)"));
+                      << " kept=" << kept << " workspace heads " << sh.workspace_heads << " gradient " << i
+                      << (k == 2 ? " (bc_backward)" : " (GEMM dB, dC)"));
             CHECK(rel_err(grads[k][i], grads[0][i]) < (i < 2 ? 2e-2 : 5e-2));
           }
         // the two fused forms differ only in how dB and dC are formed (bf16 operands against tf32 GEMMs)
         for (std::size_t i = 0; i < grads[1].size(); ++i) {
           INFO("P=" << sh.P << " G=" << sh.G << " N=" << sh.N << " Q=" << sh.Q << " records=" << records
-                    << " kept=" << kept << " workspace heads " << sh.workspace_heads << " gradient " << i << ", bc_backward against the GEMM form");
+                    << " kept=" << kept << " workspace heads " << sh.workspace_heads << " gradient " << i
+                    << ", bc_backward against the GEMM form");
           CHECK(rel_err(grads[2][i], grads[1][i]) < (i < 2 ? 2e-2 : 5e-2));
         }
       }
