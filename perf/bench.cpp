@@ -260,6 +260,14 @@ double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
   return den > 0 ? num / den : num;
 }
 
+// The form of the fused backward's dB and dC other than the run's (--bc-form), and the row label of a form.
+ssd_fused::BcForm other_bc_form() {
+  return ssd_fused::bc_form == ssd_fused::BcForm::kernel ? ssd_fused::BcForm::gemm : ssd_fused::BcForm::kernel;
+}
+const char* bc_form_label(ssd_fused::BcForm f) {
+  return f == ssd_fused::BcForm::kernel ? " (dB, dC: one kernel)" : " (dB, dC: GEMMs)";
+}
+
 // The device floors measured in this run (0 when --only leaves them out): the fastest copy's bandwidth and the
 // fastest GEMM rate (bf16 on CUDA, fp32 on host builds); kernels report their achieved fraction of them.
 double g_copy_tbs = 0, g_gemm_tflops = 0;
@@ -474,10 +482,8 @@ void bench_ssd(int reps, const std::vector<SSDVariant>& variants) {
              "ms");
     }
     if (kernels) {  // the other form of dB and dC (ssd_fused::BcForm; the group of 24 heads is one run here)
-      const bool kern = ssd_fused::bc_form == ssd_fused::BcForm::kernel;
-      const ssd_fused::FormScope form(ssd_fused::bc_form, kern ? ssd_fused::BcForm::gemm : ssd_fused::BcForm::kernel);
-      record(nfb + (kern ? " (dB, dC: GEMMs)" : " (dB, dC: one kernel)"), "time",
-             time_median(1, r, [&] { fwd_bwd(true); }) * 1e3, "ms");
+      const ssd_fused::FormScope form(ssd_fused::bc_form, other_bc_form());
+      record(nfb + bc_form_label(ssd_fused::bc_form), "time", time_median(1, r, [&] { fwd_bwd(true); }) * 1e3, "ms");
     }
     if (g_profile) {
       kprof::report(nf, [&] { ssd_forward<T>(s, in, y, View4<float>()); });
@@ -631,9 +637,8 @@ void bench_mamba3(int reps, const SSDVariant& var, index_t batch, index_t seqlen
     one();
     Kokkos::fence();
     const std::vector<float> du0 = to_host(du), g0 = to_host(ps.grads());
-    const bool kern = ssd_fused::bc_form == ssd_fused::BcForm::kernel;
-    const std::string other = name + (kern ? " (dB, dC: GEMMs)" : " (dB, dC: one kernel)");
-    const ssd_fused::FormScope form(ssd_fused::bc_form, kern ? ssd_fused::BcForm::gemm : ssd_fused::BcForm::kernel);
+    const ssd_fused::FormScope form(ssd_fused::bc_form, other_bc_form());
+    const std::string other = name + bc_form_label(ssd_fused::bc_form);
     time_with_memory(other, reps, one);
     one();
     Kokkos::fence();
@@ -796,7 +801,8 @@ void bench_lm(index_t batch, index_t seqlen, int reps, int cp_size, parallel::Ba
                            (cp_size > 1 && backend == parallel::Backend::nccl ? " nccl" : "") +
                            (window > 0 ? " window " + std::to_string(window) : "") +
                            (policy == Recompute::none ? " keep all" : " recompute mixer") +
-                           (ssd_fused::bc_form == ssd_fused::BcForm::kernel ? " (dB, dC: one kernel)" : "");
+                           (ssd_fused::bc_form == ssd_fused::BcForm::kernel ? bc_form_label(ssd_fused::bc_form)
+                                                                             : "");
   record(name, "parameters", double(lm.params().count()) / 1e6, "M");
   std::int64_t step = 0;
   auto one = [&] {
