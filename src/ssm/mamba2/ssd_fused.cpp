@@ -171,6 +171,37 @@ __device__ __forceinline__ void convert_own(bf* dst, int ldd, const float* src, 
   });
 }
 
+// stage_f32 and convert_own for a ROWS x COLS tile as loops the compiler is asked not to unroll (kUnroll steps at
+// a time): bc_backward's pipeline inlines them twice next to 64 accumulator registers, and fully unrolled their
+// addresses pushed it to 255 registers and hundreds of bytes of spills.
+template <int ROWS, int COLS, bool kAsync, int kUnroll = 1>
+__device__ __forceinline__ void stage_f32_rolled(float* dst, int ldd, const float* src, std::int64_t lds, int nr, int nc) {
+  constexpr int C4 = COLS / 4, kIt = ROWS * C4 / kThreads;
+  static_assert(ROWS * C4 % kThreads == 0, "whole steps of the block");
+#pragma unroll kUnroll
+  for (int it = 0; it < kIt; ++it) {
+    const int i = threadIdx.x + it * kThreads, r = i / C4, c = (i % C4) * 4;  // for_own's groups
+    const bool in = r < nr && c < nc;
+    if constexpr (kAsync) {
+      cuda_k::cp_async<16>(dst + r * ldd + c, in ? src + r * lds + c : src, in ? 16 : 0);
+    } else {
+      const float4 v = in ? load4<false>(src + r * lds + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+      *reinterpret_cast<float4*>(dst + r * ldd + c) = v;
+    }
+  }
+}
+template <int ROWS, int COLS, int kUnroll = 1, class F>
+__device__ __forceinline__ void convert_own_rolled(bf* dst, int ldd, const float* src, int lds, F&& f) {
+  constexpr int C4 = COLS / 4, kIt = ROWS * C4 / kThreads;
+  static_assert(ROWS * C4 % kThreads == 0, "whole steps of the block");
+#pragma unroll kUnroll
+  for (int it = 0; it < kIt; ++it) {
+    const int i = threadIdx.x + it * kThreads, r = i / C4, c = (i % C4) * 4;  // for_own's groups
+    const float4 v = *reinterpret_cast<const float4*>(src + r * lds + c);
+    store4_bf16(dst + r * ldd + c, f(r, c, v));
+  }
+}
+
 __host__ __device__ constexpr std::size_t align128(std::size_t b) { return (b + 127) / 128 * 128; }
 
 // Chunk state: two fp32 stages of x (kSl tokens, P + 4) and B (kSl tokens, kTile + 4 columns of n); bf16 tiles of
@@ -1386,16 +1417,14 @@ __global__ void __launch_bounds__(kThreads, RS == 0 ? kScanBlocks<PT> : kRingBlo
 // and 26 % of the sectors moved were excess from the half-row accesses; this form ran 1.39 ms fenced in the same
 // benchmark at f9b6d6e, perf/RESULTS.md.)
 
-// es (the decay to the chunk's end), e_in (from the chunk's start) and Delta of the tokens l0 .. l0 + nl - 1 of
-// chunk ch (starting at row row0 + t0, q tokens), head h, into shared memory (threads 0 .. 63; zero past nl).
-__device__ __forceinline__ void epilogue_factors(const Args& a, int b, int h, int ch, std::int64_t row0, int t0, int q,
-                                                 int l0, int nl, float* es_l, float* ein_l, float* dt_l) {
-  const int tid = threadIdx.x;
-  if (tid >= kTile) return;
-  const float* acs = a.acs + (std::int64_t(b) * a.H + h) * a.L;
+// es (the decay to the chunk's end), e_in (from the chunk's start) and Delta of token l0 + i of chunk ch (starting
+// at row row0 + t0, q tokens), head h, as (x, y, z); zero where i >= nl.
+__device__ __forceinline__ float3 token_factors(const Args& a, int b, int h, int ch, std::int64_t row0, int t0, int q,
+                                                int l0, int nl, int i) {
   float es = 0.f, ein = 0.f, d = 0.f;
-  if (tid < nl) {
-    const int t = t0 + l0 + tid, last = t0 + q - 1;
+  if (i < nl) {
+    const float* acs = a.acs + (std::int64_t(b) * a.H + h) * a.L;
+    const int t = t0 + l0 + i, last = t0 + q - 1;
     const int r = a.seq ? a.seq[row0 + t] : 0, r_last = a.seq ? a.seq[row0 + last] : 0;
     const int r_in = a.seq ? a.seq[row0 + (ch == 0 ? 0 : t0 - 1)] : 0;
     es = r == r_last ? decay(acs[last] - acs[t]) : 0.f;
@@ -1404,9 +1433,18 @@ __device__ __forceinline__ void epilogue_factors(const Args& a, int b, int h, in
     ein = ein < a.cutoff ? 0.f : ein;
     d = a.delta[(std::int64_t(b) * a.H + h) * a.L + t];
   }
-  es_l[tid] = es;
-  ein_l[tid] = ein;
-  dt_l[tid] = d;
+  return make_float3(es, ein, d);
+}
+
+// The factors of the tokens l0 .. l0 + nl - 1 (token_factors) into shared memory (threads 0 .. 63; zero past nl).
+__device__ __forceinline__ void epilogue_factors(const Args& a, int b, int h, int ch, std::int64_t row0, int t0, int q,
+                                                 int l0, int nl, float* es_l, float* ein_l, float* dt_l) {
+  const int tid = threadIdx.x;
+  if (tid >= kTile) return;
+  const float3 f = token_factors(a, b, h, ch, row0, t0, q, l0, nl, tid);
+  es_l[tid] = f.x;
+  ein_l[tid] = f.y;
+  dt_l[tid] = f.z;
 }
 
 // The per-token pass of the state epilogue over the tokens l0 .. l0 + nl - 1 of the chunk starting at row
@@ -1724,16 +1762,21 @@ void launch_epilogue(const Args& a) {
 // ------------------------------------------------------------------ backward, dB and dC where a group is one head
 
 // bc_backward's shared memory: a bf16 A tile (64 rows by KA = max(P, 64): the scaled X or dY rows, or a 64 x 64
-// slice of W2), a bf16 B tile (KA rows by 128 columns of d_state: dH or S_in, or 64 rows of C or B), the fp32 output
-// tile (64 x 128) over both once the products are done, then es, e_in and Delta of the 64 tokens.
+// slice of W2) and a bf16 B tile (KA rows by 128 columns of d_state: dH or S_in, or 64 rows of C or B); the fp32
+// staging of a head's state-term operands (64 x P rows of X or dY, P x 128 of dH or S_in), which cp.async fills
+// for the next head while the current one is multiplied; the fp32 output tile (64 x 128) over all of these once
+// the products are done; then the 64 tokens' row factors of the next head.
 constexpr int kNT = 128;  // d_state columns per block
 __host__ __device__ constexpr int bcg_ka(int P) { return P > kTile ? P : kTile; }
-__host__ __device__ constexpr std::size_t bcg_fac_offset(int P) {
-  const std::size_t tiles = (std::size_t(kTile) * (bcg_ka(P) + kPad) + std::size_t(bcg_ka(P)) * (kNT + kPad)) * 2;
-  const std::size_t out = std::size_t(kTile) * (kNT + 4) * 4;
-  return align128(tiles > out ? tiles : out);
+__host__ __device__ constexpr std::size_t bcg_stage_offset(int P) {
+  return align128((std::size_t(kTile) * (bcg_ka(P) + kPad) + std::size_t(bcg_ka(P)) * (kNT + kPad)) * 2);
 }
-__host__ __device__ constexpr std::size_t bcg_smem(int P) { return bcg_fac_offset(P) + 3 * kTile * 4; }
+__host__ __device__ constexpr std::size_t bcg_fac_offset(int P) {
+  const std::size_t staged = bcg_stage_offset(P) + (std::size_t(kTile) * (P + 4) + std::size_t(P) * (kNT + 4)) * 4;
+  const std::size_t out = std::size_t(kTile) * (kNT + 4) * 4;
+  return align128(staged > out ? staged : out);
+}
+__host__ __device__ constexpr std::size_t bcg_smem(int P) { return bcg_fac_offset(P) + kTile * 4; }
 
 __device__ __forceinline__ float4 scale4(float4 v, float f) { return make_float4(v.x * f, v.y * f, v.z * f, v.w * f); }
 
@@ -1758,16 +1801,22 @@ __device__ __forceinline__ void mma_row_tiles(wmma::fragment<wmma::accumulator, 
 // non-zero (dB: W2^T C over l >= s, the slices from the tile's own on; dC: W2 B over s <= l, the slices up to the
 // tile's own; W2 already summed over the run's heads), staged synchronously (loads batched, see batched()); the
 // fp32 result goes through shared memory to the output columns, each element written once.
-template <int PT, bool V4, bool kOne>
-__global__ void __launch_bounds__(kThreads, PT <= 4 ? 3 : 2) bc_backward_kernel(const Args a) {
+// The state terms run as a pipeline over the heads: head hh + 1's operands arrive by cp.async in the fp32 staging
+// (its row factors in registers) while head hh is multiplied; each thread converts the elements it copied itself
+// into the bf16 tiles. (The first form staged every head synchronously, its factors, operands and products one
+// after the other: 0.73 ms a layer of the 4 x 8,192 LM, 17.6 ms a step against 12.4 + 3.4 + 3.3 ms of the GEMM
+// form's passes it replaces, perf/RESULTS.md, thirty-second session.)
+template <int PT, bool V4>
+__global__ void __launch_bounds__(kThreads, PT <= 4 ? 2 : 1) bc_backward_kernel(const Args a) {
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int P = PT * 16, lda = bcg_ka(P) + kPad, ldb = kNT + kPad, ldo = kNT + 4, NF = kNT / 16;
+  constexpr int lsa = P + 4, lsb = kNT + 4;  // fp32 staging rows: 16-byte aligned
   bf* ah = reinterpret_cast<bf*>(smem);
   bf* bh = ah + kTile * lda;
+  float* sa = reinterpret_cast<float*>(smem + bcg_stage_offset(P));
+  float* sb = sa + kTile * lsa;
   float* outs = reinterpret_cast<float*>(smem);  // after the products
-  float* es_l = reinterpret_cast<float*>(smem + bcg_fac_offset(P));
-  float* ein_l = es_l + kTile;
-  float* dt_l = ein_l + kTile;
+  float* fac = reinterpret_cast<float*>(smem + bcg_fac_offset(P));
 
   const int ntl = (a.N + kNT - 1) / kNT, hpg = a.H / a.G;
   const int rt = blockIdx.x / ntl, n0 = (blockIdx.x % ntl) * kNT, u = blockIdx.y, bc = blockIdx.z;
@@ -1775,46 +1824,68 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 3 : 2) bc_backward_kernel(
   if (r0 >= q) return;  // a tile past the short last chunk (the whole block, before any barrier)
   const int g = (a.h0 + u * a.run_len) / hpg;  // the run's group (runs are whole groups here)
   const int nr = min(kTile, q - r0), nw = min(kNT, a.N - n0), nsl = (q + kTile - 1) / kTile;
-  const int warp = threadIdx.x / 32;
+  const int warp = threadIdx.x / 32, tid = threadIdx.x;
   const std::int64_t row0 = std::int64_t(b) * a.L, rows = row0 + t0;  // the chunk's first token row
   const float* W2 = a.w2 + (std::int64_t(u) * a.batch * a.nc + bc) * a.Q * a.Q;
   const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
-  if constexpr (kOne) {  // the one head's factors, for both outputs
-    epilogue_factors(a, b, g, ch, row0, t0, q, r0, nr, es_l, ein_l, dt_l);
-    __syncthreads();
-  }
 
   for (int o = 0; o < 2; ++o) {
     const bool dc = o == 1;  // 0: dB, 1: dC
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[NF];
 #pragma unroll
     for (int j = 0; j < NF; ++j) wmma::fill_fragment(acc[j], 0.f);
-    // (kOne: one head a group, a loop of one known at compile time, the factors formed once above; ptxas, sm_90,
-    // at the 168-register bound of headdim <= 64: 40 bytes of spill stores at headdim 64 and none below it with
-    // kOne, 24 to 128 bytes without)
-    for (int hh = 0; hh < (kOne ? 1 : hpg); ++hh) {  // the state terms, K = P a head
+    // the state terms, K = P a head. issue(hh): head hh's rows and state tile into the staging (one cp.async
+    // group; rows of X or dY by plain loads where they are not 16-byte aligned); row_factor(hh): this thread's
+    // token's factor of head hh (threads < 64); convert(): the own staged elements into the bf16 tiles.
+    auto issue = [&](int hh) {
+      asm volatile("" ::: "memory");  // after this thread's reads of the staging (convert), which the copies overwrite
       const int h = g * hpg + hh;
-      if constexpr (!kOne) {
-        epilogue_factors(a, b, h, ch, row0, t0, q, r0, nr, es_l, ein_l, dt_l);
-        __syncthreads();
-      }
       const float* src = dc ? a.dy + (rows + r0) * a.ldy + h * P : a.xs + (rows + r0) * a.ldxs + h * P;
-      const std::int64_t lds = dc ? a.ldy : a.ldxs;
-      batched<kTile, P>([&](int r, int c) { return r < nr ? load4<V4>(src + r * lds + c) : zero; },
-                        [&](int r, int c, float4 v) {
-                          store4_bf16(ah + r * lda + c, scale4(v, dc ? ein_l[r] : es_l[r] * dt_l[r]));
-                        });
+      stage_f32_rolled<kTile, P, V4, 2>(sa, lsa, src, dc ? a.ldy : a.ldxs, nr, P);
       const float* st = (dc ? a.states : a.dstates) + (std::int64_t(bc) * a.H + h) * P * a.N + n0;
-      batched<P, kNT>([&](int r, int c) { return c < nw ? load4<true>(st + std::int64_t(r) * a.N + c) : zero; },
-                      [&](int r, int c, float4 v) { store4_bf16(bh + r * ldb + c, v); });
-      __syncthreads();
+      stage_f32_rolled<P, kNT, true, 2>(sb, lsb, st, a.N, P, nw);
+      cuda_k::cp_async_commit();
+    };
+    auto row_factor = [&](int hh) {
+      const float3 f = token_factors(a, b, g * hpg + hh, ch, row0, t0, q, r0, nr, tid);
+      return dc ? f.y : f.x * f.z;
+    };
+    auto convert = [&]() {
+      convert_own_rolled<kTile, P, 2>(ah, lda, sa, lsa, [&](int r, int, float4 v) { return scale4(v, fac[r]); });
+      convert_own_rolled<P, kNT, 2>(bh, ldb, sb, lsb, [](int, int, float4 v) { return v; });
+    };
+    issue(0);
+    if (tid < kTile) fac[tid] = row_factor(0);
+    cuda_k::cp_async_wait<0>();
+    __syncthreads();  // head 0's factors
+    convert();
+    float fnext = 0.f;
+    if (hpg > 1) {
+      issue(1);
+      if (tid < kTile) fnext = row_factor(1);
+    }
+    __syncthreads();  // head 0's tiles
+    for (int hh = 0; hh < hpg; ++hh) {
 #pragma unroll
       for (int kk = 0; kk < P; kk += 16) {
         wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::row_major> fa;
         wmma::load_matrix_sync(fa, ah + warp * 16 * lda + kk, lda);
         mma_row_tiles(acc, fa, bh, ldb, kk, nw);
       }
-      __syncthreads();  // before the next head's factors and tiles
+      const bool more = hh + 1 < hpg;
+      if (more) {
+        if (tid < kTile) fac[tid] = fnext;
+        cuda_k::cp_async_wait<0>();  // this thread's copies of head hh + 1 have landed
+      }
+      __syncthreads();  // the tiles are free, head hh + 1's factors visible
+      if (more) {
+        convert();
+        if (hh + 2 < hpg) {
+          issue(hh + 2);
+          if (tid < kTile) fnext = row_factor(hh + 2);
+        }
+        __syncthreads();  // head hh + 1's tiles
+      }
     }
     // the intra-chunk term over the slices k of 64 tokens: A = W2 restricted to (l in the l range, s in the s
     // range) as [l][s] (zero where l < s or past the chunk), B = C (dB) or B (dC) rows of the slice
@@ -1915,10 +1986,10 @@ bool aligned4_bwd(const Args& a) {
   return aligned4(a) && aligned16(a.dy) && aligned16(a.dx) && a.ldd % 4 == 0;
 }
 
-template <int PT, bool V4, bool kOne>
+template <int PT, bool V4>
 void launch_bc(const Args& a, const dim3& grid, std::size_t bytes, cudaStream_t st) {
-  allow_smem<bc_backward_kernel<PT, V4, kOne>>(bytes, "dB, dC (bc_backward)");
-  bc_backward_kernel<PT, V4, kOne><<<grid, kThreads, bytes, st>>>(a);
+  allow_smem<bc_backward_kernel<PT, V4>>(bytes, "dB, dC (bc_backward)");
+  bc_backward_kernel<PT, V4><<<grid, kThreads, bytes, st>>>(a);
 }
 
 template <int PT>
@@ -1927,11 +1998,7 @@ void launch_bc(const Args& a) {
   const std::size_t bytes = bcg_smem(PT * 16);
   const dim3 grid(((a.Q + kTile - 1) / kTile) * ((a.N + kNT - 1) / kNT), a.nh / a.run_len, a.batch * a.nc);
   const bool v4 = aligned4(a) && aligned16(a.dy) && a.ldy % 4 == 0 && aligned16(a.dbc) && a.lddbc % 4 == 0;
-  const bool one = a.G == a.H;
-  if (v4)
-    one ? launch_bc<PT, true, true>(a, grid, bytes, st) : launch_bc<PT, true, false>(a, grid, bytes, st);
-  else
-    one ? launch_bc<PT, false, true>(a, grid, bytes, st) : launch_bc<PT, false, false>(a, grid, bytes, st);
+  v4 ? launch_bc<PT, true>(a, grid, bytes, st) : launch_bc<PT, false>(a, grid, bytes, st);
   check_launch("dB, dC (bc_backward)");
 }
 
