@@ -1771,12 +1771,16 @@ __host__ __device__ constexpr int bcg_ka(int P) { return P > kTile ? P : kTile; 
 __host__ __device__ constexpr std::size_t bcg_stage_offset(int P) {
   return align128((std::size_t(kTile) * (bcg_ka(P) + kPad) + std::size_t(bcg_ka(P)) * (kNT + kPad)) * 2);
 }
-__host__ __device__ constexpr std::size_t bcg_fac_offset(int P) {
-  const std::size_t staged = bcg_stage_offset(P) + (std::size_t(kTile) * (P + 4) + std::size_t(P) * (kNT + 4)) * 4;
+__host__ __device__ constexpr std::size_t bcg_fac_offset(int P, bool one) {
+  const std::size_t staged =
+      one ? bcg_stage_offset(P) : bcg_stage_offset(P) + (std::size_t(kTile) * (P + 4) + std::size_t(P) * (kNT + 4)) * 4;
   const std::size_t out = std::size_t(kTile) * (kNT + 4) * 4;
   return align128(staged > out ? staged : out);
 }
-__host__ __device__ constexpr std::size_t bcg_smem(int P) { return bcg_fac_offset(P) + kTile * 4; }
+// one: one head a group, no staging, the head's es, e_in and Delta (3 x 64); else the next head's row factors (64)
+__host__ __device__ constexpr std::size_t bcg_smem(int P, bool one) {
+  return bcg_fac_offset(P, one) + (one ? 3 : 1) * kTile * 4;
+}
 
 __device__ __forceinline__ float4 scale4(float4 v, float f) { return make_float4(v.x * f, v.y * f, v.z * f, v.w * f); }
 
@@ -1801,13 +1805,16 @@ __device__ __forceinline__ void mma_row_tiles(wmma::fragment<wmma::accumulator, 
 // non-zero (dB: W2^T C over l >= s, the slices from the tile's own on; dC: W2 B over s <= l, the slices up to the
 // tile's own; W2 already summed over the run's heads), staged synchronously (loads batched, see batched()); the
 // fp32 result goes through shared memory to the output columns, each element written once.
-// The state terms run as a pipeline over the heads: head hh + 1's operands arrive by cp.async in the fp32 staging
-// (its row factors in registers) while head hh is multiplied; each thread converts the elements it copied itself
-// into the bf16 tiles. (The first form staged every head synchronously, its factors, operands and products one
-// after the other: 0.73 ms a layer of the 4 x 8,192 LM, 17.6 ms a step against 12.4 + 3.4 + 3.3 ms of the GEMM
-// form's passes it replaces, perf/RESULTS.md, thirty-second session.)
-template <int PT, bool V4>
-__global__ void __launch_bounds__(kThreads, PT <= 4 ? 2 : 1) bc_backward_kernel(const Args a) {
+// Groups of several heads (kOne false): the state terms run as a pipeline over the heads, head hh + 1's operands
+// arriving by cp.async in the fp32 staging (its row factors in registers) while head hh is multiplied; each thread
+// converts the elements it copied itself into the bf16 tiles. One head a group (kOne): the head's factors once for
+// both outputs and its operands staged synchronously straight into the bf16 tiles, with no staging, so 3 blocks an
+// SM at headdim <= 64 instead of 2. (On an H200, thirty-second session, perf/RESULTS.md: the synchronous form for
+// every group size took 17.6 ms a step of the 4 x 8,192 LM (24 heads a group) and the pipeline 14.7 ms; at the
+// Mamba-3 block's one head a group the pipeline took 2.72 ms against the synchronous form's 2.20 ms.)
+template <int PT, bool V4, bool kOne>
+__global__ void __launch_bounds__(kThreads, PT <= 4 ? (kOne ? 3 : 2) : (kOne ? 2 : 1))
+    bc_backward_kernel(const Args a) {
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr int P = PT * 16, lda = bcg_ka(P) + kPad, ldb = kNT + kPad, ldo = kNT + 4, NF = kNT / 16;
   constexpr int lsa = P + 4, lsb = kNT + 4;  // fp32 staging rows: 16-byte aligned
@@ -1816,7 +1823,7 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 2 : 1) bc_backward_kernel(
   float* sa = reinterpret_cast<float*>(smem + bcg_stage_offset(P));
   float* sb = sa + kTile * lsa;
   float* outs = reinterpret_cast<float*>(smem);  // after the products
-  float* fac = reinterpret_cast<float*>(smem + bcg_fac_offset(P));
+  float* fac = reinterpret_cast<float*>(smem + bcg_fac_offset(P, kOne));  // kOne: es, e_in, Delta
 
   const int ntl = (a.N + kNT - 1) / kNT, hpg = a.H / a.G;
   const int rt = blockIdx.x / ntl, n0 = (blockIdx.x % ntl) * kNT, u = blockIdx.y, bc = blockIdx.z;
@@ -1828,63 +1835,87 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 2 : 1) bc_backward_kernel(
   const std::int64_t row0 = std::int64_t(b) * a.L, rows = row0 + t0;  // the chunk's first token row
   const float* W2 = a.w2 + (std::int64_t(u) * a.batch * a.nc + bc) * a.Q * a.Q;
   const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+  if constexpr (kOne) {  // the one head's factors, for both outputs
+    epilogue_factors(a, b, g, ch, row0, t0, q, r0, nr, fac, fac + kTile, fac + 2 * kTile);
+    __syncthreads();
+  }
 
   for (int o = 0; o < 2; ++o) {
     const bool dc = o == 1;  // 0: dB, 1: dC
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[NF];
 #pragma unroll
     for (int j = 0; j < NF; ++j) wmma::fill_fragment(acc[j], 0.f);
-    // the state terms, K = P a head. issue(hh): head hh's rows and state tile into the staging (one cp.async
-    // group; rows of X or dY by plain loads where they are not 16-byte aligned); row_factor(hh): this thread's
-    // token's factor of head hh (threads < 64); convert(): the own staged elements into the bf16 tiles.
-    auto issue = [&](int hh) {
-      asm volatile("" ::: "memory");  // after this thread's reads of the staging (convert), which the copies overwrite
-      const int h = g * hpg + hh;
-      const float* src = dc ? a.dy + (rows + r0) * a.ldy + h * P : a.xs + (rows + r0) * a.ldxs + h * P;
-      stage_f32_rolled<kTile, P, V4, 2>(sa, lsa, src, dc ? a.ldy : a.ldxs, nr, P);
-      const float* st = (dc ? a.states : a.dstates) + (std::int64_t(bc) * a.H + h) * P * a.N + n0;
-      stage_f32_rolled<P, kNT, true, 2>(sb, lsb, st, a.N, P, nw);
-      cuda_k::cp_async_commit();
-    };
-    auto row_factor = [&](int hh) {
-      const float3 f = token_factors(a, b, g * hpg + hh, ch, row0, t0, q, r0, nr, tid);
-      return dc ? f.y : f.x * f.z;
-    };
-    auto convert = [&]() {
-      convert_own_rolled<kTile, P, 2>(ah, lda, sa, lsa, [&](int r, int, float4 v) { return scale4(v, fac[r]); });
-      convert_own_rolled<P, kNT, 2>(bh, ldb, sb, lsb, [](int, int, float4 v) { return v; });
-    };
-    issue(0);
-    if (tid < kTile) fac[tid] = row_factor(0);
-    cuda_k::cp_async_wait<0>();
-    __syncthreads();  // head 0's factors
-    convert();
-    float fnext = 0.f;
-    if (hpg > 1) {
-      issue(1);
-      if (tid < kTile) fnext = row_factor(1);
-    }
-    __syncthreads();  // head 0's tiles
-    for (int hh = 0; hh < hpg; ++hh) {
+    if constexpr (kOne) {  // the state term of the group's one head (h = g), staged synchronously
+      const float* src = dc ? a.dy + (rows + r0) * a.ldy + g * P : a.xs + (rows + r0) * a.ldxs + g * P;
+      const std::int64_t lds = dc ? a.ldy : a.ldxs;
+      batched<kTile, P>([&](int r, int c) { return r < nr ? load4<V4>(src + r * lds + c) : zero; },
+                        [&](int r, int c, float4 v) {
+                          store4_bf16(ah + r * lda + c, scale4(v, dc ? fac[kTile + r] : fac[r] * fac[2 * kTile + r]));
+                        });
+      const float* st = (dc ? a.states : a.dstates) + (std::int64_t(bc) * a.H + g) * P * a.N + n0;
+      batched<P, kNT>([&](int r, int c) { return c < nw ? load4<true>(st + std::int64_t(r) * a.N + c) : zero; },
+                      [&](int r, int c, float4 v) { store4_bf16(bh + r * ldb + c, v); });
+      __syncthreads();
 #pragma unroll
       for (int kk = 0; kk < P; kk += 16) {
         wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::row_major> fa;
         wmma::load_matrix_sync(fa, ah + warp * 16 * lda + kk, lda);
         mma_row_tiles(acc, fa, bh, ldb, kk, nw);
       }
-      const bool more = hh + 1 < hpg;
-      if (more) {
-        if (tid < kTile) fac[tid] = fnext;
-        cuda_k::cp_async_wait<0>();  // this thread's copies of head hh + 1 have landed
+      __syncthreads();  // before the intra-chunk term's stages
+    } else {  // the pipeline over the group's heads
+      // the state terms, K = P a head. issue(hh): head hh's rows and state tile into the staging (one cp.async
+      // group; rows of X or dY by plain loads where they are not 16-byte aligned); row_factor(hh): this thread's
+      // token's factor of head hh (threads < 64); convert(): the own staged elements into the bf16 tiles.
+      auto issue = [&](int hh) {
+        asm volatile("" ::: "memory");  // after this thread's reads of the staging (convert): the copies overwrite it
+        const int h = g * hpg + hh;
+        const float* src = dc ? a.dy + (rows + r0) * a.ldy + h * P : a.xs + (rows + r0) * a.ldxs + h * P;
+        stage_f32_rolled<kTile, P, V4, 2>(sa, lsa, src, dc ? a.ldy : a.ldxs, nr, P);
+        const float* st = (dc ? a.states : a.dstates) + (std::int64_t(bc) * a.H + h) * P * a.N + n0;
+        stage_f32_rolled<P, kNT, true, 2>(sb, lsb, st, a.N, P, nw);
+        cuda_k::cp_async_commit();
+      };
+      auto row_factor = [&](int hh) {
+        const float3 f = token_factors(a, b, g * hpg + hh, ch, row0, t0, q, r0, nr, tid);
+        return dc ? f.y : f.x * f.z;
+      };
+      auto convert = [&]() {
+        convert_own_rolled<kTile, P, 2>(ah, lda, sa, lsa, [&](int r, int, float4 v) { return scale4(v, fac[r]); });
+        convert_own_rolled<P, kNT, 2>(bh, ldb, sb, lsb, [](int, int, float4 v) { return v; });
+      };
+      issue(0);
+      if (tid < kTile) fac[tid] = row_factor(0);
+      cuda_k::cp_async_wait<0>();
+      __syncthreads();  // head 0's factors
+      convert();
+      float fnext = 0.f;
+      if (hpg > 1) {
+        issue(1);
+        if (tid < kTile) fnext = row_factor(1);
       }
-      __syncthreads();  // the tiles are free, head hh + 1's factors visible
-      if (more) {
-        convert();
-        if (hh + 2 < hpg) {
-          issue(hh + 2);
-          if (tid < kTile) fnext = row_factor(hh + 2);
+      __syncthreads();  // head 0's tiles
+      for (int hh = 0; hh < hpg; ++hh) {
+#pragma unroll
+        for (int kk = 0; kk < P; kk += 16) {
+          wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::row_major> fa;
+          wmma::load_matrix_sync(fa, ah + warp * 16 * lda + kk, lda);
+          mma_row_tiles(acc, fa, bh, ldb, kk, nw);
         }
-        __syncthreads();  // head hh + 1's tiles
+        const bool more = hh + 1 < hpg;
+        if (more) {
+          if (tid < kTile) fac[tid] = fnext;
+          cuda_k::cp_async_wait<0>();  // this thread's copies of head hh + 1 have landed
+        }
+        __syncthreads();  // the tiles are free, head hh + 1's factors visible
+        if (more) {
+          convert();
+          if (hh + 2 < hpg) {
+            issue(hh + 2);
+            if (tid < kTile) fnext = row_factor(hh + 2);
+          }
+          __syncthreads();  // head hh + 1's tiles
+        }
       }
     }
     // the intra-chunk term over the slices k of 64 tokens: A = W2 restricted to (l in the l range, s in the s
@@ -1986,19 +2017,23 @@ bool aligned4_bwd(const Args& a) {
   return aligned4(a) && aligned16(a.dy) && aligned16(a.dx) && a.ldd % 4 == 0;
 }
 
-template <int PT, bool V4>
-void launch_bc(const Args& a, const dim3& grid, std::size_t bytes, cudaStream_t st) {
-  allow_smem<bc_backward_kernel<PT, V4>>(bytes, "dB, dC (bc_backward)");
-  bc_backward_kernel<PT, V4><<<grid, kThreads, bytes, st>>>(a);
+template <int PT, bool V4, bool kOne>
+void launch_bc(const Args& a, const dim3& grid, cudaStream_t st) {
+  const std::size_t bytes = bcg_smem(PT * 16, kOne);
+  allow_smem<bc_backward_kernel<PT, V4, kOne>>(bytes, "dB, dC (bc_backward)");
+  bc_backward_kernel<PT, V4, kOne><<<grid, kThreads, bytes, st>>>(a);
 }
 
 template <int PT>
 void launch_bc(const Args& a) {
   const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
-  const std::size_t bytes = bcg_smem(PT * 16);
   const dim3 grid(((a.Q + kTile - 1) / kTile) * ((a.N + kNT - 1) / kNT), a.nh / a.run_len, a.batch * a.nc);
   const bool v4 = aligned4(a) && aligned16(a.dy) && a.ldy % 4 == 0 && aligned16(a.dbc) && a.lddbc % 4 == 0;
-  v4 ? launch_bc<PT, true>(a, grid, bytes, st) : launch_bc<PT, false>(a, grid, bytes, st);
+  const bool one = a.G == a.H;
+  if (v4)
+    one ? launch_bc<PT, true, true>(a, grid, st) : launch_bc<PT, true, false>(a, grid, st);
+  else
+    one ? launch_bc<PT, false, true>(a, grid, st) : launch_bc<PT, false, false>(a, grid, st);
   check_launch("dB, dC (bc_backward)");
 }
 
