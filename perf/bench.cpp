@@ -7,8 +7,8 @@
 //                  [--lm-window W]   (the LM's Mamba-2 layers in windows of W tokens: model.mixer_window)
 //                  [--ssd V,..] [--lm-ssd V,..]   V: portable | gemm-C | fused-C, C = fp32 | tf32 | bf16 (SSD variants
 //                  timed; the first is the reference the others' outputs are compared with)
-//                  [--bc-form gemm|kernel]   (how the fused backward forms dB and dC: ssd_fused::BcForm; the ssd and
-//                  mamba3 cases also time the other form)
+//                  [--bc-form automatic|gemm|kernel]   (how the fused backward forms dB and dC: ssd_fused::BcForm,
+//                  automatic by default; the ssd and mamba3 cases also time the form not taken)
 //   mpiexec -n N mambamoe_bench --only lm --cp N ...   (the LM step with every sequence split over N ranks)
 //   mpiexec -n N mambamoe_bench --only lm --cp N --backend nccl   (the same over NCCL: device buffers, one GPU per rank)
 //
@@ -260,9 +260,10 @@ double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
   return den > 0 ? num / den : num;
 }
 
-// The form of the fused backward's dB and dC other than the run's (--bc-form), and the row label of a form.
-ssd_fused::BcForm other_bc_form() {
-  return ssd_fused::bc_form == ssd_fused::BcForm::kernel ? ssd_fused::BcForm::gemm : ssd_fused::BcForm::kernel;
+// The form of the fused backward's dB and dC other than the one the run's --bc-form takes for groups of hpg heads
+// (automatic: the kernel for one head a group), and the row label of a form.
+ssd_fused::BcForm other_bc_form(int hpg) {
+  return ssd_fused::bc_kernel_for(hpg) ? ssd_fused::BcForm::gemm : ssd_fused::BcForm::kernel;
 }
 const char* bc_form_label(ssd_fused::BcForm f) {
   return f == ssd_fused::BcForm::kernel ? " (dB, dC: one kernel)" : " (dB, dC: GEMMs)";
@@ -482,7 +483,7 @@ void bench_ssd(int reps, const std::vector<SSDVariant>& variants) {
              "ms");
     }
     if (kernels) {  // the other form of dB and dC (ssd_fused::BcForm; the group of 24 heads is one run here)
-      const ssd_fused::FormScope form(ssd_fused::bc_form, other_bc_form());
+      const ssd_fused::FormScope form(ssd_fused::bc_form, other_bc_form(int(s.nheads / s.ngroups)));
       record(nfb + bc_form_label(ssd_fused::bc_form), "time", time_median(1, r, [&] { fwd_bwd(true); }) * 1e3, "ms");
     }
     if (g_profile) {
@@ -637,7 +638,7 @@ void bench_mamba3(int reps, const SSDVariant& var, index_t batch, index_t seqlen
     one();
     Kokkos::fence();
     const std::vector<float> du0 = to_host(du), g0 = to_host(ps.grads());
-    const ssd_fused::FormScope form(ssd_fused::bc_form, other_bc_form());
+    const ssd_fused::FormScope form(ssd_fused::bc_form, other_bc_form(1));
     const std::string other = name + bc_form_label(ssd_fused::bc_form);
     time_with_memory(other, reps, one);
     one();
@@ -801,8 +802,9 @@ void bench_lm(index_t batch, index_t seqlen, int reps, int cp_size, parallel::Ba
                            (cp_size > 1 && backend == parallel::Backend::nccl ? " nccl" : "") +
                            (window > 0 ? " window " + std::to_string(window) : "") +
                            (policy == Recompute::none ? " keep all" : " recompute mixer") +
-                           (ssd_fused::bc_form == ssd_fused::BcForm::kernel ? bc_form_label(ssd_fused::bc_form)
-                                                                             : "");
+                           (ssd_fused::bc_kernel_for(int(cfg.mixer.nheads() / cfg.mixer.ngroups))
+                                ? bc_form_label(ssd_fused::BcForm::kernel)
+                                : "");
   record(name, "parameters", double(lm.params().count()) / 1e6, "M");
   std::int64_t step = 0;
   auto one = [&] {
@@ -883,11 +885,13 @@ int run(int argc, char** argv, int cp_size, int rank) {
     else if (a == "--lm-recompute") lm_recompute = next();
     else if (a == "--bc-form") {  // how every fused backward in the run forms dB and dC (ssd_fused::BcForm)
       const std::string f = next();
-      if (f != "gemm" && f != "kernel") {
-        std::cerr << "mambamoe_bench: --bc-form " << f << " is not one of: gemm kernel\n";
+      if (f != "automatic" && f != "gemm" && f != "kernel") {
+        std::cerr << "mambamoe_bench: --bc-form " << f << " is not one of: automatic gemm kernel\n";
         return 2;
       }
-      ssd_fused::bc_form = f == "kernel" ? ssd_fused::BcForm::kernel : ssd_fused::BcForm::gemm;
+      ssd_fused::bc_form = f == "kernel" ? ssd_fused::BcForm::kernel
+                           : f == "gemm" ? ssd_fused::BcForm::gemm
+                                         : ssd_fused::BcForm::automatic;
     }
     else if (a == "--backend") {
       const std::string b = next();

@@ -769,6 +769,26 @@ TEST_CASE("SSD fused backward's one-kernel dB and dC (BcForm::kernel) equal the 
   }
 }
 
+TEST_CASE("SSD fused backward: BcForm::automatic takes the one-kernel dB and dC for one head a group only", "[ssd]") {
+  using ssd_fused::BcForm;
+  CHECK(ssd_fused::bc_form == BcForm::automatic);  // the default
+  {
+    const ssd_fused::FormScope form(ssd_fused::bc_form, BcForm::automatic);
+    CHECK(ssd_fused::bc_kernel_for(1));
+    CHECK_FALSE(ssd_fused::bc_kernel_for(2));
+    CHECK_FALSE(ssd_fused::bc_kernel_for(24));
+  }
+  {
+    const ssd_fused::FormScope form(ssd_fused::bc_form, BcForm::gemm);
+    CHECK_FALSE(ssd_fused::bc_kernel_for(1));
+  }
+  {
+    const ssd_fused::FormScope form(ssd_fused::bc_form, BcForm::kernel);
+    CHECK(ssd_fused::bc_kernel_for(24));
+  }
+  CHECK(ssd_fused::bc_form == BcForm::automatic);  // restored
+}
+
 TEST_CASE("SSD fused tensor-core kernels with D_token equal the fp32 GEMM formulation's within bf16 rounding",
           "[ssd][gradcheck]") {
   // The chunk scan's three forms and the state epilogue's two (headdim 128 with d_state 128 takes the per-tile

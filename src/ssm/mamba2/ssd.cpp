@@ -827,10 +827,10 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
                        bool from_kept) {
   const GemmCompute cmp = fused ? fused_chunk_compute(s.compute) : s.compute;
   if (!from_kept) dt_cumsum(c);
-  // BcForm::kernel, where every block of heads is whole groups: dB and dC of a block's groups in one kernel
-  // (ssd_fused::bc_backward), which scales X and dY itself: no xw (from a kept context not even taken), no scaled
-  // dY, no state-term or W2 GEMMs
-  const bool bc_asked = fused && ssd_fused::bc_form == ssd_fused::BcForm::kernel;
+  // BcForm::kernel (by default where a group is one head), where every block of heads is whole groups: dB and dC
+  // of a block's groups in one kernel (ssd_fused::bc_backward), which scales X and dY itself: no xw (from a kept
+  // context not even taken), no scaled dY, no state-term or W2 GEMMs
+  const bool bc_asked = fused && ssd_fused::bc_kernel_for(int(c.hpg));
   const GemmCtx<T> g = make_gemm_ctx(c, s.gemm_workspace_bytes, true, ws, !fused, bc_asked && from_kept);
   const bool bc_kernel = bc_asked && g.run_len == c.hpg;
   if (from_kept) {  // Delta, the cumsum, S_in and C B^T as the forward left them

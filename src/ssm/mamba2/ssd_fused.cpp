@@ -17,7 +17,11 @@
 namespace mm::ssd_fused {
 
 Form scan_form = Form::mma_ring, intra_form = Form::mma;
-BcForm bc_form = BcForm::gemm;
+BcForm bc_form = BcForm::automatic;
+
+bool bc_kernel_for(int heads_per_group) {
+  return bc_form == BcForm::kernel || (bc_form == BcForm::automatic && heads_per_group == 1);
+}
 
 #if defined(KOKKOS_ENABLE_CUDA)
 namespace {

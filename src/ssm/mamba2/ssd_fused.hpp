@@ -88,12 +88,17 @@ extern Form scan_form, intra_form;
 // for one head a group, as Mamba-3's SISO route has; for Mamba-2's groups where the workspace budget holds a whole
 // group): bc_backward, both outputs of a (64 tokens, group, chunk) formed in one pass and written once, and dH's
 // chunk terms (e_in dY)^T C by chunk_state with ein_weights instead of a GEMM on the scaled copy of dY, which is then
-// not formed (nor that of X). At the Mamba-3 bench shape (8 x 8,192 tokens, 24 heads, one a group, headdim 64,
-// d_state 128, chunk 64) the GEMM form's passes for dH's chunk terms, dB and dC move about 13.3 GB and the kernel
-// form's 8.8 GB (counted, perf/RESULTS.md, thirty-first session); neither has been timed yet, so gemm stays the
-// default until they are.
-enum class BcForm { gemm, kernel };
+// not formed (nor that of X). automatic (the default): kernel where a group is one head, gemm otherwise, as timed
+// side by side on an H200 (perf/RESULTS.md, thirty-second session): the Mamba-3 SISO block (8 x 8,192 tokens, 24
+// heads, one a group, headdim 64, d_state 128, chunk 64) 19.05 ms with the kernel against 19.92 ms with the GEMMs;
+// the 24-layer Mamba-2 LM (4 x 8,192 tokens, one group of 24 heads, chunk 256) 141.8-142.7 ms against
+// 139.7-140.2 ms, and the SSD alone (1 x 65,536, the same heads) 6.14 against 5.93 ms.
+enum class BcForm { automatic, gemm, kernel };
 extern BcForm bc_form;
+
+// Whether the fused backward takes the one-kernel dB and dC (bc_form, automatic resolved) for groups of
+// heads_per_group heads, where its blocks of heads are whole groups (ssd.cpp checks that).
+bool bc_kernel_for(int heads_per_group);
 
 // `which` set to `f` for the scope's life, then restored (also when the scope is left by an exception).
 template <class F>
