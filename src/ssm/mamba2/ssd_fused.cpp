@@ -138,13 +138,20 @@ __device__ __forceinline__ void stage(bf* dst, int ldd, const float* src, std::i
 constexpr int kSl = 32, kLdS = kSl + 4;  // slice width; fp32 staging rows: 16-byte aligned, 4 banks apart
 constexpr int kLdH = kSl + 8;            // bf16 rows of a slice: a multiple of 8 elements, 80 bytes apart
 
-// f(r, c) for the 4-wide groups (r, c .. c + 3) of a ROWS x COLS tile that this thread stages in stage_f32.
-template <int ROWS, int COLS, class F>
+// The steps of this thread over a ROWS x COLS tile in groups of 4 (for_own's default unroll: all of them).
+template <int ROWS, int COLS>
+constexpr int own_steps = ROWS * (COLS / 4) / kThreads;
+
+// f(r, c) for the 4-wide groups (r, c .. c + 3) of a ROWS x COLS tile that this thread stages in stage_f32, the
+// loop unrolled kUnroll steps at a time (by default fully; bc_backward's pipeline inlines its staging twice next
+// to 64 accumulator registers, and fully unrolled there the addresses took it to 255 registers and hundreds of
+// bytes of spills).
+template <int ROWS, int COLS, int kUnroll = own_steps<ROWS, COLS>, class F>
 __device__ __forceinline__ void for_own(F&& f) {
   constexpr int C4 = COLS / 4;
   static_assert(ROWS * C4 % kThreads == 0, "whole steps of the block");
-#pragma unroll
-  for (int it = 0; it < ROWS * C4 / kThreads; ++it) {
+#pragma unroll kUnroll
+  for (int it = 0; it < own_steps<ROWS, COLS>; ++it) {
     const int i = threadIdx.x + it * kThreads;
     f(i / C4, (i % C4) * 4);
   }
@@ -152,9 +159,9 @@ __device__ __forceinline__ void for_own(F&& f) {
 
 // dst (ROWS x COLS fp32, row stride ldd) <- src(r, c) for r < nr, c < nc, zero elsewhere (COLS, nc multiples of 4);
 // kAsync: 16-byte cp.async copies (src rows 16-byte aligned), left in flight; else plain loads and stores.
-template <int ROWS, int COLS, bool kAsync>
+template <int ROWS, int COLS, bool kAsync, int kUnroll = own_steps<ROWS, COLS>>
 __device__ __forceinline__ void stage_f32(float* dst, int ldd, const float* src, std::int64_t lds, int nr, int nc) {
-  for_own<ROWS, COLS>([&](int r, int c) {
+  for_own<ROWS, COLS, kUnroll>([&](int r, int c) {
     const bool in = r < nr && c < nc;
     if constexpr (kAsync) {
       cuda_k::cp_async<16>(dst + r * ldd + c, in ? src + r * lds + c : src, in ? 16 : 0);
@@ -167,43 +174,12 @@ __device__ __forceinline__ void stage_f32(float* dst, int ldd, const float* src,
 
 // dst (bf16, row stride ldd) <- f(r, c, src) over this thread's groups of a ROWS x COLS fp32 slice staged by
 // stage_f32 at src (row stride lds); f returns the group's 4 values.
-template <int ROWS, int COLS, class F>
+template <int ROWS, int COLS, int kUnroll = own_steps<ROWS, COLS>, class F>
 __device__ __forceinline__ void convert_own(bf* dst, int ldd, const float* src, int lds, F&& f) {
-  for_own<ROWS, COLS>([&](int r, int c) {
+  for_own<ROWS, COLS, kUnroll>([&](int r, int c) {
     const float4 v = *reinterpret_cast<const float4*>(src + r * lds + c);
     store4_bf16(dst + r * ldd + c, f(r, c, v));
   });
-}
-
-// stage_f32 and convert_own for a ROWS x COLS tile as loops the compiler is asked not to unroll (kUnroll steps at
-// a time): bc_backward's pipeline inlines them twice next to 64 accumulator registers, and fully unrolled their
-// addresses pushed it to 255 registers and hundreds of bytes of spills.
-template <int ROWS, int COLS, bool kAsync, int kUnroll = 1>
-__device__ __forceinline__ void stage_f32_rolled(float* dst, int ldd, const float* src, std::int64_t lds, int nr, int nc) {
-  constexpr int C4 = COLS / 4, kIt = ROWS * C4 / kThreads;
-  static_assert(ROWS * C4 % kThreads == 0, "whole steps of the block");
-#pragma unroll kUnroll
-  for (int it = 0; it < kIt; ++it) {
-    const int i = threadIdx.x + it * kThreads, r = i / C4, c = (i % C4) * 4;  // for_own's groups
-    const bool in = r < nr && c < nc;
-    if constexpr (kAsync) {
-      cuda_k::cp_async<16>(dst + r * ldd + c, in ? src + r * lds + c : src, in ? 16 : 0);
-    } else {
-      const float4 v = in ? load4<false>(src + r * lds + c) : make_float4(0.f, 0.f, 0.f, 0.f);
-      *reinterpret_cast<float4*>(dst + r * ldd + c) = v;
-    }
-  }
-}
-template <int ROWS, int COLS, int kUnroll = 1, class F>
-__device__ __forceinline__ void convert_own_rolled(bf* dst, int ldd, const float* src, int lds, F&& f) {
-  constexpr int C4 = COLS / 4, kIt = ROWS * C4 / kThreads;
-  static_assert(ROWS * C4 % kThreads == 0, "whole steps of the block");
-#pragma unroll kUnroll
-  for (int it = 0; it < kIt; ++it) {
-    const int i = threadIdx.x + it * kThreads, r = i / C4, c = (i % C4) * 4;  // for_own's groups
-    const float4 v = *reinterpret_cast<const float4*>(src + r * lds + c);
-    store4_bf16(dst + r * ldd + c, f(r, c, v));
-  }
 }
 
 __host__ __device__ constexpr std::size_t align128(std::size_t b) { return (b + 127) / 128 * 128; }
@@ -1763,7 +1739,7 @@ void launch_epilogue(const Args& a) {
   check_launch("state epilogue");
 }
 
-// ------------------------------------------------------------------ backward, dB and dC where a group is one head
+// ------------------------------------------------------------------ backward, dB and dC of whole groups
 
 // bc_backward's shared memory: a bf16 A tile (64 rows by KA = max(P, 64): the scaled X or dY rows, or a 64 x 64
 // slice of W2) and a bf16 B tile (KA rows by 128 columns of d_state: dH or S_in, or 64 rows of C or B); the fp32
@@ -1849,6 +1825,14 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? (kOne ? 3 : 2) : (kOne ? 2
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[NF];
 #pragma unroll
     for (int j = 0; j < NF; ++j) wmma::fill_fragment(acc[j], 0.f);
+    auto state_product = [&]() {  // acc += the staged head's A tile (64 x P) times its B tile (P x 128)
+#pragma unroll
+      for (int kk = 0; kk < P; kk += 16) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::row_major> fa;
+        wmma::load_matrix_sync(fa, ah + warp * 16 * lda + kk, lda);
+        mma_row_tiles(acc, fa, bh, ldb, kk, nw);
+      }
+    };
     if constexpr (kOne) {  // the state term of the group's one head (h = g), staged synchronously
       const float* src = dc ? a.dy + (rows + r0) * a.ldy + g * P : a.xs + (rows + r0) * a.ldxs + g * P;
       const std::int64_t lds = dc ? a.ldy : a.ldxs;
@@ -1860,12 +1844,7 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? (kOne ? 3 : 2) : (kOne ? 2
       batched<P, kNT>([&](int r, int c) { return c < nw ? load4<true>(st + std::int64_t(r) * a.N + c) : zero; },
                       [&](int r, int c, float4 v) { store4_bf16(bh + r * ldb + c, v); });
       __syncthreads();
-#pragma unroll
-      for (int kk = 0; kk < P; kk += 16) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::row_major> fa;
-        wmma::load_matrix_sync(fa, ah + warp * 16 * lda + kk, lda);
-        mma_row_tiles(acc, fa, bh, ldb, kk, nw);
-      }
+      state_product();
       __syncthreads();  // before the intra-chunk term's stages
     } else {  // the pipeline over the group's heads
       // the state terms, K = P a head. issue(hh): head hh's rows and state tile into the staging (one cp.async
@@ -1875,9 +1854,9 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? (kOne ? 3 : 2) : (kOne ? 2
         asm volatile("" ::: "memory");  // after this thread's reads of the staging (convert): the copies overwrite it
         const int h = g * hpg + hh;
         const float* src = dc ? a.dy + (rows + r0) * a.ldy + h * P : a.xs + (rows + r0) * a.ldxs + h * P;
-        stage_f32_rolled<kTile, P, V4, 2>(sa, lsa, src, dc ? a.ldy : a.ldxs, nr, P);
+        stage_f32<kTile, P, V4, 2>(sa, lsa, src, dc ? a.ldy : a.ldxs, nr, P);
         const float* st = (dc ? a.states : a.dstates) + (std::int64_t(bc) * a.H + h) * P * a.N + n0;
-        stage_f32_rolled<P, kNT, true, 2>(sb, lsb, st, a.N, P, nw);
+        stage_f32<P, kNT, true, 2>(sb, lsb, st, a.N, P, nw);
         cuda_k::cp_async_commit();
       };
       auto row_factor = [&](int hh) {
@@ -1885,8 +1864,8 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? (kOne ? 3 : 2) : (kOne ? 2
         return dc ? f.y : f.x * f.z;
       };
       auto convert = [&]() {
-        convert_own_rolled<kTile, P, 2>(ah, lda, sa, lsa, [&](int r, int, float4 v) { return scale4(v, fac[r]); });
-        convert_own_rolled<P, kNT, 2>(bh, ldb, sb, lsb, [](int, int, float4 v) { return v; });
+        convert_own<kTile, P, 2>(ah, lda, sa, lsa, [&](int r, int, float4 v) { return scale4(v, fac[r]); });
+        convert_own<P, kNT, 2>(bh, ldb, sb, lsb, [](int, int, float4 v) { return v; });
       };
       issue(0);
       if (tid < kTile) fac[tid] = row_factor(0);
@@ -1900,12 +1879,7 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? (kOne ? 3 : 2) : (kOne ? 2
       }
       __syncthreads();  // head 0's tiles
       for (int hh = 0; hh < hpg; ++hh) {
-#pragma unroll
-        for (int kk = 0; kk < P; kk += 16) {
-          wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::row_major> fa;
-          wmma::load_matrix_sync(fa, ah + warp * 16 * lda + kk, lda);
-          mma_row_tiles(acc, fa, bh, ldb, kk, nw);
-        }
+        state_product();
         const bool more = hh + 1 < hpg;
         if (more) {
           if (tid < kTile) fac[tid] = fnext;
