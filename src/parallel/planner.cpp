@@ -168,7 +168,13 @@ std::pair<double, double> ssd_gemm_mem(double H, double G, double N, double P, d
     const double tiles = std::ceil(Q / 64);
     const SSDGemmBlocks fb = ssd_gemm_blocks(index_t(H), index_t(G), ssd_fused_head_bytes(d.n, index_t(Q), d.a));
     const double fh = double(fb.heads), fr = double(fb.runs);
-    bwd = ctx + 2 * d.a * d.n * E + fr * per_head + states + d.a * d.b * nc * H * 3 + 6 * d.a * fh * d.n +
+    // xw and e_in dY in fp32, or (a kept context: cp = 1) under bf16 state terms bf16 copies of them, of C, and of
+    // dH and S_in (two of states' size in bf16)
+    const double b16 = double(sizeof(bf16_op_t));
+    const double state_terms = d.cp == 1 && ssd_bf16_state_terms(shape, index_t(H / G))
+                                   ? b16 * (2 * d.n * E + d.n * G * N) + 2 * states / d.a * b16
+                                   : 2 * d.a * d.n * E;
+    bwd = ctx + state_terms + fr * per_head + states + d.a * d.b * nc * H * 3 + 6 * d.a * fh * d.n +
           d.a * tiles * fh * d.n;
   }
   return {fwd, bwd};

@@ -566,6 +566,33 @@ void chunk_gemm(const Ctx<T>& c, GemmCompute cmp, Trans ta, Trans tb, index_t m,
   }
 }
 
+// chunk_gemm's products on bf16 operands (fp32 accumulation and output; gemm_bf16_f32_batched): one strided
+// batched call per head step i < ni (and per row for a short last chunk), alpha = 1.
+template <class T>
+void chunk_gemm_bf16(const Ctx<T>& c, Trans ta, Trans tb, index_t m, index_t n, index_t k,
+                     ChunkOp<const bf16_op_t*> A, ChunkOp<const bf16_op_t*> B, float beta, ChunkOp<float*> C,
+                     index_t ni = 1) {
+  auto dim = [](index_t d, index_t q) { return d == kQ ? q : d; };
+  auto stride = [&](const auto& o) { return o.token ? c.Q * o.ld : o.bs; };
+  auto at = [&](const auto& o, index_t b, index_t ch, index_t i) {
+    return o.p + (o.token ? (b * c.L + ch * c.Q) * o.ld : (b * c.nc + ch) * o.bs) + i * o.hs;
+  };
+  auto call = [&](index_t b, index_t ch, index_t count, index_t q) {
+    for (index_t i = 0; i < ni; ++i)
+      gemm_bf16_f32_batched(ta, tb, dim(m, q), dim(n, q), dim(k, q), 1.0f, at(A, b, ch, i), A.ld, stride(A),
+                            at(B, b, ch, i), B.ld, stride(B), beta, at(C, b, ch, i), C.ld, stride(C), count);
+  };
+  const index_t tail = c.L - (c.nc - 1) * c.Q;
+  if (tail == c.Q) {
+    call(0, 0, c.Bsz * c.nc, c.Q);
+    return;
+  }
+  for (index_t b = 0; b < c.Bsz; ++b) {
+    if (c.nc > 1) call(b, 0, c.nc - 1, c.Q);
+    call(b, c.nc - 1, 1, tail);
+  }
+}
+
 // For every token row r and column hp = (head h, p) of the H P-wide token matrices: body(r, hp, h, s) with
 // s = factor(b, h, t) computed once per (token, head) into team scratch, not once per element (an exp and two
 // gathered loads of the (B, H, L) decay arrays per element). One team per row, lanes over the columns.
@@ -613,6 +640,52 @@ void scale_token_heads(const char* label, const Ctx<T>& c, const S& factor, cons
   scale_token_heads_vw<1>(label, c, factor, src, lds, dst, ldd);
 }
 
+// Whether VW = 4 consecutive values of every row go as one access: fp32 rows 16-byte aligned (float4_rows), bf16
+// operand rows 8-byte aligned (store_bf16_op_vec's packed store).
+inline bool bf16_rows_by_four(const float* src, index_t lds, const bf16_op_t* dst, index_t ldd) {
+  return float4_rows({{src, lds}}) && ldd % 4 == 0 && reinterpret_cast<std::uintptr_t>(dst) % 8 == 0;
+}
+
+// scale_token_heads with the scaled values rounded to bf16 operand storage (the fused backward's state-term GEMM
+// operands: half the bytes of the fp32 copy to write and for the GEMM to read).
+template <int VW, class S>
+void scale_token_heads_bf16_vw(const char* label, const Ctx<float>& c, const S& factor, const float* src, index_t lds,
+                               bf16_op_t* dst, index_t ldd) {
+  const index_t Pd = c.Pd, L = c.L;
+  par_for(label, c.Bsz * c.L, c.H * c.Pd / VW, KOKKOS_LAMBDA(index_t r, index_t j) {
+    const index_t hp = j * VW, b = r / L;
+    const float f = factor(b, hp / Pd, r - b * L);
+    float v[VW];
+    load_vec<VW>(src + r * lds + hp, v);
+    for (int k = 0; k < VW; ++k) v[k] *= f;
+    store_bf16_op_vec<VW>(dst + r * ldd + hp, v);
+  });
+}
+template <class S>
+void scale_token_heads_bf16(const char* label, const Ctx<float>& c, const S& factor, const float* src, index_t lds,
+                            bf16_op_t* dst, index_t ldd) {
+  if (c.Pd % 4 == 0 && bf16_rows_by_four(src, lds, dst, ldd))
+    return scale_token_heads_bf16_vw<4>(label, c, factor, src, lds, dst, ldd);
+  scale_token_heads_bf16_vw<1>(label, c, factor, src, lds, dst, ldd);
+}
+
+// dst(r, j) = src(r, j) rounded to bf16 operand storage for r < rows, j < cols (row strides lds and ldd).
+template <int VW>
+void rows_to_bf16_vw(const char* label, const float* src, index_t lds, bf16_op_t* dst, index_t ldd, index_t rows,
+                     index_t cols) {
+  par_for(label, rows, cols / VW, KOKKOS_LAMBDA(index_t r, index_t j) {
+    float v[VW];
+    load_vec<VW>(src + r * lds + j * VW, v);
+    store_bf16_op_vec<VW>(dst + r * ldd + j * VW, v);
+  });
+}
+inline void rows_to_bf16(const char* label, const float* src, index_t lds, bf16_op_t* dst, index_t ldd, index_t rows,
+                         index_t cols) {
+  if (cols % 4 == 0 && bf16_rows_by_four(src, lds, dst, ldd))
+    return rows_to_bf16_vw<4>(label, src, lds, dst, ldd, rows, cols);
+  rows_to_bf16_vw<1>(label, src, lds, dst, ldd, rows, cols);
+}
+
 // Views and sizes shared by the forward and backward of the GEMM formulation.
 template <class T>
 struct GemmCtx {
@@ -624,10 +697,11 @@ struct GemmCtx {
 };
 
 // (skip_xw_for_groups: no xw where the blocks of heads are whole groups: the fused backward from a kept context
-// under BcForm::kernel, which never reads it)
+// under BcForm::kernel, which never reads it; skip_xw: none in any case, the fused backward's bf16 state terms,
+// which take a bf16 xw of their own)
 template <class T>
 GemmCtx<T> make_gemm_ctx(const Ctx<T>& c, double budget, bool backward, PoolScope& ws, bool per_head_qq = true,
-                         bool skip_xw_for_groups = false) {
+                         bool skip_xw_for_groups = false, bool skip_xw = false) {
   GemmCtx<T> g;
   g.ldx = index_t(c.xbc.stride(0));
   g.HP = c.H * c.Pd;
@@ -639,7 +713,7 @@ GemmCtx<T> make_gemm_ctx(const Ctx<T>& c, double budget, bool backward, PoolScop
   g.hb = bl.heads;
   g.runs = bl.runs;
   g.run_len = g.hb / g.runs;
-  if (!(skip_xw_for_groups && g.run_len == c.hpg)) g.xw = ws.take<View2<T>>("ssd::xw", c.Bsz * c.L, g.HP);
+  if (!skip_xw && !(skip_xw_for_groups && g.run_len == c.hpg)) g.xw = ws.take<View2<T>>("ssd::xw", c.Bsz * c.L, g.HP);
   if (per_head_qq) {  // the fused backward needs neither the per-head Q x Q workspace nor the pointer arrays
     g.w1 = ws.take<View4<T>>("ssd::qq1", g.hb, c.Bsz * c.nc, c.Q, c.Q);
     g.ptrs = ws.take<View1<std::uintptr_t>>("ssd::gemm_pointers", 3 * g.hb * c.Bsz * c.nc);
@@ -657,17 +731,20 @@ void chunk_cb(const Ctx<T>& c, GemmCompute cmp) {
                 T(0), blk(c.cb.data(), c.Q, c.G * c.Q * c.Q, c.Q * c.Q), c.G, c.gptrs);
 }
 
+// es(t) Delta_t of head h at token t of row b: the weight of x_t in its chunk's state.
+template <class T>
+KOKKOS_INLINE_FUNCTION T state_weight_of(const Ctx<T>& c, index_t b, index_t h, index_t t) {
+  const index_t last = c.chunk_end(t / c.Q) - 1;
+  const T e = exp_nonpos(c.acs(b, h, last) - c.acs(b, h, t));
+  return (c.rec(b, t) != c.rec(b, last) || e < T(kNegligibleDecay)) ? T(0) : e * c.delta(b, h, t);
+}
+
 // xw = es(s) Delta_s x_s, the chunk-state operand (and the backward's for dB's state term).
 template <class T>
 void state_weights(const Ctx<T>& c, const GemmCtx<T>& g) {
   const auto xw = g.xw;
   scale_token_heads(
-      "ssd::state_weights", c,
-      KOKKOS_LAMBDA(index_t b, index_t h, index_t t) {
-        const index_t last = c.chunk_end(t / c.Q) - 1;
-        const T e = exp_nonpos(c.acs(b, h, last) - c.acs(b, h, t));
-        return (c.rec(b, t) != c.rec(b, last) || e < T(kNegligibleDecay)) ? T(0) : e * c.delta(b, h, t);
-      },
+      "ssd::state_weights", c, KOKKOS_LAMBDA(index_t b, index_t h, index_t t) { return state_weight_of(c, b, h, t); },
       c.xs.data() + c.x_col, index_t(c.xs.stride(0)), xw.data(), index_t(xw.stride(0)));
 }
 
@@ -821,6 +898,12 @@ void ssd_forward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, co
   }
 }
 
+// ssd_bf16_state_terms for this call (fused: the fused kernels run it; from_kept: a kept context).
+template <class T>
+bool bf16_state_terms(const Ctx<T>& c, const SSDShape& s, bool fused, bool from_kept) {
+  return std::is_same_v<T, float> && fused && from_kept && ssd_bf16_state_terms(s, c.hpg);
+}
+
 template <class T>
 void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, const View2<const T>& dy,
                        const View4<const T>& dfinal_state, const SSDGrad<T>& gr, PoolScope& ws, bool fused,
@@ -831,10 +914,27 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
   // of a block's groups in one kernel (ssd_fused::bc_backward), which scales X and dY itself: no xw (from a kept
   // context not even taken), no scaled dY, no state-term or W2 GEMMs
   const bool bc_asked = fused && ssd_fused::bc_kernel_for(int(c.hpg));
-  const GemmCtx<T> g = make_gemm_ctx(c, s.gemm_workspace_bytes, true, ws, !fused, bc_asked && from_kept);
+  // Otherwise, under bf16 arithmetic from a kept context: the state terms (dS_in's own part, dB's and dC's) as
+  // GEMMs on bf16 operands (ssd_bf16_state_terms): xw and e_in dY written as bf16 copies, S_in, dH and C rounded
+  const bool b16 = bf16_state_terms(c, s, fused, from_kept);
+  const GemmCtx<T> g = make_gemm_ctx(c, s.gemm_workspace_bytes, true, ws, !fused, bc_asked && from_kept, b16);
   const bool bc_kernel = bc_asked && g.run_len == c.hpg;
+  View2<bf16_op_t> xwb, dyeb, cb16;  // (n, H P), (n, H P), (n, G N)
+  if (b16) {
+    xwb = ws.take<View2<bf16_op_t>>("ssd::xw_bf16", c.Bsz * c.L, c.H * c.Pd);
+    dyeb = ws.take<View2<bf16_op_t>>("ssd::dye_bf16", c.Bsz * c.L, c.H * c.Pd);
+    cb16 = ws.take<View2<bf16_op_t>>("ssd::c_bf16", c.Bsz * c.L, c.G * c.N);
+  }
   if (from_kept) {  // Delta, the cumsum, S_in and C B^T as the forward left them
-    if (!bc_kernel) state_weights(c, g);
+    if (b16) {
+      if constexpr (std::is_same_v<T, float>)
+        scale_token_heads_bf16(
+            "ssd::state_weights", c,
+            KOKKOS_LAMBDA(index_t b, index_t h, index_t t) { return state_weight_of(c, b, h, t); },
+            c.xs.data() + c.x_col, index_t(c.xs.stride(0)), xwb.data(), index_t(xwb.stride(0)));
+    } else if (!bc_kernel) {
+      state_weights(c, g);
+    }
   } else {
     gemm_states_and_cb(c, g, cmp, in.init_state, View4<T>());
   }
@@ -857,6 +957,16 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
       a.ein_weights = true;
       ssd_fused::chunk_state(a);
     }
+  } else if (b16) {
+    if constexpr (std::is_same_v<T, float>) {
+      scale_token_heads_bf16(
+          "ssd::dy_scaled", c, KOKKOS_LAMBDA(index_t b, index_t h, index_t t) { return e_in_of(c, b, h, t); },
+          dy.data(), ldy, dyeb.data(), index_t(dyeb.stride(0)));
+      rows_to_bf16("ssd::c_bf16", X + c.c_col, g.ldx, cb16.data(), index_t(cb16.stride(0)), nr, c.G * c.N);
+      chunk_gemm_bf16(c, Trans::T, Trans::N, gP, c.N, kQ, tok<const bf16_op_t*>(dyeb.data(), g.HP, gP),
+                      tok<const bf16_op_t*>(cb16.data(), index_t(cb16.stride(0)), c.N), 0.0f,
+                      blk(dstates.data(), c.N, c.H * PN, c.hpg * PN), c.G);
+    }
   } else {
     dye = ws.take<View2<T>>("ssd::dye", nr, g.HP);
     scale_token_heads(
@@ -878,7 +988,22 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
   // the state terms of dB and dC, summed over a group's heads by the K dimension:
   // dB = (es Delta X) dH, dC = (e_in dY) S_in (the Q x Q terms are added per block below)
   // (every group in one two-level batched call)
-  if (!bc_kernel) {
+  if (b16) {
+    if constexpr (std::is_same_v<T, float>) {
+      // dH and S_in as bf16 copies, then the two products with K = the group's heads x P
+      const index_t srows = nbc * c.H * c.Pd;
+      const View1<bf16_op_t> dHb = ws.take<View1<bf16_op_t>>("ssd::dh_bf16", srows * c.N);
+      const View1<bf16_op_t> Sb = ws.take<View1<bf16_op_t>>("ssd::sin_bf16", srows * c.N);
+      rows_to_bf16("ssd::dh_bf16", dstates.data(), c.N, dHb.data(), c.N, srows, c.N);
+      rows_to_bf16("ssd::sin_bf16", c.states.data(), c.N, Sb.data(), c.N, srows, c.N);
+      chunk_gemm_bf16(c, Trans::N, Trans::N, kQ, c.N, gP, tok<const bf16_op_t*>(xwb.data(), g.HP, gP),
+                      blk<const bf16_op_t*>(dHb.data(), c.N, c.H * PN, c.hpg * PN), 0.0f,
+                      tok(dX + c.b_col, ldd, c.N), c.G);
+      chunk_gemm_bf16(c, Trans::N, Trans::N, kQ, c.N, gP, tok<const bf16_op_t*>(dyeb.data(), g.HP, gP),
+                      blk<const bf16_op_t*>(Sb.data(), c.N, c.H * PN, c.hpg * PN), 0.0f,
+                      tok(dX + c.c_col, ldd, c.N), c.G);
+    }
+  } else if (!bc_kernel) {
     const ChunkOp<const T*> dHg = blk<const T*>(dstates.data(), c.N, c.H * PN, c.hpg * PN),
                             Sg = blk<const T*>(c.states.data(), c.N, c.H * PN, c.hpg * PN);
     chunk_gemm<T>(c, cmp, Trans::N, Trans::N, kQ, c.N, gP, T(1), tok<const T*>(g.xw.data(), g.HP, gP), dHg, T(0),
@@ -1160,6 +1285,11 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
 }
 
 }  // namespace
+
+bool ssd_bf16_state_terms(const SSDShape& s, index_t heads_per_group) {
+  return ssd_resolved_algo(s) == SSDAlgo::fused && s.compute == GemmCompute::bf16 &&
+         !ssd_fused::bc_kernel_for(int(heads_per_group));
+}
 
 SSDAlgo ssd_resolved_algo(const SSDShape& s) {
   if (s.algo != SSDAlgo::automatic) return s.algo;

@@ -139,6 +139,12 @@ inline double ssd_fused_head_bytes(double tokens, index_t chunk, double elem_byt
 // The algorithm `s.algo` resolves to in this build.
 SSDAlgo ssd_resolved_algo(const SSDShape& s);
 
+// Whether the fused backward from a kept context forms its state terms (dS_in's own part, dB's and dC's) as GEMMs
+// on bf16 operands: bf16 arithmetic asked for, and dB, dC not in the one-kernel form (ssd_fused::bc_kernel_for).
+// It then takes bf16 copies of xw, e_in dY, C, dH and S_in in place of fp32 xw and e_in dY (the planner counts the
+// same). fp32 activations only; the caller also checks that the fused kernels apply.
+bool ssd_bf16_state_terms(const SSDShape& s, index_t heads_per_group);
+
 template <class T>
 void ssd_step(const SSDShape& s, const SSDIn<T>& in, const View4<acc_t<T>>& state, const View2<T>& y);
 
