@@ -9,6 +9,8 @@
 //                  timed; the first is the reference the others' outputs are compared with)
 //                  [--bc-form automatic|gemm|kernel]   (how the fused backward forms dB and dC: ssd_fused::BcForm,
 //                  automatic by default; the ssd and mamba3 cases also time the form not taken)
+//                  [--state-terms bf16|tf32]   (the fused backward's state-term GEMMs: ssd_fused::bf16_state_gemms,
+//                  bf16 by default; the ssd case also times tf32)
 //   mpiexec -n N mambamoe_bench --only lm --cp N ...   (the LM step with every sequence split over N ranks)
 //   mpiexec -n N mambamoe_bench --only lm --cp N --backend nccl   (the same over NCCL: device buffers, one GPU per rank)
 //
@@ -486,6 +488,11 @@ void bench_ssd(int reps, const std::vector<SSDVariant>& variants) {
       const ssd_fused::FormScope form(ssd_fused::bc_form, other_bc_form(int(s.nheads / s.ngroups)));
       record(nfb + bc_form_label(ssd_fused::bc_form), "time", time_median(1, r, [&] { fwd_bwd(true); }) * 1e3, "ms");
     }
+    if (kernels && ssd_bf16_state_terms(s, s.nheads / s.ngroups)) {  // the state terms' other arithmetic
+      const ssd_fused::FormScope form(ssd_fused::bf16_state_gemms, false);
+      record(nfb + " (state terms: tf32 GEMMs on fp32 copies)", "time",
+             time_median(1, r, [&] { fwd_bwd(true); }) * 1e3, "ms");
+    }
     if (g_profile) {
       kprof::report(nf, [&] { ssd_forward<T>(s, in, y, View4<float>()); });
       PoolScope pool;
@@ -883,6 +890,14 @@ int run(int argc, char** argv, int cp_size, int rank) {
     else if (a == "--profile") g_profile = true;
     else if (a == "--lm-ssd") lm_ssd = next();
     else if (a == "--lm-recompute") lm_recompute = next();
+    else if (a == "--state-terms") {  // the fused backward's state-term GEMMs (ssd_fused::bf16_state_gemms)
+      const std::string f = next();
+      if (f != "bf16" && f != "tf32") {
+        std::cerr << "mambamoe_bench: --state-terms " << f << " is not one of: bf16 tf32\n";
+        return 2;
+      }
+      ssd_fused::bf16_state_gemms = f == "bf16";
+    }
     else if (a == "--bc-form") {  // how every fused backward in the run forms dB and dC (ssd_fused::BcForm)
       const std::string f = next();
       if (f != "automatic" && f != "gemm" && f != "kernel") {
@@ -903,7 +918,7 @@ int run(int argc, char** argv, int cp_size, int rank) {
     }
     else {
       std::cerr << "mambamoe_bench: unknown option " << a
-                << " (known: --out DIR, --only copy,gemm,ssd,mamba1,mamba3,moe,lm, --reps N, --lm-batch B, --lm-seqlen L, --lm-window W, --mamba-batch B, --mamba-seqlen L, --moe-tokens N, --cp N, --backend mpi|nccl, --ssd V1,V2,.., --lm-ssd V1,.., --lm-recompute mixer,none, --bc-form gemm|kernel; V: portable, gemm-C, fused-C with C = fp32, tf32, bf16)\n";
+                << " (known: --out DIR, --only copy,gemm,ssd,mamba1,mamba3,moe,lm, --reps N, --lm-batch B, --lm-seqlen L, --lm-window W, --mamba-batch B, --mamba-seqlen L, --moe-tokens N, --cp N, --backend mpi|nccl, --ssd V1,V2,.., --lm-ssd V1,.., --lm-recompute mixer,none, --bc-form gemm|kernel, --state-terms bf16|tf32; V: portable, gemm-C, fused-C with C = fp32, tf32, bf16)\n";
       return 2;
     }
   }

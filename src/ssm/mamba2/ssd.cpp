@@ -1287,7 +1287,7 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
 }  // namespace
 
 bool ssd_bf16_state_terms(const SSDShape& s, index_t heads_per_group) {
-  return ssd_resolved_algo(s) == SSDAlgo::fused && s.compute == GemmCompute::bf16 &&
+  return ssd_fused::bf16_state_gemms && ssd_resolved_algo(s) == SSDAlgo::fused && s.compute == GemmCompute::bf16 &&
          !ssd_fused::bc_kernel_for(int(heads_per_group));
 }
 

@@ -18,6 +18,7 @@ namespace mm::ssd_fused {
 
 Form scan_form = Form::mma_ring, intra_form = Form::mma;
 BcForm bc_form = BcForm::automatic;
+bool bf16_state_gemms = true;
 
 bool bc_kernel_for(int heads_per_group) {
   return bc_form == BcForm::kernel || (bc_form == BcForm::automatic && heads_per_group == 1);

@@ -96,6 +96,11 @@ extern Form scan_form, intra_form;
 enum class BcForm { automatic, gemm, kernel };
 extern BcForm bc_form;
 
+// Whether the fused backward's GEMM form (BcForm::gemm as resolved) takes its state terms on bf16 operands under
+// bf16 arithmetic from a kept context (ssd_bf16_state_terms, ssd.hpp; default) or on tf32 from fp32 copies (the
+// form before, kept for side-by-side timing: mambamoe_bench --state-terms).
+extern bool bf16_state_gemms;
+
 // Whether the fused backward takes the one-kernel dB and dC (bc_form, automatic resolved) for groups of
 // heads_per_group heads, where its blocks of heads are whole groups (ssd.cpp checks that).
 bool bc_kernel_for(int heads_per_group);
