@@ -142,6 +142,10 @@ void install() {
   KT::set_end_parallel_scan_callback(end);
   KT::set_push_region_callback(push);
   KT::set_pop_region_callback(pop);
+  // paused outside report(): with a tool loaded Kokkos does work around every launch even while `on` is false, and
+  // the LM step timed 154-159 ms with the callbacks installed against 135-137 ms without (H100, perf/RESULTS.md,
+  // thirty-third session), so the timed runs of a --profile run were not those of a plain run
+  KT::pause_tools();
 }
 // Runs f once with every kernel fenced and timed; prints the labels by total time.
 template <class F>
@@ -150,12 +154,14 @@ void report(const std::string& title, const F& f) {
   acc.clear();
   allocs.clear();
   alloc_labels.clear();
+  Kokkos::Tools::Experimental::resume_tools();
   on = true;
   const auto t0 = clk::now();
   f();
   Kokkos::fence();
   const double total = std::chrono::duration<double>(clk::now() - t0).count();
   on = false;
+  Kokkos::Tools::Experimental::pause_tools();
   std::vector<std::pair<std::string, Acc>> v(acc.begin(), acc.end());
   std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) { return a.second.s > b.second.s; });
   std::printf("  profile of %s (fenced, %.2f ms in all):\n", title.c_str(), total * 1e3);
