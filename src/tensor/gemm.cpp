@@ -531,8 +531,28 @@ void round_to_bf16(const char* label, const View2<const float>& src, const UView
               col + index_t(src.extent(1)) <= index_t(dst.extent(1)),
           label, "a bf16 copy of ", dst.extent(0), "x", dst.extent(1), " cannot hold ", src.extent(0), "x",
           src.extent(1), " from column ", col);
-  par_for(label, src.extent(0), src.extent(1),
-          KOKKOS_LAMBDA(index_t i, index_t j) { dst(i, col + j) = to_bf16_op(src(i, j)); });
+  round_to_bf16(label, src.data(), index_t(src.stride(0)), dst.data() + col, index_t(dst.stride(0)),
+                index_t(src.extent(0)), index_t(src.extent(1)));
+}
+
+namespace {
+template <int VW>
+void round_rows_to_bf16(const char* label, const float* src, index_t lds, bf16_op_t* dst, index_t ldd, index_t rows,
+                        index_t cols) {
+  par_for(label, rows, cols / VW, KOKKOS_LAMBDA(index_t r, index_t j) {
+    float v[VW];
+    load_vec<VW>(src + r * lds + j * VW, v);
+    store_bf16_op_vec<VW>(dst + r * ldd + j * VW, v);
+  });
+}
+}  // namespace
+
+void round_to_bf16(const char* label, const float* src, index_t lds, bf16_op_t* dst, index_t ldd, index_t rows,
+                   index_t cols) {
+  if (rows == 0 || cols == 0) return;
+  if (cols % 4 == 0 && bf16_rows_by_four(src, lds, dst, ldd))
+    return round_rows_to_bf16<4>(label, src, lds, dst, ldd, rows, cols);
+  round_rows_to_bf16<1>(label, src, lds, dst, ldd, rows, cols);
 }
 
 GemmCompute parse_gemm_compute(const std::string& s, const std::string& what) {

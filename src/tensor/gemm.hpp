@@ -153,6 +153,11 @@ KOKKOS_INLINE_FUNCTION float from_bf16_op(bf16_op_t v) { return float(v); }
 // dst(i, col + j) = src(i, j) rounded to bf16 operand storage, for every element of src: the bf16 copy of an fp32
 // GEMM input formed after it (a producer's fallback where its kernel cannot write the copy itself).
 void round_to_bf16(const char* label, const View2<const float>& src, const UView2<bf16_op_t>& dst, index_t col = 0);
+// The same on raw pointers into the default memory space: dst(r, j) = src(r, j) for r < rows, j < cols, rows
+// lds and ldd elements apart (a column block of a wider matrix on either side); four values an access where the
+// rows allow (fp32 rows 16-byte aligned, bf16 rows 8-byte aligned).
+void round_to_bf16(const char* label, const float* src, index_t lds, bf16_op_t* dst, index_t ldd, index_t rows,
+                   index_t cols);
 
 // VW values rounded to bf16 operand storage at p: on the device for VW = 4 one 8-byte store (the caller checked
 // that p is 8-byte aligned), element by element otherwise.
@@ -172,6 +177,12 @@ KOKKOS_INLINE_FUNCTION void store_bf16_op_vec(bf16_op_t* p, const P (&in)[VW]) {
   } else {
     for (int k = 0; k < VW; ++k) p[k] = to_bf16_op(float(in[k]));
   }
+}
+
+// Whether 4 consecutive values of every row can go as one access from fp32 rows (src, row stride lds: 16-byte
+// aligned, float4_rows) to bf16 operand rows (dst, ldd: 8-byte aligned, store_bf16_op_vec's packed store).
+inline bool bf16_rows_by_four(const float* src, index_t lds, const bf16_op_t* dst, index_t ldd) {
+  return float4_rows({{src, lds}}) && ldd % 4 == 0 && reinterpret_cast<std::uintptr_t>(dst) % 8 == 0;
 }
 
 // Row-major C (m x n) = alpha op(A) op(B) + beta C on raw pointers into the default memory space, op(A) m x k,

@@ -538,23 +538,12 @@ ChunkOp<Ptr> blk(Ptr p, index_t ld, index_t bs, index_t hs = 0) {
   return {p, ld, false, bs, hs};
 }
 
-// C_ji = alpha op(A_ji) op(B_ji) + beta C_ji for every chunk j = (b, c) and head i < ni of the operands' head
-// steps; m, n, k are sizes or kQ (the chunk's length: Q, or the shorter last chunk when Q does not divide L, which
-// gets its own call per row).
-template <class T>
-void chunk_gemm(const Ctx<T>& c, GemmCompute cmp, Trans ta, Trans tb, index_t m, index_t n, index_t k, T alpha,
-                ChunkOp<const T*> A, ChunkOp<const T*> B, T beta, ChunkOp<T*> C, index_t ni = 1,
-                std::uintptr_t* pointers = nullptr) {
-  auto dim = [](index_t d, index_t q) { return d == kQ ? q : d; };
-  auto stride = [&](const auto& o) { return o.token ? c.Q * o.ld : o.bs; };
-  auto at = [&](const auto& o, index_t b, index_t ch) {
-    return o.p + (o.token ? (b * c.L + ch * c.Q) * o.ld : (b * c.nc + ch) * o.bs);
-  };
-  auto call = [&](index_t b, index_t ch, index_t count, index_t q) {
-    gemm_batched_2d(ta, tb, dim(m, q), dim(n, q), dim(k, q), alpha, at(A, b, ch), A.ld, stride(A), A.hs,
-                    at(B, b, ch), B.ld, stride(B), B.hs, beta, at(C, b, ch), C.ld, stride(C), C.hs, count, ni, cmp,
-                    pointers);
-  };
+// The chunk GEMMs' batches: call(b, ch, count, q) for runs of `count` chunks of q tokens starting at chunk ch of
+// row b, and the pieces of an operand there: chunk_dim (a size, or kQ: the chunk's length), chunk_stride (the step
+// between chunks), chunk_at (chunk ch of row b). All chunks in one run when Q divides L; else per row, the shorter
+// last chunk apart.
+template <class T, class Call>
+void over_chunk_runs(const Ctx<T>& c, const Call& call) {
   const index_t tail = c.L - (c.nc - 1) * c.Q;
   if (tail == c.Q) {
     call(0, 0, c.Bsz * c.nc, c.Q);  // row b chunk c is batch entry b nc + c for both kinds of operand
@@ -565,6 +554,29 @@ void chunk_gemm(const Ctx<T>& c, GemmCompute cmp, Trans ta, Trans tb, index_t m,
     call(b, c.nc - 1, 1, tail);
   }
 }
+inline index_t chunk_dim(index_t d, index_t q) { return d == kQ ? q : d; }
+template <class T, class Ptr>
+index_t chunk_stride(const Ctx<T>& c, const ChunkOp<Ptr>& o) {
+  return o.token ? c.Q * o.ld : o.bs;
+}
+template <class T, class Ptr>
+Ptr chunk_at(const Ctx<T>& c, const ChunkOp<Ptr>& o, index_t b, index_t ch) {
+  return o.p + (o.token ? (b * c.L + ch * c.Q) * o.ld : (b * c.nc + ch) * o.bs);
+}
+
+// C_ji = alpha op(A_ji) op(B_ji) + beta C_ji for every chunk j = (b, c) and head i < ni of the operands' head
+// steps; m, n, k are sizes or kQ (the chunk's length: Q, or the shorter last chunk when Q does not divide L, which
+// gets its own call per row).
+template <class T>
+void chunk_gemm(const Ctx<T>& c, GemmCompute cmp, Trans ta, Trans tb, index_t m, index_t n, index_t k, T alpha,
+                ChunkOp<const T*> A, ChunkOp<const T*> B, T beta, ChunkOp<T*> C, index_t ni = 1,
+                std::uintptr_t* pointers = nullptr) {
+  over_chunk_runs(c, [&](index_t b, index_t ch, index_t count, index_t q) {
+    gemm_batched_2d(ta, tb, chunk_dim(m, q), chunk_dim(n, q), chunk_dim(k, q), alpha, chunk_at(c, A, b, ch), A.ld,
+                    chunk_stride(c, A), A.hs, chunk_at(c, B, b, ch), B.ld, chunk_stride(c, B), B.hs, beta,
+                    chunk_at(c, C, b, ch), C.ld, chunk_stride(c, C), C.hs, count, ni, cmp, pointers);
+  });
+}
 
 // chunk_gemm's products on bf16 operands (fp32 accumulation and output; gemm_bf16_f32_batched): one strided
 // batched call per head step i < ni (and per row for a short last chunk), alpha = 1.
@@ -572,25 +584,13 @@ template <class T>
 void chunk_gemm_bf16(const Ctx<T>& c, Trans ta, Trans tb, index_t m, index_t n, index_t k,
                      ChunkOp<const bf16_op_t*> A, ChunkOp<const bf16_op_t*> B, float beta, ChunkOp<float*> C,
                      index_t ni = 1) {
-  auto dim = [](index_t d, index_t q) { return d == kQ ? q : d; };
-  auto stride = [&](const auto& o) { return o.token ? c.Q * o.ld : o.bs; };
-  auto at = [&](const auto& o, index_t b, index_t ch, index_t i) {
-    return o.p + (o.token ? (b * c.L + ch * c.Q) * o.ld : (b * c.nc + ch) * o.bs) + i * o.hs;
-  };
-  auto call = [&](index_t b, index_t ch, index_t count, index_t q) {
+  over_chunk_runs(c, [&](index_t b, index_t ch, index_t count, index_t q) {
     for (index_t i = 0; i < ni; ++i)
-      gemm_bf16_f32_batched(ta, tb, dim(m, q), dim(n, q), dim(k, q), 1.0f, at(A, b, ch, i), A.ld, stride(A),
-                            at(B, b, ch, i), B.ld, stride(B), beta, at(C, b, ch, i), C.ld, stride(C), count);
-  };
-  const index_t tail = c.L - (c.nc - 1) * c.Q;
-  if (tail == c.Q) {
-    call(0, 0, c.Bsz * c.nc, c.Q);
-    return;
-  }
-  for (index_t b = 0; b < c.Bsz; ++b) {
-    if (c.nc > 1) call(b, 0, c.nc - 1, c.Q);
-    call(b, c.nc - 1, 1, tail);
-  }
+      gemm_bf16_f32_batched(ta, tb, chunk_dim(m, q), chunk_dim(n, q), chunk_dim(k, q), 1.0f,
+                            chunk_at(c, A, b, ch) + i * A.hs, A.ld, chunk_stride(c, A),
+                            chunk_at(c, B, b, ch) + i * B.hs, B.ld, chunk_stride(c, B), beta,
+                            chunk_at(c, C, b, ch) + i * C.hs, C.ld, chunk_stride(c, C), count);
+  });
 }
 
 // For every token row r and column hp = (head h, p) of the H P-wide token matrices: body(r, hp, h, s) with
@@ -618,8 +618,20 @@ void per_token_heads(const char* label, const Ctx<T>& c, const S& factor, const 
 // token matrices (rows lds and ldd apart): VW consecutive columns of one head a work item, the factor computed per
 // item (the lanes of a warp cover two heads of 64, so its gathered loads are mostly broadcasts). As a team per row
 // with one 4-byte value a lane (per_token_heads) these passes moved about 2.3 TB/s on an H200.
-template <int VW, class T, class S>
-void scale_token_heads_vw(const char* label, const Ctx<T>& c, const S& factor, const T* src, index_t lds, T* dst,
+// VW values to p: rounded to bf16 operand storage (kB16) or as they are. (A function of its own: an extended
+// device lambda cannot hold the constexpr-if.)
+template <bool kB16, int VW, class D, class P>
+KOKKOS_INLINE_FUNCTION void store_scaled(D* p, const P (&v)[VW]) {
+  if constexpr (kB16)
+    store_bf16_op_vec<VW>(p, v);
+  else
+    store_vec<VW>(p, v);
+}
+
+// (kB16: dst is bf16 operand storage, the scaled values rounded to it; D is then bf16_op_t, which on host builds is
+// float itself, hence the flag and not the type)
+template <int VW, bool kB16 = false, class T, class D, class S>
+void scale_token_heads_vw(const char* label, const Ctx<T>& c, const S& factor, const T* src, index_t lds, D* dst,
                           index_t ldd) {
   const index_t Pd = c.Pd, L = c.L;
   par_for(label, c.Bsz * c.L, c.H * c.Pd / VW, KOKKOS_LAMBDA(index_t r, index_t j) {
@@ -628,7 +640,7 @@ void scale_token_heads_vw(const char* label, const Ctx<T>& c, const S& factor, c
     T v[VW];
     load_vec<VW>(src + r * lds + hp, v);
     for (int k = 0; k < VW; ++k) v[k] *= f;
-    store_vec<VW>(dst + r * ldd + hp, v);
+    store_scaled<kB16, VW>(dst + r * ldd + hp, v);
   });
 }
 template <class T, class S>
@@ -640,50 +652,14 @@ void scale_token_heads(const char* label, const Ctx<T>& c, const S& factor, cons
   scale_token_heads_vw<1>(label, c, factor, src, lds, dst, ldd);
 }
 
-// Whether VW = 4 consecutive values of every row go as one access: fp32 rows 16-byte aligned (float4_rows), bf16
-// operand rows 8-byte aligned (store_bf16_op_vec's packed store).
-inline bool bf16_rows_by_four(const float* src, index_t lds, const bf16_op_t* dst, index_t ldd) {
-  return float4_rows({{src, lds}}) && ldd % 4 == 0 && reinterpret_cast<std::uintptr_t>(dst) % 8 == 0;
-}
-
 // scale_token_heads with the scaled values rounded to bf16 operand storage (the fused backward's state-term GEMM
 // operands: half the bytes of the fp32 copy to write and for the GEMM to read).
-template <int VW, class S>
-void scale_token_heads_bf16_vw(const char* label, const Ctx<float>& c, const S& factor, const float* src, index_t lds,
-                               bf16_op_t* dst, index_t ldd) {
-  const index_t Pd = c.Pd, L = c.L;
-  par_for(label, c.Bsz * c.L, c.H * c.Pd / VW, KOKKOS_LAMBDA(index_t r, index_t j) {
-    const index_t hp = j * VW, b = r / L;
-    const float f = factor(b, hp / Pd, r - b * L);
-    float v[VW];
-    load_vec<VW>(src + r * lds + hp, v);
-    for (int k = 0; k < VW; ++k) v[k] *= f;
-    store_bf16_op_vec<VW>(dst + r * ldd + hp, v);
-  });
-}
 template <class S>
 void scale_token_heads_bf16(const char* label, const Ctx<float>& c, const S& factor, const float* src, index_t lds,
                             bf16_op_t* dst, index_t ldd) {
   if (c.Pd % 4 == 0 && bf16_rows_by_four(src, lds, dst, ldd))
-    return scale_token_heads_bf16_vw<4>(label, c, factor, src, lds, dst, ldd);
-  scale_token_heads_bf16_vw<1>(label, c, factor, src, lds, dst, ldd);
-}
-
-// dst(r, j) = src(r, j) rounded to bf16 operand storage for r < rows, j < cols (row strides lds and ldd).
-template <int VW>
-void rows_to_bf16_vw(const char* label, const float* src, index_t lds, bf16_op_t* dst, index_t ldd, index_t rows,
-                     index_t cols) {
-  par_for(label, rows, cols / VW, KOKKOS_LAMBDA(index_t r, index_t j) {
-    float v[VW];
-    load_vec<VW>(src + r * lds + j * VW, v);
-    store_bf16_op_vec<VW>(dst + r * ldd + j * VW, v);
-  });
-}
-inline void rows_to_bf16(const char* label, const float* src, index_t lds, bf16_op_t* dst, index_t ldd, index_t rows,
-                         index_t cols) {
-  if (cols % 4 == 0 && bf16_rows_by_four(src, lds, dst, ldd))
-    return rows_to_bf16_vw<4>(label, src, lds, dst, ldd, rows, cols);
-  rows_to_bf16_vw<1>(label, src, lds, dst, ldd, rows, cols);
+    return scale_token_heads_vw<4, true>(label, c, factor, src, lds, dst, ldd);
+  scale_token_heads_vw<1, true>(label, c, factor, src, lds, dst, ldd);
 }
 
 // Views and sizes shared by the forward and backward of the GEMM formulation.
@@ -962,7 +938,7 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
       scale_token_heads_bf16(
           "ssd::dy_scaled", c, KOKKOS_LAMBDA(index_t b, index_t h, index_t t) { return e_in_of(c, b, h, t); },
           dy.data(), ldy, dyeb.data(), index_t(dyeb.stride(0)));
-      rows_to_bf16("ssd::c_bf16", X + c.c_col, g.ldx, cb16.data(), index_t(cb16.stride(0)), nr, c.G * c.N);
+      round_to_bf16("ssd::c_bf16", X + c.c_col, g.ldx, cb16.data(), index_t(cb16.stride(0)), nr, c.G * c.N);
       chunk_gemm_bf16(c, Trans::T, Trans::N, gP, c.N, kQ, tok<const bf16_op_t*>(dyeb.data(), g.HP, gP),
                       tok<const bf16_op_t*>(cb16.data(), index_t(cb16.stride(0)), c.N), 0.0f,
                       blk(dstates.data(), c.N, c.H * PN, c.hpg * PN), c.G);
@@ -994,8 +970,8 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
       const index_t srows = nbc * c.H * c.Pd;
       const View1<bf16_op_t> dHb = ws.take<View1<bf16_op_t>>("ssd::dh_bf16", srows * c.N);
       const View1<bf16_op_t> Sb = ws.take<View1<bf16_op_t>>("ssd::sin_bf16", srows * c.N);
-      rows_to_bf16("ssd::dh_bf16", dstates.data(), c.N, dHb.data(), c.N, srows, c.N);
-      rows_to_bf16("ssd::sin_bf16", c.states.data(), c.N, Sb.data(), c.N, srows, c.N);
+      round_to_bf16("ssd::dh_bf16", dstates.data(), c.N, dHb.data(), c.N, srows, c.N);
+      round_to_bf16("ssd::sin_bf16", c.states.data(), c.N, Sb.data(), c.N, srows, c.N);
       chunk_gemm_bf16(c, Trans::N, Trans::N, kQ, c.N, gP, tok<const bf16_op_t*>(xwb.data(), g.HP, gP),
                       blk<const bf16_op_t*>(dHb.data(), c.N, c.H * PN, c.hpg * PN), 0.0f,
                       tok(dX + c.b_col, ldd, c.N), c.G);
