@@ -180,8 +180,7 @@ std::pair<double, double> ssd_gemm_mem(double H, double G, double N, double P, d
   return {fwd, bwd};
 }
 
-// explicit_states: the windows of a windowed mixer (every window but the last hands a final-state gradient to the
-// backward, which then keeps d(zxbcdt) in fp32)
+// explicit_states: the windows of a windowed mixer (each takes its fp32 input, not the block's bf16 copy)
 LayerMem mem_mamba2(const Mamba2Config& c, const Dims& d, Recompute pol, bool explicit_states = false) {
   if (c.window > 0 && d.L > double(c.window)) {
     Mamba2Config cw = c;
@@ -197,11 +196,12 @@ LayerMem mem_mamba2(const Mamba2Config& c, const Dims& d, Recompute pol, bool ex
   const double GN = G * N, C = E + 2 * GN, din = 2 * E + 2 * GN + H;
   const double nc = std::ceil(d.L / Q);
   LayerMem m;
-  // the bf16 route under bf16 GEMMs without cp or explicit states (this unwindowed form with explicit states is a
-  // window's): the block's input xn_l only as its bf16 copy (backbone.cpp, bf16_input; a window's input is the
-  // window's own copy), and d(zxbcdt) only as its bf16 copy (mixer.cpp, Mamba2Mixer::bf16_in_proj_grad)
-  const bool b16_route = d.copy_b16 > 0 && d.cp == 1 && !explicit_states;
-  if (b16_route) m.xn_elem = d.copy_b16;
+  // the bf16 route under bf16 GEMMs without cp: d(zxbcdt) only as its bf16 copy (mixer.cpp,
+  // Mamba2Mixer::bf16_in_proj_grad), and without explicit states (this unwindowed form with explicit states is a
+  // window's, whose input is the window's own fp32 rows) the block's input xn_l only as its bf16 copy
+  // (backbone.cpp, bf16_input)
+  const bool b16_route = d.copy_b16 > 0 && d.cp == 1;
+  if (b16_route && !explicit_states) m.xn_elem = d.copy_b16;
   // zxbcdt, xbc, y, rstd, and yn: fp32, or its bf16 copy only under bf16 GEMMs (mixer.cpp, Mamba2Acts::yn_b)
   const double yn = d.copy_b16 > 0 ? d.copy_b16 : d.t;
   m.full = d.n * (d.t * (din + C + E) + yn * E + d.a * G);

@@ -28,6 +28,7 @@
 #include "core/pool.hpp"
 #include "layers/conv1d.hpp"
 #include "parallel/context_parallel.hpp"
+#include "tensor/gemm.hpp"  // bf16_op_t
 
 namespace mm::windows {
 // Internal linkage (the unnamed namespace): the KOKKOS_LAMBDAs in these header templates would otherwise give
@@ -83,13 +84,24 @@ void zero_new_records(const SeqIdxView& seq, index_t t0, const State& s) {
   });
 }
 
+// x += g for a gradient element x of type D: T itself, or bf16 operand storage (a bf16 copy of a GEMM input,
+// rounded again after the sum).
+template <class D, class T>
+KOKKOS_INLINE_FUNCTION void add_grad(D& x, T g) {
+  if constexpr (std::is_same_v<D, T>)
+    x += g;
+  else
+    x = to_bf16_op(from_bf16_op(x) + float(g));
+}
+
 // The backward of conv1d_state_out (the last W - 1 conv inputs of the last token's record, read from the columns
 // [col, col + C) of x, or from the prefix where the sequence is shorter): the state gradient dstate
-// (batch, C, W - 1) is added to those rows of dx (same columns) and, for taps before the sequence, to dprefix
-// (when it and the prefix are not empty).
-template <class T>
+// (batch, C, W - 1) is added to those rows of dx (same columns; dx of T or, in Mamba-2's bf16 route, the bf16 copy
+// of d(zxbcdt) its in_proj backward takes) and, for taps before the sequence, to dprefix (when it and the prefix
+// are not empty).
+template <class T, class D>
 void conv_state_out_backward(const View3<const T>& dstate, const View3<const T>& prefix, const SeqIdxView& seq,
-                             index_t L, const View2<T>& dx, index_t col, const View3<T>& dprefix) {
+                             index_t L, const View2<D>& dx, index_t col, const View3<T>& dprefix) {
   const index_t batch = dstate.extent(0), C = dstate.extent(1), H = dstate.extent(2);
   if (H == 0) return;
   const bool has_seq = seq.extent(0) > 0, to_prefix = prefix.extent(0) > 0 && dprefix.extent(0) > 0;
@@ -97,7 +109,7 @@ void conv_state_out_backward(const View3<const T>& dstate, const View3<const T>&
     const index_t b = bc / C, c = bc % C, s = L - H + k;
     const T g = dstate(b, c, k);
     if (s >= 0) {
-      if (!has_seq || seq(b, L - 1) == seq(b, s)) dx(b * L + s, col + c) += g;
+      if (!has_seq || seq(b, L - 1) == seq(b, s)) add_grad(dx(b * L + s, col + c), g);
     } else if (to_prefix && (!has_seq || seq(b, L - 1) == seq(b, 0))) {
       dprefix(b, c, H + s) += g;
     }

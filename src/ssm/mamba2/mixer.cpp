@@ -346,8 +346,8 @@ bool Mamba2Mixer<T>::bf16_out_proj() const {
 }
 
 template <class T>
-bool Mamba2Mixer<T>::bf16_in_proj_grad(bool explicit_final_state) const {
-  return bf16_out_proj() && cp_->size() == 1 && !explicit_final_state;
+bool Mamba2Mixer<T>::bf16_in_proj_grad() const {
+  return bf16_out_proj() && cp_->size() == 1;
 }
 
 template <class T>
@@ -452,8 +452,9 @@ void Mamba2Mixer<T>::backward(Mamba2Acts<T>& a, index_t batch, index_t seqlen, c
   out_proj_backward(a, dout, dyn);
   // d(zxbcdt), in_proj's output gradient: fp32, or under bf16 GEMMs only the bf16 copy in_proj's backward takes,
   // written by its producers (the gated norm's dz, the conv's d(xBC), the scan's d(dt) rounded from a narrow fp32
-  // block) where nothing adds to it after the conv (one rank along the sequence, no explicit final state)
-  const bool gb = bf16_in_proj_grad(dfinal_state != nullptr);
+  // block) with one rank along the sequence (cp > 1 adds the left neighbour's halo gradient after the conv); an
+  // explicit final state's conv gradient (a window's) is added into the copy's last d_conv - 1 rows below
+  const bool gb = bf16_in_proj_grad();
   View2<T> dzxbcdt = gb ? View2<T>() : ws.take<View2<T>>("mamba2::dzxbcdt", n, Din_);
   View2<bf16_op_t> dzb = gb ? ws.take<View2<bf16_op_t>>("mamba2::dzxbcdt_bf16", n, Din_) : View2<bf16_op_t>();
   View2<T> ddt = gb ? ws.take<View2<T>>("mamba2::ddt", n, H_) : View2<T>();
@@ -518,9 +519,14 @@ void Mamba2Mixer<T>::backward(Mamba2Acts<T>& a, index_t batch, index_t seqlen, c
   if (dinit_state)  // the conv prefix fed the outputs of token 0's record
     windows::conv_init_backward<T>(Conv1dIn<T>{a.zxbcdt, E, batch, seqlen, C_, a.conv_init}, store_->v2(conv_w_),
                                    store_->v1(conv_b_), seq, dxbc, dinit_state->conv);
-  if (dfinal_state)  // the final conv state: the last d_conv - 1 conv inputs ([x | B | C] columns of zxbcdt)
-    windows::conv_state_out_backward<T>(dfinal_state->conv, a.conv_init, seq, seqlen, dzxbcdt, E,
-                                        dinit_state ? dinit_state->conv : View3<T>());
+  if (dfinal_state) {  // the final conv state: the last d_conv - 1 conv inputs ([x | B | C] columns of zxbcdt)
+    if (gb)
+      windows::conv_state_out_backward<T>(dfinal_state->conv, a.conv_init, seq, seqlen, dzb, E,
+                                          dinit_state ? dinit_state->conv : View3<T>());
+    else
+      windows::conv_state_out_backward<T>(dfinal_state->conv, a.conv_init, seq, seqlen, dzxbcdt, E,
+                                          dinit_state ? dinit_state->conv : View3<T>());
+  }
   if (cp_->size() > 1) {  // the halo's gradient goes back to the left neighbour, which adds it to its rows
     View3<T> dprefix = ws.take<View3<T>>("mamba2::cp_dprefix", batch, C_, cfg_.d_conv - 1);
     parallel::conv1d_silu_prefix_grad<T>(Conv1dIn<T>{a.zxbcdt, E, batch, seqlen, C_, a.conv_init},

@@ -185,9 +185,9 @@ class Mamba2Mixer {
   void out_proj_forward(const Mamba2Acts<T>& a, const View2<T>& out) const;
   void out_proj_backward(const Mamba2Acts<T>& a, const View2<const T>& dout, const View2<T>& dyn) const;
   bool bf16_out_proj() const;  // the gated-norm output kept as a bf16 copy only (yn_b)
-  // the backward's d(zxbcdt) only as the bf16 copy in_proj's backward takes (one rank along the sequence, no
-  // explicit final state, whose gradients add into d(zxbcdt) after the conv)
-  bool bf16_in_proj_grad(bool explicit_final_state) const;
+  // the backward's d(zxbcdt) only as the bf16 copy in_proj's backward takes (one rank along the sequence; an
+  // explicit final state's conv gradient is added into that copy after the conv's backward)
+  bool bf16_in_proj_grad() const;
   SSDShape ssd_shape(index_t batch, index_t seqlen) const;
   SSDIn<T> ssd_in(const Mamba2Acts<T>& acts, const SeqIdxView& seq) const;
   void check_state(const Mamba2State<T>& s, index_t batch, const char* what) const;
