@@ -406,12 +406,14 @@ void state_passing(const Ctx<T>& c, const View4<const acc_t<T>>& init, const Vie
 }
 
 // Reverse state passing, in place: dstates(b, c) (on entry dL/dS_in(c) from chunk c's own outputs) becomes
-// dL/dH_c (the state at the end of chunk c); dinit = dL/dH_{-1}. Work items as in state_passing.
+// dL/dH_c (the state at the end of chunk c); dinit = dL/dH_{-1}. Where dhb is not null, dL/dH_c also goes there
+// rounded to bf16 (same layout as dstates: the bf16 state terms' operand, without a pass that reads dH again).
+// Work items as in state_passing.
 template <int VW, class T>
 void state_passing_bwd_vw(const Ctx<T>& c, const View5<acc_t<T>>& dstates, const View4<const acc_t<T>>& dfinal_state,
-                          const View4<acc_t<T>>& dinit) {
+                          const View4<acc_t<T>>& dinit, bf16_op_t* dhb) {
   using P = acc_t<T>;
-  const bool has_dfinal = dfinal_state.extent(0) > 0, has_dinit = dinit.extent(0) > 0;
+  const bool has_dfinal = dfinal_state.extent(0) > 0, has_dinit = dinit.extent(0) > 0, has_dhb = dhb != nullptr;
   const index_t cstride = c.H * c.Pd * c.N;
   par_for("ssd::state_passing_bwd", c.Bsz * c.H, c.Pd * c.N / VW, KOKKOS_LAMBDA(index_t bh, index_t q) {
     const index_t b = bh / c.H, h = bh % c.H, pn = q * VW, p = pn / c.N, n = pn % c.N;
@@ -439,6 +441,7 @@ void state_passing_bwd_vw(const Ctx<T>& c, const View5<acc_t<T>>& dstates, const
           dring[j] = chunk_decay(c, b, h, ch - kAhead);
         }
         store_vec<VW>(st + ch * cstride, dH);
+        if (has_dhb) store_bf16_op_vec<VW>(dhb + (st - dstates.data()) + ch * cstride, dH);
         for (int k = 0; k < VW; ++k) dH[k] = from_outputs[k] + decay * dH[k];
       }
     }
@@ -447,11 +450,12 @@ void state_passing_bwd_vw(const Ctx<T>& c, const View5<acc_t<T>>& dstates, const
 }
 template <class T>
 void state_passing_bwd(const Ctx<T>& c, const View5<acc_t<T>>& dstates, const View4<const acc_t<T>>& dfinal_state,
-                       const View4<acc_t<T>>& dinit) {
+                       const View4<acc_t<T>>& dinit, bf16_op_t* dhb = nullptr) {
   if constexpr (std::is_same_v<acc_t<T>, float>)
-    if (states_by_four<acc_t<T>>(c.N, {dstates.data(), dfinal_state.data(), dinit.data()}))
-      return state_passing_bwd_vw<4, T>(c, dstates, dfinal_state, dinit);
-  state_passing_bwd_vw<1, T>(c, dstates, dfinal_state, dinit);
+    if (states_by_four<acc_t<T>>(c.N, {dstates.data(), dfinal_state.data(), dinit.data()}) &&
+        reinterpret_cast<std::uintptr_t>(dhb) % 8 == 0)
+      return state_passing_bwd_vw<4, T>(c, dstates, dfinal_state, dinit, dhb);
+  state_passing_bwd_vw<1, T>(c, dstates, dfinal_state, dinit, dhb);
 }
 
 // The per-(b, c, h) partial sums of dA, d dt_bias, dD summed over (batch, chunk) in order into the parameter
@@ -951,7 +955,10 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
     chunk_gemm<T>(c, cmp, Trans::T, Trans::N, gP, c.N, kQ, T(1), tok<const T*>(dye.data(), g.HP, gP),
                   tok(X + c.c_col, g.ldx, c.N), T(0), blk(dstates.data(), c.N, c.H * PN, c.hpg * PN), c.G, c.gptrs);
   }
-  state_passing_bwd(c, dstates, dfinal_state, gr.dinit_state);
+  // under the bf16 state terms, dH also as the bf16 copy their GEMM takes, written by the state passing
+  const index_t srows = nbc * c.H * c.Pd;
+  const View1<bf16_op_t> dHb = b16 ? ws.take<View1<bf16_op_t>>("ssd::dh_bf16", srows * c.N) : View1<bf16_op_t>();
+  state_passing_bwd(c, dstates, dfinal_state, gr.dinit_state, dHb.data());
 
   const auto dxbc = gr.dxbc;
   const auto ddt = gr.ddt;
@@ -966,11 +973,8 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
   // (every group in one two-level batched call)
   if (b16) {
     if constexpr (std::is_same_v<T, float>) {
-      // dH and S_in as bf16 copies, then the two products with K = the group's heads x P
-      const index_t srows = nbc * c.H * c.Pd;
-      const View1<bf16_op_t> dHb = ws.take<View1<bf16_op_t>>("ssd::dh_bf16", srows * c.N);
+      // S_in as a bf16 copy (dH's is the state passing's), then the two products with K = the group's heads x P
       const View1<bf16_op_t> Sb = ws.take<View1<bf16_op_t>>("ssd::sin_bf16", srows * c.N);
-      round_to_bf16("ssd::dh_bf16", dstates.data(), c.N, dHb.data(), c.N, srows, c.N);
       round_to_bf16("ssd::sin_bf16", c.states.data(), c.N, Sb.data(), c.N, srows, c.N);
       chunk_gemm_bf16(c, Trans::N, Trans::N, kQ, c.N, gP, tok<const bf16_op_t*>(xwb.data(), g.HP, gP),
                       blk<const bf16_op_t*>(dHb.data(), c.N, c.H * PN, c.hpg * PN), 0.0f,
