@@ -14,14 +14,18 @@
 // cudaFree per window): with batch 1 a window's rows [t0, t0 + Lw) of the row-major (L, D) u, out, dout, du (and
 // its record ids) are contiguous, so the mixer gets subviews of them (it overwrites out and du, never adds to
 // them, and keeps none of a window's views past the window); with batch > 1 they are gathered into and scattered
-// from packed buffers that one PoolScope per call takes once (core/pool.hpp: cached blocks) for every window.
+// from packed buffers that one PoolScope per call takes once (core/pool.hpp: cached blocks) for every window. The
+// boundary states and their gradients are cached blocks too (the mixer's make_state(batch, ws)): the forward's in
+// acts.states, kept for the backward, the backward's in its own scope.
 //
-// Acts must have the members u, conv_init, ssm_init (what an explicit-state forward keeps) and win_conv, win_ssm
-// (vectors of the boundary states, entry w - 1 for window w).
+// Acts must have the members u, conv_init, ssm_init (what an explicit-state forward keeps), win_conv, win_ssm
+// (vectors of the boundary states, entry w - 1 for window w) and states (a shared PoolScope holding them); a State
+// the members conv and ssm.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 
 #include "core/error.hpp"
 #include "core/kokkos_types.hpp"
@@ -126,7 +130,8 @@ void conv_init_backward(const Conv1dIn<T>& in, const View2<const acc_t<T>>& w, c
     Kokkos::deep_copy(dprefix, T(0));
     return;
   }
-  View2<T> all(Kokkos::view_alloc(Kokkos::WithoutInitializing, "window::prefix_mask"), in.batch, H);
+  PoolScope ws;
+  const View2<T> all = ws.take<View2<T>>("window::prefix_mask", in.batch, H);
   Kokkos::deep_copy(all, T(1));  // the prefix feeds token 0's record on every row
   parallel::conv1d_silu_prefix_grad<T>(in, w, bias, seq, dy, all, dprefix);
 }
@@ -139,6 +144,7 @@ void forward(const Mixer& m, index_t W, const View2<T>& u, index_t batch, index_
   const bool packed = batch > 1;  // batch 1: the window's rows are a row range of u and out
   acts = Acts{};
   acts.u = u;
+  acts.states = std::make_shared<PoolScope>();
   PoolScope ws;  // the packed buffers and record ids, sized for a full window and reused by every window
   const View2<T> ubuf = packed ? ws.take<View2<T>>("window::u", batch * W, D) : View2<T>();
   const View2<T> obuf = packed ? ws.take<View2<T>>("window::out", batch * W, Dout) : View2<T>();
@@ -153,13 +159,13 @@ void forward(const Mixer& m, index_t W, const View2<T>& u, index_t batch, index_
     if (packed) gather<T>(u, seqlen, t0, Lw, uw);
     if (w > 0) zero_new_records(seq, t0, cur);
     State next;
-    if (w + 1 < nw) next = m.make_state(batch);
+    if (w + 1 < nw) next = m.make_state(batch, *acts.states);
     Acts aw;  // dropped at the end of the window (with its views of uw) but for the copies kept below
     m.forward(uw, batch, Lw, seq_window(seq, t0, Lw, sbuf), ow, aw, false, w > 0 ? &cur : nullptr,
               w + 1 < nw ? &next : nullptr);
-    if (w > 0) {  // the forward's copies of the state the window started from
-      acts.win_conv.push_back(aw.conv_init);
-      acts.win_ssm.push_back(aw.ssm_init);
+    if (w > 0) {  // the state the window started from (nothing writes it after the forward's copy of it)
+      acts.win_conv.push_back(cur.conv);
+      acts.win_ssm.push_back(cur.ssm);
     }
     if (packed) scatter<T>(ow, seqlen, t0, Lw, out);
     cur = next;
@@ -198,7 +204,7 @@ void backward(const Mixer& m, index_t W, Acts& a, index_t batch, index_t seqlen,
       aw.ssm_init = a.win_ssm[std::size_t(w - 1)];
     }
     State dinit;
-    if (w > 0) dinit = m.make_state(batch);
+    if (w > 0) dinit = m.make_state(batch, ws);
     m.backward(aw, batch, Lw, seq_window(seq, t0, Lw, sbuf), dow, duw, w + 1 < nw ? &dcarry : nullptr,
                w > 0 ? &dinit : nullptr);
     if (packed) scatter<T>(duw, seqlen, t0, Lw, du);

@@ -84,6 +84,17 @@ Mamba1State<T> Mamba1Mixer<T>::make_state(index_t batch) const {
 }
 
 template <class T>
+Mamba1State<T> Mamba1Mixer<T>::make_state(index_t batch, PoolScope& ws) const {
+  require(batch > 0, "Mamba1Mixer::make_state", "batch must be positive (got ", batch, ")");
+  Mamba1State<T> s;
+  s.conv = ws.take<View3<T>>("mamba1::conv_state", batch, E_, cfg_.d_conv - 1);
+  s.ssm = ws.take<View3<P>>("mamba1::ssm_state", batch, E_, cfg_.d_state);
+  Kokkos::deep_copy(s.conv, T(0));
+  Kokkos::deep_copy(s.ssm, P(0));
+  return s;
+}
+
+template <class T>
 void Mamba1Mixer<T>::check_state(const Mamba1State<T>& s, index_t batch, const char* what) const {
   const index_t E = E_;
   require(index_t(s.conv.extent(0)) == batch && index_t(s.conv.extent(1)) == E &&
@@ -287,10 +298,12 @@ void Mamba1Mixer<T>::forward(const View2<T>& u, index_t batch, index_t seqlen, c
   acts = Mamba1Acts<T>{};
   if (init) {  // copies: `final` may be `init`, and the backward needs the state the forward started from
     check_state(*init, batch, "Mamba1Mixer::forward (initial state)");
-    acts.conv_init = View3<T>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba1::conv_init"),
-                              init->conv.extent(0), init->conv.extent(1), init->conv.extent(2));
-    acts.ssm_init = View3<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba1::ssm_init"),
-                             init->ssm.extent(0), init->ssm.extent(1), init->ssm.extent(2));
+    acts.states = std::make_shared<PoolScope>();
+    PoolScope& ws = *acts.states;
+    acts.conv_init =
+        ws.take<View3<T>>("mamba1::conv_init", init->conv.extent(0), init->conv.extent(1), init->conv.extent(2));
+    acts.ssm_init =
+        ws.take<View3<P>>("mamba1::ssm_init", init->ssm.extent(0), init->ssm.extent(1), init->ssm.extent(2));
     Kokkos::deep_copy(acts.conv_init, init->conv);
     Kokkos::deep_copy(acts.ssm_init, init->ssm);
   }
@@ -306,6 +319,7 @@ void Mamba1Mixer<T>::forward(const View2<T>& u, index_t batch, index_t seqlen, c
     kept.u = u;
     kept.conv_init = acts.conv_init;
     kept.ssm_init = acts.ssm_init;
+    kept.states = acts.states;
     acts = kept;
   }
 }
@@ -438,6 +452,7 @@ void Mamba1Mixer<T>::forward_cp(const View2<T>& u, index_t batch, index_t seqlen
     kept.u = u;
     kept.conv_init = a.conv_init;
     kept.ssm_init = a.ssm_init;
+    kept.states = a.states;
     kept.cp_mask = a.cp_mask;
     kept.cp_cont = a.cp_cont;
     a = kept;

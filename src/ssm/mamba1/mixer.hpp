@@ -87,6 +87,8 @@ struct Mamba1Acts {
   std::vector<int> cp_cont;     // context parallel: per batch row, whether token 0 continues the left record
   std::vector<View3<T>> win_conv;        // windowed: the state entering each window w >= 1 (entry w - 1)
   std::vector<View3<acc_t<T>>> win_ssm;
+  // the blocks of conv_init and ssm_init (an explicit initial state's copies) or, windowed, of win_conv and win_ssm
+  std::shared_ptr<PoolScope> states;
 };
 
 // Decode state: conv (batch, E, d_conv - 1), the inputs before the next token, oldest first; ssm (batch, E, N).
@@ -113,6 +115,9 @@ class Mamba1Mixer {
 
   // A zero decode state for `batch` rows (this rank's channels under tp).
   Mamba1State<T> make_state(index_t batch) const;
+  // The same zeroed state over blocks of `ws` (core/pool.hpp; the windowed forward and backward: no device
+  // allocation a step)
+  Mamba1State<T> make_state(index_t batch, PoolScope& ws) const;
 
   // out (B*L, D) = mixer(u). If `save` is true the intermediates are kept in `acts` for the backward; otherwise
   // only u is referenced and backward() recomputes them.

@@ -373,10 +373,12 @@ void Mamba2Mixer<T>::forward(const View2<T>& u, index_t batch, index_t seqlen, c
   acts = Mamba2Acts<T>{};
   if (init) {  // copies: `final` may be `init`, and the backward needs the state the forward started from
     check_state(*init, batch, "Mamba2Mixer::forward (initial state)");
-    acts.conv_init = View3<T>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba2::conv_init"),
-                              init->conv.extent(0), init->conv.extent(1), init->conv.extent(2));
-    acts.ssm_init = View4<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "mamba2::ssm_init"),
-                             init->ssm.extent(0), init->ssm.extent(1), init->ssm.extent(2), init->ssm.extent(3));
+    acts.states = std::make_shared<PoolScope>();
+    PoolScope& ws = *acts.states;
+    acts.conv_init =
+        ws.take<View3<T>>("mamba2::conv_init", init->conv.extent(0), init->conv.extent(1), init->conv.extent(2));
+    acts.ssm_init = ws.take<View4<P>>("mamba2::ssm_init", init->ssm.extent(0), init->ssm.extent(1), init->ssm.extent(2),
+                                      init->ssm.extent(3));
     Kokkos::deep_copy(acts.conv_init, init->conv);
     Kokkos::deep_copy(acts.ssm_init, init->ssm);
   }
@@ -392,6 +394,7 @@ void Mamba2Mixer<T>::forward(const View2<T>& u, index_t batch, index_t seqlen, c
     kept.u = u;
     kept.conv_init = acts.conv_init;
     kept.ssm_init = acts.ssm_init;
+    kept.states = acts.states;
     acts = kept;
   }
 }
@@ -592,6 +595,7 @@ void Mamba2Mixer<T>::forward_cp(const View2<T>& u, index_t batch, index_t seqlen
     kept.u = u;
     kept.conv_init = a.conv_init;
     kept.ssm_init = a.ssm_init;
+    kept.states = a.states;
     kept.cp_mask = a.cp_mask;
     kept.cp_cont = a.cp_cont;
     a = kept;
@@ -612,6 +616,17 @@ Mamba2State<T> Mamba2Mixer<T>::make_state(index_t batch) const {
   Mamba2State<T> s;
   s.conv = View3<T>("mamba2::conv_state", batch, C_, cfg_.d_conv - 1);
   s.ssm = View4<P>("mamba2::ssm_state", batch, H_, cfg_.headdim, cfg_.d_state);
+  return s;
+}
+
+template <class T>
+Mamba2State<T> Mamba2Mixer<T>::make_state(index_t batch, PoolScope& ws) const {
+  require(batch > 0, "Mamba2Mixer::make_state", "batch must be positive (got ", batch, ")");
+  Mamba2State<T> s;
+  s.conv = ws.take<View3<T>>("mamba2::conv_state", batch, C_, cfg_.d_conv - 1);
+  s.ssm = ws.take<View4<P>>("mamba2::ssm_state", batch, H_, cfg_.headdim, cfg_.d_state);
+  Kokkos::deep_copy(s.conv, T(0));
+  Kokkos::deep_copy(s.ssm, P(0));
   return s;
 }
 

@@ -104,6 +104,8 @@ struct Mamba2Acts {
   // zeroed for rows whose window starts a new record; the forward keeps only u and these
   std::vector<View3<T>> win_conv;
   std::vector<View4<acc_t<T>>> win_ssm;
+  // the blocks of conv_init and ssm_init (an explicit initial state's copies) or, windowed, of win_conv and win_ssm
+  std::shared_ptr<PoolScope> states;
 };
 
 // Decode state: conv (batch, conv_dim, d_conv - 1), the conv inputs before the next token, oldest first;
@@ -172,6 +174,9 @@ class Mamba2Mixer {
 
   // A zero decode state for `batch` rows (this rank's conv channels and heads under tp).
   Mamba2State<T> make_state(index_t batch) const;
+  // The same zeroed state over blocks of `ws` (core/pool.hpp; the windowed forward and backward: no device
+  // allocation a step)
+  Mamba2State<T> make_state(index_t batch, PoolScope& ws) const;
 
   // One token per batch row: u (batch, D), state advanced in place, out (batch, D).
   void step(const View2<T>& u, Mamba2State<T>& state, const View2<T>& out) const;
