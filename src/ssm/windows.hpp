@@ -187,6 +187,11 @@ void backward(const Mixer& m, index_t W, Acts& a, index_t batch, index_t seqlen,
   const View1<std::int32_t> sbuf =
       packed && seq.extent(0) > 0 ? ws.take<View1<std::int32_t>>("window::seq", batch * W) : View1<std::int32_t>();
   using State = decltype(m.make_state(batch));
+  // the gradients of the boundary states in two blocks used in turn (one with two windows): the window's dinit and
+  // dcarry, its right neighbour's
+  State dstates[2];
+  if (nw > 1) dstates[0] = m.make_state(batch, ws);
+  if (nw > 2) dstates[1] = m.make_state(batch, ws);
   State dcarry;  // gradient of the state the window to the right started from
   for (index_t w = nw - 1; w >= 0; --w) {
     const index_t t0 = w * W, Lw = std::min(W, seqlen - t0);
@@ -204,7 +209,11 @@ void backward(const Mixer& m, index_t W, Acts& a, index_t batch, index_t seqlen,
       aw.ssm_init = a.win_ssm[std::size_t(w - 1)];
     }
     State dinit;
-    if (w > 0) dinit = m.make_state(batch, ws);
+    if (w > 0) {  // zero, as make_state leaves it
+      dinit = dstates[nw > 2 ? w % 2 : 0];
+      Kokkos::deep_copy(dinit.conv, 0);
+      Kokkos::deep_copy(dinit.ssm, 0);
+    }
     m.backward(aw, batch, Lw, seq_window(seq, t0, Lw, sbuf), dow, duw, w + 1 < nw ? &dcarry : nullptr,
                w > 0 ? &dinit : nullptr);
     if (packed) scatter<T>(duw, seqlen, t0, Lw, du);
