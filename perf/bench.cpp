@@ -104,12 +104,19 @@ void pop() {
 }
 // Allocations while profiling, per memory space: count and bytes (device allocations are the synchronising
 // cudaMalloc / cudaFree calls an activation arena would remove); buffers taken from the workspace cache
-// (core/pool.hpp, labels "pool:...") are counted apart: they allocate nothing.
+// (core/pool.hpp, labels "pool:...") are counted apart: they allocate nothing. So are zero-byte requests: Kokkos'
+// CUDA team launches without level-1 scratch report one each ("Kokkos::CudaSpace::TeamScratchMemory", 0 bytes: an
+// empty scratch slot is "allocated" again at every launch, Kokkos_Cuda_Instance.cpp resize_team_scratch_space),
+// which holds no memory and is no cudaMalloc/cudaFree pair an arena could remove.
 std::map<std::string, std::pair<long, double>> allocs;
 std::map<std::string, long> alloc_labels;  // device allocations (not cache takes) by label
 void allocate(const Kokkos_Profiling_SpaceHandle h, const char* label, const void*, const uint64_t size) {
   if (!on) return;
   const bool taken = std::string(label).rfind("pool:", 0) == 0;
+  if (size == 0 && !taken) {
+    ++allocs[std::string(h.name) + " (zero bytes)"].first;
+    return;
+  }
   auto& a = allocs[std::string(h.name) + (taken ? " (taken from the cache)" : "")];
   ++a.first;
   a.second += double(size);
