@@ -160,7 +160,7 @@ void forward(const Mixer& m, index_t W, const View2<T>& u, index_t batch, index_
     if (w > 0) zero_new_records(seq, t0, cur);
     State next;
     if (w + 1 < nw) next = m.make_state(batch, *acts.states);
-    Acts aw;  // dropped at the end of the window (with its views of uw) but for the copies kept below
+    Acts aw;  // dropped at the end of the window (with its views of uw and its copy of cur)
     m.forward(uw, batch, Lw, seq_window(seq, t0, Lw, sbuf), ow, aw, false, w > 0 ? &cur : nullptr,
               w + 1 < nw ? &next : nullptr);
     if (w > 0) {  // the state the window started from (nothing writes it after the forward's copy of it)
