@@ -16,6 +16,10 @@
 #                     [--commit HASH]   (the commit to print, where the copy on the GPU machine has no usable .git)
 #                     [--peer-args "ARGS"]    (passed to perf/peers.py, e.g. "--ssd-dtypes bf16")
 #                     [--bench-args "ARGS"]   (passed to mambamoe_bench, e.g. "--ssd gemm-tf32,portable --lm-ssd gemm-bf16")
+#                     [--bench-rounds N]      (bench stage: ours then the peers, N times in turn, default 1; rounds
+#                                             after the first under DIR/round_I; every "time" row of every round, in
+#                                             run order, in DIR/rounds.txt: a peer that reads slow in one round is
+#                                             seen against its others, and the medians compared)
 #                     [--cp-args "ARGS"]      (passed to the cp stage's three runs, e.g. "--profile")
 #                     [--runs NAME1,NAME2]    (stages dp and scale: only these runs, e.g. moe_1gpu,moe_ep2)
 #                     [--ab-patch FILE] [--ab-runs N]   (stage ab, below)
@@ -51,7 +55,7 @@
 # Writes under DIR: build.log, ctest.log, ours.csv, peers.csv, bench.log, and summary.txt (the table, also printed).
 set -uo pipefail
 
-commit="" kokkos="" out="" mamba="" cc1d="" po="" hts="" stages="build,test,bench" test_timeout=300 test_regex='' test_jobs=4 peer_timeout=0 build_targets='' bench_only="copy,gemm,ssd,lm" bench_args="" peer_args="" cp_args="" runs="" ab_patch="" ab_runs=2
+commit="" kokkos="" out="" mamba="" cc1d="" po="" hts="" stages="build,test,bench" test_timeout=300 test_regex='' test_jobs=4 peer_timeout=0 build_targets='' bench_only="copy,gemm,ssd,lm" bench_args="" peer_args="" cp_args="" runs="" ab_patch="" ab_runs=2 bench_rounds=1
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --kokkos) kokkos=$2; shift 2 ;;
@@ -74,12 +78,15 @@ while [[ $# -gt 0 ]]; do
     --runs) runs=$2; shift 2 ;;
     --ab-patch) ab_patch=$2; shift 2 ;;
     --ab-runs) ab_runs=$2; shift 2 ;;
+    --bench-rounds) bench_rounds=$2; shift 2 ;;
     *) echo "gpu_bench.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
 [[ -n $kokkos && -n $out ]] || { echo "gpu_bench.sh: --kokkos and --out are required" >&2; exit 2; }
 [[ $test_jobs =~ ^[1-9][0-9]*$ ]] || { echo "gpu_bench.sh: --test-jobs must be a positive integer (got '$test_jobs')" >&2; exit 2; }
 [[ $ab_runs =~ ^[1-9][0-9]*$ ]] || { echo "gpu_bench.sh: --ab-runs must be a positive integer (got '$ab_runs')" >&2; exit 2; }
+[[ $bench_rounds =~ ^[1-9][0-9]*$ ]] ||
+  { echo "gpu_bench.sh: --bench-rounds must be a positive integer (got '$bench_rounds')" >&2; exit 2; }
 if [[ ",$stages," == *",ab,"* ]]; then
   [[ -n $ab_patch && -f $ab_patch ]] || { echo "gpu_bench.sh: --stages ab needs --ab-patch FILE (got '$ab_patch')" >&2; exit 2; }
   ab_patch=$(cd "$(dirname "$ab_patch")" && pwd)/$(basename "$ab_patch")
@@ -116,11 +123,22 @@ if has test; then
 fi
 
 if has bench; then
-  "$root/build/cuda/perf/mambamoe_bench" --out "$out" --only "$bench_only" $bench_args > "$out/bench.log" 2>&1 || { tail -20 "$out/bench.log"; rc=1; }
-  if [[ -n $mamba ]]; then
-    timeout "$peer_timeout" python3 "$root/perf/peers.py" --mamba-ssm "$mamba" ${cc1d:+--causal-conv1d "$cc1d"} --out "$out" \
-      --only "$bench_only" $peer_args > "$out/peers.log" 2>&1 || { tail -20 "$out/peers.log"; rc=1; }
-  fi
+  [[ $bench_rounds -gt 1 ]] && : > "$out/rounds.txt"
+  for ((round = 1; round <= bench_rounds; ++round)); do
+    d=$out
+    [[ $round -gt 1 ]] && { d=$out/round_$round; mkdir -p "$d"; }
+    "$root/build/cuda/perf/mambamoe_bench" --out "$d" --only "$bench_only" $bench_args > "$d/bench.log" 2>&1 ||
+      { tail -20 "$d/bench.log"; rc=1; }
+    if [[ -n $mamba ]]; then
+      timeout "$peer_timeout" python3 "$root/perf/peers.py" --mamba-ssm "$mamba" ${cc1d:+--causal-conv1d "$cc1d"} \
+        --out "$d" --only "$bench_only" $peer_args > "$d/peers.log" 2>&1 || { tail -20 "$d/peers.log"; rc=1; }
+    fi
+    if [[ $bench_rounds -gt 1 ]]; then
+      grep -hE "[[:space:]]time[[:space:]]" "$d/bench.log" "$d/peers.log" 2>/dev/null | sed "s/^/round $round:/" \
+        >> "$out/rounds.txt"
+    fi
+  done
+  [[ $bench_rounds -gt 1 ]] && { echo "every round's time rows (DIR/rounds.txt):"; cat "$out/rounds.txt"; }
   { echo "commit $commit, $(date -u +%F), $(head -2 "$out/gpu.txt" | tail -1)"; cat "$out/bench.log"; cat "$out/peers.log" 2>/dev/null; } \
     | tee "$out/summary.txt"
 fi
