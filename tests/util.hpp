@@ -133,10 +133,11 @@ FDResult fd_check(const V& x, const std::vector<double>& analytic, const std::fu
 // U(-amplitude, amplitude) added (norm weights and D are no longer all ones, biases no longer zero), and dt_bias is
 // redrawn in U(-1, 1), i.e. softplus(dt_bias) in 0.3-1.3. At mamba_ssm's initial dt (1e-3 to 0.1) the gradients of
 // dt_bias and A_log are so small that finite differences of the loss resolve them to a few digits only.
-inline void jitter_params(mm::ParamStore<double>& ps, std::uint64_t seed, double amplitude) {
+template <class S>
+void jitter_params(mm::ParamStore<S>& ps, std::uint64_t seed, double amplitude) {
   auto v = ps.values();
   const mm::CounterRNG rng{seed, 7};
-  mm::par_for("test::jitter", v.extent(0), KOKKOS_LAMBDA(index_t i) { v(i) += amplitude * rng.uniform(i, -1, 1); });
+  mm::par_for("test::jitter", v.extent(0), KOKKOS_LAMBDA(index_t i) { v(i) += S(amplitude * rng.uniform(i, -1, 1)); });
   for (const auto& e : ps.entries())
     if (e.name.size() >= 7 && e.name.compare(e.name.size() - 7, 7, "dt_bias") == 0)
       fill_uniform(ps.v1(ps.index(e.name)), mm::stream_id(e.name), -1.0, 1.0);
