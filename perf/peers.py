@@ -240,6 +240,10 @@ def main():
                     del ids, tgt
                 t = sorted(times)[len(times) // 2]
                 record(shape, "time", t * 1e3, "ms")
+                # the spread of the timed steps: a round whose median moved (the LM step's did by 20 % between
+                # rounds of one call) shows here whether every step moved or a few
+                record(shape, "time min", min(times) * 1e3, "ms")
+                record(shape, "time max", max(times) * 1e3, "ms")
                 record(shape, "throughput", bsz * L / t / 1e3, "k tokens/s")
                 record(shape, "model FLOP rate (6 N T)", 6 * nparam * bsz * L / t / 1e12, "TFLOP/s")
                 record(shape, "MFU (6 N T over 989 TFLOP/s)", 100 * 6 * nparam * bsz * L / t / 989e12, "%")
