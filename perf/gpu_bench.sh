@@ -19,7 +19,11 @@
 #                     [--bench-rounds N]      (bench stage: ours then the peers, N times in turn, default 1; rounds
 #                                             after the first under DIR/round_I; every "time" row of every round, in
 #                                             run order, in DIR/rounds.txt: a peer that reads slow in one round is
-#                                             seen against its others, and the medians compared)
+#                                             seen against its others, and the medians compared; the peers'
+#                                             first round on a fresh machine includes Triton's compilation, over
+#                                             150 s for the LM at 4 x 8,192 on an H200: give --peer-timeout room.
+#                                             "--peer-args --step-reps N" times N training steps a round, and the
+#                                             peers' "time min" / "time max" rows show their spread)
 #                     [--cp-args "ARGS"]      (passed to the cp stage's three runs, e.g. "--profile")
 #                     [--runs NAME1,NAME2]    (stages dp and scale: only these runs, e.g. moe_1gpu,moe_ep2)
 #                     [--ab-patch FILE] [--ab-runs N]   (stage ab, below)

@@ -37,7 +37,11 @@ def main():
                     help="mamba3: the block's parameter types (fp32: under bf16 autocast, as the LM; bf16)")
     ap.add_argument("--lm-shapes", default="4x8192,1x131072,1x262144",
                     help="batch x length of the LM training steps timed (comma separated)")
+    ap.add_argument("--step-reps", type=int, default=8,
+                    help="lm, tfm: training steps timed (after 3 warm-up steps); the median is reported")
     args = ap.parse_args()
+    if args.step_reps < 1:
+        ap.error(f"--step-reps must be at least 1 (got {args.step_reps})")
     lm_shapes = [tuple(int(v) for v in w.split("x")) for w in args.lm_shapes.split(",") if w]
     want = set(args.only.split(","))
     sys.path.insert(0, args.mamba_ssm)
@@ -197,7 +201,7 @@ def main():
     if "lm" in want or "tfm" in want:
         import torch.nn.functional as F
 
-        def train_steps(name, model, shapes, vocab, warm=3, reps=8):
+        def train_steps(name, model, shapes, vocab, warm=3, reps=args.step_reps):
             """Times forward + cross-entropy + backward + fused AdamW step at each (batch, seqlen)."""
             nparam = sum(p.numel() for p in model.parameters())
             record(name, "parameters", nparam / 1e6, "M")
