@@ -253,7 +253,8 @@ def main():
                 record(shape, "MFU (6 N T over 989 TFLOP/s)", 100 * 6 * nparam * bsz * L / t / 989e12, "%")
                 record(shape, "peak memory allocated", torch.cuda.max_memory_allocated() / 2 ** 30, "GiB")
                 record(shape, "peak memory reserved", torch.cuda.max_memory_reserved() / 2 ** 30, "GiB")
-                print(f"  {shape}: loss after warm-up {loss.item():.4f}", flush=True)
+                print(f"  {shape}: loss after warm-up {loss.item():.4f}; timed steps, in order, ms: "
+                      + " ".join(f"{v * 1e3:.1f}" for v in times), flush=True)
             del opt
 
     if "lm" in want:
