@@ -22,7 +22,7 @@
 #                                             seen against its others, and the medians compared; the peers'
 #                                             first round on a fresh machine includes Triton's compilation, over
 #                                             150 s for the LM at 4 x 8,192 on an H200: give --peer-timeout room.
-#                                             "--peer-args --step-reps N" times N training steps a round, and the
+#                                             --peer-args "--step-reps N" times N training steps a round, and the
 #                                             peers' "time min" / "time max" rows show their spread)
 #                     [--cp-args "ARGS"]      (passed to the cp stage's three runs, e.g. "--profile")
 #                     [--runs NAME1,NAME2]    (stages dp and scale: only these runs, e.g. moe_1gpu,moe_ep2)
