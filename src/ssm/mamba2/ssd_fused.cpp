@@ -17,6 +17,7 @@
 namespace mm::ssd_fused {
 
 Form scan_form = Form::mma_ring, intra_form = Form::mma;
+StateForm state_form = StateForm::heads;
 BcForm bc_form = BcForm::automatic;
 bool bf16_state_gemms = true;
 
@@ -1067,23 +1068,116 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const unsigned*>(&v);
 }
 
-// dst (rows x cols bf16, row stride ldd) <- src(r, c) for r < nr, zero for r >= nr; cols a multiple of 4, src rows
-// lds apart (16-byte aligned when V4). Up to 8 groups of 4 a thread in flight at once.
-template <bool V4>
+// dst (rows x cols bf16, row stride ldd) <- scale(r) src(r, c) for r < nr, zero for r >= nr; cols a multiple of 4,
+// src rows lds apart (16-byte aligned when V4); NT threads in the block. Up to 8 groups of 4 a thread in flight.
+template <bool V4, int NT = kThreads, class Scale>
 __device__ __forceinline__ void stage_rows(bf* dst, int ldd, const float* src, std::int64_t lds, int rows, int nr,
-                                           int cols) {
+                                           int cols, Scale&& scale) {
   const int c4 = cols / 4, total = rows * c4;
-  for (int i0 = 0; i0 < total; i0 += 8 * kThreads) {
+  for (int i0 = 0; i0 < total; i0 += 8 * NT) {
     float4 v[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const int i = i0 + threadIdx.x + j * kThreads, r = i / c4;
+      const int i = i0 + threadIdx.x + j * NT, r = i / c4;
       v[j] = i < total && r < nr ? load4<V4>(src + r * lds + (i % c4) * 4) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const int i = i0 + threadIdx.x + j * kThreads;
+      const int i = i0 + threadIdx.x + j * NT;
+      if (i < total) {
+        const float f = scale(i / c4);
+        store4_bf16(dst + (i / c4) * ldd + (i % c4) * 4, make_float4(v[j].x * f, v[j].y * f, v[j].z * f, v[j].w * f));
+      }
+    }
+  }
+}
+
+template <bool V4, int NT = kThreads>
+__device__ __forceinline__ void stage_rows(bf* dst, int ldd, const float* src, std::int64_t lds, int rows, int nr,
+                                           int cols) {
+  const int c4 = cols / 4, total = rows * c4;
+  for (int i0 = 0; i0 < total; i0 += 8 * NT) {
+    float4 v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int i = i0 + threadIdx.x + j * NT, r = i / c4;
+      v[j] = i < total && r < nr ? load4<V4>(src + r * lds + (i % c4) * 4) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int i = i0 + threadIdx.x + j * NT;
       if (i < total) store4_bf16(dst + (i / c4) * ldd + (i % c4) * 4, v[j]);
+    }
+  }
+}
+
+// ------------------------------------------------------------------ forward: chunk states, heads form
+//
+// One block per (run of up to kStHeads heads of one group, (row, chunk)), kStThreads threads: B of the whole chunk
+// (Q x N) is staged once in bf16 and kept for the run's heads; for each head, w o x of the chunk (Q x P, w as in
+// chunk_state_kernel) is staged in bf16 and warp j walks the 16-column strips j, j + 8, .. of the state with every
+// 16-row fragment of P (WMMA 16 x 16 x 16, bf16 operands, fp32 accumulation), the states stored from the
+// accumulators. The tiles form (chunk_state_kernel: one block per 64 columns of the state and head) reads x once
+// per 64 columns and B once per head and tile: at headdim 64, d_state 128 and 24 heads a group, 2 reads of x and
+// 48 of B per chunk against 1 and 6 here.
+constexpr int kStThreads = 256, kStHeads = 4;
+__host__ __device__ constexpr std::size_t cstate_heads_smem(int P, int N, int Q) {
+  return std::size_t(Q) * (N + kPad) * 2 + std::size_t(Q) * (P + kPad) * 2 + std::size_t(Q) * 4;
+}
+
+template <int PT, bool V4>
+__global__ void __launch_bounds__(kStThreads, 2) chunk_state_heads_kernel(const Args a, int hb) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  constexpr int P = PT * 16, ldxh = P + kPad, kWarps = kStThreads / 32;
+  const int ldbh = a.N + kPad;
+  bf* bh = reinterpret_cast<bf*>(smem);           // (Q tokens, N): B of the chunk
+  bf* xh = bh + std::size_t(a.Q) * ldbh;          // (Q tokens, P): w o x of one head, read as X^T
+  float* w = reinterpret_cast<float*>(xh + std::size_t(a.Q) * ldxh);  // (Q)
+
+  const int h0 = blockIdx.x * hb, bc = blockIdx.y;
+  const int b = bc / a.nc, ch = bc % a.nc, t0 = ch * a.Q, q = min(a.Q, a.L - t0), g = h0 / (a.H / a.G);
+  const int tid = threadIdx.x, warp = tid / 32, kq = (q + 15) / 16 * 16;
+  const std::int64_t row0 = std::int64_t(b) * a.L;
+  stage_rows<V4, kStThreads>(bh, ldbh, a.xbc + (row0 + t0) * a.ldx + a.b_col + std::int64_t(g) * a.N, a.ldx, a.Q, q,
+                             a.N);
+  // the record whose state the weights follow (chunk_state_kernel)
+  const int rec_w = a.seq ? a.seq[row0 + (a.ein_weights ? (ch == 0 ? 0 : t0 - 1) : t0 + q - 1)] : 0;
+  for (int hi = 0; hi < hb; ++hi) {
+    const int h = h0 + hi;
+    const float* acs = a.acs + (std::int64_t(b) * a.H + h) * a.L;
+    const float* dlt = a.delta + (std::int64_t(b) * a.H + h) * a.L;
+    const float acs_last = acs[t0 + q - 1];
+    for (int s = tid; s < a.Q; s += kStThreads) {
+      float v = 0.f;
+      if (s < q && (!a.seq || a.seq[row0 + t0 + s] == rec_w)) {
+        const float e = a.ein_weights ? decay(acs[t0 + s]) : decay(acs_last - acs[t0 + s]);
+        v = e < a.cutoff ? 0.f : (a.ein_weights ? e : e * dlt[t0 + s]);
+      }
+      w[s] = v;
+    }
+    __syncthreads();  // w written; the previous head's products have read xh
+    stage_rows<V4, kStThreads>(xh, ldxh, a.xs + (row0 + t0) * a.ldxs + std::int64_t(h) * P, a.ldxs, a.Q, q, P,
+                               [w](int r) { return w[r]; });
+    __syncthreads();
+    float* S = a.states + ((std::int64_t(bc) * a.H + h) * P) * a.N;
+    for (int j = warp; j * 16 < a.N; j += kWarps) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[PT];
+#pragma unroll
+      for (int i = 0; i < PT; ++i) wmma::fill_fragment(acc[i], 0.f);
+      for (int kk = 0; kk < kq; kk += 16) {
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::row_major> fb;
+        wmma::load_matrix_sync(fb, bh + kk * ldbh + j * 16, ldbh);
+#pragma unroll
+        for (int i = 0; i < PT; ++i) {
+          // (w o X)^T: element (p, s) at s ldxh + p
+          wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::col_major> fa;
+          wmma::load_matrix_sync(fa, xh + kk * ldxh + i * 16, ldxh);
+          wmma::mma_sync(acc[i], fa, fb, acc[i]);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < PT; ++i)
+        wmma::store_matrix_sync(S + std::int64_t(i) * 16 * a.N + j * 16, acc[i], a.N, wmma::mem_row_major);
     }
   }
 }
@@ -1974,6 +2068,15 @@ void launch(const Args& a, bool scan) {
     allow_smem<chunk_scan_kernel<PT, V4>>(bytes, "chunk scan");
     chunk_scan_kernel<PT, V4><<<grid, kThreads, bytes, st>>>(a);
     check_launch("chunk scan");
+  } else if (state_form == StateForm::heads && cstate_heads_smem(PT * 16, a.N, a.Q) <= max_block_smem() && grid_ok) {
+    const std::size_t bytes = cstate_heads_smem(PT * 16, a.N, a.Q);
+    // a run: the largest count of heads up to kStHeads that divides the heads of a group
+    const int hpg = a.H / a.G;
+    int hb = hpg < kStHeads ? hpg : kStHeads;
+    while (hpg % hb != 0) --hb;
+    allow_smem<chunk_state_heads_kernel<PT, V4>>(bytes, "chunk state (heads)");
+    chunk_state_heads_kernel<PT, V4><<<dim3(a.H / hb, a.batch * a.nc), kStThreads, bytes, st>>>(a, hb);
+    check_launch("chunk state (heads)");
   } else {
     const dim3 grid((a.N + kTile - 1) / kTile, a.H, a.batch * a.nc);
     const std::size_t bytes = state_smem(PT * 16, a.Q);

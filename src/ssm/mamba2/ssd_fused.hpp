@@ -82,6 +82,14 @@ void intra_backward(const Args& a);
 enum class Form { mma, wmma, mma_ring };
 extern Form scan_form, intra_form;
 
+// Which kernel forms the chunk-local states (chunk_state): heads (the default), one block per run of up to 4 heads
+// of a group and chunk, B of the chunk staged once in bf16 for the run and x of each head once, or tiles, one block
+// per 64 columns of the state, head and chunk (the earlier form, kept for the tests and for timing side by side in
+// perf/bench.cpp; also taken where the heads form's shared memory, B and x of a whole chunk, would exceed the
+// device's limit per block, or batch x chunks would exceed 65,535).
+enum class StateForm { heads, tiles };
+extern StateForm state_form;
+
 // How the fused backward forms dB and dC: gemm, two-level batched cuBLAS products per block of heads (the state
 // terms (es Delta X) dH and (e_in dY) S_in of every group, then W2^T C and W2 B added) over operands in device
 // memory (copies of es Delta X and of e_in dY included); kernel, where each block of heads is whole groups (always
