@@ -1069,20 +1069,20 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
 }
 
 // dst (rows x cols bf16, row stride ldd) <- scale(r) src(r, c) for r < nr, zero for r >= nr; cols a multiple of 4,
-// src rows lds apart (16-byte aligned when V4); NT threads in the block. Up to 8 groups of 4 a thread in flight.
-template <bool V4, int NT = kThreads, class Scale>
+// src rows lds apart (16-byte aligned when V4); NT threads in the block. Up to KB groups of 4 a thread in flight.
+template <bool V4, int NT = kThreads, int KB = 8, class Scale>
 __device__ __forceinline__ void stage_rows(bf* dst, int ldd, const float* src, std::int64_t lds, int rows, int nr,
                                            int cols, Scale&& scale) {
   const int c4 = cols / 4, total = rows * c4;
-  for (int i0 = 0; i0 < total; i0 += 8 * NT) {
-    float4 v[8];
+  for (int i0 = 0; i0 < total; i0 += KB * NT) {
+    float4 v[KB];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    for (int j = 0; j < KB; ++j) {
       const int i = i0 + threadIdx.x + j * NT, r = i / c4;
       v[j] = i < total && r < nr ? load4<V4>(src + r * lds + (i % c4) * 4) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    for (int j = 0; j < KB; ++j) {
       const int i = i0 + threadIdx.x + j * NT;
       if (i < total) {
         const float f = scale(i / c4);
@@ -1138,8 +1138,8 @@ __global__ void __launch_bounds__(kStThreads, 2) chunk_state_heads_kernel(const 
   const int b = bc / a.nc, ch = bc % a.nc, t0 = ch * a.Q, q = min(a.Q, a.L - t0), g = h0 / (a.H / a.G);
   const int tid = threadIdx.x, warp = tid / 32, kq = (q + 15) / 16 * 16;
   const std::int64_t row0 = std::int64_t(b) * a.L;
-  stage_rows<V4, kStThreads>(bh, ldbh, a.xbc + (row0 + t0) * a.ldx + a.b_col + std::int64_t(g) * a.N, a.ldx, a.Q, q,
-                             a.N);
+  stage_rows<V4, kStThreads, 16>(bh, ldbh, a.xbc + (row0 + t0) * a.ldx + a.b_col + std::int64_t(g) * a.N, a.ldx, a.Q,
+                                 q, a.N, [](int) { return 1.f; });
   // the record whose state the weights follow (chunk_state_kernel)
   const int rec_w = a.seq ? a.seq[row0 + (a.ein_weights ? (ch == 0 ? 0 : t0 - 1) : t0 + q - 1)] : 0;
   for (int hi = 0; hi < hb; ++hi) {
@@ -1156,8 +1156,9 @@ __global__ void __launch_bounds__(kStThreads, 2) chunk_state_heads_kernel(const 
       w[s] = v;
     }
     __syncthreads();  // w written; the previous head's products have read xh
-    stage_rows<V4, kStThreads>(xh, ldxh, a.xs + (row0 + t0) * a.ldxs + std::int64_t(h) * P, a.ldxs, a.Q, q, P,
-                               [w](int r) { return w[r]; });
+    // (16 loads a thread in flight: all of x at headdim 64 and chunk 256)
+    stage_rows<V4, kStThreads, 16>(xh, ldxh, a.xs + (row0 + t0) * a.ldxs + std::int64_t(h) * P, a.ldxs, a.Q, q, P,
+                                   [w](int r) { return w[r]; });
     __syncthreads();
     float* S = a.states + ((std::int64_t(bc) * a.H + h) * P) * a.N;
     for (int j = warp; j * 16 < a.N; j += kWarps) {
