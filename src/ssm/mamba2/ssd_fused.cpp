@@ -1120,7 +1120,7 @@ __device__ __forceinline__ void stage_rows(bf* dst, int ldd, const float* src, s
 // accumulators. The tiles form (chunk_state_kernel: one block per 64 columns of the state and head) reads x once
 // per 64 columns and B once per head and tile: at headdim 64, d_state 128 and 24 heads a group, 2 reads of x and
 // 48 of B per chunk against 1 and 6 here.
-constexpr int kStThreads = 256, kStHeads = 4, kXPre = 8;
+constexpr int kStThreads = 256, kStHeads = 4;
 __host__ __device__ constexpr std::size_t cstate_heads_smem(int P, int N, int Q) {
   return std::size_t(Q) * (N + kPad) * 2 + std::size_t(Q) * (P + kPad) * 2 + std::size_t(Q) * 4;
 }
@@ -1142,7 +1142,8 @@ __global__ void __launch_bounds__(kStThreads, 2) chunk_state_heads_kernel(const 
                                  q, a.N, [](int) { return 1.f; });
   // the record whose state the weights follow (chunk_state_kernel)
   const int rec_w = a.seq ? a.seq[row0 + (a.ein_weights ? (ch == 0 ? 0 : t0 - 1) : t0 + q - 1)] : 0;
-  auto weights = [&](int h) {
+  for (int hi = 0; hi < hb; ++hi) {
+    const int h = h0 + hi;
     const float* acs = a.acs + (std::int64_t(b) * a.H + h) * a.L;
     const float* dlt = a.delta + (std::int64_t(b) * a.H + h) * a.L;
     const float acs_last = acs[t0 + q - 1];
@@ -1154,45 +1155,11 @@ __global__ void __launch_bounds__(kStThreads, 2) chunk_state_heads_kernel(const 
       }
       w[s] = v;
     }
-  };
-  // x of head h in groups of 4 (token r, columns c .. c + 3): this thread's groups i0 + tid + j kStThreads, j < kXPre
-  constexpr int C4 = P / 4;
-  const int total = a.Q * C4;
-  auto fetch_x = [&](float4 (&v)[kXPre], int h, int i0) {
-    const float* src = a.xs + (row0 + t0) * a.ldxs + std::int64_t(h) * P;
-#pragma unroll
-    for (int j = 0; j < kXPre; ++j) {
-      const int i = i0 + tid + j * kStThreads, r = i / C4;
-      v[j] = i < total && r < q ? load4<V4>(src + r * a.ldxs + (i % C4) * 4) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-  };
-  auto put_x = [&](const float4 (&v)[kXPre], int i0) {
-#pragma unroll
-    for (int j = 0; j < kXPre; ++j) {
-      const int i = i0 + tid + j * kStThreads, r = i / C4;
-      if (i < total) {
-        const float f = w[r];
-        store4_bf16(xh + r * ldxh + (i % C4) * 4, make_float4(v[j].x * f, v[j].y * f, v[j].z * f, v[j].w * f));
-      }
-    }
-  };
-  float4 pre[kXPre];  // the first groups of the next head's x, loaded while this head's products run
-  weights(h0);
-  fetch_x(pre, h0, 0);
-  for (int hi = 0; hi < hb; ++hi) {
-    const int h = h0 + hi;
-    __syncthreads();  // w of this head written; the previous head's products have read xh
-    put_x(pre, 0);
-    for (int i0 = kXPre * kStThreads; i0 < total; i0 += kXPre * kStThreads) {
-      float4 v[kXPre];
-      fetch_x(v, h, i0);
-      put_x(v, i0);
-    }
-    __syncthreads();  // xh complete; w read
-    if (hi + 1 < hb) {
-      fetch_x(pre, h + 1, 0);
-      weights(h + 1);
-    }
+    __syncthreads();  // w written; the previous head's products have read xh
+    // (16 loads a thread in flight: all of x at headdim 64 and chunk 256)
+    stage_rows<V4, kStThreads, 16>(xh, ldxh, a.xs + (row0 + t0) * a.ldxs + std::int64_t(h) * P, a.ldxs, a.Q, q, P,
+                                   [w](int r) { return w[r]; });
+    __syncthreads();
     float* S = a.states + ((std::int64_t(bc) * a.H + h) * P) * a.N;
     for (int j = warp; j * 16 < a.N; j += kWarps) {
       wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[PT];
