@@ -1119,7 +1119,11 @@ __device__ __forceinline__ void stage_rows(bf* dst, int ldd, const float* src, s
 // 16-row fragment of P (WMMA 16 x 16 x 16, bf16 operands, fp32 accumulation), the states stored from the
 // accumulators. The tiles form (chunk_state_kernel: one block per 64 columns of the state and head) reads x once
 // per 64 columns and B once per head and tile: at headdim 64, d_state 128 and 24 heads a group, 2 reads of x and
-// 48 of B per chunk against 1 and 6 here.
+// 48 of B per chunk against 1 and 6 here. Measured (perf/RESULTS.md, thirty-sixth session; L 65,536, 24 heads):
+// on an H100, 376 us under ncu against 401 us for the tiles form (L2 throughput 55 % against 86 %; DRAM 51 % and
+// 48 %; both at 25 % occupancy, 10.5 cycles between a warp's instructions), the SSD forward 1.476 against 1.492 ms;
+// on an H200 the same form with the next head's x loaded during the products (reverted: 48 bytes of spills) ran
+// 391 against 392 us. Both forms wait on their loads; the next step is to overlap them with the products.
 constexpr int kStThreads = 256, kStHeads = 4;
 __host__ __device__ constexpr std::size_t cstate_heads_smem(int P, int N, int Q) {
   return std::size_t(Q) * (N + kPad) * 2 + std::size_t(Q) * (P + kPad) * 2 + std::size_t(Q) * 4;
