@@ -475,10 +475,12 @@ void bench_ssd(int reps, const std::vector<SSDVariant>& variants) {
         const ssd_fused::FormScope form(ssd_fused::scan_form, f);
         record(nf + label, "time", time_median(1, r, [&] { ssd_forward<T>(s, in, y, View4<float>()); }) * 1e3, "ms");
       }
-      // the chunk states' earlier form (the default is the heads form)
-      const ssd_fused::FormScope form(ssd_fused::state_form, ssd_fused::StateForm::tiles);
-      record(nf + " (chunk states: tiles form)", "time",
-             time_median(1, r, [&] { ssd_forward<T>(s, in, y, View4<float>()); }) * 1e3, "ms");
+      // the chunk states' other forms (the default is the heads form)
+      for (auto [f, label] : {std::pair{ssd_fused::StateForm::tiles, " (chunk states: tiles form)"},
+                              std::pair{ssd_fused::StateForm::heads_ring, " (chunk states: heads form, cp.async ring)"}}) {
+        const ssd_fused::FormScope form(ssd_fused::state_form, f);
+        record(nf + label, "time", time_median(1, r, [&] { ssd_forward<T>(s, in, y, View4<float>()); }) * 1e3, "ms");
+      }
     }
     // agreement with the first variant: max |y - y_0| / max |y_0| and the same for dx, dB, dC
     static std::vector<float> y0, dx0;
@@ -929,11 +931,13 @@ int run(int argc, char** argv, int cp_size, int rank) {
     }
     else if (a == "--state-form") {  // the fused forward's chunk-state kernel for the whole run (ssd_fused::StateForm)
       const std::string f = next();
-      if (f != "heads" && f != "tiles") {
-        std::cerr << "mambamoe_bench: --state-form " << f << " is not one of: heads tiles\n";
+      if (f != "heads" && f != "tiles" && f != "heads-ring") {
+        std::cerr << "mambamoe_bench: --state-form " << f << " is not one of: heads tiles heads-ring\n";
         return 2;
       }
-      ssd_fused::state_form = f == "tiles" ? ssd_fused::StateForm::tiles : ssd_fused::StateForm::heads;
+      ssd_fused::state_form = f == "tiles"        ? ssd_fused::StateForm::tiles
+                              : f == "heads-ring" ? ssd_fused::StateForm::heads_ring
+                                                  : ssd_fused::StateForm::heads;
     }
     else if (a == "--backend") {
       const std::string b = next();
@@ -945,7 +949,7 @@ int run(int argc, char** argv, int cp_size, int rank) {
     }
     else {
       std::cerr << "mambamoe_bench: unknown option " << a
-                << " (known: --out DIR, --only copy,gemm,ssd,mamba1,mamba3,moe,lm, --reps N, --lm-batch B, --lm-seqlen L, --lm-window W, --mamba-batch B, --mamba-seqlen L, --moe-tokens N, --cp N, --backend mpi|nccl, --ssd V1,V2,.., --lm-ssd V1,.., --lm-recompute mixer,none, --bc-form gemm|kernel, --state-terms bf16|tf32, --state-form heads|tiles; V: portable, gemm-C, fused-C with C = fp32, tf32, bf16)\n";
+                << " (known: --out DIR, --only copy,gemm,ssd,mamba1,mamba3,moe,lm, --reps N, --lm-batch B, --lm-seqlen L, --lm-window W, --mamba-batch B, --mamba-seqlen L, --moe-tokens N, --cp N, --backend mpi|nccl, --ssd V1,V2,.., --lm-ssd V1,.., --lm-recompute mixer,none, --bc-form gemm|kernel, --state-terms bf16|tf32, --state-form heads|tiles|heads-ring; V: portable, gemm-C, fused-C with C = fp32, tf32, bf16)\n";
       return 2;
     }
   }

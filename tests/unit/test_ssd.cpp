@@ -242,16 +242,19 @@ TEST_CASE("SSD fused tensor-core forward stays within bf16 rounding of the doubl
     c.algo = SSDAlgo::fused;
     c.compute = GemmCompute::bf16;
     // the chunk scan's mma.sync kernel, (CUDA builds) its earlier WMMA form and its form with a cp.async ring; the
-    // chunk states in their heads form, and with the mma scan in their tiles form
+    // chunk states in their tiles form with the mma scan, heads form with the WMMA scan, and heads form through a
+    // cp.async ring with the ring scan
     const bool kernels = ssd_fused::fits(int(sh.P), int(sh.N), int(sh.Q));
     for (ssd_fused::Form f : {ssd_fused::Form::mma, ssd_fused::Form::wmma, ssd_fused::Form::mma_ring}) {
       if (f != ssd_fused::Form::mma && !kernels) continue;
       const ssd_fused::FormScope form(ssd_fused::scan_form, f);
-      const ssd_fused::FormScope sform(ssd_fused::state_form, f == ssd_fused::Form::mma ? ssd_fused::StateForm::tiles
-                                                                                       : ssd_fused::StateForm::heads);
-      const char* form_name = f == ssd_fused::Form::wmma       ? " (WMMA form)"
-                              : f == ssd_fused::Form::mma_ring ? " (ring form)"
-                                                               : " (chunk states: tiles form)";
+      const ssd_fused::FormScope sform(ssd_fused::state_form, f == ssd_fused::Form::mma    ? ssd_fused::StateForm::tiles
+                                                              : f == ssd_fused::Form::wmma ? ssd_fused::StateForm::heads
+                                                                                          : ssd_fused::StateForm::heads_ring);
+      const char* form_name = f == ssd_fused::Form::wmma       ? " (WMMA form, chunk states: heads form)"
+                              : f == ssd_fused::Form::mma_ring ? " (ring form, chunk states: heads form, ring)"
+                              : kernels                        ? " (chunk states: tiles form)"
+                                                               : "";
       INFO("P=" << sh.P << " N=" << sh.N << " Q=" << sh.Q << form_name);
       c.records = true;
       c.init = true;

@@ -1187,6 +1187,117 @@ __global__ void __launch_bounds__(kStThreads, 2) chunk_state_heads_kernel(const 
   }
 }
 
+// ------------------------------------------------------------------ forward: chunk states, heads form, cp.async ring
+//
+// StateForm::heads_ring (not the default until timed): the heads form with x moved through a ring of kSrRing
+// fp32 slices of kSrSl tokens by cp.async, two slices ahead of their use, over the run's (head, slice) steps in
+// order, so that the next slices' loads are in flight while this one's products run (the heads form stages a
+// head's x with plain loads between its products, and ncu counted it waiting on them at 25 % occupancy). Each
+// thread converts the groups of 4 it copied itself to the bf16 slice (Delta- and decay-weighted, as in the heads
+// form), a barrier, then warp j multiplies the slice into the accumulators of its 16 columns of the state (one
+// strip a warp: d_state up to 128), stored when the head's last slice is in. Needs 16-byte aligned rows of x.
+constexpr int kSrSl = 32, kSrRing = 3;
+__host__ __device__ constexpr std::size_t cstate_ring_smem(int P, int N, int Q, int hb) {
+  return std::size_t(Q) * (N + kPad) * 2 + std::size_t(kSrSl) * (P + kPad) * 2 +
+         std::size_t(kSrRing) * kSrSl * (P + 4) * 4 + std::size_t(hb) * Q * 4;
+}
+
+template <int PT>
+__global__ void __launch_bounds__(kStThreads, 2) chunk_state_ring_kernel(const Args a, int hb) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  constexpr int P = PT * 16, ldxh = P + kPad, ldr = P + 4, C4 = P / 4, kGroups = kSrSl * C4;
+  constexpr int kOwn = (kGroups + kStThreads - 1) / kStThreads;  // groups of 4 a thread copies and converts a step
+  const int ldbh = a.N + kPad;
+  bf* bh = reinterpret_cast<bf*>(smem);                                // (Q tokens, N): B of the chunk
+  bf* xh = bh + std::size_t(a.Q) * ldbh;                               // (kSrSl tokens, P): w o x of one slice
+  float* ring = reinterpret_cast<float*>(xh + kSrSl * ldxh);          // kSrRing x (kSrSl tokens, P): x, fp32
+  float* w = ring + kSrRing * kSrSl * ldr;                             // (hb, Q): the run's weights
+
+  const int h0 = blockIdx.x * hb, bc = blockIdx.y;
+  const int b = bc / a.nc, ch = bc % a.nc, t0 = ch * a.Q, q = min(a.Q, a.L - t0), g = h0 / (a.H / a.G);
+  const int tid = threadIdx.x, warp = tid / 32;
+  const std::int64_t row0 = std::int64_t(b) * a.L;
+  const int nsl = (q + kSrSl - 1) / kSrSl, nsteps = hb * nsl;
+  const float* xbase = a.xs + (row0 + t0) * a.ldxs + std::int64_t(h0) * P;
+  // step t: head h0 + t / nsl, tokens (t % nsl) kSrSl .. of the chunk, into ring slot t % kSrRing
+  auto issue = [&](int t) {
+    if (t < nsteps) {
+      const int s0 = (t % nsl) * kSrSl, ns = min(kSrSl, q - s0);
+      float* dst = ring + (t % kSrRing) * kSrSl * ldr;
+      const float* src = xbase + std::int64_t(s0) * a.ldxs + (t / nsl) * P;
+#pragma unroll
+      for (int m = 0; m < kOwn; ++m) {
+        const int i = tid + m * kStThreads, r = i / C4, c = (i % C4) * 4;
+        const bool in = r < ns;
+        if (i < kGroups) cuda_k::cp_async<16>(dst + r * ldr + c, in ? src + r * a.ldxs + c : src, in ? 16 : 0);
+      }
+    }
+    cuda_k::cp_async_commit();  // (an empty group past the last step: the wait below always leaves two)
+  };
+  issue(0);
+  issue(1);
+  stage_rows<true, kStThreads, 16>(bh, ldbh, a.xbc + (row0 + t0) * a.ldx + a.b_col + std::int64_t(g) * a.N, a.ldx,
+                                   a.Q, q, a.N, [](int) { return 1.f; });
+  // the weights of the run's heads (chunk_state_kernel's), zero past the chunk's tokens
+  const int rec_w = a.seq ? a.seq[row0 + (a.ein_weights ? (ch == 0 ? 0 : t0 - 1) : t0 + q - 1)] : 0;
+  for (int i = tid; i < hb * a.Q; i += kStThreads) {
+    const int h = h0 + i / a.Q, s = i % a.Q;
+    const float* acs = a.acs + (std::int64_t(b) * a.H + h) * a.L;
+    float v = 0.f;
+    if (s < q && (!a.seq || a.seq[row0 + t0 + s] == rec_w)) {
+      const float e = a.ein_weights ? decay(acs[t0 + s]) : decay(acs[t0 + q - 1] - acs[t0 + s]);
+      v = e < a.cutoff ? 0.f : (a.ein_weights ? e : e * a.delta[(std::int64_t(b) * a.H + h) * a.L + t0 + s]);
+    }
+    w[i] = v;
+  }
+  __syncthreads();  // B and w in place
+
+  const bool mine = warp * 16 < a.N;  // this warp's strip: columns 16 warp .. of the state
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[PT];
+#pragma unroll
+  for (int i = 0; i < PT; ++i) wmma::fill_fragment(acc[i], 0.f);
+  for (int t = 0; t < nsteps; ++t) {
+    issue(t + 2);
+    cuda_k::cp_async_wait<2>();  // this thread's copies of step t have landed
+    const int hi = t / nsl, k = t % nsl, s0 = k * kSrSl;
+    const float* src = ring + (t % kSrRing) * kSrSl * ldr;
+    const float* wt = w + hi * a.Q + s0;
+#pragma unroll
+    for (int m = 0; m < kOwn; ++m) {
+      const int i = tid + m * kStThreads, r = i / C4, c = (i % C4) * 4;
+      if (i < kGroups) {
+        const float4 v = *reinterpret_cast<const float4*>(src + r * ldr + c);
+        const float f = wt[r];
+        store4_bf16(xh + r * ldxh + c, make_float4(v.x * f, v.y * f, v.z * f, v.w * f));
+      }
+    }
+    __syncthreads();  // the slice's bf16 tile complete
+    if (mine) {
+#pragma unroll
+      for (int kk = 0; kk < kSrSl; kk += 16) {
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::row_major> fb;
+        wmma::load_matrix_sync(fb, bh + (s0 + kk) * ldbh + warp * 16, ldbh);
+#pragma unroll
+        for (int i = 0; i < PT; ++i) {
+          // (w o X)^T: element (p, s) at s ldxh + p
+          wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::col_major> fa;
+          wmma::load_matrix_sync(fa, xh + kk * ldxh + i * 16, ldxh);
+          wmma::mma_sync(acc[i], fa, fb, acc[i]);
+        }
+      }
+      if (k == nsl - 1) {  // the head's last slice: its states out, the accumulators cleared for the next head
+        float* S = a.states + ((std::int64_t(bc) * a.H + h0 + hi) * P) * a.N + warp * 16;
+#pragma unroll
+        for (int i = 0; i < PT; ++i) {
+          wmma::store_matrix_sync(S + std::int64_t(i) * 16 * a.N, acc[i], a.N, wmma::mem_row_major);
+          wmma::fill_fragment(acc[i], 0.f);
+        }
+      }
+    }
+    __syncthreads();  // before the tile is rewritten (and this step's ring slot refilled, two steps on)
+  }
+}
+
 // use(i, f) for the steps i = 0 .. n - 1 of a loop whose operands (4 float2 a step, f) come from fetch(i, f): the
 // operands of KB steps are loaded as a block, and the next block is in flight while this one is used, in two
 // register buffers taken in turn (no copies between them). A ring of single steps two ahead kept too few loads in
@@ -2073,12 +2184,21 @@ void launch(const Args& a, bool scan) {
     allow_smem<chunk_scan_kernel<PT, V4>>(bytes, "chunk scan");
     chunk_scan_kernel<PT, V4><<<grid, kThreads, bytes, st>>>(a);
     check_launch("chunk scan");
-  } else if (state_form == StateForm::heads && cstate_heads_smem(PT * 16, a.N, a.Q) <= max_block_smem() && grid_ok) {
+  } else if (state_form != StateForm::tiles && cstate_heads_smem(PT * 16, a.N, a.Q) <= max_block_smem() && grid_ok) {
     const std::size_t bytes = cstate_heads_smem(PT * 16, a.N, a.Q);
     // a run: the largest count of heads up to kStHeads that divides the heads of a group
     const int hpg = a.H / a.G;
     int hb = hpg < kStHeads ? hpg : kStHeads;
     while (hpg % hb != 0) --hb;
+    if constexpr (V4) {  // heads_ring where its rows are aligned, one strip a warp covers d_state, and it fits
+      const std::size_t ring_bytes = cstate_ring_smem(PT * 16, a.N, a.Q, hb);
+      if (state_form == StateForm::heads_ring && a.N <= 16 * (kStThreads / 32) && ring_bytes <= max_block_smem()) {
+        allow_smem<chunk_state_ring_kernel<PT>>(ring_bytes, "chunk state (heads, ring)");
+        chunk_state_ring_kernel<PT><<<dim3(a.H / hb, a.batch * a.nc), kStThreads, ring_bytes, st>>>(a, hb);
+        check_launch("chunk state (heads, ring)");
+        return;
+      }
+    }
     allow_smem<chunk_state_heads_kernel<PT, V4>>(bytes, "chunk state (heads)");
     chunk_state_heads_kernel<PT, V4><<<dim3(a.H / hb, a.batch * a.nc), kStThreads, bytes, st>>>(a, hb);
     check_launch("chunk state (heads)");
