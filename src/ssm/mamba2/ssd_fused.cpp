@@ -2184,7 +2184,8 @@ void launch(const Args& a, bool scan) {
     allow_smem<chunk_scan_kernel<PT, V4>>(bytes, "chunk scan");
     chunk_scan_kernel<PT, V4><<<grid, kThreads, bytes, st>>>(a);
     check_launch("chunk scan");
-  } else if (state_form != StateForm::tiles && cstate_heads_smem(PT * 16, a.N, a.Q) <= max_block_smem() && grid_ok) {
+  } else if ((state_form == StateForm::heads_ring || (state_form == StateForm::heads && a.H > a.G)) &&
+             cstate_heads_smem(PT * 16, a.N, a.Q) <= max_block_smem() && grid_ok) {
     const std::size_t bytes = cstate_heads_smem(PT * 16, a.N, a.Q);
     // a run: the largest count of heads up to kStHeads that divides the heads of a group
     const int hpg = a.H / a.G;

@@ -82,15 +82,18 @@ void intra_backward(const Args& a);
 enum class Form { mma, wmma, mma_ring };
 extern Form scan_form, intra_form;
 
-// Which kernel forms the chunk-local states (chunk_state): heads (the default), one block per run of up to 4 heads
-// of a group and chunk, B of the chunk staged once in bf16 for the run and x of each head once, or tiles, one block
-// per 64 columns of the state, head and chunk (the earlier form, kept for the tests and for timing side by side in
-// perf/bench.cpp; also taken where the heads form's shared memory, B and x of a whole chunk, would exceed the
-// device's limit per block, or batch x chunks would exceed 65,535). The heads form ran at 55 % of the L2's
-// throughput against 86 % for the tiles form, and 6 % faster, on an H100 at L 65,536, 24 heads, headdim 64,
-// d_state 128; on an H200 a variant of it ran level (perf/RESULTS.md, thirty-sixth session).
-// heads_ring (not the default: not yet timed on a GPU) is the heads form with x through a cp.async ring of 32-token
-// slices, two ahead of their use, where x's rows are 16-byte aligned and d_state is at most 128 (else heads).
+// Which kernel forms the chunk-local states (chunk_state):
+// - heads (the default): one block per run of up to 4 heads of a group and chunk, B of the chunk staged once in
+//   bf16 for the run and x of each head once; taken where a group has more than one head (Mamba-2's routes), else
+//   tiles (Mamba-3's SISO route, one head a group, whose block was not timed with it). It ran at 55 % of the L2's
+//   throughput against 86 % for tiles, and 6 % faster, on an H100 at L 65,536, 24 heads, headdim 64, d_state 128;
+//   on an H200 a variant of it ran level (perf/RESULTS.md, thirty-sixth session);
+// - tiles: one block per 64 columns of the state, head and chunk (the earlier form, kept for the tests and for
+//   timing side by side in perf/bench.cpp; also taken where the heads form's shared memory, B and x of a whole
+//   chunk, would exceed the device's limit per block, or batch x chunks would exceed 65,535);
+// - heads_ring (not the default: not yet timed on a GPU): the heads form with x through a cp.async ring of 32-token
+//   slices, two ahead of their use, at any heads a group, where x's rows are 16-byte aligned and d_state is at
+//   most 128 (else heads).
 enum class StateForm { heads, tiles, heads_ring };
 extern StateForm state_form;
 
