@@ -242,8 +242,8 @@ TEST_CASE("SSD fused tensor-core forward stays within bf16 rounding of the doubl
     c.algo = SSDAlgo::fused;
     c.compute = GemmCompute::bf16;
     // the chunk scan's mma.sync kernel, (CUDA builds) its earlier WMMA form and its form with a cp.async ring; the
-    // chunk states in their tiles form with the mma scan, heads form with the WMMA scan, and heads form through a
-    // cp.async ring with the ring scan
+    // chunk states in their tiles form with the mma scan, heads form with the WMMA scan (tiles where a group is one
+    // head), and heads form through a cp.async ring with the ring scan
     const bool kernels = ssd_fused::fits(int(sh.P), int(sh.N), int(sh.Q));
     for (ssd_fused::Form f : {ssd_fused::Form::mma, ssd_fused::Form::wmma, ssd_fused::Form::mma_ring}) {
       if (f != ssd_fused::Form::mma && !kernels) continue;
@@ -251,7 +251,7 @@ TEST_CASE("SSD fused tensor-core forward stays within bf16 rounding of the doubl
       const ssd_fused::FormScope sform(ssd_fused::state_form, f == ssd_fused::Form::mma    ? ssd_fused::StateForm::tiles
                                                               : f == ssd_fused::Form::wmma ? ssd_fused::StateForm::heads
                                                                                           : ssd_fused::StateForm::heads_ring);
-      const char* form_name = f == ssd_fused::Form::wmma       ? " (WMMA form, chunk states: heads form)"
+      const char* form_name = f == ssd_fused::Form::wmma       ? " (WMMA form, chunk states: heads form where G < H)"
                               : f == ssd_fused::Form::mma_ring ? " (ring form, chunk states: heads form, ring)"
                               : kernels                        ? " (chunk states: tiles form)"
                                                                : "";
