@@ -2192,10 +2192,10 @@ void launch(const Args& a, bool scan) {
     int hb = hpg < kStHeads ? hpg : kStHeads;
     while (hpg % hb != 0) --hb;
     if constexpr (V4) {  // heads_ring where its rows are aligned, one strip a warp covers d_state, and it fits
-      const std::size_t ring_bytes = cstate_ring_smem(PT * 16, a.N, a.Q, hb);
-      if (state_form == StateForm::heads_ring && a.N <= 16 * (kStThreads / 32) && ring_bytes <= max_block_smem()) {
-        allow_smem<chunk_state_ring_kernel<PT>>(ring_bytes, "chunk state (heads, ring)");
-        chunk_state_ring_kernel<PT><<<dim3(a.H / hb, a.batch * a.nc), kStThreads, ring_bytes, st>>>(a, hb);
+      const std::size_t sring_bytes = cstate_ring_smem(PT * 16, a.N, a.Q, hb);
+      if (state_form == StateForm::heads_ring && a.N <= 16 * (kStThreads / 32) && sring_bytes <= max_block_smem()) {
+        allow_smem<chunk_state_ring_kernel<PT>>(sring_bytes, "chunk state (heads, ring)");
+        chunk_state_ring_kernel<PT><<<dim3(a.H / hb, a.batch * a.nc), kStThreads, sring_bytes, st>>>(a, hb);
         check_launch("chunk state (heads, ring)");
         return;
       }
