@@ -87,6 +87,8 @@ __device__ __forceinline__ void store4_bf16(bf* d, float4 v) {
   store_pairs(d, __floats2bfloat162_rn(v.x, v.y), __floats2bfloat162_rn(v.z, v.w));
 }
 
+__device__ __forceinline__ float4 scale4(float4 v, float f) { return make_float4(v.x * f, v.y * f, v.z * f, v.w * f); }
+
 // The largest divisor of n that is at most 8: the loads of a batch in batched().
 __host__ __device__ constexpr int batch_of(int n) {
   int b = n < 8 ? n : 8;
@@ -196,9 +198,39 @@ __host__ __device__ constexpr std::size_t cstate_w_offset(int P) {
   return cstate_tiles_offset(P) + align128((std::size_t(kSl) * (P + kPad) + std::size_t(kSl) * kLdTile) * 2);
 }
 
+// The chunk states' weights: the record whose state they follow, the chunk's last token's (es Delta), or with
+// ein_weights the one entering the chunk (e_in: the last token of the chunk before, the first for chunk 0) ...
+__device__ __forceinline__ int state_weight_record(const Args& a, std::int64_t row0, int ch, int t0, int q) {
+  return a.seq ? a.seq[row0 + (a.ein_weights ? (ch == 0 ? 0 : t0 - 1) : t0 + q - 1)] : 0;
+}
+
+// ... and the weight of the chunk's token s: zero past its q tokens, outside that record or below the cutoff, else
+// exp(acs_last - acs_s) Delta_s (e_in: exp(acs_s)); acs and dlt are the head's rows of a.acs and a.delta.
+__device__ __forceinline__ float state_weight(const Args& a, const float* acs, const float* dlt, float acs_last,
+                                              std::int64_t row0, int t0, int q, int s, int rec_w) {
+  if (s >= q || (a.seq && a.seq[row0 + t0 + s] != rec_w)) return 0.f;
+  const float e = a.ein_weights ? decay(acs[t0 + s]) : decay(acs_last - acs[t0 + s]);
+  return e < a.cutoff ? 0.f : (a.ein_weights ? e : e * dlt[t0 + s]);
+}
+
+// acc[i] += (w o X)^T B over one 16-token step: fragment i of P from xh ((w o X)^T: element (p, s) at s ldx + p)
+// against the 16 columns of B at bh (element (s, n) at s ldb + n), bf16 operands.
+template <int PT>
+__device__ __forceinline__ void state_mma_step(wmma::fragment<wmma::accumulator, 16, 16, 16, float> (&acc)[PT],
+                                               const bf* xh, int ldx, const bf* bh, int ldb) {
+  wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::row_major> fb;
+  wmma::load_matrix_sync(fb, bh, ldb);
+#pragma unroll
+  for (int i = 0; i < PT; ++i) {
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::col_major> fa;
+    wmma::load_matrix_sync(fa, xh + i * 16, ldx);
+    wmma::mma_sync(acc[i], fa, fb, acc[i]);
+  }
+}
+
 // One block per (64 columns n of the state, head, (row, chunk)); warp w owns columns 16 w .. 16 w + 15 and every
-// 16-row fragment of P: states = (w o X)^T B over the chunk's tokens, kSl at a time, with
-// w_s = [same record as the chunk's last token] exp(acs_last - acs_s) Delta_s.
+// 16-row fragment of P: states = (w o X)^T B over the chunk's tokens, kSl at a time, with the weights
+// state_weight.
 template <int PT, bool V4>
 __global__ void __launch_bounds__(kThreads, PT <= 4 ? 4 : 2) chunk_state_kernel(const Args a) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -229,17 +261,8 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 4 : 2) chunk_state_kernel(
   stage_slice(0);
   {
     const float acs_last = acs[t0 + q - 1];
-    // the record whose state the weights follow: the chunk's last token's (es Delta), or the one entering the
-    // chunk (e_in: the last token of the chunk before, the first for chunk 0)
-    const int rec_w = a.seq ? a.seq[row0 + (a.ein_weights ? (ch == 0 ? 0 : t0 - 1) : t0 + q - 1)] : 0;
-    for (int s = tid; s < nsl * kSl; s += kThreads) {
-      float v = 0.f;
-      if (s < q && (!a.seq || a.seq[row0 + t0 + s] == rec_w)) {
-        const float e = a.ein_weights ? decay(acs[t0 + s]) : decay(acs_last - acs[t0 + s]);
-        v = e < a.cutoff ? 0.f : (a.ein_weights ? e : e * dlt[t0 + s]);
-      }
-      w[s] = v;
-    }
+    const int rec_w = state_weight_record(a, row0, ch, t0, q);
+    for (int s = tid; s < nsl * kSl; s += kThreads) w[s] = state_weight(a, acs, dlt, acs_last, row0, t0, q, s, rec_w);
   }
   __syncthreads();
 
@@ -253,25 +276,13 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? 4 : 2) chunk_state_kernel(
     const float* xs = buf0 + (k & 1) * kBuf;
     const float* bs = xs + kSl * ldxs;
     const float* wk = w + k * kSl;
-    convert_own<kSl, P>(xh, ldxh, xs, ldxs, [wk](int r, int, float4 v) {
-      const float f = wk[r];
-      return make_float4(v.x * f, v.y * f, v.z * f, v.w * f);
-    });
+    convert_own<kSl, P>(xh, ldxh, xs, ldxs, [wk](int r, int, float4 v) { return scale4(v, wk[r]); });
     convert_own<kSl, kTile>(bh, kLdTile, bs, ldbs, [](int, int, float4 v) { return v; });
     __syncthreads();
     if (warp * 16 < nw) {
 #pragma unroll
-      for (int kk = 0; kk < kSl; kk += 16) {
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::row_major> fb;
-        wmma::load_matrix_sync(fb, bh + kk * kLdTile + warp * 16, kLdTile);
-#pragma unroll
-        for (int i = 0; i < PT; ++i) {
-          // (w o X)^T: element (p, s) at s ldxh + p
-          wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::col_major> fa;
-          wmma::load_matrix_sync(fa, xh + kk * ldxh + i * 16, ldxh);
-          wmma::mma_sync(acc[i], fa, fb, acc[i]);
-        }
-      }
+      for (int kk = 0; kk < kSl; kk += 16)
+        state_mma_step<PT>(acc, xh + kk * ldxh, ldxh, bh + kk * kLdTile + warp * 16, kLdTile);
     }
     __syncthreads();  // before the tiles are rewritten and this stage is refilled
   }
@@ -1084,31 +1095,15 @@ __device__ __forceinline__ void stage_rows(bf* dst, int ldd, const float* src, s
 #pragma unroll
     for (int j = 0; j < KB; ++j) {
       const int i = i0 + threadIdx.x + j * NT;
-      if (i < total) {
-        const float f = scale(i / c4);
-        store4_bf16(dst + (i / c4) * ldd + (i % c4) * 4, make_float4(v[j].x * f, v[j].y * f, v[j].z * f, v[j].w * f));
-      }
+      if (i < total) store4_bf16(dst + (i / c4) * ldd + (i % c4) * 4, scale4(v[j], scale(i / c4)));
     }
   }
 }
 
-template <bool V4, int NT = kThreads>
+template <bool V4>
 __device__ __forceinline__ void stage_rows(bf* dst, int ldd, const float* src, std::int64_t lds, int rows, int nr,
                                            int cols) {
-  const int c4 = cols / 4, total = rows * c4;
-  for (int i0 = 0; i0 < total; i0 += 8 * NT) {
-    float4 v[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int i = i0 + threadIdx.x + j * NT, r = i / c4;
-      v[j] = i < total && r < nr ? load4<V4>(src + r * lds + (i % c4) * 4) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int i = i0 + threadIdx.x + j * NT;
-      if (i < total) store4_bf16(dst + (i / c4) * ldd + (i % c4) * 4, v[j]);
-    }
-  }
+  stage_rows<V4>(dst, ldd, src, lds, rows, nr, cols, [](int) { return 1.f; });
 }
 
 // ------------------------------------------------------------------ forward: chunk states, heads form
@@ -1144,21 +1139,13 @@ __global__ void __launch_bounds__(kStThreads, 2) chunk_state_heads_kernel(const 
   const std::int64_t row0 = std::int64_t(b) * a.L;
   stage_rows<V4, kStThreads, 16>(bh, ldbh, a.xbc + (row0 + t0) * a.ldx + a.b_col + std::int64_t(g) * a.N, a.ldx, a.Q,
                                  q, a.N, [](int) { return 1.f; });
-  // the record whose state the weights follow (chunk_state_kernel)
-  const int rec_w = a.seq ? a.seq[row0 + (a.ein_weights ? (ch == 0 ? 0 : t0 - 1) : t0 + q - 1)] : 0;
+  const int rec_w = state_weight_record(a, row0, ch, t0, q);
   for (int hi = 0; hi < hb; ++hi) {
     const int h = h0 + hi;
     const float* acs = a.acs + (std::int64_t(b) * a.H + h) * a.L;
     const float* dlt = a.delta + (std::int64_t(b) * a.H + h) * a.L;
     const float acs_last = acs[t0 + q - 1];
-    for (int s = tid; s < a.Q; s += kStThreads) {
-      float v = 0.f;
-      if (s < q && (!a.seq || a.seq[row0 + t0 + s] == rec_w)) {
-        const float e = a.ein_weights ? decay(acs[t0 + s]) : decay(acs_last - acs[t0 + s]);
-        v = e < a.cutoff ? 0.f : (a.ein_weights ? e : e * dlt[t0 + s]);
-      }
-      w[s] = v;
-    }
+    for (int s = tid; s < a.Q; s += kStThreads) w[s] = state_weight(a, acs, dlt, acs_last, row0, t0, q, s, rec_w);
     __syncthreads();  // w written; the previous head's products have read xh
     // (16 loads a thread in flight: all of x at headdim 64 and chunk 256)
     stage_rows<V4, kStThreads, 16>(xh, ldxh, a.xs + (row0 + t0) * a.ldxs + std::int64_t(h) * P, a.ldxs, a.Q, q, P,
@@ -1169,17 +1156,7 @@ __global__ void __launch_bounds__(kStThreads, 2) chunk_state_heads_kernel(const 
       wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[PT];
 #pragma unroll
       for (int i = 0; i < PT; ++i) wmma::fill_fragment(acc[i], 0.f);
-      for (int kk = 0; kk < kq; kk += 16) {
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::row_major> fb;
-        wmma::load_matrix_sync(fb, bh + kk * ldbh + j * 16, ldbh);
-#pragma unroll
-        for (int i = 0; i < PT; ++i) {
-          // (w o X)^T: element (p, s) at s ldxh + p
-          wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::col_major> fa;
-          wmma::load_matrix_sync(fa, xh + kk * ldxh + i * 16, ldxh);
-          wmma::mma_sync(acc[i], fa, fb, acc[i]);
-        }
-      }
+      for (int kk = 0; kk < kq; kk += 16) state_mma_step<PT>(acc, xh + kk * ldxh, ldxh, bh + kk * ldbh + j * 16, ldbh);
 #pragma unroll
       for (int i = 0; i < PT; ++i)
         wmma::store_matrix_sync(S + std::int64_t(i) * 16 * a.N + j * 16, acc[i], a.N, wmma::mem_row_major);
@@ -1238,17 +1215,12 @@ __global__ void __launch_bounds__(kStThreads, 2) chunk_state_ring_kernel(const A
   issue(1);
   stage_rows<true, kStThreads, 16>(bh, ldbh, a.xbc + (row0 + t0) * a.ldx + a.b_col + std::int64_t(g) * a.N, a.ldx,
                                    a.Q, q, a.N, [](int) { return 1.f; });
-  // the weights of the run's heads (chunk_state_kernel's), zero past the chunk's tokens
-  const int rec_w = a.seq ? a.seq[row0 + (a.ein_weights ? (ch == 0 ? 0 : t0 - 1) : t0 + q - 1)] : 0;
+  // the weights of the run's heads, zero past the chunk's tokens
+  const int rec_w = state_weight_record(a, row0, ch, t0, q);
   for (int i = tid; i < hb * a.Q; i += kStThreads) {
-    const int h = h0 + i / a.Q, s = i % a.Q;
-    const float* acs = a.acs + (std::int64_t(b) * a.H + h) * a.L;
-    float v = 0.f;
-    if (s < q && (!a.seq || a.seq[row0 + t0 + s] == rec_w)) {
-      const float e = a.ein_weights ? decay(acs[t0 + s]) : decay(acs[t0 + q - 1] - acs[t0 + s]);
-      v = e < a.cutoff ? 0.f : (a.ein_weights ? e : e * a.delta[(std::int64_t(b) * a.H + h) * a.L + t0 + s]);
-    }
-    w[i] = v;
+    const std::int64_t hrow = (std::int64_t(b) * a.H + h0 + i / a.Q) * a.L;
+    const float* acs = a.acs + hrow;
+    w[i] = state_weight(a, acs, a.delta + hrow, acs[t0 + q - 1], row0, t0, q, i % a.Q, rec_w);
   }
   __syncthreads();  // B and w in place
 
@@ -1267,24 +1239,14 @@ __global__ void __launch_bounds__(kStThreads, 2) chunk_state_ring_kernel(const A
       const int i = tid + m * kStThreads, r = i / C4, c = (i % C4) * 4;
       if (i < kGroups) {
         const float4 v = *reinterpret_cast<const float4*>(src + r * ldr + c);
-        const float f = wt[r];
-        store4_bf16(xh + r * ldxh + c, make_float4(v.x * f, v.y * f, v.z * f, v.w * f));
+        store4_bf16(xh + r * ldxh + c, scale4(v, wt[r]));
       }
     }
     __syncthreads();  // the slice's bf16 tile complete
     if (mine) {
 #pragma unroll
-      for (int kk = 0; kk < kSrSl; kk += 16) {
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, bf, wmma::row_major> fb;
-        wmma::load_matrix_sync(fb, bh + (s0 + kk) * ldbh + warp * 16, ldbh);
-#pragma unroll
-        for (int i = 0; i < PT; ++i) {
-          // (w o X)^T: element (p, s) at s ldxh + p
-          wmma::fragment<wmma::matrix_a, 16, 16, 16, bf, wmma::col_major> fa;
-          wmma::load_matrix_sync(fa, xh + kk * ldxh + i * 16, ldxh);
-          wmma::mma_sync(acc[i], fa, fb, acc[i]);
-        }
-      }
+      for (int kk = 0; kk < kSrSl; kk += 16)
+        state_mma_step<PT>(acc, xh + kk * ldxh, ldxh, bh + (s0 + kk) * ldbh + warp * 16, ldbh);
       if (k == nsl - 1) {  // the head's last slice: its states out, the accumulators cleared for the next head
         float* S = a.states + ((std::int64_t(bc) * a.H + h0 + hi) * P) * a.N + warp * 16;
 #pragma unroll
@@ -1972,8 +1934,6 @@ __host__ __device__ constexpr std::size_t bcg_fac_offset(int P, bool one) {
 __host__ __device__ constexpr std::size_t bcg_smem(int P, bool one) {
   return bcg_fac_offset(P, one) + (one ? 3 : 1) * kTile * 4;
 }
-
-__device__ __forceinline__ float4 scale4(float4 v, float f) { return make_float4(v.x * f, v.y * f, v.z * f, v.w * f); }
 
 // acc[j] += fa times the 16 x 16 tile of B at rows kk .., columns 16 j .. of bh (rows ldb apart), for the column
 // fragments j inside the nw valid columns (nw a multiple of 16, so the test is the warp's as a whole)
