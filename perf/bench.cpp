@@ -29,6 +29,7 @@
 #include <iostream>
 #include <set>
 #include <sstream>
+#include <array>
 #include <string>
 #include <thread>
 #include <utility>
@@ -859,6 +860,19 @@ void bench_lm(index_t batch, index_t seqlen, int reps, int cp_size, parallel::Ba
   }
 }
 
+// The position of `value` among the choices of option `opt`, or -1 after saying which they are.
+int choice(const char* opt, const std::string& value, std::initializer_list<const char*> choices) {
+  int i = 0;
+  for (const char* c : choices) {
+    if (value == c) return i;
+    ++i;
+  }
+  std::cerr << "mambamoe_bench: " << opt << " " << value << " is not one of:";
+  for (const char* c : choices) std::cerr << ' ' << c;
+  std::cerr << '\n';
+  return -1;
+}
+
 }  // namespace
 
 int run(int argc, char** argv, int cp_size, int rank);
@@ -912,40 +926,26 @@ int run(int argc, char** argv, int cp_size, int rank) {
     else if (a == "--lm-ssd") lm_ssd = next();
     else if (a == "--lm-recompute") lm_recompute = next();
     else if (a == "--state-terms") {  // the fused backward's state-term GEMMs (ssd_fused::bf16_state_gemms)
-      const std::string f = next();
-      if (f != "bf16" && f != "tf32") {
-        std::cerr << "mambamoe_bench: --state-terms " << f << " is not one of: bf16 tf32\n";
-        return 2;
-      }
-      ssd_fused::bf16_state_gemms = f == "bf16";
+      const int k = choice("--state-terms", next(), {"bf16", "tf32"});
+      if (k < 0) return 2;
+      ssd_fused::bf16_state_gemms = k == 0;
     }
     else if (a == "--bc-form") {  // how every fused backward in the run forms dB and dC (ssd_fused::BcForm)
-      const std::string f = next();
-      if (f != "automatic" && f != "gemm" && f != "kernel") {
-        std::cerr << "mambamoe_bench: --bc-form " << f << " is not one of: automatic gemm kernel\n";
-        return 2;
-      }
-      ssd_fused::bc_form = f == "kernel" ? ssd_fused::BcForm::kernel
-                           : f == "gemm" ? ssd_fused::BcForm::gemm
-                                         : ssd_fused::BcForm::automatic;
+      using F = ssd_fused::BcForm;
+      const int k = choice("--bc-form", next(), {"automatic", "gemm", "kernel"});
+      if (k < 0) return 2;
+      ssd_fused::bc_form = std::array{F::automatic, F::gemm, F::kernel}[k];
     }
     else if (a == "--state-form") {  // the fused forward's chunk-state kernel for the whole run (ssd_fused::StateForm)
-      const std::string f = next();
-      if (f != "heads" && f != "tiles" && f != "heads-ring") {
-        std::cerr << "mambamoe_bench: --state-form " << f << " is not one of: heads tiles heads-ring\n";
-        return 2;
-      }
-      ssd_fused::state_form = f == "tiles"        ? ssd_fused::StateForm::tiles
-                              : f == "heads-ring" ? ssd_fused::StateForm::heads_ring
-                                                  : ssd_fused::StateForm::heads;
+      using F = ssd_fused::StateForm;
+      const int k = choice("--state-form", next(), {"heads", "tiles", "heads-ring"});
+      if (k < 0) return 2;
+      ssd_fused::state_form = std::array{F::heads, F::tiles, F::heads_ring}[k];
     }
     else if (a == "--backend") {
-      const std::string b = next();
-      if (b != "mpi" && b != "nccl") {
-        std::cerr << "mambamoe_bench: --backend " << b << " is not one of: mpi nccl\n";
-        return 2;
-      }
-      backend = b == "nccl" ? parallel::Backend::nccl : parallel::Backend::mpi;
+      const int k = choice("--backend", next(), {"mpi", "nccl"});
+      if (k < 0) return 2;
+      backend = k == 1 ? parallel::Backend::nccl : parallel::Backend::mpi;
     }
     else {
       std::cerr << "mambamoe_bench: unknown option " << a
