@@ -268,6 +268,22 @@ KOKKOS_INLINE_FUNCTION T dsilu(T x) {
   const T s = sigmoid(x);
   return s * (T(1) + x * (T(1) - s));
 }
+// sin and cos of one angle: on CUDA devices sincosf / sincos (one argument reduction for both), elsewhere
+// Kokkos::sin and Kokkos::cos.
+template <class T>
+KOKKOS_INLINE_FUNCTION void sin_cos(T x, T& s, T& c) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<T, float>) {
+    sincosf(x, &s, &c);
+    return;
+  } else if constexpr (std::is_same_v<T, double>) {
+    sincos(x, &s, &c);
+    return;
+  }
+#endif
+  s = Kokkos::sin(x);
+  c = Kokkos::cos(x);
+}
 // softplus with the threshold used by mamba_ssm's kernels: identity above 20.
 template <class T>
 KOKKOS_INLINE_FUNCTION T softplus(T x) {

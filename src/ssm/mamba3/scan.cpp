@@ -367,7 +367,8 @@ void rotate_quads(const Ctx<T>& c) {
             biased(qi, qb, 4 * j, q);
             biased(ki, kb, 4 * j, k);
             for (int e = 0; e < 2 && 2 * j + e < c.S; ++e) {
-              const P s = Kokkos::sin(ph[2 * j + e]), co = Kokkos::cos(ph[2 * j + e]);
+              P s, co;
+              sin_cos(ph[2 * j + e], s, co);
               rot_pair(q[2 * e], q[2 * e + 1], s, co);
               rot_pair(k[2 * e], k[2 * e + 1], s, co);
             }
@@ -387,7 +388,8 @@ void rotate_quads(const Ctx<T>& c) {
             biased(ki, kb, 4 * j, k0);
             biased(ki, kb, hn + 4 * j, k1);
             for (int e = 0; e < 4 && 4 * j + e < c.S; ++e) {
-              const P s = Kokkos::sin(ph[4 * j + e]), co = Kokkos::cos(ph[4 * j + e]);
+              P s, co;
+              sin_cos(ph[4 * j + e], s, co);
               rot_pair(q0[e], q1[e], s, co);
               rot_pair(k0[e], k1[e], s, co);
             }
@@ -542,8 +544,8 @@ void rotate_bwd_reduce(const Ctx<T>& c, const View2<acc_t<T>>& dqkv, const View4
                   P sn[AH], co[AH];
                   if constexpr (!kHalved) {
                     for (int e = 0; e < A; ++e) {
-                      sn[e] = e < left ? Kokkos::sin(ph[A * u + e]) : P(0);
-                      co[e] = e < left ? Kokkos::cos(ph[A * u + e]) : P(1);
+                      sn[e] = P(0), co[e] = P(1);
+                      if (e < left) sin_cos(ph[A * u + e], sn[e], co[e]);
                     }
                   }
                   {  // q~ = Rot(phi) (q + q_bias), k~ likewise: rotate_quads' arithmetic
@@ -556,7 +558,8 @@ void rotate_bwd_reduce(const Ctx<T>& c, const View2<acc_t<T>>& dqkv, const View4
                       if (e >= left) break;
                       const int i0 = kHalved ? e : 2 * e, i1 = kHalved ? 4 + e : 2 * e + 1;
                       if constexpr (kHalved) {
-                        const P se = Kokkos::sin(ph[A * u + e]), ce = Kokkos::cos(ph[A * u + e]);
+                        P se, ce;
+                        sin_cos(ph[A * u + e], se, ce);
                         rot_pair(q[rr][i0], q[rr][i1], se, ce);
                         rot_pair(k[rr][i0], k[rr][i1], se, ce);
                       } else {
@@ -578,7 +581,8 @@ void rotate_bwd_reduce(const Ctx<T>& c, const View2<acc_t<T>>& dqkv, const View4
                     const int i0 = kHalved ? e : 2 * e, i1 = kHalved ? 4 + e : 2 * e + 1;
                     P acc = 0;
                     if constexpr (kHalved) {
-                      const P se = Kokkos::sin(ph[A * u + e]), ce = Kokkos::cos(ph[A * u + e]);
+                      P se, ce;
+                        sin_cos(ph[A * u + e], se, ce);
                       rot_pair_bwd(dq[rr][i0], dq[rr][i1], q[rr][i0], q[rr][i1], se, ce, acc);
                       rot_pair_bwd(dk[rr][i0], dk[rr][i1], k[rr][i0], k[rr][i1], se, ce, acc);
                     } else {
@@ -650,7 +654,8 @@ void rotate(const Ctx<T>& c) {
         ko[n] = kn;
         return;
       }
-      const P ph = c.phi(b, h, t, ai), cs = Kokkos::cos(ph), sn = Kokkos::sin(ph);
+      P cs, sn;
+      sin_cos(c.phi(b, h, t, ai), sn, cs);
       const P qm = P(qin[m]) + qb[m], km = P(kin[m]) + kb[m];
       // pair (i0, i1): out_i0 = x_i0 cos - x_i1 sin, out_i1 = x_i0 sin + x_i1 cos
       qo[n] = first ? qn * cs - qm * sn : qm * sn + qn * cs;
@@ -1278,7 +1283,8 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
       Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.S), [&](index_t i) {
         index_t i0, i1;
         c.pair(i, i0, i1);
-        const P ph = c.phi(b, h, t, i), cs = Kokkos::cos(ph), sn = Kokkos::sin(ph);
+        P cs, sn;
+        sin_cos(c.phi(b, h, t, i), sn, cs);
         P acc = 0;
         for (index_t r = 0; r < c.R; ++r)
           for (int which = 0; which < 2; ++which) {
