@@ -338,70 +338,77 @@ KOKKOS_INLINE_FUNCTION void rot_pair_bwd(T& g0, T& g1, T y0, T y1, T s, T c, T& 
   g1 = a1;
 }
 
-// q~ = Rot(phi) (q + q_bias), k~ = Rot(phi) (k + k_bias).
+// q~ = Rot(phi) (q + q_bias), k~ = Rot(phi) (k + k_bias). A team thread takes a row (token) and walks its heads, so
+// the row's batch and position are divided out once a row. With a (row, head) a team thread (686db24) ncu on an H100
+// put the kernel at 63 % SM throughput and 48 % DRAM throughput, 1.15 ms for the 8 x 8,192-token block's 2 GB
+// (q~ and k~ written in fp32, the phases read): issue-bound, not bandwidth-bound, on each item's index arithmetic
+// (five 64-bit divisions for 2 angles' work a lane).
 template <class T>
 void rotate_quads(const Ctx<T>& c) {
   using P = acc_t<T>;
-  par_for_rows("mamba3::rotate", c.Bsz * c.L * c.H, KOKKOS_LAMBDA(const Team& tm, index_t i) {
-    const index_t rw = i / c.H, h = i % c.H, b = rw / c.L, t = rw % c.L, g = h / c.hpg, N = c.N;
-    const T* qi = &c.qk(rw, c.q_col + g * N);
-    const T* ki = &c.qk(rw, c.k_col + g * N);
-    const P* qb = c.q_bias.data() + h * N;
-    const P* kb = c.k_bias.data() + h * N;
-    P* qo = c.qkv.data() + rw * c.qkv.stride(0) + c.q_off + h * N;
-    P* ko = c.qkv.data() + rw * c.qkv.stride(0) + c.k_off + h * N;
-    const P* ph = c.phi.data() + b * c.phi.stride(0) + h * c.phi.stride(1) + t * c.phi.stride(2);
-    // x = the quad of `in` at element `at` plus its bias
-    auto biased = [&](const T* in, const P* bias, index_t at, P (&x)[4]) {
-      P bb[4];
-      load_vec<4>(in + at, x);
-      load_vec<4>(bias + at, bb);
-      for (int e = 0; e < 4; ++e) x[e] += bb[e];
-    };
-    P qk = 0;  // q~ . k~ (the diagonal's passes read it instead of both rows)
-    if (!c.halved) {  // quad j: pairs (4j, 4j + 1) and (4j + 2, 4j + 3), angles 2j and 2j + 1
-      Kokkos::parallel_reduce(
-          Kokkos::ThreadVectorRange(tm, N / 4),
-          [&](index_t j, P& acc) {
-            P q[4], k[4];
-            biased(qi, qb, 4 * j, q);
-            biased(ki, kb, 4 * j, k);
-            for (int e = 0; e < 2 && 2 * j + e < c.S; ++e) {
-              P s, co;
-              sin_cos(ph[2 * j + e], s, co);
-              rot_pair(q[2 * e], q[2 * e + 1], s, co);
-              rot_pair(k[2 * e], k[2 * e + 1], s, co);
-            }
-            store_vec<4>(qo + 4 * j, q);
-            store_vec<4>(ko + 4 * j, k);
-            acc += q[0] * k[0] + q[1] * k[1] + q[2] * k[2] + q[3] * k[3];
-          },
-          qk);
-    } else {  // quad j of the first half with quad j of the second: pairs (4j + e, N/2 + 4j + e), angles 4j + e
-      const index_t hn = N / 2;
-      Kokkos::parallel_reduce(
-          Kokkos::ThreadVectorRange(tm, hn / 4),
-          [&](index_t j, P& acc) {
-            P q0[4], q1[4], k0[4], k1[4];
-            biased(qi, qb, 4 * j, q0);
-            biased(qi, qb, hn + 4 * j, q1);
-            biased(ki, kb, 4 * j, k0);
-            biased(ki, kb, hn + 4 * j, k1);
-            for (int e = 0; e < 4 && 4 * j + e < c.S; ++e) {
-              P s, co;
-              sin_cos(ph[4 * j + e], s, co);
-              rot_pair(q0[e], q1[e], s, co);
-              rot_pair(k0[e], k1[e], s, co);
-            }
-            store_vec<4>(qo + 4 * j, q0);
-            store_vec<4>(qo + hn + 4 * j, q1);
-            store_vec<4>(ko + 4 * j, k0);
-            store_vec<4>(ko + hn + 4 * j, k1);
-            for (int e = 0; e < 4; ++e) acc += q0[e] * k0[e] + q1[e] * k1[e];
-          },
-          qk);
+  par_for_rows("mamba3::rotate", c.Bsz * c.L, KOKKOS_LAMBDA(const Team& tm, index_t rw) {
+    const index_t b = rw / c.L, t = rw % c.L, N = c.N;
+    for (index_t h = 0; h < c.H; ++h) {
+      const index_t g = int(h) / int(c.hpg);
+      const T* qi = &c.qk(rw, c.q_col + g * N);
+      const T* ki = &c.qk(rw, c.k_col + g * N);
+      const P* qb = c.q_bias.data() + h * N;
+      const P* kb = c.k_bias.data() + h * N;
+      P* qo = c.qkv.data() + rw * c.qkv.stride(0) + c.q_off + h * N;
+      P* ko = c.qkv.data() + rw * c.qkv.stride(0) + c.k_off + h * N;
+      const P* ph = c.phi.data() + b * c.phi.stride(0) + h * c.phi.stride(1) + t * c.phi.stride(2);
+      // x = the quad of `in` at element `at` plus its bias
+      auto biased = [&](const T* in, const P* bias, index_t at, P (&x)[4]) {
+        P bb[4];
+        load_vec<4>(in + at, x);
+        load_vec<4>(bias + at, bb);
+        for (int e = 0; e < 4; ++e) x[e] += bb[e];
+      };
+      P qk = 0;  // q~ . k~ (the diagonal's passes read it instead of both rows)
+      if (!c.halved) {  // quad j: pairs (4j, 4j + 1) and (4j + 2, 4j + 3), angles 2j and 2j + 1
+        Kokkos::parallel_reduce(
+            Kokkos::ThreadVectorRange(tm, N / 4),
+            [&](index_t j, P& acc) {
+              P q[4], k[4];
+              biased(qi, qb, 4 * j, q);
+              biased(ki, kb, 4 * j, k);
+              for (int e = 0; e < 2 && 2 * j + e < c.S; ++e) {
+                P s, co;
+                sin_cos(ph[2 * j + e], s, co);
+                rot_pair(q[2 * e], q[2 * e + 1], s, co);
+                rot_pair(k[2 * e], k[2 * e + 1], s, co);
+              }
+              store_vec<4>(qo + 4 * j, q);
+              store_vec<4>(ko + 4 * j, k);
+              acc += q[0] * k[0] + q[1] * k[1] + q[2] * k[2] + q[3] * k[3];
+            },
+            qk);
+      } else {  // quad j of the first half with quad j of the second: pairs (4j + e, N/2 + 4j + e), angles 4j + e
+        const index_t hn = N / 2;
+        Kokkos::parallel_reduce(
+            Kokkos::ThreadVectorRange(tm, hn / 4),
+            [&](index_t j, P& acc) {
+              P q0[4], q1[4], k0[4], k1[4];
+              biased(qi, qb, 4 * j, q0);
+              biased(qi, qb, hn + 4 * j, q1);
+              biased(ki, kb, 4 * j, k0);
+              biased(ki, kb, hn + 4 * j, k1);
+              for (int e = 0; e < 4 && 4 * j + e < c.S; ++e) {
+                P s, co;
+                sin_cos(ph[4 * j + e], s, co);
+                rot_pair(q0[e], q1[e], s, co);
+                rot_pair(k0[e], k1[e], s, co);
+              }
+              store_vec<4>(qo + 4 * j, q0);
+              store_vec<4>(qo + hn + 4 * j, q1);
+              store_vec<4>(ko + 4 * j, k0);
+              store_vec<4>(ko + hn + 4 * j, k1);
+              for (int e = 0; e < 4; ++e) acc += q0[e] * k0[e] + q1[e] * k1[e];
+            },
+            qk);
+      }
+      if (c.qkd.extent(0) > 0) Kokkos::single(Kokkos::PerThread(tm), [&]() { c.qkd(rw, h) = qk; });
     }
-    if (c.qkd.extent(0) > 0) Kokkos::single(Kokkos::PerThread(tm), [&]() { c.qkd(rw, h) = qk; });
   });
 }
 
