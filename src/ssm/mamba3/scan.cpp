@@ -57,9 +57,6 @@ struct Ctx {
   View3<P> delta, lam, Av, acs, w;  // (batch, H, L): Delta, lambda, A_t, in-chunk cumsum of A Delta, weight w
   View3<P> ad;                      // (batch, H, L): A_t Delta_t (the SSD route's decay exponents), else empty
   View4<P> phi;                     // (batch, H, L, S)
-  // (batch * L, S): pi tanh(theta) per token and angle, shared by the heads (angle_rates), or empty (then formed
-  // where used)
-  View2<P> ang;
   // (batch * L, ld): rotated, biased q at q_off + (h R + r) N + n and k at k_off + ...; the SSD route also copies
   // v to columns h P + p (its x, before k (its B) and q (its C)); the backward's gradients use the same layout
   View2<P> qkv;
@@ -71,10 +68,6 @@ struct Ctx {
   View5<P> states;                  // (batch, nchunks, H, P, N): chunk-local states, then the state entering
 
   KOKKOS_INLINE_FUNCTION index_t row(index_t b, index_t t) const { return b * L + t; }
-  // pi tanh(theta) of row rw, angle i
-  KOKKOS_INLINE_FUNCTION P angle_rate(index_t rw, index_t i) const {
-    return ang.extent(0) > 0 ? ang(rw, i) : Kokkos::numbers::pi_v<P> * Kokkos::tanh(P(dd(rw, angle_col + i)));
-  }
   // tokens t and s of row b belong to the same record
   KOKKOS_INLINE_FUNCTION bool same(index_t b, index_t t, index_t s) const { return !has_seq || seq(b, t) == seq(b, s); }
   // the token whose record owns the state entering chunk ch (the initial carry belongs to token 0's record)
@@ -277,23 +270,8 @@ KOKKOS_INLINE_FUNCTION acc_t<T> phase_step(const Ctx<T>& c, acc_t<T> ph, index_t
   using P = acc_t<T>;
   const P pi = Kokkos::numbers::pi_v<P>, two_pi = P(2) * pi;
   if (t > 0 && !c.same(b, t, t - 1)) ph = P(0);  // a new record restarts its phase
-  ph += c.angle_rate(c.row(b, t), i) * c.delta(b, h, t);
+  ph += pi * Kokkos::tanh(P(c.dd(c.row(b, t), c.angle_col + i))) * c.delta(b, h, t);
   return ph - two_pi * Kokkos::floor(ph / two_pi);
-}
-
-// c.ang filled: pi tanh(theta) once per (token, angle) for the passes that read it once per head (the phases, the
-// per-token backward), where each head formed it again (a tanh per (token, head, angle): 24 per value in the
-// 24-head block).
-template <class T>
-View2<acc_t<T>> angle_rates(const Ctx<T>& c, PoolScope& ws) {
-  using P = acc_t<T>;
-  View2<P> ang = ws.take<View2<P>>("mamba3::angle_rates", c.Bsz * c.L, c.S);
-  const auto dd = c.dd;
-  const index_t col = c.angle_col;
-  par_for("mamba3::angle_rates", c.Bsz * c.L, c.S, KOKKOS_LAMBDA(index_t rw, index_t i) {
-    ang(rw, i) = Kokkos::numbers::pi_v<P> * Kokkos::tanh(P(dd(rw, col + i)));
-  });
-  return ang;
 }
 
 // Cumulative rotary phases phi_t = (phi_{t-1} + pi tanh(theta_t) Delta_t) mod 2 pi, over the chunks in parallel
@@ -302,12 +280,10 @@ View2<acc_t<T>> angle_rates(const Ctx<T>& c, PoolScope& ws) {
 // record start in a chunk (tokens t0 .. t1 - 1 continue the record of in_tok) its phases are the entering phase
 // plus its own; with one, its own from there on.
 template <class T>
-void phases(const Ctx<T>& c_in, const View3<acc_t<T>>& init_phi) {
+void phases(const Ctx<T>& c, const View3<acc_t<T>>& init_phi) {
   using P = acc_t<T>;
   const bool has_init = init_phi.extent(0) > 0;
-  PoolScope ws;  // the chunks' carries and the angle rates, returned at the end
-  Ctx<T> c = c_in;
-  c.ang = angle_rates(c, ws);
+  PoolScope ws;  // the chunks' carries, returned at the end
   View4<P> carry = ws.take<View4<P>>("mamba3::phase_carry", c.Bsz, c.H, c.nc, c.S);
   par_for("mamba3::phases_local", c.Bsz * c.H * c.nc, c.S, KOKKOS_LAMBDA(index_t bhc, index_t i) {
     const index_t ch = bhc % c.nc, bh = bhc / c.nc, b = bh / c.H, h = bh % c.H;
@@ -1373,15 +1349,15 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
   // Per-token chain: Delta, lambda, A_t -> dd_dt, dd_A, trap; dut keeps d(dd_dt) in the accumulation type.
   const auto ddd = gr.ddd;
   View3<P> dut = ws.take<View3<P>>("mamba3::dut", c.Bsz, c.H, c.L);
-  const View2<P> ang = angle_rates(c, ws);
   par_for("mamba3::token_bwd", c.Bsz * c.H, c.L, KOKKOS_LAMBDA(index_t bh, index_t t) {
     const index_t b = bh / c.H, h = bh % c.H;
+    const P pi = Kokkos::numbers::pi_v<P>;
     const index_t rw = c.row(b, t);
     const P d = c.delta(b, h, t), lm = c.lam(b, h, t), A = c.Av(b, h, t), dat = da(b, h, t);
     const P dgam = dw(b, h, t) + ddg(b, h, t);
     const P dgp_prev = t > 0 ? (c.same(b, t, t - 1) ? dw(b, h, t - 1) : P(0)) : dgp0(b, h);
     P dphase = 0;
-    for (index_t i = 0; i < c.S; ++i) dphase += dphi(b, h, t, i) * ang(rw, i);
+    for (index_t i = 0; i < c.S; ++i) dphase += dphi(b, h, t, i) * pi * Kokkos::tanh(P(c.dd(rw, c.angle_col + i)));
     const P ddelta = dgam * lm + dgp_prev * (P(1) - lm) + dat * A + dphase;
     const P dlam = (dgam - dgp_prev) * d;
     const P u = P(c.dd(rw, c.dt_col + h)) + c.dt_bias(h);
