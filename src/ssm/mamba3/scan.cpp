@@ -503,8 +503,6 @@ void rotate_bwd_reduce(const Ctx<T>& c, const View2<acc_t<T>>& dqkv, const View4
       KOKKOS_LAMBDA(const Team& tm) {
         const index_t tile = index_t(tm.league_rank()) / c.G, g = index_t(tm.league_rank()) % c.G;
         const index_t r0 = tile * RT, nr = rows - r0 < RT ? rows - r0 : RT, hn = kHalved ? N / 2 : 0;
-        // the tile's first row as (batch, position), divided once a team: a row's own follow by counting on
-        const index_t b0 = r0 / c.L, p0 = r0 % c.L;
         Scratch2<P> gsum(tm.team_scratch(lvl), RT, 2 * N);   // [k | q] summed over the group's heads so far
         Scratch2<P> red(tm.team_scratch(lvl), kRotSlots, 2 * N);  // each slot's column sums of the current head
         // the state dimension of value e of lane u: 4u + e (interleaved), or 4u + e and hn + 4u + e - 4 (halved)
@@ -540,9 +538,7 @@ void rotate_bwd_reduce(const Ctx<T>& c, const View2<acc_t<T>>& dqkv, const View4
               for (int rr = 0; rr < KR; ++rr) {  // (arrays indexed directly: a pointer into one sends it to the stack)
                 const index_t lr = sl * KR + rr;
                 if (lr < nr) {
-                  const index_t rw = r0 + lr;
-                  index_t b = b0, t = p0 + lr;
-                  while (t >= c.L) t -= c.L, ++b;
+                  const index_t rw = r0 + lr, b = rw / c.L, t = rw % c.L;
                   P* dph = dphi.data() + b * dphi.stride(0) + h * dphi.stride(1) + t * dphi.stride(2);
                   const P* ph = c.phi.data() + b * c.phi.stride(0) + h * c.phi.stride(1) + t * c.phi.stride(2);
                   // angles 4u + e on pairs (e, 4 + e) of the lane's values (halved), or 2u + e on (2e, 2e + 1);
