@@ -339,10 +339,11 @@ KOKKOS_INLINE_FUNCTION void rot_pair_bwd(T& g0, T& g1, T y0, T y1, T s, T c, T& 
 }
 
 // q~ = Rot(phi) (q + q_bias), k~ = Rot(phi) (k + k_bias). A team thread takes a row (token) and walks its heads, so
-// the row's batch and position are divided out once a row. With a (row, head) a team thread (686db24) ncu on an H100
-// put the kernel at 63 % SM throughput and 48 % DRAM throughput, 1.15 ms for the 8 x 8,192-token block's 2 GB
-// (q~ and k~ written in fp32, the phases read): issue-bound, not bandwidth-bound, on each item's index arithmetic
-// (five 64-bit divisions for 2 angles' work a lane).
+// the row's batch and position are divided out once a row. With a (row, head) a team thread (686db24: five 64-bit
+// divisions for 2 angles' work a lane) ncu on an H100 put the kernel at 63 % SM and 48 % DRAM throughput, 1.15 ms
+// for the 8 x 8,192-token block's 2 GB (q~ and k~ written in fp32, the phases read); a row a team thread ran
+// 0.908 against 1.152 ms in alternating runs on one H100, ncu 890 us at 61 % SM and 63 % DRAM throughput
+// (perf/RESULTS.md, thirty-seventh session).
 template <class T>
 void rotate_quads(const Ctx<T>& c) {
   using P = acc_t<T>;
