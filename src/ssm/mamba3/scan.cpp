@@ -590,7 +590,7 @@ void rotate_bwd_reduce(const Ctx<T>& c, const View2<acc_t<T>>& dqkv, const View4
                     P acc = 0;
                     if constexpr (kHalved) {
                       P se, ce;
-                        sin_cos(ph[A * u + e], se, ce);
+                      sin_cos(ph[A * u + e], se, ce);
                       rot_pair_bwd(dq[rr][i0], dq[rr][i1], q[rr][i0], q[rr][i1], se, ce, acc);
                       rot_pair_bwd(dk[rr][i0], dk[rr][i1], k[rr][i0], k[rr][i1], se, ce, acc);
                     } else {
