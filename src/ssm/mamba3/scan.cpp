@@ -546,14 +546,16 @@ void rotate_bwd_reduce(const Ctx<T>& c, const View2<acc_t<T>>& dqkv, const View4
                   // past the S angles a pair is not rotated. Interleaved pairs hold their two sines and cosines
                   // for the backward below; halved ones form their four again there (ptxas, sm_90, at the
                   // 80-register bound: holding them spilled 136 bytes where forming them again spills 52;
-                  // interleaved 64 bytes held, 88 formed again)
+                  // interleaved 64 bytes held, 88 formed again). One sincosf (sin_cos) in place of the two calls
+                  // raised the spills to 76 (halved) and 92 bytes (interleaved) and was not timed on its own in this
+                  // kernel, so the two calls stay here
                   constexpr int A = kHalved ? 4 : 2, AH = kHalved ? 1 : A;
                   const index_t left = c.S - A * u;
                   P sn[AH], co[AH];
                   if constexpr (!kHalved) {
                     for (int e = 0; e < A; ++e) {
-                      sn[e] = P(0), co[e] = P(1);
-                      if (e < left) sin_cos(ph[A * u + e], sn[e], co[e]);
+                      sn[e] = e < left ? Kokkos::sin(ph[A * u + e]) : P(0);
+                      co[e] = e < left ? Kokkos::cos(ph[A * u + e]) : P(1);
                     }
                   }
                   {  // q~ = Rot(phi) (q + q_bias), k~ likewise: rotate_quads' arithmetic
@@ -566,8 +568,7 @@ void rotate_bwd_reduce(const Ctx<T>& c, const View2<acc_t<T>>& dqkv, const View4
                       if (e >= left) break;
                       const int i0 = kHalved ? e : 2 * e, i1 = kHalved ? 4 + e : 2 * e + 1;
                       if constexpr (kHalved) {
-                        P se, ce;
-                        sin_cos(ph[A * u + e], se, ce);
+                        const P se = Kokkos::sin(ph[A * u + e]), ce = Kokkos::cos(ph[A * u + e]);
                         rot_pair(q[rr][i0], q[rr][i1], se, ce);
                         rot_pair(k[rr][i0], k[rr][i1], se, ce);
                       } else {
@@ -589,8 +590,7 @@ void rotate_bwd_reduce(const Ctx<T>& c, const View2<acc_t<T>>& dqkv, const View4
                     const int i0 = kHalved ? e : 2 * e, i1 = kHalved ? 4 + e : 2 * e + 1;
                     P acc = 0;
                     if constexpr (kHalved) {
-                      P se, ce;
-                      sin_cos(ph[A * u + e], se, ce);
+                      const P se = Kokkos::sin(ph[A * u + e]), ce = Kokkos::cos(ph[A * u + e]);
                       rot_pair_bwd(dq[rr][i0], dq[rr][i1], q[rr][i0], q[rr][i1], se, ce, acc);
                       rot_pair_bwd(dk[rr][i0], dk[rr][i1], k[rr][i0], k[rr][i1], se, ce, acc);
                     } else {
