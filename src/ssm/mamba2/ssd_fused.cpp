@@ -1166,13 +1166,14 @@ __global__ void __launch_bounds__(kStThreads, 2) chunk_state_heads_kernel(const 
 
 // ------------------------------------------------------------------ forward: chunk states, heads form, cp.async ring
 //
-// StateForm::heads_ring (not the default until timed): the heads form with x moved through a ring of kSrRing
-// fp32 slices of kSrSl tokens by cp.async, two slices ahead of their use, over the run's (head, slice) steps in
-// order, so that the next slices' loads are in flight while this one's products run (the heads form stages a
-// head's x with plain loads between its products, and ncu counted it waiting on them at 25 % occupancy). Each
-// thread converts the groups of 4 it copied itself to the bf16 slice (Delta- and decay-weighted, as in the heads
-// form), a barrier, then warp j multiplies the slice into the accumulators of its 16 columns of the state (one
-// strip a warp: d_state up to 128), stored when the head's last slice is in. Needs 16-byte aligned rows of x.
+// StateForm::heads_ring (not the default until an H200 has timed it; ssd_fused.hpp): the heads form with x moved
+// through a ring of kSrRing fp32 slices of kSrSl tokens by cp.async, two slices ahead of their use, over the run's
+// (head, slice) steps in order, so that the next slices' loads are in flight while this one's products run (the heads
+// form stages a head's x with plain loads between its products, and ncu counted it waiting on them at 25 %
+// occupancy). Each thread converts the groups of 4 it copied itself to the bf16 slice (Delta- and decay-weighted, as
+// in the heads form), a barrier, then warp j multiplies the slice into the accumulators of its 16 columns of the
+// state (one strip a warp: d_state up to 128), stored when the head's last slice is in. Needs 16-byte aligned rows of
+// x.
 constexpr int kSrSl = 32, kSrRing = 3;
 __host__ __device__ constexpr std::size_t cstate_ring_smem(int P, int N, int Q, int hb) {
   return std::size_t(Q) * (N + kPad) * 2 + std::size_t(kSrSl) * (P + kPad) * 2 +

@@ -91,9 +91,10 @@ extern Form scan_form, intra_form;
 // - tiles: one block per 64 columns of the state, head and chunk (the earlier form, kept for the tests and for
 //   timing side by side in perf/bench.cpp; also taken where the heads form's shared memory, B and x of a whole
 //   chunk, would exceed the device's limit per block, or batch x chunks would exceed 65,535);
-// - heads_ring (not the default: not yet timed on a GPU): the heads form with x through a cp.async ring of 32-token
-//   slices, two ahead of their use, at any heads a group, where x's rows are 16-byte aligned and d_state is at
-//   most 128 (else heads).
+// - heads_ring (not the default: timed on an H100 only, where the SSD forward ran 2 % faster than with heads in
+//   each of four runs, perf/RESULTS.md, thirty-seventh session; not yet on an H200): the heads form with x through
+//   a cp.async ring of 32-token slices, two ahead of their use, at any heads a group, where x's rows are 16-byte
+//   aligned and d_state is at most 128 (else heads).
 enum class StateForm { heads, tiles, heads_ring };
 extern StateForm state_form;
 
