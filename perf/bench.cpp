@@ -659,6 +659,25 @@ void bench_mamba3(int reps, const SSDVariant& var, index_t batch, index_t seqlen
     mixer.backward(acts, batch, seqlen, dout, du);
   };
   time_with_memory(name, reps, one);
+  // where the fused forward takes the sequential kernel (ssd_fused::FwdForm; automatic: batch x heads fill the
+  // SMs), the same with the chunked kernels, side by side, with the largest gradients' agreement
+  if (var.algo == SSDAlgo::fused && ssd_fused::fwd_form != ssd_fused::FwdForm::chunks &&
+      ssd_fused::seq_fits(int(cfg.headdim), int(cfg.d_state), int(cfg.chunk_size))) {
+    one();
+    Kokkos::fence();
+    const std::vector<float> du0 = to_host(du), g0 = to_host(ps.grads());
+    const ssd_fused::FormScope form(ssd_fused::fwd_form, ssd_fused::FwdForm::chunks);
+    const std::string suffix = " (SSD forward: chunked kernels)";
+    const double t_c = time_median(1, reps, [&] { mixer.forward(u, batch, seqlen, out, acts, false); });
+    record("mamba3 siso block fwd " + shape + " d768 N128 P64 chunk64, " + var.name + suffix, "time", t_c * 1e3,
+           "ms");
+    time_with_memory(name + suffix, reps, one);
+    one();
+    Kokkos::fence();
+    record(name + suffix, "du: max diff / max |du| of the other form", max_rel_diff(to_host(du), du0), "");
+    record(name + suffix, "parameter gradients: max diff / max of the other form",
+           max_rel_diff(to_host(ps.grads()), g0), "");
+  }
   // the native kernels run (CUDA, a shape they take): the backward's dB and dC (one head a group here) also in the
   // other ssd_fused::BcForm (--bc-form picks the one above), with the largest gradients' agreement
   if (var.algo == SSDAlgo::fused && ssd_fused::fits(int(cfg.headdim), int(cfg.d_state), int(cfg.chunk_size))) {
@@ -942,6 +961,12 @@ int run(int argc, char** argv, int cp_size, int rank) {
       if (k < 0) return 2;
       ssd_fused::state_form = std::array{F::heads, F::tiles, F::heads_ring}[k];
     }
+    else if (a == "--fwd-form") {  // the fused SSD forward's form for the whole run (ssd_fused::FwdForm)
+      using F = ssd_fused::FwdForm;
+      const int k = choice("--fwd-form", next(), {"automatic", "chunks", "sequential"});
+      if (k < 0) return 2;
+      ssd_fused::fwd_form = std::array{F::automatic, F::chunks, F::sequential}[k];
+    }
     else if (a == "--backend") {
       const int k = choice("--backend", next(), {"mpi", "nccl"});
       if (k < 0) return 2;
@@ -949,7 +974,7 @@ int run(int argc, char** argv, int cp_size, int rank) {
     }
     else {
       std::cerr << "mambamoe_bench: unknown option " << a
-                << " (known: --out DIR, --only copy,gemm,ssd,mamba1,mamba3,moe,lm, --reps N, --lm-batch B, --lm-seqlen L, --lm-window W, --mamba-batch B, --mamba-seqlen L, --moe-tokens N, --cp N, --backend mpi|nccl, --ssd V1,V2,.., --lm-ssd V1,.., --lm-recompute mixer,none, --bc-form gemm|kernel, --state-terms bf16|tf32, --state-form heads|tiles|heads-ring; V: portable, gemm-C, fused-C with C = fp32, tf32, bf16)\n";
+                << " (known: --out DIR, --only copy,gemm,ssd,mamba1,mamba3,moe,lm, --reps N, --lm-batch B, --lm-seqlen L, --lm-window W, --mamba-batch B, --mamba-seqlen L, --moe-tokens N, --cp N, --backend mpi|nccl, --ssd V1,V2,.., --lm-ssd V1,.., --lm-recompute mixer,none, --bc-form gemm|kernel, --state-terms bf16|tf32, --state-form heads|tiles|heads-ring, --fwd-form automatic|chunks|sequential; V: portable, gemm-C, fused-C with C = fp32, tf32, bf16)\n";
       return 2;
     }
   }

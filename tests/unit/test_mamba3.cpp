@@ -375,9 +375,13 @@ TEST_CASE("Mamba-3 SISO through the fused SSD kernels stays within bf16 rounding
   struct Shape {
     index_t L, H, P, N, S;
   };
-  // (both forms of the SSD backward's dB and dC, one head a group here: GEMMs and ssd_fused::bc_backward)
+  // (both forms of the SSD backward's dB and dC, one head a group here: GEMMs and ssd_fused::bc_backward; and both
+  // forms of the SSD forward where the sequential kernel takes the shape: headdim 64, chunk 64, CUDA builds)
   for (const Shape& sh : {Shape{200, 2, 16, 32, 8}, Shape{150, 2, 64, 128, 32}})
-    for (ssd_fused::BcForm bc : {ssd_fused::BcForm::gemm, ssd_fused::BcForm::kernel}) {
+    for (int k = 0; k < 4; ++k) {
+      const ssd_fused::BcForm bc = k % 2 ? ssd_fused::BcForm::kernel : ssd_fused::BcForm::gemm;
+      const bool seq = k >= 2;
+      if (seq && !ssd_fused::seq_fits(int(sh.P), int(sh.N), 64)) continue;
       M3Case c;
       c.L = sh.L;
       c.H = sh.H;
@@ -389,9 +393,14 @@ TEST_CASE("Mamba-3 SISO through the fused SSD kernels stays within bf16 rounding
       c.algo = SSDAlgo::fused;
       c.compute = GemmCompute::bf16;
       const ssd_fused::FormScope form(ssd_fused::bc_form, bc);
-      INFO("P=" << sh.P << " N=" << sh.N << " dB, dC " << (bc == ssd_fused::BcForm::kernel ? "kernel" : "GEMMs"));
+      const ssd_fused::FormScope fform(ssd_fused::fwd_form,
+                                       seq ? ssd_fused::FwdForm::sequential : ssd_fused::FwdForm::chunks);
+      const long before = ssd_fused::seq_launches();
+      INFO("P=" << sh.P << " N=" << sh.N << " dB, dC " << (bc == ssd_fused::BcForm::kernel ? "kernel" : "GEMMs")
+                << (seq ? ", SSD forward: sequential kernel" : ""));
       // per-token gradients to bf16 rounding; the sums over all tokens (biases, D) get some cancellation
       check_ssd_route(c, 2e-2, 2e-2, 5e-2);
+      CHECK((ssd_fused::seq_launches() > before) == seq);
     }
 }
 

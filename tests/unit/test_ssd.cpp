@@ -1,5 +1,6 @@
 // Mamba-2 SSD chunked scan against the token-by-token double recurrence, chunk-size independence, and
 // finite-difference gradients of every input.
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -880,6 +881,86 @@ DxSplit split_dx(const SSDGrad<T>& g0, const SSDGrad<T>& g1, index_t E, index_t 
   return s;
 }
 }  // namespace
+
+TEST_CASE("SSD fused sequential forward (one block walking a row's chunks) equals the chunked kernels' within bf16 rounding",
+          "[ssd][gradcheck]") {
+  // ssd_fused::scan_seq against the chunked fused kernels (FwdForm::chunks) on shapes it takes (headdim 64, chunk
+  // 64): a short last chunk, packed records and an initial state, with and without D_token; groups of two heads (C
+  // B^T written by each group's first head) and one head a group; d_state 128 and 64. Compared: y, the final state,
+  // the kept S_in and C B^T, and every gradient of a backward from the kept intermediates; and y and the final state
+  // against the double recurrence (check_forward). Host builds have no such kernel: seq_fits is false there.
+  using ssd_fused::FwdForm;
+  CHECK(ssd_fused::fwd_form == FwdForm::automatic);  // the default
+  if (!ssd_fused::seq_fits(64, 128, 64)) {
+    CHECK(std::string(Exec::name()) != "Cuda");
+    CHECK_FALSE(ssd_fused::seq_fits(64, 64, 64));
+    return;
+  }
+  CHECK_FALSE(ssd_fused::seq_fits(64, 128, 128));
+  CHECK_FALSE(ssd_fused::seq_fits(32, 128, 64));
+  for (const FusedShape& sh : {FusedShape{300, 2, 64, 1, 128, 64}, FusedShape{333, 3, 64, 3, 64, 64},
+                               FusedShape{64, 2, 64, 2, 128, 64}}) {
+    for (int variant = 0; variant < 3; ++variant) {  // 0 records + init, 1 neither, 2 records + init + D_token
+      Case c = sh.to_case();
+      c.algo = SSDAlgo::fused;
+      c.compute = GemmCompute::bf16;
+      c.dt_lo = 0.02;
+      c.records = c.init = variant != 1;
+      INFO("L=" << sh.L << " H=" << sh.H << " G=" << sh.G << " N=" << sh.N << " variant " << variant);
+      if (variant < 2) {
+        const ssd_fused::FormScope form(ssd_fused::fwd_form, FwdForm::sequential);
+        const long before = ssd_fused::seq_launches();
+        check_forward<float>(c, 2e-2);
+        CHECK(ssd_fused::seq_launches() == before + 1);
+      }
+      Data<float> d(c);
+      SSDIn<float> in = d.in();
+      if (variant == 2) in.D_token = token_skip(d);
+      std::vector<double> out[2][10];
+      for (int k = 0; k < 2; ++k) {  // 0 chunks, 1 sequential
+        const ssd_fused::FormScope form(ssd_fused::fwd_form, k ? FwdForm::sequential : FwdForm::chunks);
+        const long before = ssd_fused::seq_launches();
+        View2<float> y("y", c.B * c.L, c.H * c.P);
+        View4<float> fin("fin", c.B, c.H, c.P, c.N);
+        PoolScope pool;
+        SSDSaved<float> kept;
+        ssd_forward<float>(d.shape, in, y, fin, &kept, &pool);
+        CHECK(ssd_fused::seq_launches() == before + k);
+        REQUIRE_FALSE(kept.empty());
+        View2<float> dy("dy", c.B * c.L, c.H * c.P);
+        View4<float> dfin("dfin", c.B, c.H, c.P, c.N);
+        fill_uniform(dy, 21);
+        fill_uniform(dfin, 22);
+        SSDGrad<float> g = d.grads(true);
+        if (variant == 2) g.dD_token = View3<float>("dD_token", c.B, c.H, c.L);
+        ssd_backward<float>(d.shape, in, dy, dfin, g, &kept);
+        // C B^T of the tokens inside each chunk (past a short last chunk's end the forms leave different values)
+        std::vector<double> cb;
+        {
+          const auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), kept.cb);
+          for (index_t b = 0; b < index_t(h.extent(0)); ++b)
+            for (index_t ch = 0; ch < index_t(h.extent(1)); ++ch) {
+              const index_t q = std::min(c.Q, c.L - ch * c.Q);
+              for (index_t gi = 0; gi < index_t(h.extent(2)); ++gi)
+                for (index_t l = 0; l < q; ++l)
+                  for (index_t s2 = 0; s2 < q; ++s2) cb.push_back(h(b, ch, gi, l, s2));
+            }
+        }
+        const std::vector<double> got[10] = {to_vec(y),        to_vec(fin),        to_vec(kept.states),
+                                             cb,               to_vec(g.dxbc),     to_vec(g.ddt),
+                                             to_vec(g.dA_log), to_vec(g.ddt_bias), to_vec(g.dD),
+                                             to_vec(g.dinit_state)};
+        for (int i = 0; i < 10; ++i) out[k][i] = got[i];
+      }
+      for (int i = 0; i < 10; ++i) {
+        INFO("output " << i << " (y, final state, S_in, C B^T, dxbc, ddt, dA_log, ddt_bias, dD, dinit)");
+        // C B^T in tf32 on both sides; the rest through bf16 operands
+        CHECK(rel_err(out[1][i], out[0][i]) < (i == 3 ? 2e-3 : 2e-2));
+      }
+    }
+  }
+  CHECK(ssd_fused::fwd_form == FwdForm::automatic);  // restored
+}
 
 TEST_CASE("SSD backward writes dx into a matrix of its own when given, the same values", "[ssd][gradcheck]") {
   // SSDGrad::dx (Mamba-3 has its dv written straight into the in_proj gradient): dx at column dx_col + h P of the

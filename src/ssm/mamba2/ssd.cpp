@@ -809,22 +809,43 @@ inline GemmCompute fused_chunk_compute(GemmCompute asked) {
   return asked == GemmCompute::bf16 ? GemmCompute::tf32 : asked;
 }
 
-// SSDAlgo::fused, forward: the chunk-local states and the chunk scan in the tensor-core kernels of ssd_fused.cpp;
-// the cumsum, the state passing and C B^T (a cuBLAS batched GEMM, fused_chunk_compute) as in the GEMM formulation.
+// A contiguous (batch, H, P, N) state view's data, or null where empty; `ok` cleared where it is not contiguous.
+template <class V>
+auto state_ptr(const V& v, bool& ok) -> decltype(v.data()) {
+  if (v.extent(0) == 0) return nullptr;
+  ok = ok && v.span_is_contiguous() && v.span() == v.size();
+  return v.data();
+}
+
+// SSDAlgo::fused, forward: where ssd_fused::seq_applies, the sequential kernel (one pass over each row's chunks:
+// y, the final state and, when the intermediates are kept, S_in and C B^T); otherwise the chunk-local states and
+// the chunk scan in the tensor-core kernels of ssd_fused.cpp, with the cumsum, the state passing and C B^T (a
+// cuBLAS batched GEMM, fused_chunk_compute) as in the GEMM formulation.
 template <class T>
 void ssd_forward_fused(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, const View2<T>& y,
-                       const View4<T>& final_state) {
+                       const View4<T>& final_state, bool keeping) {
   if constexpr (std::is_same_v<T, float>) {
     dt_cumsum(c);
     ssd_fused::Args a = fused_args(c);
     a.y = y.data();
     a.ldy = index_t(y.stride(0));
+    bool contiguous = true;
+    a.init = state_ptr(in.init_state, contiguous);
+    a.final_state = state_ptr(final_state, contiguous);
+    if (contiguous && ssd_fused::seq_applies(a)) {
+      a.write_states = keeping;
+      a.cb_out = keeping ? c.cb.data() : nullptr;
+      ssd_fused::scan_seq(a);
+      return;
+    }
+    a.init = nullptr;
+    a.final_state = nullptr;
     ssd_fused::chunk_state(a);
     state_passing(c, in.init_state, final_state);
     chunk_cb(c, fused_chunk_compute(s.compute));
     ssd_fused::chunk_scan(a);
   } else {
-    (void)c, (void)s, (void)in, (void)y, (void)final_state;
+    (void)c, (void)s, (void)in, (void)y, (void)final_state, (void)keeping;
   }
 }
 
@@ -1297,7 +1318,7 @@ void ssd_forward(const SSDShape& s, const SSDIn<T>& in, const View2<T>& y, const
   if (algo == SSDAlgo::gemm || algo == SSDAlgo::fused) {
     static_assert(std::is_same_v<T, P>, "the GEMM formulation keeps activations in the accumulation type");
     if (algo == SSDAlgo::fused && fused_applies(c))
-      ssd_forward_fused<T>(c, s, in, y, final_state);
+      ssd_forward_fused<T>(c, s, in, y, final_state, keeping);
     else
       ssd_forward_gemm<T>(c, s, in, y, final_state, ws);
     if (keeping) *keep = SSDSaved<T>{c.delta, c.acs, c.states, c.cb};

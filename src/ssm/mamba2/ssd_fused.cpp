@@ -18,6 +18,7 @@ namespace mm::ssd_fused {
 
 Form scan_form = Form::mma_ring, intra_form = Form::mma;
 StateForm state_form = StateForm::heads;
+FwdForm fwd_form = FwdForm::automatic;
 BcForm bc_form = BcForm::automatic;
 bool bf16_state_gemms = true;
 
@@ -1557,6 +1558,294 @@ __global__ void __launch_bounds__(kThreads, RS == 0 ? kScanBlocks<PT> : kRingBlo
   }
 }
 
+// ------------------------------------------------------------------ forward, one block walking a row's chunks
+
+// The sequential forward (scan_seq): headdim and chunk 64. Shared memory: fp32 C and B of the chunk (64 x (N + 4)),
+// x (64 x 68), S_in in bf16 (64 x (N + 8)), then acs, Delta and the record per token. The row strides make every
+// fragment read below touch 32 distinct banks: a lane (g = lane / 4, c = lane % 4) reads element (g, c) of C or B
+// (4 g + c), (2 c, g) of x or B (8 c + g), and the bf16 S_in's (g, c) (4 g + c / 2, two lanes a word).
+constexpr int kSqQ = 64, kSqP = 64;
+template <int N>
+struct SeqLayout {
+  static constexpr int ldc = N + 4, ldx = kSqP + 4, lds = N + 8;
+  static constexpr std::size_t c_off = 0, b_off = c_off + std::size_t(kSqQ) * ldc * 4,
+                               x_off = b_off + std::size_t(kSqQ) * ldc * 4, s_off = x_off + std::size_t(kSqQ) * ldx * 4,
+                               t_off = s_off + std::size_t(kSqP) * lds * 2, bytes = t_off + 3 * std::size_t(kSqQ) * 4;
+};
+
+__device__ __forceinline__ unsigned to_tf32(float x) {
+  unsigned r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+
+// d += a b for one m16n8k8 tile in tf32: a the 16 x 8 A fragment (a0 (g, c), a1 (g + 8, c), a2 (g, c + 4),
+// a3 (g + 8, c + 4)), (b0, b1) the 8 x 8 B fragment ((c, g), (c + 4, g)).
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// One block of 4 warps per (head, row), walking the row's chunks in order. Warp w owns rows l = 16 w .. 16 w + 15
+// of each chunk's output (C B^T, y) and rows p = 16 w .. 16 w + 15 of the state, which stays in its registers as
+// mma accumulators from chunk to chunk. Per chunk: S_in to the states (fp32) and to shared memory (bf16); the state
+// update S = decay S + (w o x)^T B (S_in stays in shared memory for the outputs); C B^T and C S_in^T over d_state in
+// tf32 (one A fragment of C for both); C B^T out, the masked decays M from its accumulators as bf16 A fragments,
+// y += M x and D x. The next chunk's C and B are copied (cp.async) once every warp is done with them, during the
+// outputs' M x, its x at the chunk's end.
+template <int N>
+__global__ void __launch_bounds__(kThreads, 2) scan_seq_kernel(const Args a) {
+  using Lay = SeqLayout<N>;
+  constexpr int Q = kSqQ, P = kSqP, ldc = Lay::ldc, ldx = Lay::ldx, lds = Lay::lds, NJ = N / 8;
+  extern __shared__ __align__(128) unsigned char smem[];
+  float* cs = reinterpret_cast<float*>(smem + Lay::c_off);
+  float* bs = reinterpret_cast<float*>(smem + Lay::b_off);
+  float* xs = reinterpret_cast<float*>(smem + Lay::x_off);
+  bf* ss = reinterpret_cast<bf*>(smem + Lay::s_off);
+  float* acs_s = reinterpret_cast<float*>(smem + Lay::t_off);
+  float* dt_s = acs_s + Q;
+  int* rec_s = reinterpret_cast<int*>(dt_s + Q);
+
+  const int h = blockIdx.x, b = blockIdx.y, hpg = a.H / a.G, grp = h / hpg;
+  const bool cb_writer = a.cb_out && h % hpg == 0;  // C B^T is per group: its first head writes it
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, cq = lane % 4, r0 = 16 * warp;
+  const std::int64_t row0 = std::int64_t(b) * a.L;
+  const float* acs_row = a.acs + (std::int64_t(b) * a.H + h) * a.L;
+  const float* dlt_row = a.delta + (std::int64_t(b) * a.H + h) * a.L;
+  const float Dh = a.D[h];
+  const int nc = a.nc;
+
+  // cp.async of chunk ch's C, B and x; rows past the sequence's end read as zeros
+  auto issue_c = [&](int ch) {
+    const int t0 = ch * Q, q = min(Q, a.L - t0);
+    const float* src = a.xbc + (row0 + t0) * a.ldx + a.c_col + grp * N;
+#pragma unroll 4
+    for (int i = tid; i < Q * (N / 4); i += kThreads) {
+      const int r = i / (N / 4), k = (i % (N / 4)) * 4;
+      const bool in = r < q;
+      cuda_k::cp_async<16>(cs + r * ldc + k, in ? src + std::int64_t(r) * a.ldx + k : src, in ? 16 : 0);
+    }
+  };
+  auto issue_b = [&](int ch) {
+    const int t0 = ch * Q, q = min(Q, a.L - t0);
+    const float* src = a.xbc + (row0 + t0) * a.ldx + a.b_col + grp * N;
+#pragma unroll 4
+    for (int i = tid; i < Q * (N / 4); i += kThreads) {
+      const int r = i / (N / 4), k = (i % (N / 4)) * 4;
+      const bool in = r < q;
+      cuda_k::cp_async<16>(bs + r * ldc + k, in ? src + std::int64_t(r) * a.ldx + k : src, in ? 16 : 0);
+    }
+  };
+  auto issue_x = [&](int ch) {
+    const int t0 = ch * Q, q = min(Q, a.L - t0);
+    const float* xsrc = a.xs + (row0 + t0) * a.ldxs + h * P;
+#pragma unroll 4
+    for (int i = tid; i < Q * (P / 4); i += kThreads) {
+      const int r = i / (P / 4), k = (i % (P / 4)) * 4;
+      const bool in = r < q;
+      cuda_k::cp_async<16>(xs + r * ldx + k, in ? xsrc + std::int64_t(r) * a.ldxs + k : xsrc, in ? 16 : 0);
+    }
+  };
+  // chunk ch's per-token values (thread i < Q: token i) and the record entering it, into registers one chunk ahead
+  float nacs = 0.f, ndt = 0.f;
+  int nrec = -1, nrin = 0;
+  auto fetch_tok = [&](int ch) {
+    const int t0 = ch * Q, q = min(Q, a.L - t0);
+    if (tid < Q) {
+      const bool in = tid < q;
+      nacs = in ? acs_row[t0 + tid] : 0.f;
+      ndt = in ? dlt_row[t0 + tid] : 0.f;
+      nrec = in ? (a.seq ? a.seq[row0 + t0 + tid] : 0) : -1;
+    }
+    nrin = a.seq ? a.seq[row0 + (ch == 0 ? 0 : t0 - 1)] : 0;
+  };
+
+  // the state: st[j] holds S(p, n) at p = r0 + g (entries 0, 1) and r0 + g + 8 (2, 3), n = 8 j + 2 c (+ 1)
+  float st[NJ][4];
+  {
+    const float* S0 = a.init ? a.init + (std::int64_t(b) * a.H + h) * P * N : nullptr;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const float2 v = S0 ? *reinterpret_cast<const float2*>(S0 + (r0 + g + 8 * hr) * N + 8 * j + 2 * cq)
+                            : make_float2(0.f, 0.f);
+        st[j][2 * hr] = v.x, st[j][2 * hr + 1] = v.y;
+      }
+  }
+  issue_c(0);
+  issue_b(0);
+  issue_x(0);
+  cuda_k::cp_async_commit();
+  fetch_tok(0);
+
+  for (int ch = 0; ch < nc; ++ch) {
+    const int t0 = ch * Q, q = min(Q, a.L - t0);
+    // S_in of this chunk: to the states (fp32) and to shared memory (bf16, the inter-chunk term's operand)
+    {
+      float* S = a.write_states ? a.states + ((std::int64_t(b) * nc + ch) * a.H + h) * P * N : nullptr;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int p = r0 + g + 8 * hr, n = 8 * j + 2 * cq;
+          if (S) *reinterpret_cast<float2*>(S + p * N + n) = make_float2(st[j][2 * hr], st[j][2 * hr + 1]);
+          *reinterpret_cast<unsigned*>(ss + p * lds + n) = pack_bf16(st[j][2 * hr], st[j][2 * hr + 1]);
+        }
+    }
+    if (tid < Q) acs_s[tid] = nacs, dt_s[tid] = ndt, rec_s[tid] = nrec;
+    const int r_in = nrin;
+    if (ch + 1 < nc) fetch_tok(ch + 1);
+    cuda_k::cp_async_wait<0>();
+    __syncthreads();
+
+    // the state: S = [last token in the record entering] exp(acs_last) S + (w o x)^T B, w_s = exp(acs_last - acs_s)
+    // Delta_s for s in the last token's record (zero below the cutoff), on bf16 operands
+    {
+      const float acs_last = acs_s[q - 1];
+      const int rec_last = rec_s[q - 1];
+      const float cd = rec_last == r_in ? decay(acs_last) : 0.f;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st[j][e] *= cd;
+#pragma unroll
+      for (int kk = 0; kk < Q / 16; ++kk) {
+        unsigned fa[4];  // (w o x)^T: rows p = r0 + g (+ 8), columns s = 16 kk + 8 kh + 2 c (+ 1)
+#pragma unroll
+        for (int kh = 0; kh < 2; ++kh) {
+          const int s = 16 * kk + 8 * kh + 2 * cq;
+          float w[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int se = s + e;
+            float v = 0.f;
+            if (se < q && rec_s[se] == rec_last) {
+              const float ev = decay(acs_last - acs_s[se]);
+              v = ev < a.cutoff ? 0.f : ev * dt_s[se];
+            }
+            w[e] = v;
+          }
+          const float* xp = xs + s * ldx + r0 + g;
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) fa[2 * kh + hr] = pack_bf16(xp[8 * hr] * w[0], xp[ldx + 8 * hr] * w[1]);
+        }
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {  // B rows s = 16 kk + 2 c (+ 1, + 8, + 9), column n = 8 j + g
+          const float* bp = bs + (16 * kk + 2 * cq) * ldc + 8 * j + g;
+          mma_bf16(st[j], fa, pack_bf16(bp[0], bp[ldc]), pack_bf16(bp[8 * ldc], bp[9 * ldc]));
+        }
+      }
+    }
+    // C B^T (columns s) and C S_in^T (columns p) over k = n in tf32: rows l = r0 + g (entries 0, 1), + 8 (2, 3)
+    float cb[8][4], y[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) cb[j][e] = y[j][e] = 0.f;
+    {
+      const float* c0 = cs + (r0 + g) * ldc + cq;
+      const unsigned short* sb = reinterpret_cast<const unsigned short*>(ss) + g * lds + cq;
+#pragma unroll 2
+      for (int k0 = 0; k0 < N; k0 += 8) {
+        const unsigned fa[4] = {to_tf32(c0[k0]), to_tf32(c0[8 * ldc + k0]), to_tf32(c0[k0 + 4]),
+                                to_tf32(c0[8 * ldc + k0 + 4])};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float* bp = bs + (8 * j + g) * ldc + cq + k0;
+          mma_tf32(cb[j], fa, to_tf32(bp[0]), to_tf32(bp[4]));
+          const unsigned short* sp = sb + 8 * j * lds + k0;
+          mma_tf32(y[j], fa, unsigned(sp[0]) << 16, unsigned(sp[4]) << 16);
+        }
+      }
+    }
+    __syncthreads();  // every warp done with C, B and S_in: the next chunk's C and B can come
+    if (ch + 1 < nc) issue_c(ch + 1), issue_b(ch + 1);
+    cuda_k::cp_async_commit();
+
+    const int l[2] = {r0 + g, r0 + g + 8};
+    if (cb_writer) {
+      float* CBo = a.cb_out + ((std::int64_t(b) * nc + ch) * a.G + grp) * Q * Q;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr)
+          *reinterpret_cast<float2*>(CBo + l[hr] * Q + 8 * j + 2 * cq) = make_float2(cb[j][2 * hr], cb[j][2 * hr + 1]);
+    }
+    const float al[2] = {acs_s[l[0]], acs_s[l[1]]};
+    const int rl[2] = {l[0] < q ? rec_s[l[0]] : -2, l[1] < q ? rec_s[l[1]] : -2};  // rows past the end: no source
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {  // the inter-chunk term scaled by e_in(l)
+      float e = 0.f;
+      if (rl[hr] == r_in) {
+        e = decay(al[hr]);
+        e = e < a.cutoff ? 0.f : e;
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) y[j][2 * hr] *= e, y[j][2 * hr + 1] *= e;
+    }
+    // y += M x over the source steps up to the warp's rows: M(l, s) = (C B^T)(l, s) exp(acs_l - acs_s) Delta_s for
+    // s <= l in l's record and decays at or above the cutoff, packed from the C B^T accumulators (columns
+    // 16 kk + 8 kh + 2 c (+ 1) are entries of cb[2 kk + kh]) as the A fragment
+#pragma unroll
+    for (int kk = 0; kk < Q / 16; ++kk) {
+      if (kk > warp) break;
+      unsigned fa[4];
+#pragma unroll
+      for (int kh = 0; kh < 2; ++kh) {
+        const int s = 16 * kk + 8 * kh + 2 * cq;
+        const float2 as = *reinterpret_cast<const float2*>(acs_s + s);
+        const float2 ds = *reinterpret_cast<const float2*>(dt_s + s);
+        const int2 rs = *reinterpret_cast<const int2*>(rec_s + s);
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          float m[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float ev = decay(al[hr] - (e ? as.y : as.x));
+            const bool keep = s + e <= l[hr] && (e ? rs.y : rs.x) == rl[hr] && ev >= a.cutoff;
+            m[e] = keep ? cb[2 * kk + kh][2 * hr + e] * ev * (e ? ds.y : ds.x) : 0.f;
+          }
+          fa[2 * kh + hr] = pack_bf16(m[0], m[1]);
+        }
+      }
+#pragma unroll
+      for (int jp = 0; jp < 8; ++jp) {  // x rows s = 16 kk + 2 c (+ 1, + 8, + 9), column p = 8 jp + g
+        const float* xp = xs + (16 * kk + 2 * cq) * ldx + 8 * jp + g;
+        mma_bf16(y[jp], fa, pack_bf16(xp[0], xp[ldx]), pack_bf16(xp[8 * ldx], xp[9 * ldx]));
+      }
+    }
+    // y = acc + D x for the rows inside the chunk
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      if (l[hr] >= q) continue;
+      float* yr = a.y + (row0 + t0 + l[hr]) * a.ldy + h * P + 2 * cq;
+      const float Dl = skip_coef(a, Dh, row0, h, t0 + l[hr]);
+      const float* xr = xs + l[hr] * ldx + 2 * cq;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float2 xv = *reinterpret_cast<const float2*>(xr + 8 * j);
+        *reinterpret_cast<float2*>(yr + 8 * j) = make_float2(y[j][2 * hr] + Dl * xv.x, y[j][2 * hr + 1] + Dl * xv.y);
+      }
+    }
+    __syncthreads();  // every warp done with x and the token arrays: the next chunk's x can come
+    if (ch + 1 < nc) issue_x(ch + 1);
+    cuda_k::cp_async_commit();
+  }
+  if (a.final_state) {
+    float* S = a.final_state + (std::int64_t(b) * a.H + h) * P * N;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+        *reinterpret_cast<float2*>(S + (r0 + g + 8 * hr) * N + 8 * j + 2 * cq) =
+            make_float2(st[j][2 * hr], st[j][2 * hr + 1]);
+  }
+}
+
 // ------------------------------------------------------------------ backward, the state terms per token
 
 // One block per (64 tokens l, head of the block, (row, chunk)): T1 = B_l dH^T and T2 = C_l S_in^T on tensor cores
@@ -2274,6 +2563,47 @@ void state_epilogue(const Args& a) {
 
 bool epilogue_writes_wdecay(int headdim, int dstate) { return epr_smem(headdim, dstate) <= kEprMaxSmem; }
 
+namespace {
+long seq_count = 0;
+int sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+      return 1 << 30;  // unknown: never automatic
+    return v;
+  }();
+  return n;
+}
+}  // namespace
+
+bool seq_fits(int headdim, int dstate, int chunk) {
+  return headdim == kSqP && chunk == kSqQ && (dstate == 64 || dstate == 128);
+}
+
+bool seq_applies(const Args& a) {
+  if (fwd_form == FwdForm::chunks || !seq_fits(a.P, a.N, a.Q) || !aligned4(a) || a.batch > 65535) return false;
+  if (SeqLayout<128>::bytes > max_block_smem()) return false;
+  return fwd_form == FwdForm::sequential || std::int64_t(a.batch) * a.H >= sm_count();
+}
+
+void scan_seq(const Args& a) {
+  Kokkos::Profiling::ScopedRegion region("ssd::fused_scan_seq");
+  require(seq_fits(a.P, a.N, a.Q) && aligned4(a), "ssd fused", "the sequential forward takes headdim 64, chunk 64, ",
+          "d_state 64 or 128 and 16-byte aligned rows (P = ", a.P, ", N = ", a.N, ", Q = ", a.Q, ")");
+  const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
+  if (a.N == 128) {
+    allow_smem<scan_seq_kernel<128>>(SeqLayout<128>::bytes, "sequential forward");
+    scan_seq_kernel<128><<<dim3(a.H, a.batch), kThreads, SeqLayout<128>::bytes, st>>>(a);
+  } else {
+    allow_smem<scan_seq_kernel<64>>(SeqLayout<64>::bytes, "sequential forward");
+    scan_seq_kernel<64><<<dim3(a.H, a.batch), kThreads, SeqLayout<64>::bytes, st>>>(a);
+  }
+  check_launch("sequential forward");
+  ++seq_count;
+}
+
+long seq_launches() { return seq_count; }
+
 void bc_backward(const Args& a) {
   Kokkos::Profiling::ScopedRegion region("ssd::fused_bc_backward");
   const int hpg = a.G > 0 ? a.H / a.G : 0;
@@ -2291,6 +2621,10 @@ void chunk_scan(const Args&) { require(false, "ssd fused", "the fused kernels ne
 void intra_backward(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
 void state_epilogue(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
 bool epilogue_writes_wdecay(int, int) { return false; }
+bool seq_fits(int, int, int) { return false; }
+bool seq_applies(const Args&) { return false; }
+void scan_seq(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
+long seq_launches() { return 0; }
 void bc_backward(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
 
 #endif

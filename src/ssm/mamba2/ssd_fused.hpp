@@ -43,6 +43,13 @@ struct Args {
   float* dbc = nullptr;  // bc_backward: d(xBC), dB at dbc + r lddbc + b_col + g N + n, dC at c_col (xbc's columns)
   std::int64_t lddbc = 0;
   int h0 = 0, nh = 0, run_len = 1;
+  // scan_seq (the sequential forward): the initial state (batch, H, P, N) or null (zero), the final state to write
+  // (batch, H, P, N) or null; whether to write S_in of every chunk to `states`, and C B^T to cb_out where given
+  // (the backward's kept intermediates; an inference forward needs neither)
+  const float* init = nullptr;
+  float* final_state = nullptr;
+  bool write_states = true;
+  float* cb_out = nullptr;
 };
 
 // True when this build has the kernels (CUDA) and the shape suits them: headdim a multiple of 16 up to 128,
@@ -111,6 +118,34 @@ extern StateForm state_form;
 // 139.7-140.2 ms, and the SSD alone (1 x 65,536, the same heads) 6.14 against 5.93 ms.
 enum class BcForm { automatic, gemm, kernel };
 extern BcForm bc_form;
+
+// How the fused forward runs (ssd.cpp, SSDAlgo::fused):
+// - chunks: chunk_state, the state passing, C B^T (cuBLAS) and chunk_scan, each parallel over every chunk (the
+//   states of all chunks go through device memory three times);
+// - sequential: scan_seq, one block per (row, head) walking its chunks in order with the state in registers: it
+//   reads B, C and x once and writes y (and, for the backward, S_in and C B^T) once. Its parallelism is batch x
+//   heads blocks, so it suits many rows (Mamba-3's 8 x 8,192 tokens, 24 heads) and not one long row;
+// - automatic (the default): sequential where seq_fits and batch x heads fills the device's SMs, else chunks.
+enum class FwdForm { automatic, chunks, sequential };
+extern FwdForm fwd_form;
+
+// The shapes the sequential forward takes: headdim 64, chunk 64, d_state 64 or 128 (this build has it: CUDA).
+bool seq_fits(int headdim, int dstate, int chunk);
+
+// Whether the fused forward of `a` (shape, alignment, batch x heads against the device's SMs) runs scan_seq.
+bool seq_applies(const Args& a);
+
+// The sequential forward: per (row b, head h) over chunks c in order, S = S_in(c) (a.init for c = 0):
+//   y_l = e_in(l) C_l S^T + sum_{s <= l, same record} (C_l . B_s) exp(acs_l - acs_s) Delta_s x_s + D x_l,
+//   S_in(c + 1) = [last token in the record entering] exp(acs_last) S + sum_{s, last token's record}
+//                 exp(acs_last - acs_s) Delta_s x_s B_s^T
+// (the same terms and cutoffs as chunk_state, the state passing and chunk_scan); C B^T in tf32, the inter-chunk
+// term in tf32 against S rounded to bf16, the intra-chunk and state products on bf16 operands, fp32 accumulation.
+// Writes y, the final state where given, and with write_states S_in of every chunk to states, with cb_out C B^T.
+void scan_seq(const Args& a);
+
+// The count of scan_seq launches in this process (the tests check that a forced form ran).
+long seq_launches();
 
 // Whether the fused backward's GEMM form (BcForm::gemm as resolved) takes its state terms on bf16 operands under
 // bf16 arithmetic from a kept context (ssd_bf16_state_terms, ssd.hpp; default) or on tf32 from fp32 copies (the
