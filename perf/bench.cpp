@@ -659,40 +659,35 @@ void bench_mamba3(int reps, const SSDVariant& var, index_t batch, index_t seqlen
     mixer.backward(acts, batch, seqlen, dout, du);
   };
   time_with_memory(name, reps, one);
-  // where the fused forward takes the sequential kernel (ssd_fused::FwdForm; automatic: batch x heads fill the
-  // SMs), the same with the chunked kernels, side by side, with the largest gradients' agreement
-  if (var.algo == SSDAlgo::fused && ssd_fused::fwd_form != ssd_fused::FwdForm::chunks &&
-      ssd_fused::seq_fits(int(cfg.headdim), int(cfg.d_state), int(cfg.chunk_size))) {
+  // the step again with one ssd_fused form `which` set to `form` (named `other`; with `fwd_other` the forward timed
+  // too), and how far its du and parameter gradients are from the form above
+  auto time_other = [&](auto& which, auto form, const std::string& other, const std::string& fwd_other) {
     one();
     Kokkos::fence();
     const std::vector<float> du0 = to_host(du), g0 = to_host(ps.grads());
-    const ssd_fused::FormScope form(ssd_fused::fwd_form, ssd_fused::FwdForm::chunks);
-    const std::string suffix = " (SSD forward: chunked kernels)";
-    const double t_c = time_median(1, reps, [&] { mixer.forward(u, batch, seqlen, out, acts, false); });
-    record("mamba3 siso block fwd " + shape + " d768 N128 P64 chunk64, " + var.name + suffix, "time", t_c * 1e3,
-           "ms");
-    time_with_memory(name + suffix, reps, one);
-    one();
-    Kokkos::fence();
-    record(name + suffix, "du: max diff / max |du| of the other form", max_rel_diff(to_host(du), du0), "");
-    record(name + suffix, "parameter gradients: max diff / max of the other form",
-           max_rel_diff(to_host(ps.grads()), g0), "");
-  }
-  // the native kernels run (CUDA, a shape they take): the backward's dB and dC (one head a group here) also in the
-  // other ssd_fused::BcForm (--bc-form picks the one above), with the largest gradients' agreement
-  if (var.algo == SSDAlgo::fused && ssd_fused::fits(int(cfg.headdim), int(cfg.d_state), int(cfg.chunk_size))) {
-    one();
-    Kokkos::fence();
-    const std::vector<float> du0 = to_host(du), g0 = to_host(ps.grads());
-    const ssd_fused::FormScope form(ssd_fused::bc_form, other_bc_form(1));
-    const std::string other = name + bc_form_label(ssd_fused::bc_form);
+    const ssd_fused::FormScope scope(which, form);
+    if (!fwd_other.empty())
+      record(fwd_other, "time",
+             time_median(1, reps, [&] { mixer.forward(u, batch, seqlen, out, acts, false); }) * 1e3, "ms");
     time_with_memory(other, reps, one);
     one();
     Kokkos::fence();
     record(other, "du: max diff / max |du| of the other form", max_rel_diff(to_host(du), du0), "");
     record(other, "parameter gradients: max diff / max of the other form", max_rel_diff(to_host(ps.grads()), g0),
            "");
+  };
+  // where the fused forward takes the sequential kernel (ssd_fused::FwdForm; automatic: batch x heads fill the
+  // SMs), the same with the chunked kernels, side by side
+  if (var.algo == SSDAlgo::fused && ssd_fused::fwd_form != ssd_fused::FwdForm::chunks &&
+      ssd_fused::seq_fits(int(cfg.headdim), int(cfg.d_state), int(cfg.chunk_size))) {
+    const std::string suffix = " (SSD forward: chunked kernels)";
+    time_other(ssd_fused::fwd_form, ssd_fused::FwdForm::chunks, name + suffix,
+               "mamba3 siso block fwd " + shape + " d768 N128 P64 chunk64, " + var.name + suffix);
   }
+  // the native kernels run (CUDA, a shape they take): the backward's dB and dC (one head a group here) also in the
+  // other ssd_fused::BcForm (--bc-form picks the one above)
+  if (var.algo == SSDAlgo::fused && ssd_fused::fits(int(cfg.headdim), int(cfg.d_state), int(cfg.chunk_size)))
+    time_other(ssd_fused::bc_form, other_bc_form(1), name + bc_form_label(other_bc_form(1)), "");
 }
 
 // MoE layer (issue 5): 65,536 tokens, d_model 768, 8 SwiGLU experts of d_ff 2,048, top-1 and top-2, softmax

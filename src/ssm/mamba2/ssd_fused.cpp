@@ -1618,36 +1618,17 @@ __global__ void __launch_bounds__(kThreads, 2) scan_seq_kernel(const Args a) {
   const float Dh = a.D[h];
   const int nc = a.nc;
 
-  // cp.async of chunk ch's C, B and x; rows past the sequence's end read as zeros
+  // cp.async of chunk ch's C, B and x (stage_f32, 4 steps unrolled); rows past the sequence's end read as zeros
+  auto rows = [&](int ch) { return min(Q, a.L - ch * Q); };
+  auto tok0 = [&](int ch) { return row0 + std::int64_t(ch) * Q; };  // the chunk's first token row
   auto issue_c = [&](int ch) {
-    const int t0 = ch * Q, q = min(Q, a.L - t0);
-    const float* src = a.xbc + (row0 + t0) * a.ldx + a.c_col + grp * N;
-#pragma unroll 4
-    for (int i = tid; i < Q * (N / 4); i += kThreads) {
-      const int r = i / (N / 4), k = (i % (N / 4)) * 4;
-      const bool in = r < q;
-      cuda_k::cp_async<16>(cs + r * ldc + k, in ? src + std::int64_t(r) * a.ldx + k : src, in ? 16 : 0);
-    }
+    stage_f32<Q, N, true, 4>(cs, ldc, a.xbc + tok0(ch) * a.ldx + a.c_col + grp * N, a.ldx, rows(ch), N);
   };
   auto issue_b = [&](int ch) {
-    const int t0 = ch * Q, q = min(Q, a.L - t0);
-    const float* src = a.xbc + (row0 + t0) * a.ldx + a.b_col + grp * N;
-#pragma unroll 4
-    for (int i = tid; i < Q * (N / 4); i += kThreads) {
-      const int r = i / (N / 4), k = (i % (N / 4)) * 4;
-      const bool in = r < q;
-      cuda_k::cp_async<16>(bs + r * ldc + k, in ? src + std::int64_t(r) * a.ldx + k : src, in ? 16 : 0);
-    }
+    stage_f32<Q, N, true, 4>(bs, ldc, a.xbc + tok0(ch) * a.ldx + a.b_col + grp * N, a.ldx, rows(ch), N);
   };
   auto issue_x = [&](int ch) {
-    const int t0 = ch * Q, q = min(Q, a.L - t0);
-    const float* xsrc = a.xs + (row0 + t0) * a.ldxs + h * P;
-#pragma unroll 4
-    for (int i = tid; i < Q * (P / 4); i += kThreads) {
-      const int r = i / (P / 4), k = (i % (P / 4)) * 4;
-      const bool in = r < q;
-      cuda_k::cp_async<16>(xs + r * ldx + k, in ? xsrc + std::int64_t(r) * a.ldxs + k : xsrc, in ? 16 : 0);
-    }
+    stage_f32<Q, P, true, 4>(xs, ldx, a.xs + tok0(ch) * a.ldxs + h * P, a.ldxs, rows(ch), P);
   };
   // chunk ch's per-token values (thread i < Q: token i) and the record entering it, into registers one chunk ahead
   float nacs = 0.f, ndt = 0.f;
@@ -2565,15 +2546,7 @@ bool epilogue_writes_wdecay(int headdim, int dstate) { return epr_smem(headdim, 
 
 namespace {
 long seq_count = 0;
-int sm_count() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-      return 1 << 30;  // unknown: never automatic
-    return v;
-  }();
-  return n;
-}
+std::size_t seq_smem(int N) { return N == 128 ? SeqLayout<128>::bytes : SeqLayout<64>::bytes; }
 }  // namespace
 
 bool seq_fits(int headdim, int dstate, int chunk) {
@@ -2582,8 +2555,8 @@ bool seq_fits(int headdim, int dstate, int chunk) {
 
 bool seq_applies(const Args& a) {
   if (fwd_form == FwdForm::chunks || !seq_fits(a.P, a.N, a.Q) || !aligned4(a) || a.batch > 65535) return false;
-  if (SeqLayout<128>::bytes > max_block_smem()) return false;
-  return fwd_form == FwdForm::sequential || std::int64_t(a.batch) * a.H >= sm_count();
+  if (seq_smem(a.N) > max_block_smem()) return false;
+  return fwd_form == FwdForm::sequential || std::int64_t(a.batch) * a.H >= cuda_k::sm_count();
 }
 
 void scan_seq(const Args& a) {
@@ -2591,12 +2564,13 @@ void scan_seq(const Args& a) {
   require(seq_fits(a.P, a.N, a.Q) && aligned4(a), "ssd fused", "the sequential forward takes headdim 64, chunk 64, ",
           "d_state 64 or 128 and 16-byte aligned rows (P = ", a.P, ", N = ", a.N, ", Q = ", a.Q, ")");
   const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
+  const std::size_t bytes = seq_smem(a.N);
   if (a.N == 128) {
-    allow_smem<scan_seq_kernel<128>>(SeqLayout<128>::bytes, "sequential forward");
-    scan_seq_kernel<128><<<dim3(a.H, a.batch), kThreads, SeqLayout<128>::bytes, st>>>(a);
+    allow_smem<scan_seq_kernel<128>>(bytes, "sequential forward");
+    scan_seq_kernel<128><<<dim3(a.H, a.batch), kThreads, bytes, st>>>(a);
   } else {
-    allow_smem<scan_seq_kernel<64>>(SeqLayout<64>::bytes, "sequential forward");
-    scan_seq_kernel<64><<<dim3(a.H, a.batch), kThreads, SeqLayout<64>::bytes, st>>>(a);
+    allow_smem<scan_seq_kernel<64>>(bytes, "sequential forward");
+    scan_seq_kernel<64><<<dim3(a.H, a.batch), kThreads, bytes, st>>>(a);
   }
   check_launch("sequential forward");
   ++seq_count;
