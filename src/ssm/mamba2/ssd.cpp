@@ -948,15 +948,28 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
   // with the weights e_in (no scaled copy of dY: 2 x 4 B L H P bytes less)
   View5<T> dstates = ws.take<View5<T>>("ssd::dstates", c.Bsz, c.nc, c.H, c.Pd, c.N);
   View2<T> dye;
+  bool dstates_done = false;  // dH of every chunk and dinit already formed (ssd_fused::dstates_seq)
   if (bc_kernel) {
     if constexpr (std::is_same_v<T, float>) {
       ssd_fused::Args a = fused_args(c);
-      a.xs = dy.data();
-      a.ldxs = ldy;
-      a.b_col = c.c_col;
-      a.states = dstates.data();
-      a.ein_weights = true;
-      ssd_fused::chunk_state(a);
+      // where dstates_seq applies: dH of every chunk in one reverse pass per row, no state passing after it
+      a.dy = dy.data();
+      a.ldy = ldy;
+      bool contiguous = true;
+      a.dfinal = state_ptr(dfinal_state, contiguous);
+      a.dinit = state_ptr(gr.dinit_state, contiguous);
+      a.dstates_out = dstates.data();
+      if (contiguous && ssd_fused::dseq_applies(a)) {
+        ssd_fused::dstates_seq(a);
+        dstates_done = true;
+      } else {
+        a.xs = dy.data();
+        a.ldxs = ldy;
+        a.b_col = c.c_col;
+        a.states = dstates.data();
+        a.ein_weights = true;
+        ssd_fused::chunk_state(a);
+      }
     }
   } else if (b16) {
     if constexpr (std::is_same_v<T, float>) {
@@ -979,7 +992,7 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
   // under the bf16 state terms, dH also as the bf16 copy their GEMM takes, written by the state passing
   const index_t srows = nbc * c.H * c.Pd;
   const View1<bf16_op_t> dHb = b16 ? ws.take<View1<bf16_op_t>>("ssd::dh_bf16", srows * c.N) : View1<bf16_op_t>();
-  state_passing_bwd(c, dstates, dfinal_state, gr.dinit_state, dHb.data());
+  if (!dstates_done) state_passing_bwd(c, dstates, dfinal_state, gr.dinit_state, dHb.data());
 
   const auto dxbc = gr.dxbc;
   const auto ddt = gr.ddt;

@@ -19,6 +19,7 @@ namespace mm::ssd_fused {
 Form scan_form = Form::mma_ring, intra_form = Form::mma;
 StateForm state_form = StateForm::heads;
 FwdForm fwd_form = FwdForm::automatic;
+BwdStateForm bwd_state_form = BwdStateForm::automatic;
 BcForm bc_form = BcForm::automatic;
 bool bf16_state_gemms = true;
 
@@ -1827,6 +1828,132 @@ __global__ void __launch_bounds__(kThreads, 2) scan_seq_kernel(const Args a) {
   }
 }
 
+// ------------------------------------------------------------------ backward, one block walking a row's chunks back
+
+// The backward's state passing in one pass (dstates_seq): dH(c), the gradient of the state at chunk c's end, from
+// the last chunk to the first,
+//   dH(nc - 1) = dL/d(final state),   dH(c - 1) = [last token of c in the record entering c] exp(acs_last) dH(c)
+//                                                 + sum_{l in c, record entering c} e_in(l) dY_l^T C_l
+// and dL/d(initial state) = dH(-1). It replaces the chunk-local products (chunk_state with ein_weights, every
+// chunk in parallel, written to device memory) and the reverse state passing that read and wrote them again. One
+// block of 4 warps per (64 columns n0 .. of d_state, head, row); warp w owns rows p = 16 w .. 16 w + 15 of the
+// tile, which stays in its registers as mma accumulators from chunk to chunk. Per chunk: dH out (fp32), the decay,
+// then the chunk's product over its tokens on bf16 operands (fp32 accumulation), the A fragments (e_in o dY)^T and
+// the B fragments C read from the fp32 staging (the same bank-free strides as scan_seq's x and B). The next
+// chunk's dY and C columns arrive by cp.async in a second buffer while the current one is multiplied; its e_in and
+// decay are formed one chunk ahead in registers. Shared memory: two buffers of dY (64 x 68) and C (64 x 68) fp32,
+// then e_in of two chunks: 70 KB, three blocks an SM.
+constexpr int kDsT = 64, kDsLd = kDsT + 4;
+constexpr std::size_t kDsBuf = 2 * std::size_t(kSqQ) * kDsLd;  // floats a buffer: dY, then C
+constexpr std::size_t kDsSmem = (2 * kDsBuf + 2 * kSqQ) * 4;
+
+__global__ void __launch_bounds__(kThreads, 3) dstates_seq_kernel(const Args a) {
+  constexpr int Q = kSqQ, P = kSqP, ld = kDsLd;
+  extern __shared__ __align__(128) unsigned char smem[];
+  float* buf = reinterpret_cast<float*>(smem);
+  float* ein_s = buf + 2 * kDsBuf;  // (2, Q): e_in of the chunks in buffers 0 and 1
+
+  const int n0 = blockIdx.x * kDsT, h = blockIdx.y, b = blockIdx.z, grp = h / (a.H / a.G);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, cq = lane % 4, r0 = 16 * warp;
+  const std::int64_t row0 = std::int64_t(b) * a.L, PN = std::int64_t(P) * a.N;
+  const float* acs_row = a.acs + (std::int64_t(b) * a.H + h) * a.L;
+  const int nc = a.nc;
+  auto rows = [&](int ch) { return min(Q, a.L - ch * Q); };
+  auto tok0 = [&](int ch) { return row0 + std::int64_t(ch) * Q; };
+  // cp.async of chunk ch's dY (the head's P columns) and C (the tile's columns) into buffer ch & 1; rows past the
+  // sequence's end read as zeros
+  auto issue = [&](int ch) {
+    float* ys = buf + (ch & 1) * kDsBuf;
+    stage_f32<Q, P, true, 4>(ys, ld, a.dy + tok0(ch) * a.ldy + h * P, a.ldy, rows(ch), P);
+    stage_f32<Q, kDsT, true, 4>(ys + Q * ld, ld, a.xbc + tok0(ch) * a.ldx + a.c_col + std::int64_t(grp) * a.N + n0,
+                                a.ldx, rows(ch), kDsT);
+    cuda_k::cp_async_commit();
+  };
+  // chunk ch's e_in of token tid (threads < Q; zero past the chunk, outside the record entering it or below the
+  // cutoff) and its decay factor cd (every thread)
+  float ein = 0.f, cd = 0.f;
+  auto factors = [&](int ch) {
+    const int t0 = ch * Q, q = rows(ch);
+    const int r_in = a.seq ? a.seq[row0 + (ch == 0 ? 0 : t0 - 1)] : 0;
+    const int r_last = a.seq ? a.seq[row0 + t0 + q - 1] : 0;
+    cd = r_last == r_in ? decay(acs_row[t0 + q - 1]) : 0.f;
+    ein = 0.f;
+    if (tid < q && (!a.seq || a.seq[row0 + t0 + tid] == r_in)) {
+      const float e = decay(acs_row[t0 + tid]);
+      ein = e < a.cutoff ? 0.f : e;
+    }
+  };
+
+  // dh[j] holds dH(p, n) at p = r0 + g (entries 0, 1) and r0 + g + 8 (2, 3), n = n0 + 8 j + 2 c (+ 1)
+  float dh[kDsT / 8][4];
+  {
+    const float* D0 = a.dfinal ? a.dfinal + (std::int64_t(b) * a.H + h) * PN + n0 : nullptr;
+#pragma unroll
+    for (int j = 0; j < kDsT / 8; ++j)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const float2 v = D0 ? *reinterpret_cast<const float2*>(D0 + (r0 + g + 8 * hr) * a.N + 8 * j + 2 * cq)
+                            : make_float2(0.f, 0.f);
+        dh[j][2 * hr] = v.x, dh[j][2 * hr + 1] = v.y;
+      }
+  }
+  issue(nc - 1);
+  factors(nc - 1);
+
+  for (int ch = nc - 1; ch >= 0; --ch) {
+    {  // dH at chunk ch's end
+      float* D = a.dstates_out + ((std::int64_t(b) * nc + ch) * a.H + h) * PN + n0;
+#pragma unroll
+      for (int j = 0; j < kDsT / 8; ++j)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr)
+          *reinterpret_cast<float2*>(D + (r0 + g + 8 * hr) * a.N + 8 * j + 2 * cq) =
+              make_float2(dh[j][2 * hr], dh[j][2 * hr + 1]);
+    }
+    if (tid < Q) ein_s[(ch & 1) * Q + tid] = ein;
+    const float cdc = cd;
+    cuda_k::cp_async_wait<0>();
+    __syncthreads();  // chunk ch's dY, C and e_in visible; every warp done with the other buffer (chunk ch + 1)
+    if (ch > 0) {
+      issue(ch - 1);
+      factors(ch - 1);
+    }
+    const float* ys = buf + (ch & 1) * kDsBuf;
+    const float* cs = ys + Q * ld;
+    const float* es = ein_s + (ch & 1) * Q;
+#pragma unroll
+    for (int j = 0; j < kDsT / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dh[j][e] *= cdc;
+#pragma unroll
+    for (int kk = 0; kk < Q / 16; ++kk) {
+      unsigned fa[4];  // (e_in o dY)^T: rows p = r0 + g (+ 8), columns l = 16 kk + 8 kh + 2 c (+ 1)
+#pragma unroll
+      for (int kh = 0; kh < 2; ++kh) {
+        const int l = 16 * kk + 8 * kh + 2 * cq;
+        const float2 w = *reinterpret_cast<const float2*>(es + l);
+        const float* yp = ys + l * ld + r0 + g;
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) fa[2 * kh + hr] = pack_bf16(yp[8 * hr] * w.x, yp[ld + 8 * hr] * w.y);
+      }
+#pragma unroll
+      for (int j = 0; j < kDsT / 8; ++j) {  // C rows l = 16 kk + 2 c (+ 1, + 8, + 9), column n = 8 j + g
+        const float* cp = cs + (16 * kk + 2 * cq) * ld + 8 * j + g;
+        mma_bf16(dh[j], fa, pack_bf16(cp[0], cp[ld]), pack_bf16(cp[8 * ld], cp[9 * ld]));
+      }
+    }
+  }
+  if (a.dinit) {
+    float* D = a.dinit + (std::int64_t(b) * a.H + h) * PN + n0;
+#pragma unroll
+    for (int j = 0; j < kDsT / 8; ++j)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+        *reinterpret_cast<float2*>(D + (r0 + g + 8 * hr) * a.N + 8 * j + 2 * cq) =
+            make_float2(dh[j][2 * hr], dh[j][2 * hr + 1]);
+  }
+}
+
 // ------------------------------------------------------------------ backward, the state terms per token
 
 // One block per (64 tokens l, head of the block, (row, chunk)): T1 = B_l dH^T and T2 = C_l S_in^T on tensor cores
@@ -2578,6 +2705,39 @@ void scan_seq(const Args& a) {
 
 long seq_launches() { return seq_count; }
 
+namespace {
+long dseq_count = 0;
+}  // namespace
+
+bool dseq_fits(int headdim, int dstate, int chunk) {
+  return headdim == kSqP && chunk == kSqQ && dstate % kDsT == 0 && dstate > 0;
+}
+
+bool dseq_applies(const Args& a) {
+  if (bwd_state_form == BwdStateForm::chunks || !dseq_fits(a.P, a.N, a.Q) || a.batch > 65535 || a.H > 65535) return false;
+  if (!(aligned16(a.xbc) && aligned16(a.dy) && a.ldx % 4 == 0 && a.ldy % 4 == 0 && a.c_col % 4 == 0)) return false;
+  if (kDsSmem > max_block_smem()) return false;
+  // automatic: where the blocks fill two per SM (a choice, not a measured crossover: with fewer, each SM's one or
+  // two blocks wait on their loads one chunk at a time where the chunked kernels have every chunk in parallel)
+  return bwd_state_form == BwdStateForm::sequential ||
+         std::int64_t(a.batch) * a.H * (a.N / kDsT) >= 2 * std::int64_t(cuda_k::sm_count());
+}
+
+void dstates_seq(const Args& a) {
+  Kokkos::Profiling::ScopedRegion region("ssd::fused_dstates_seq");
+  require(dseq_fits(a.P, a.N, a.Q) && a.dstates_out && aligned16(a.xbc) && aligned16(a.dy) && a.ldx % 4 == 0 &&
+              a.ldy % 4 == 0 && a.c_col % 4 == 0,
+          "ssd fused", "the sequential backward state passing takes headdim 64, chunk 64, d_state a multiple of 64 ",
+          "and 16-byte aligned rows (P = ", a.P, ", N = ", a.N, ", Q = ", a.Q, ")");
+  const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
+  allow_smem<dstates_seq_kernel>(kDsSmem, "sequential backward state passing");
+  dstates_seq_kernel<<<dim3(a.N / kDsT, a.H, a.batch), kThreads, kDsSmem, st>>>(a);
+  check_launch("sequential backward state passing");
+  ++dseq_count;
+}
+
+long dseq_launches() { return dseq_count; }
+
 void bc_backward(const Args& a) {
   Kokkos::Profiling::ScopedRegion region("ssd::fused_bc_backward");
   const int hpg = a.G > 0 ? a.H / a.G : 0;
@@ -2599,6 +2759,10 @@ bool seq_fits(int, int, int) { return false; }
 bool seq_applies(const Args&) { return false; }
 void scan_seq(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
 long seq_launches() { return 0; }
+bool dseq_fits(int, int, int) { return false; }
+bool dseq_applies(const Args&) { return false; }
+void dstates_seq(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
+long dseq_launches() { return 0; }
 void bc_backward(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
 
 #endif

@@ -50,6 +50,11 @@ struct Args {
   float* final_state = nullptr;
   bool write_states = true;
   float* cb_out = nullptr;
+  // dstates_seq (the sequential backward state passing): dL/d(final state) (batch, H, P, N) or null (zero); writes
+  // dH of every chunk (batch, nchunks, H, P, N) to dstates_out and dL/d(initial state) to dinit where given
+  const float* dfinal = nullptr;
+  float* dstates_out = nullptr;
+  float* dinit = nullptr;
 };
 
 // True when this build has the kernels (CUDA) and the shape suits them: headdim a multiple of 16 up to 128,
@@ -146,6 +151,31 @@ void scan_seq(const Args& a);
 
 // The count of scan_seq launches in this process (the tests check that a forced form ran).
 long seq_launches();
+
+// How the fused backward forms dH, the gradient of the state at each chunk's end, where bc_backward forms dB and dC
+// (BcForm::kernel as resolved):
+// - chunks: each chunk's own term (e_in dY)^T C by chunk_state (ein_weights, every chunk in parallel, written to
+//   device memory), then the reverse state passing over them;
+// - sequential: dstates_seq, one block per (64 columns of d_state, head, row) walking the row's chunks from the
+//   last with its tile of dH in registers: dY and C read once, dH written once;
+// - automatic (the default): sequential where dseq_fits and the blocks fill two an SM, else chunks.
+enum class BwdStateForm { automatic, chunks, sequential };
+extern BwdStateForm bwd_state_form;
+
+// The shapes dstates_seq takes: headdim 64, chunk 64, d_state a multiple of 64 (this build has it: CUDA).
+bool dseq_fits(int headdim, int dstate, int chunk);
+
+// Whether the fused backward of `a` (shape, alignment of dY and C, the blocks against the device's SMs) runs
+// dstates_seq.
+bool dseq_applies(const Args& a);
+
+// dH of every chunk into a.dstates_out and dL/d(initial state) into a.dinit (where given), from dY (a.dy, a.ldy),
+// C (a.xbc's C columns), the cumsum, the records and a.dfinal (null: zero), as chunk_state with ein_weights and
+// the reverse state passing compute them (the same cutoffs); the products on bf16 operands, fp32 accumulation.
+void dstates_seq(const Args& a);
+
+// The count of dstates_seq launches in this process.
+long dseq_launches();
 
 // Whether the fused backward's GEMM form (BcForm::gemm as resolved) takes its state terms on bf16 operands under
 // bf16 arithmetic from a kept context (ssd_bf16_state_terms, ssd.hpp; default) or on tf32 from fp32 copies (the
