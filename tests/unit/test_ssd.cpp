@@ -962,34 +962,43 @@ TEST_CASE("SSD fused sequential forward (one block walking a row's chunks) equal
   CHECK(ssd_fused::fwd_form == FwdForm::automatic);  // restored
 }
 
-TEST_CASE("SSD fused sequential backward state passing (one block walking a row's chunks back) equals the chunked "
+TEST_CASE("SSD fused sequential backward state terms (blocks walking a row's chunks back) equal the chunked "
           "kernels' within bf16 rounding",
           "[ssd][gradcheck]") {
-  // ssd_fused::dstates_seq against chunk_state (ein_weights) + the reverse state passing (BwdStateForm::chunks),
-  // under bc_backward (BcForm::kernel, which takes them): a short last chunk, packed records, an initial state and
-  // a final state's gradient, with and without D_token; one head a group and groups of two; d_state 128 and 64.
-  // Compared: every gradient, dinit included. Host builds have no such kernel: dseq_fits is false there.
+  // Under bc_backward (BcForm::kernel, where these forms apply), against chunk_state (ein_weights) + the reverse
+  // state passing + state_epilogue (BwdStateForm::chunks): dstates_seq + state_epilogue (dstates) and
+  // state_bwd_seq (sequential); a short last chunk, packed records, an initial state and a final state's gradient,
+  // with and without D_token (which also takes the fp32 dY . X); one head a group and groups of two; d_state 128
+  // and 64; the SSD's heads in one block and (a workspace budget of one head) in blocks of one. Compared: every
+  // gradient, dinit included. Host builds have neither kernel: dseq_fits and sbseq_fits are false there.
   using ssd_fused::BwdStateForm;
   CHECK(ssd_fused::bwd_state_form == BwdStateForm::automatic);  // the default
   if (!ssd_fused::dseq_fits(64, 128, 64)) {
     CHECK(std::string(Exec::name()) != "Cuda");
     CHECK_FALSE(ssd_fused::dseq_fits(64, 64, 64));
+    CHECK_FALSE(ssd_fused::sbseq_fits(64, 128, 64));
     return;
   }
   CHECK(ssd_fused::dseq_fits(64, 192, 64));
   CHECK_FALSE(ssd_fused::dseq_fits(64, 128, 128));
   CHECK_FALSE(ssd_fused::dseq_fits(32, 128, 64));
   CHECK_FALSE(ssd_fused::dseq_fits(64, 96, 64));
+  CHECK(ssd_fused::sbseq_fits(64, 64, 64));
+  CHECK_FALSE(ssd_fused::sbseq_fits(64, 192, 64));
+  CHECK_FALSE(ssd_fused::sbseq_fits(64, 128, 128));
   const ssd_fused::FormScope bc(ssd_fused::bc_form, ssd_fused::BcForm::kernel);
   for (const FusedShape& sh : {FusedShape{300, 2, 64, 1, 128, 64}, FusedShape{333, 3, 64, 3, 64, 64},
                                FusedShape{64, 2, 64, 2, 128, 64}}) {
-    for (int variant = 0; variant < 3; ++variant) {  // 0 records + init, 1 neither, 2 records + init + D_token
+    for (int variant = 0; variant < 4; ++variant) {
+      // 0 records + init, 1 neither, 2 records + init + D_token, 3 as 0 in blocks of one head (one a group)
+      if (variant == 3 && sh.G != sh.H) continue;
       Case c = sh.to_case();
       c.algo = SSDAlgo::fused;
       c.compute = GemmCompute::bf16;
       c.dt_lo = 0.02;
       c.records = c.init = variant != 1;
       INFO("L=" << sh.L << " H=" << sh.H << " G=" << sh.G << " N=" << sh.N << " variant " << variant);
+      if (variant == 3) c.workspace = head_budget(c, true, 1);
       Data<float> d(c);
       SSDIn<float> in = d.in();
       if (variant == 2) in.D_token = token_skip(d);
@@ -1003,24 +1012,29 @@ TEST_CASE("SSD fused sequential backward state passing (one block walking a row'
       View4<float> dfin("dfin", c.B, c.H, c.P, c.N);
       fill_uniform(dy, 21);
       fill_uniform(dfin, 22);
-      std::vector<double> out[2][7];
-      for (int k = 0; k < 2; ++k) {  // 0 chunks, 1 sequential
-        const ssd_fused::FormScope form(ssd_fused::bwd_state_form, k ? BwdStateForm::sequential : BwdStateForm::chunks);
-        const long before = ssd_fused::dseq_launches();
+      std::vector<double> out[3][7];
+      for (int k = 0; k < 3; ++k) {  // 0 chunks, 1 dstates, 2 sequential
+        const BwdStateForm f = std::array{BwdStateForm::chunks, BwdStateForm::dstates, BwdStateForm::sequential}[k];
+        const ssd_fused::FormScope form(ssd_fused::bwd_state_form, f);
+        const long before = ssd_fused::dseq_launches(), sb_before = ssd_fused::sbseq_launches();
         SSDGrad<float> g = d.grads(true);
         if (variant == 2) g.dD_token = View3<float>("dD_token", c.B, c.H, c.L);
         ssd_backward<float>(d.shape, in, dy, variant == 1 ? View4<float>() : dfin, g, &kept);
-        CHECK(ssd_fused::dseq_launches() == before + k);
+        CHECK(ssd_fused::dseq_launches() == before + (k == 1 ? 1 : 0));
+        if (k == 2) CHECK(ssd_fused::sbseq_launches() > sb_before);  // one a block of heads
+        else CHECK(ssd_fused::sbseq_launches() == sb_before);
         const std::vector<double> got[7] = {to_vec(g.dxbc),     to_vec(g.ddt), to_vec(g.dA_log),
                                             to_vec(g.ddt_bias), to_vec(g.dD),  to_vec(g.dinit_state),
                                             variant == 2 ? to_vec(g.dD_token) : std::vector<double>{}};
         for (int i = 0; i < 7; ++i) out[k][i] = got[i];
       }
-      for (int i = 0; i < 7; ++i) {
-        INFO("output " << i << " (dxbc, ddt, dA_log, ddt_bias, dD, dinit, dD_token)");
-        REQUIRE(out[1][i].size() == out[0][i].size());
-        if (!out[0][i].empty()) CHECK(rel_err(out[1][i], out[0][i]) < 1e-2);
-      }
+      for (int k = 1; k < 3; ++k)
+        for (int i = 0; i < 7; ++i) {
+          INFO("form " << k << " (dstates, sequential), output " << i
+                       << " (dxbc, ddt, dA_log, ddt_bias, dD, dinit, dD_token)");
+          REQUIRE(out[k][i].size() == out[0][i].size());
+          if (!out[0][i].empty()) CHECK(rel_err(out[k][i], out[0][i]) < 1e-2);
+        }
     }
   }
   CHECK(ssd_fused::bwd_state_form == BwdStateForm::automatic);  // restored

@@ -948,18 +948,27 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
   // with the weights e_in (no scaled copy of dY: 2 x 4 B L H P bytes less)
   View5<T> dstates = ws.take<View5<T>>("ssd::dstates", c.Bsz, c.nc, c.H, c.Pd, c.N);
   View2<T> dye;
-  bool dstates_done = false;  // dH of every chunk and dinit already formed (ssd_fused::dstates_seq)
+  bool dstates_done = false;  // dH of every chunk and dinit formed before the blocks (ssd_fused::dstates_seq)
+  bool sbseq = false;         // dH, dinit and the state epilogue formed per block (ssd_fused::state_bwd_seq)
   if (bc_kernel) {
     if constexpr (std::is_same_v<T, float>) {
       ssd_fused::Args a = fused_args(c);
-      // where dstates_seq applies: dH of every chunk in one reverse pass per row, no state passing after it
+      // where state_bwd_seq applies (asked with the first block's heads, then taken for every block): nothing
+      // here; else where dstates_seq applies: dH of every chunk in one reverse pass per row, no state passing
       a.dy = dy.data();
       a.ldy = ldy;
+      const DxOut<T> dxo0 = dx_out(c, gr);
+      a.dx = dxo0.p;
+      a.ldd = dxo0.ld;
+      a.nh = int(g.hb);
       bool contiguous = true;
       a.dfinal = state_ptr(dfinal_state, contiguous);
       a.dinit = state_ptr(gr.dinit_state, contiguous);
       a.dstates_out = dstates.data();
-      if (contiguous && ssd_fused::dseq_applies(a)) {
+      if (contiguous && ssd_fused::sbseq_applies(a) &&
+          ssd_fused::epilogue_writes_wdecay(int(c.Pd), int(c.N))) {
+        sbseq = true;
+      } else if (contiguous && ssd_fused::dseq_applies(a)) {
         ssd_fused::dstates_seq(a);
         dstates_done = true;
       } else {
@@ -992,7 +1001,7 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
   // under the bf16 state terms, dH also as the bf16 copy their GEMM takes, written by the state passing
   const index_t srows = nbc * c.H * c.Pd;
   const View1<bf16_op_t> dHb = b16 ? ws.take<View1<bf16_op_t>>("ssd::dh_bf16", srows * c.N) : View1<bf16_op_t>();
-  if (!dstates_done) state_passing_bwd(c, dstates, dfinal_state, gr.dinit_state, dHb.data());
+  if (!dstates_done && !sbseq) state_passing_bwd(c, dstates, dfinal_state, gr.dinit_state, dHb.data());
 
   const auto dxbc = gr.dxbc;
   const auto ddt = gr.ddt;
@@ -1141,6 +1150,16 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
     const bool group_runs = !bc_kernel && rl == c.hpg && nruns > 1 && c.gptrs != nullptr;
     if (bc_kernel) {
       if constexpr (std::is_same_v<T, float>) {
+        if (sbseq) {  // the block's dH (bc_backward reads it), dinit and state epilogue in one reverse pass
+          ssd_fused::Args a = fused_block_args(c, dy.data(), ldy, dXx, lddx, v.data(), blk0, nh);
+          bool contiguous = true;
+          a.dfinal = state_ptr(dfinal_state, contiguous);
+          a.dinit = state_ptr(gr.dinit_state, contiguous);
+          a.dstates_out = dstates.data();
+          a.wdecay = wdec.data();
+          a.ddot_f32 = gr.dD_token.extent(0) > 0;
+          ssd_fused::state_bwd_seq(a);
+        }
         ssd_fused::Args a = fused_block_args(c, dy.data(), ldy, dXx, lddx, v.data(), blk0, nh);
         a.w2 = w2.data();
         a.run_len = int(rl);
@@ -1179,11 +1198,13 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
     // not captured, which reads host stack memory on the device)
     if (fused) {
       if constexpr (std::is_same_v<T, float>) {
-        ssd_fused::Args a = fused_block_args(c, dy.data(), ldy, dXx, lddx, v.data(), blk0, nh);
-        a.dstates = dstates.data();
-        a.wdecay = wdec.data();
-        a.ddot_f32 = gr.dD_token.extent(0) > 0;
-        ssd_fused::state_epilogue(a);
+        if (!sbseq) {  // (else state_bwd_seq formed them)
+          ssd_fused::Args a = fused_block_args(c, dy.data(), ldy, dXx, lddx, v.data(), blk0, nh);
+          a.dstates = dstates.data();
+          a.wdecay = wdec.data();
+          a.ddot_f32 = gr.dD_token.extent(0) > 0;
+          ssd_fused::state_epilogue(a);
+        }
       }
     } else {
       const index_t nrt = (nr + kEpiRows - 1) / kEpiRows;

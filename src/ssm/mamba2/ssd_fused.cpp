@@ -1954,6 +1954,291 @@ __global__ void __launch_bounds__(kThreads, 3) dstates_seq_kernel(const Args a) 
   }
 }
 
+// ------------------------------------------------------------------ backward, the state terms in one reverse pass
+
+// state_bwd_seq: dstates_seq's reverse walk with the state epilogue folded in, for a block of heads h0 .. h0 + nh - 1
+// (the epilogue adds to dX, which the block's intra-chunk backward wrote first). One block of 8 warps per (head,
+// row) walks the chunks from the last with dH (P x N) in registers: warp w holds rows p = 16 (w % 4) .. + 15 and,
+// in every slice of 32 state columns, the 16 columns 16 (w / 4) .. of it. Per chunk:
+//   dH to dstates_out (fp32; bc_backward reads it) and to shared memory (bf16), S_in (the forward's kept states)
+//   to shared memory (bf16), wdecay = sum(dH o S_in) in fp32;
+//   over the slices of 32 state columns (B and C of the slice by cp.async, the next slice in flight, the chunk's
+//   dY with its first slice): T1 += B dH^T and T2 += C S_in^T in tf32 (A fragments from the fp32 slices, B from
+//   the bf16 copies: rows l = 16 (w % 4) .., columns p = 32 (w / 4) ..), and the slice's columns of dH take the
+//   decay and the chunk's product (e_in o dY)^T C on bf16 operands;
+//   per token (state_epilogue's terms): dX_l += D dY_l + Delta_l es_l T1_l, v4(l) = e_in(l) dY_l . T2_l,
+//   v5(l) = es(l) X_l . T1_l (and v3(l) = dY_l . X_l with ddot_f32), the two column halves summed through shared
+//   memory.
+// Shared memory: two slices (B, C: 64 x 36 fp32 each), two dY buffers (64 x 68 fp32), dH and S_in in bf16
+// (64 x (N + 8)), the chunk's factors and the halves' partial sums: 106 KB at N = 128, two blocks an SM.
+constexpr int kSbThreads = 256, kSbSl = 32, kSbLd = kSbSl + 4;
+template <int N>
+struct SbLayout {
+  static constexpr int ldy = kSqP + 4, ldh = N + 8;
+  static constexpr std::size_t slice = 2 * std::size_t(kSqQ) * kSbLd;  // floats: B, then C, of one slice
+  static constexpr std::size_t y_off = 2 * slice * 4, h_off = y_off + 2 * std::size_t(kSqQ) * ldy * 4,
+                               s_off = h_off + std::size_t(kSqP) * ldh * 2,
+                               f_off = s_off + std::size_t(kSqP) * ldh * 2, r_off = f_off + 4 * std::size_t(kSqQ) * 4,
+                               bytes = r_off + (3 * std::size_t(kSqQ) + kSbThreads / 32) * 4;
+};
+
+// cp.async of a ROWS x COLS fp32 tile (rows 16-byte aligned) by the NT threads of a block; rows past nr as zeros.
+template <int ROWS, int COLS, int NT>
+__device__ __forceinline__ void stage_async(float* dst, int ldd, const float* src, std::int64_t lds, int nr) {
+  constexpr int C4 = COLS / 4;
+  static_assert(ROWS * C4 % NT == 0, "whole steps of the block");
+#pragma unroll
+  for (int it = 0; it < ROWS * C4 / NT; ++it) {
+    const int i = threadIdx.x + it * NT, r = i / C4, c = (i % C4) * 4;
+    const bool in = r < nr;
+    cuda_k::cp_async<16>(dst + r * ldd + c, in ? src + r * lds + c : src, in ? 16 : 0);
+  }
+}
+
+template <int N>
+__global__ void __launch_bounds__(kSbThreads, 2) state_bwd_seq_kernel(const Args a) {
+  using Lay = SbLayout<N>;
+  constexpr int Q = kSqQ, P = kSqP, NS = N / kSbSl, ldy = Lay::ldy, ldh = Lay::ldh, lds = kSbLd;
+  extern __shared__ __align__(128) unsigned char smem[];
+  float* slices = reinterpret_cast<float*>(smem);
+  float* ybuf = reinterpret_cast<float*>(smem + Lay::y_off);
+  bf* hs = reinterpret_cast<bf*>(smem + Lay::h_off);
+  bf* ss = reinterpret_cast<bf*>(smem + Lay::s_off);
+  float* ein_s = reinterpret_cast<float*>(smem + Lay::f_off);
+  float* es_s = ein_s + Q;
+  float* dt_s = es_s + Q;
+  float* dl_s = dt_s + Q;
+  float* red = reinterpret_cast<float*>(smem + Lay::r_off);  // (64 tokens, 3): the second column half's sums
+  float* wsum = red + 3 * Q;
+
+  const int hi = blockIdx.x, h = a.h0 + hi, b = blockIdx.y, grp = h / (a.H / a.G);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, cq = lane % 4;
+  const int wc = warp / 4, r0 = 16 * (warp % 4);
+  const std::int64_t row0 = std::int64_t(b) * a.L, PN = std::int64_t(P) * N, nr = std::int64_t(a.batch) * a.L;
+  const float* acs_row = a.acs + (std::int64_t(b) * a.H + h) * a.L;
+  const float* dlt_row = a.delta + (std::int64_t(b) * a.H + h) * a.L;
+  const float Dh = a.D[h];
+  const int nc = a.nc;
+  auto rows = [&](int ch) { return min(Q, a.L - ch * Q); };
+  auto tok0 = [&](int ch) { return row0 + std::int64_t(ch) * Q; };
+  // slice sl of chunk ch's B and C into slice buffer `buf`, with sl == 0 the chunk's dY into dY buffer ch & 1
+  auto issue = [&](int ch, int sl, int buf) {
+    float* bsl = slices + buf * Lay::slice;
+    const float* src = a.xbc + tok0(ch) * a.ldx + std::int64_t(grp) * N + kSbSl * sl;
+    stage_async<Q, kSbSl, kSbThreads>(bsl, lds, src + a.b_col, a.ldx, rows(ch));
+    stage_async<Q, kSbSl, kSbThreads>(bsl + Q * lds, lds, src + a.c_col, a.ldx, rows(ch));
+    if (sl == 0)
+      stage_async<Q, P, kSbThreads>(ybuf + (ch & 1) * Q * ldy, ldy, a.dy + tok0(ch) * a.ldy + h * P, a.ldy, rows(ch));
+    cuda_k::cp_async_commit();
+  };
+  // chunk ch's factors of token tid (threads < Q; zero past the chunk): e_in, es (zero outside their records or
+  // below the cutoff), Delta and the skip coefficient; and the chunk's decay cd (every thread)
+  float f_ein = 0.f, f_es = 0.f, f_dt = 0.f, f_dl = 0.f, f_cd = 0.f;
+  auto factors = [&](int ch) {
+    const int t0 = ch * Q, q = rows(ch);
+    const int r_in = a.seq ? a.seq[row0 + (ch == 0 ? 0 : t0 - 1)] : 0;
+    const int r_last = a.seq ? a.seq[row0 + t0 + q - 1] : 0;
+    const float acs_last = acs_row[t0 + q - 1];
+    f_cd = r_last == r_in ? decay(acs_last) : 0.f;
+    f_ein = f_es = f_dt = f_dl = 0.f;
+    if (tid < q) {
+      const int t = t0 + tid, r = a.seq ? a.seq[row0 + t] : 0;
+      const float ac = acs_row[t];
+      if (r == r_in) {
+        const float e = decay(ac);
+        f_ein = e < a.cutoff ? 0.f : e;
+      }
+      if (r == r_last) {
+        const float e = decay(acs_last - ac);
+        f_es = e < a.cutoff ? 0.f : e;
+      }
+      f_dt = dlt_row[t];
+      f_dl = skip_coef(a, Dh, row0, h, t);
+    }
+  };
+
+  // dh[sl][jj] holds dH(p, n) at p = r0 + g (entries 0, 1) and r0 + g + 8 (2, 3), n = 32 sl + 16 wc + 8 jj + 2 c
+  float dh[NS][2][4];
+  {
+    const float* D0 = a.dfinal ? a.dfinal + (std::int64_t(b) * a.H + h) * PN : nullptr;
+#pragma unroll
+    for (int sl = 0; sl < NS; ++sl)
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const int p = r0 + g + 8 * hr, n = kSbSl * sl + 16 * wc + 8 * jj + 2 * cq;
+          const float2 v = D0 ? *reinterpret_cast<const float2*>(D0 + p * N + n) : make_float2(0.f, 0.f);
+          dh[sl][jj][2 * hr] = v.x, dh[sl][jj][2 * hr + 1] = v.y;
+        }
+  }
+  issue(nc - 1, 0, 0);
+  factors(nc - 1);
+  int buf = 0;  // the slice buffer of the next slice to multiply
+
+  for (int ch = nc - 1; ch >= 0; --ch) {
+    const int t0 = ch * Q, q = rows(ch);
+    const std::int64_t st_off = ((std::int64_t(b) * nc + ch) * a.H + h) * PN;
+    {  // dH at chunk ch's end out (fp32) and to hs (bf16), S_in to ss (bf16), this warp's part of sum(dH o S_in);
+       // S_in loaded two slices at a time (all of it at once spilled at N = 128: ptxas, 128 registers)
+      const float* Sin = a.states + st_off;
+      float* Dst = a.dstates_out + st_off;
+      float wd = 0.f;
+      constexpr int kHalf = NS / 2;
+#pragma unroll
+      for (int s0 = 0; s0 < NS; s0 += kHalf) {
+        float2 sv[kHalf][2][2];
+#pragma unroll
+        for (int si = 0; si < kHalf; ++si)
+#pragma unroll
+          for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr)
+              sv[si][jj][hr] = *reinterpret_cast<const float2*>(
+                  Sin + (r0 + g + 8 * hr) * N + kSbSl * (s0 + si) + 16 * wc + 8 * jj + 2 * cq);
+#pragma unroll
+        for (int si = 0; si < kHalf; ++si)
+#pragma unroll
+          for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+              const int p = r0 + g + 8 * hr, n = kSbSl * (s0 + si) + 16 * wc + 8 * jj + 2 * cq;
+              const float d0 = dh[s0 + si][jj][2 * hr], d1 = dh[s0 + si][jj][2 * hr + 1];
+              const float2 sx = sv[si][jj][hr];
+              *reinterpret_cast<float2*>(Dst + p * N + n) = make_float2(d0, d1);
+              *reinterpret_cast<unsigned*>(hs + p * ldh + n) = pack_bf16(d0, d1);
+              *reinterpret_cast<unsigned*>(ss + p * ldh + n) = pack_bf16(sx.x, sx.y);
+              wd += d0 * sx.x + d1 * sx.y;
+            }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) wd += __shfl_xor_sync(0xffffffffu, wd, o);
+      if (lane == 0) wsum[warp] = wd;
+    }
+    if (tid < Q) ein_s[tid] = f_ein, es_s[tid] = f_es, dt_s[tid] = f_dt, dl_s[tid] = f_dl;
+    const float cd = f_cd;
+    float t1[4][4], t2[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) t1[j][e] = t2[j][e] = 0.f;
+    const float* ys = ybuf + (ch & 1) * Q * ldy;
+#pragma unroll
+    for (int sl = 0; sl < NS; ++sl) {
+      cuda_k::cp_async_wait<0>();
+      __syncthreads();  // slice sl (with sl == 0: dY, hs, ss, the factors) visible; the other slice buffer free
+      if (sl + 1 < NS) issue(ch, sl + 1, buf ^ 1);
+      else if (ch > 0) issue(ch - 1, 0, buf ^ 1);
+      if (sl == 0 && ch > 0) factors(ch - 1);
+      const float* bsl = slices + buf * Lay::slice;
+      const float* csl = bsl + Q * lds;
+      buf ^= 1;
+      // T1 += B dH^T, T2 += C S_in^T over the slice's columns k in tf32
+#pragma unroll
+      for (int k0 = 0; k0 < kSbSl; k0 += 8) {
+        const float* bp = bsl + (r0 + g) * lds + cq + k0;
+        const float* cp = csl + (r0 + g) * lds + cq + k0;
+        const unsigned fb[4] = {to_tf32(bp[0]), to_tf32(bp[8 * lds]), to_tf32(bp[4]), to_tf32(bp[8 * lds + 4])};
+        const unsigned fc[4] = {to_tf32(cp[0]), to_tf32(cp[8 * lds]), to_tf32(cp[4]), to_tf32(cp[8 * lds + 4])};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {  // dH^T and S_in^T: element (k = n, column p) at p ldh + n
+          const int off = (32 * wc + 8 * j + g) * ldh + kSbSl * sl + k0 + cq;
+          const unsigned short* hp = reinterpret_cast<const unsigned short*>(hs) + off;
+          const unsigned short* sp = reinterpret_cast<const unsigned short*>(ss) + off;
+          mma_tf32(t1[j], fb, unsigned(hp[0]) << 16, unsigned(hp[4]) << 16);
+          mma_tf32(t2[j], fc, unsigned(sp[0]) << 16, unsigned(sp[4]) << 16);
+        }
+      }
+      // the slice's columns of dH: cd dH + (e_in o dY)^T C over the chunk's tokens, bf16 operands
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dh[sl][jj][e] *= cd;
+#pragma unroll
+      for (int kk = 0; kk < Q / 16; ++kk) {
+        unsigned fa[4];  // (e_in o dY)^T: rows p = r0 + g (+ 8), columns l = 16 kk + 8 kh + 2 c (+ 1)
+#pragma unroll
+        for (int kh = 0; kh < 2; ++kh) {
+          const int l = 16 * kk + 8 * kh + 2 * cq;
+          const float2 w = *reinterpret_cast<const float2*>(ein_s + l);
+          const float* yp = ys + l * ldy + r0 + g;
+#pragma unroll
+          for (int hr = 0; hr < 2; ++hr) fa[2 * kh + hr] = pack_bf16(yp[8 * hr] * w.x, yp[ldy + 8 * hr] * w.y);
+        }
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {  // C rows l = 16 kk + 2 c (+ 1, + 8, + 9), column 16 wc + 8 jj + g
+          const float* cp = csl + (16 * kk + 2 * cq) * lds + 16 * wc + 8 * jj + g;
+          mma_bf16(dh[sl][jj], fa, pack_bf16(cp[0], cp[lds]), pack_bf16(cp[8 * lds], cp[9 * lds]));
+        }
+      }
+    }
+    // the per-token terms: dX out, this thread's parts of the three dot products, summed over its quad
+    // (X and dX loaded here a row at a time: held over the slices they spilled at 128 registers)
+    float p3[2] = {0.f, 0.f}, p4[2] = {0.f, 0.f}, p5[2] = {0.f, 0.f};
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int l = r0 + g + 8 * hr;
+      const float des = dt_s[l] * es_s[l], Dl = dl_s[l];
+      const float* yr = ys + l * ldy + 32 * wc + 2 * cq;
+      const float* xr = a.xs + (tok0(ch) + l) * a.ldxs + h * P + 32 * wc + 2 * cq;
+      float* dxr = a.dx + (tok0(ch) + l) * a.ldd + h * P + 32 * wc + 2 * cq;
+      float2 xv[4], dxv[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        xv[j] = l < q ? *reinterpret_cast<const float2*>(xr + 8 * j) : make_float2(0.f, 0.f);
+        dxv[j] = l < q ? *reinterpret_cast<const float2*>(dxr + 8 * j) : make_float2(0.f, 0.f);
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 y = *reinterpret_cast<const float2*>(yr + 8 * j), x = xv[j], dx = dxv[j];
+        const float a1 = t1[j][2 * hr], b1 = t1[j][2 * hr + 1], a2 = t2[j][2 * hr], b2 = t2[j][2 * hr + 1];
+        p5[hr] += x.x * a1 + x.y * b1;
+        p4[hr] += y.x * a2 + y.y * b2;
+        p3[hr] += y.x * x.x + y.y * x.y;
+        if (l < q)
+          *reinterpret_cast<float2*>(dxr + 8 * j) = make_float2(dx.x + Dl * y.x + des * a1, dx.y + Dl * y.y + des * b1);
+      }
+#pragma unroll
+      for (int o = 1; o < 4; o <<= 1) {
+        p3[hr] += __shfl_xor_sync(0xffffffffu, p3[hr], o);
+        p4[hr] += __shfl_xor_sync(0xffffffffu, p4[hr], o);
+        p5[hr] += __shfl_xor_sync(0xffffffffu, p5[hr], o);
+      }
+      if (wc == 1 && cq == 0) red[3 * l] = p3[hr], red[3 * l + 1] = p4[hr], red[3 * l + 2] = p5[hr];
+    }
+    __syncthreads();  // the second half's sums and every warp's part of wdecay
+    if (wc == 0 && cq == 0) {
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int l = r0 + g + 8 * hr;
+        if (l >= q) continue;
+        float* vr = a.v + (std::int64_t(hi) * nr + tok0(ch) + l) * 6;
+        if (a.ddot_f32) vr[3] = p3[hr] + red[3 * l];
+        vr[4] = ein_s[l] * (p4[hr] + red[3 * l + 1]);
+        vr[5] = es_s[l] * (p5[hr] + red[3 * l + 2]);
+      }
+    }
+    if (tid == 0 && a.wdecay) {
+      float t = 0.f;
+#pragma unroll
+      for (int w = 0; w < kSbThreads / 32; ++w) t += wsum[w];
+      a.wdecay[(std::int64_t(b) * nc + ch) * a.H + h] = t;
+    }
+    __syncthreads();  // before the next chunk writes hs, ss, the factors, the sums
+  }
+  if (a.dinit) {
+    float* D = a.dinit + (std::int64_t(b) * a.H + h) * PN;
+#pragma unroll
+    for (int sl = 0; sl < NS; ++sl)
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr)
+          *reinterpret_cast<float2*>(D + (r0 + g + 8 * hr) * N + kSbSl * sl + 16 * wc + 8 * jj + 2 * cq) =
+              make_float2(dh[sl][jj][2 * hr], dh[sl][jj][2 * hr + 1]);
+  }
+}
+
 // ------------------------------------------------------------------ backward, the state terms per token
 
 // One block per (64 tokens l, head of the block, (row, chunk)): T1 = B_l dH^T and T2 = C_l S_in^T on tensor cores
@@ -2719,7 +3004,7 @@ bool dseq_applies(const Args& a) {
   if (kDsSmem > max_block_smem()) return false;
   // automatic: where the blocks fill two per SM (a choice, not a measured crossover: with fewer, each SM's one or
   // two blocks wait on their loads one chunk at a time where the chunked kernels have every chunk in parallel)
-  return bwd_state_form == BwdStateForm::sequential ||
+  return bwd_state_form == BwdStateForm::dstates || bwd_state_form == BwdStateForm::sequential ||
          std::int64_t(a.batch) * a.H * (a.N / kDsT) >= 2 * std::int64_t(cuda_k::sm_count());
 }
 
@@ -2737,6 +3022,46 @@ void dstates_seq(const Args& a) {
 }
 
 long dseq_launches() { return dseq_count; }
+
+namespace {
+long sbseq_count = 0;
+std::size_t sbseq_smem(int N) { return N == 128 ? SbLayout<128>::bytes : SbLayout<64>::bytes; }
+bool sbseq_aligned(const Args& a) {
+  return aligned4_bwd(a) && a.ldx % 4 == 0 && a.ldxs % 4 == 0 && a.ldy % 4 == 0 && a.ldd % 4 == 0;
+}
+}  // namespace
+
+bool sbseq_fits(int headdim, int dstate, int chunk) {
+  return headdim == kSqP && chunk == kSqQ && (dstate == 64 || dstate == 128);
+}
+
+bool sbseq_applies(const Args& a) {
+  if (bwd_state_form == BwdStateForm::chunks || bwd_state_form == BwdStateForm::dstates) return false;
+  if (!sbseq_fits(a.P, a.N, a.Q) || !sbseq_aligned(a) || a.batch > 65535 || a.nh > 65535) return false;
+  if (sbseq_smem(a.N) > max_block_smem()) return false;
+  // automatic: where the blocks of the call's heads fill the SMs (a choice, not a measured crossover)
+  return bwd_state_form == BwdStateForm::sequential || std::int64_t(a.batch) * a.nh >= cuda_k::sm_count();
+}
+
+void state_bwd_seq(const Args& a) {
+  Kokkos::Profiling::ScopedRegion region("ssd::fused_state_bwd_seq");
+  require(sbseq_fits(a.P, a.N, a.Q) && sbseq_aligned(a) && a.dstates_out && a.v, "ssd fused",
+          "the sequential backward state terms take headdim 64, chunk 64, d_state 64 or 128 and 16-byte aligned ",
+          "rows (P = ", a.P, ", N = ", a.N, ", Q = ", a.Q, ")");
+  const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
+  const std::size_t bytes = sbseq_smem(a.N);
+  if (a.N == 128) {
+    allow_smem<state_bwd_seq_kernel<128>>(bytes, "sequential backward state terms");
+    state_bwd_seq_kernel<128><<<dim3(a.nh, a.batch), kSbThreads, bytes, st>>>(a);
+  } else {
+    allow_smem<state_bwd_seq_kernel<64>>(bytes, "sequential backward state terms");
+    state_bwd_seq_kernel<64><<<dim3(a.nh, a.batch), kSbThreads, bytes, st>>>(a);
+  }
+  check_launch("sequential backward state terms");
+  ++sbseq_count;
+}
+
+long sbseq_launches() { return sbseq_count; }
 
 void bc_backward(const Args& a) {
   Kokkos::Profiling::ScopedRegion region("ssd::fused_bc_backward");
@@ -2763,6 +3088,10 @@ bool dseq_fits(int, int, int) { return false; }
 bool dseq_applies(const Args&) { return false; }
 void dstates_seq(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
 long dseq_launches() { return 0; }
+bool sbseq_fits(int, int, int) { return false; }
+bool sbseq_applies(const Args&) { return false; }
+void state_bwd_seq(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
+long sbseq_launches() { return 0; }
 void bc_backward(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
 
 #endif

@@ -152,14 +152,18 @@ void scan_seq(const Args& a);
 // The count of scan_seq launches in this process (the tests check that a forced form ran).
 long seq_launches();
 
-// How the fused backward forms dH, the gradient of the state at each chunk's end, where bc_backward forms dB and dC
-// (BcForm::kernel as resolved):
+// How the fused backward forms dH, the gradient of the state at each chunk's end, and the state terms per token,
+// where bc_backward forms dB and dC (BcForm::kernel as resolved):
 // - chunks: each chunk's own term (e_in dY)^T C by chunk_state (ein_weights, every chunk in parallel, written to
-//   device memory), then the reverse state passing over them;
-// - sequential: dstates_seq, one block per (64 columns of d_state, head, row) walking the row's chunks from the
-//   last with its tile of dH in registers: dY and C read once, dH written once;
-// - automatic (the default): sequential where dseq_fits and the blocks fill two an SM, else chunks.
-enum class BwdStateForm { automatic, chunks, sequential };
+//   device memory), the reverse state passing over them, then state_epilogue (T1 = B dH^T, T2 = C S_in^T and the
+//   per-token terms, every chunk in parallel, reading dH and S_in);
+// - dstates: dstates_seq for dH (one block per (64 columns of d_state, head, row) walking the row's chunks from
+//   the last with its tile of dH in registers: dY and C read once, dH written once), then state_epilogue;
+// - sequential: state_bwd_seq, dstates_seq's walk with state_epilogue's terms folded in (one block per (head,
+//   row) holding all of dH): dH is written once for bc_backward and not read back by the epilogue;
+// - automatic (the default): sequential where sbseq_fits and batch x heads fill the SMs, else dstates where
+//   dseq_fits and its blocks fill two an SM, else chunks.
+enum class BwdStateForm { automatic, chunks, dstates, sequential };
 extern BwdStateForm bwd_state_form;
 
 // The shapes dstates_seq takes: headdim 64, chunk 64, d_state a multiple of 64 (this build has it: CUDA).
@@ -176,6 +180,23 @@ void dstates_seq(const Args& a);
 
 // The count of dstates_seq launches in this process.
 long dseq_launches();
+
+// The shapes state_bwd_seq takes: headdim 64, chunk 64, d_state 64 or 128 (this build has it: CUDA).
+bool sbseq_fits(int headdim, int dstate, int chunk);
+
+// Whether the fused backward's block of heads in `a` (shape, alignment, batch x its heads against the SMs) runs
+// state_bwd_seq.
+bool sbseq_applies(const Args& a);
+
+// For the block of heads h0 .. h0 + nh - 1 (a.v, a.dx as state_epilogue takes them, after intra_backward): dH of
+// every chunk into a.dstates_out, dL/d(initial state) into a.dinit (where given), and state_epilogue's outputs
+// (dX added to, v3 with ddot_f32, v4, v5, wdecay where given), from dY, X, B, C, the kept S_in (a.states), the
+// cumsum, the records and a.dfinal (null: zero); dH's products on bf16 operands, T1 and T2 in tf32 against dH and
+// S_in rounded to bf16, fp32 accumulation.
+void state_bwd_seq(const Args& a);
+
+// The count of state_bwd_seq launches in this process.
+long sbseq_launches();
 
 // Whether the fused backward's GEMM form (BcForm::gemm as resolved) takes its state terms on bf16 operands under
 // bf16 arithmetic from a kept context (ssd_bf16_state_terms, ssd.hpp; default) or on tf32 from fp32 copies (the
