@@ -684,12 +684,15 @@ void bench_mamba3(int reps, const SSDVariant& var, index_t batch, index_t seqlen
     time_other(ssd_fused::fwd_form, ssd_fused::FwdForm::chunks, name + suffix,
                "mamba3 siso block fwd " + shape + " d768 N128 P64 chunk64, " + var.name + suffix);
   }
-  // where the fused backward forms dH in one reverse pass per row (ssd_fused::BwdStateForm; automatic: its blocks
-  // fill two an SM), the same with the chunked kernels and the state passing, side by side
+  // where the fused backward walks each row's chunks back (ssd_fused::BwdStateForm: state_bwd_seq, or dstates_seq
+  // and the state epilogue), the same with the other forms, side by side
   if (var.algo == SSDAlgo::fused && ssd_fused::bwd_state_form != ssd_fused::BwdStateForm::chunks &&
-      ssd_fused::dseq_fits(int(cfg.headdim), int(cfg.d_state), int(cfg.chunk_size)))
-    time_other(ssd_fused::bwd_state_form, ssd_fused::BwdStateForm::chunks, name + " (backward dH: chunked kernels)",
-               "");
+      ssd_fused::dseq_fits(int(cfg.headdim), int(cfg.d_state), int(cfg.chunk_size))) {
+    using F = ssd_fused::BwdStateForm;
+    time_other(ssd_fused::bwd_state_form, F::chunks, name + " (backward state terms: chunked kernels)", "");
+    if (ssd_fused::bwd_state_form != F::dstates)
+      time_other(ssd_fused::bwd_state_form, F::dstates, name + " (backward state terms: dstates_seq + epilogue)", "");
+  }
   // the native kernels run (CUDA, a shape they take): the backward's dB and dC (one head a group here) also in the
   // other ssd_fused::BcForm (--bc-form picks the one above)
   if (var.algo == SSDAlgo::fused && ssd_fused::fits(int(cfg.headdim), int(cfg.d_state), int(cfg.chunk_size)))
@@ -970,9 +973,9 @@ int run(int argc, char** argv, int cp_size, int rank) {
     }
     else if (a == "--bwd-state-form") {  // the fused SSD backward's dH form for the whole run (BwdStateForm)
       using F = ssd_fused::BwdStateForm;
-      const int k = choice("--bwd-state-form", next(), {"automatic", "chunks", "sequential"});
+      const int k = choice("--bwd-state-form", next(), {"automatic", "chunks", "dstates", "sequential"});
       if (k < 0) return 2;
-      ssd_fused::bwd_state_form = std::array{F::automatic, F::chunks, F::sequential}[k];
+      ssd_fused::bwd_state_form = std::array{F::automatic, F::chunks, F::dstates, F::sequential}[k];
     }
     else if (a == "--backend") {
       const int k = choice("--backend", next(), {"mpi", "nccl"});
@@ -981,7 +984,7 @@ int run(int argc, char** argv, int cp_size, int rank) {
     }
     else {
       std::cerr << "mambamoe_bench: unknown option " << a
-                << " (known: --out DIR, --only copy,gemm,ssd,mamba1,mamba3,moe,lm, --reps N, --lm-batch B, --lm-seqlen L, --lm-window W, --mamba-batch B, --mamba-seqlen L, --moe-tokens N, --cp N, --backend mpi|nccl, --ssd V1,V2,.., --lm-ssd V1,.., --lm-recompute mixer,none, --bc-form gemm|kernel, --state-terms bf16|tf32, --state-form heads|tiles|heads-ring, --fwd-form automatic|chunks|sequential, --bwd-state-form automatic|chunks|sequential; V: portable, gemm-C, fused-C with C = fp32, tf32, bf16)\n";
+                << " (known: --out DIR, --only copy,gemm,ssd,mamba1,mamba3,moe,lm, --reps N, --lm-batch B, --lm-seqlen L, --lm-window W, --mamba-batch B, --mamba-seqlen L, --moe-tokens N, --cp N, --backend mpi|nccl, --ssd V1,V2,.., --lm-ssd V1,.., --lm-recompute mixer,none, --bc-form gemm|kernel, --state-terms bf16|tf32, --state-form heads|tiles|heads-ring, --fwd-form automatic|chunks|sequential, --bwd-state-form automatic|chunks|dstates|sequential; V: portable, gemm-C, fused-C with C = fp32, tf32, bf16)\n";
       return 2;
     }
   }
