@@ -946,32 +946,41 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
   // dL/dS_in from each chunk's own outputs: (diag(e_in) dY)^T C; xw (es Delta x) stays for dB's state term.
   // Under bc_kernel nothing else reads e_in dY, and the chunk-state kernel forms the product per head from dY and C
   // with the weights e_in (no scaled copy of dY: 2 x 4 B L H P bytes less)
-  View5<T> dstates = ws.take<View5<T>>("ssd::dstates", c.Bsz, c.nc, c.H, c.Pd, c.N);
+  // Under bc_kernel: where state_bwd_seq applies (asked with the first block's heads, then taken for every block),
+  // dH, dinit and the state epilogue come per block from it; else where dstates_seq applies, dH of every chunk in
+  // one reverse pass per row before the blocks (no state passing); else the chunk-state kernel with the weights
+  // e_in and the state passing. Under state_bwd_seq with one head a group dH goes to bc_backward as bf16 (both
+  // round it to bf16 for their products): no fp32 dstates.
+  bool sbseq = false, dstates_done = false;
+  ssd_fused::Args sa;
+  if constexpr (std::is_same_v<T, float>) {
+    if (bc_kernel) {
+      sa = fused_args(c);
+      sa.dy = dy.data();
+      sa.ldy = ldy;
+      const DxOut<T> dxo0 = dx_out(c, gr);
+      sa.dx = dxo0.p;
+      sa.ldd = dxo0.ld;
+      sa.nh = int(g.hb);
+      bool contiguous = true;
+      sa.dfinal = state_ptr(dfinal_state, contiguous);
+      sa.dinit = state_ptr(gr.dinit_state, contiguous);
+      sbseq = contiguous && ssd_fused::sbseq_applies(sa) && ssd_fused::epilogue_writes_wdecay(int(c.Pd), int(c.N));
+      dstates_done = !sbseq && contiguous && ssd_fused::dseq_applies(sa);
+    }
+  }
+  const bool dh16 = sbseq && c.G == c.H;
+  View5<T> dstates = dh16 ? View5<T>() : ws.take<View5<T>>("ssd::dstates", c.Bsz, c.nc, c.H, c.Pd, c.N);
+  const View1<bf16_op_t> dstates16 =
+      dh16 ? ws.take<View1<bf16_op_t>>("ssd::dstates_bf16", c.Bsz * c.nc * c.H * PN) : View1<bf16_op_t>();
   View2<T> dye;
-  bool dstates_done = false;  // dH of every chunk and dinit formed before the blocks (ssd_fused::dstates_seq)
-  bool sbseq = false;         // dH, dinit and the state epilogue formed per block (ssd_fused::state_bwd_seq)
   if (bc_kernel) {
     if constexpr (std::is_same_v<T, float>) {
-      ssd_fused::Args a = fused_args(c);
-      // where state_bwd_seq applies (asked with the first block's heads, then taken for every block): nothing
-      // here; else where dstates_seq applies: dH of every chunk in one reverse pass per row, no state passing
-      a.dy = dy.data();
-      a.ldy = ldy;
-      const DxOut<T> dxo0 = dx_out(c, gr);
-      a.dx = dxo0.p;
-      a.ldd = dxo0.ld;
-      a.nh = int(g.hb);
-      bool contiguous = true;
-      a.dfinal = state_ptr(dfinal_state, contiguous);
-      a.dinit = state_ptr(gr.dinit_state, contiguous);
-      a.dstates_out = dstates.data();
-      if (contiguous && ssd_fused::sbseq_applies(a) &&
-          ssd_fused::epilogue_writes_wdecay(int(c.Pd), int(c.N))) {
-        sbseq = true;
-      } else if (contiguous && ssd_fused::dseq_applies(a)) {
-        ssd_fused::dstates_seq(a);
-        dstates_done = true;
-      } else {
+      if (dstates_done) {
+        sa.dstates_out = dstates.data();
+        ssd_fused::dstates_seq(sa);
+      } else if (!sbseq) {
+        ssd_fused::Args a = fused_args(c);
         a.xs = dy.data();
         a.ldxs = ldy;
         a.b_col = c.c_col;
@@ -1156,6 +1165,7 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
           a.dfinal = state_ptr(dfinal_state, contiguous);
           a.dinit = state_ptr(gr.dinit_state, contiguous);
           a.dstates_out = dstates.data();
+          a.dstates_b16 = reinterpret_cast<std::uint16_t*>(dstates16.data());
           a.wdecay = wdec.data();
           a.ddot_f32 = gr.dD_token.extent(0) > 0;
           ssd_fused::state_bwd_seq(a);
@@ -1164,6 +1174,7 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
         a.w2 = w2.data();
         a.run_len = int(rl);
         a.dstates = dstates.data();
+        a.dstates_b16 = reinterpret_cast<std::uint16_t*>(dstates16.data());
         a.dbc = dX;
         a.lddbc = ldd;
         ssd_fused::bc_backward(a);
@@ -1251,15 +1262,16 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
           Scratch1<T> dacs(tm.team_scratch(0), c.Q), base(tm.team_scratch(0), c.Q), dsp(tm.team_scratch(0), c.Q),
               dlt(tm.team_scratch(0), c.Q), ddot(tm.team_scratch(0), c.Q), du(tm.team_scratch(0), c.Q),
               run(tm.team_scratch(0), c.Q), tot(tm.team_scratch(0), kScanSegments);
-          const T* dH = &dstates(b, ch, h, 0, 0);
-          const T* Sin = &c.states(b, ch, h, 0, 0);
           T wdecay = 0;
           if (c.rec(b, last) == c.rec_in(b, ch)) {
-            if (have_wdec)
+            if (have_wdec) {
               wdecay = wdec(b, ch, h);
-            else
+            } else {  // (dstates is empty where wdec is given: state_bwd_seq may pass dH on in bf16)
+              const T* dH = &dstates(b, ch, h, 0, 0);
+              const T* Sin = &c.states(b, ch, h, 0, 0);
               Kokkos::parallel_reduce(
                   Kokkos::TeamVectorRange(tm, PN), [&](index_t pn, T& acc) { acc += dH[pn] * Sin[pn]; }, wdecay);
+            }
             wdecay *= exp_nonpos(c.acs(b, h, last));
           }
           T wstate_total = 0;

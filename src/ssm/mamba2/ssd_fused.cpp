@@ -2082,7 +2082,8 @@ __global__ void __launch_bounds__(kSbThreads, 2) state_bwd_seq_kernel(const Args
     {  // dH at chunk ch's end out (fp32) and to hs (bf16), S_in to ss (bf16), this warp's part of sum(dH o S_in);
        // S_in loaded two slices at a time (all of it at once spilled at N = 128: ptxas, 128 registers)
       const float* Sin = a.states + st_off;
-      float* Dst = a.dstates_out + st_off;
+      float* Dst = a.dstates_b16 ? nullptr : a.dstates_out + st_off;  // fp32, or bf16 (the copy hs holds) at Db
+      std::uint16_t* Db = a.dstates_b16 ? a.dstates_b16 + st_off : nullptr;
       float wd = 0.f;
       constexpr int kHalf = NS / 2;
 #pragma unroll
@@ -2105,8 +2106,12 @@ __global__ void __launch_bounds__(kSbThreads, 2) state_bwd_seq_kernel(const Args
               const int p = r0 + g + 8 * hr, n = kSbSl * (s0 + si) + 16 * wc + 8 * jj + 2 * cq;
               const float d0 = dh[s0 + si][jj][2 * hr], d1 = dh[s0 + si][jj][2 * hr + 1];
               const float2 sx = sv[si][jj][hr];
-              *reinterpret_cast<float2*>(Dst + p * N + n) = make_float2(d0, d1);
-              *reinterpret_cast<unsigned*>(hs + p * ldh + n) = pack_bf16(d0, d1);
+              const unsigned hb2 = pack_bf16(d0, d1);
+              if (Dst)
+                *reinterpret_cast<float2*>(Dst + p * N + n) = make_float2(d0, d1);
+              else
+                *reinterpret_cast<unsigned*>(Db + p * N + n) = hb2;
+              *reinterpret_cast<unsigned*>(hs + p * ldh + n) = hb2;
               *reinterpret_cast<unsigned*>(ss + p * ldh + n) = pack_bf16(sx.x, sx.y);
               wd += d0 * sx.x + d1 * sx.y;
             }
@@ -2694,9 +2699,29 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? (kOne ? 3 : 2) : (kOne ? 2
                         [&](int r, int c, float4 v) {
                           store4_bf16(ah + r * lda + c, scale4(v, dc ? fac[kTile + r] : fac[r] * fac[2 * kTile + r]));
                         });
-      const float* st = (dc ? a.states : a.dstates) + (std::int64_t(bc) * a.H + g) * P * a.N + n0;
-      batched<P, kNT>([&](int r, int c) { return c < nw ? load4<true>(st + std::int64_t(r) * a.N + c) : zero; },
-                      [&](int r, int c, float4 v) { store4_bf16(bh + r * ldb + c, v); });
+      const std::int64_t soff = (std::int64_t(bc) * a.H + g) * P * a.N + n0;
+      if (!dc && a.dstates_b16) {  // dH as state_bwd_seq left it, already bf16: copied as it is
+        const std::uint16_t* st = a.dstates_b16 + soff;
+        constexpr int kSteps = own_steps<P, kNT>, kB = kSteps < 8 ? kSteps : 8;  // loads in flight 8 at a time
+#pragma unroll
+        for (int i0 = 0; i0 < kSteps; i0 += kB) {
+          uint2 hv[kB];
+#pragma unroll
+          for (int it = 0; it < kB; ++it) {
+            const int i = tid + (i0 + it) * kThreads, r = i / (kNT / 4), c = (i % (kNT / 4)) * 4;
+            hv[it] = c < nw ? *reinterpret_cast<const uint2*>(st + std::int64_t(r) * a.N + c) : make_uint2(0u, 0u);
+          }
+#pragma unroll
+          for (int it = 0; it < kB; ++it) {
+            const int i = tid + (i0 + it) * kThreads, r = i / (kNT / 4), c = (i % (kNT / 4)) * 4;
+            *reinterpret_cast<uint2*>(bh + r * ldb + c) = hv[it];
+          }
+        }
+      } else {
+        const float* st = (dc ? a.states : a.dstates) + soff;
+        batched<P, kNT>([&](int r, int c) { return c < nw ? load4<true>(st + std::int64_t(r) * a.N + c) : zero; },
+                        [&](int r, int c, float4 v) { store4_bf16(bh + r * ldb + c, v); });
+      }
       __syncthreads();
       state_product();
       __syncthreads();  // before the intra-chunk term's stages
@@ -3045,7 +3070,7 @@ bool sbseq_applies(const Args& a) {
 
 void state_bwd_seq(const Args& a) {
   Kokkos::Profiling::ScopedRegion region("ssd::fused_state_bwd_seq");
-  require(sbseq_fits(a.P, a.N, a.Q) && sbseq_aligned(a) && a.dstates_out && a.v, "ssd fused",
+  require(sbseq_fits(a.P, a.N, a.Q) && sbseq_aligned(a) && (a.dstates_out || a.dstates_b16) && a.v, "ssd fused",
           "the sequential backward state terms take headdim 64, chunk 64, d_state 64 or 128 and 16-byte aligned ",
           "rows (P = ", a.P, ", N = ", a.N, ", Q = ", a.Q, ")");
   const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();

@@ -55,6 +55,9 @@ struct Args {
   const float* dfinal = nullptr;
   float* dstates_out = nullptr;
   float* dinit = nullptr;
+  // dH of every chunk in bf16 (same layout as dstates): written by state_bwd_seq in place of dstates_out and read
+  // by bc_backward (one head a group) in place of dstates, where given (both round dH to bf16 for their products)
+  std::uint16_t* dstates_b16 = nullptr;
 };
 
 // True when this build has the kernels (CUDA) and the shape suits them: headdim a multiple of 16 up to 128,
