@@ -375,13 +375,17 @@ TEST_CASE("Mamba-3 SISO through the fused SSD kernels stays within bf16 rounding
   struct Shape {
     index_t L, H, P, N, S;
   };
-  // (both forms of the SSD backward's dB and dC, one head a group here: GEMMs and ssd_fused::bc_backward; and both
-  // forms of the SSD forward where the sequential kernel takes the shape: headdim 64, chunk 64, CUDA builds)
+  // (both forms of the SSD backward's dB and dC, one head a group here: GEMMs and ssd_fused::bc_backward; both
+  // forms of the SSD forward where the sequential kernel takes the shape: headdim 64, chunk 64, CUDA builds; and
+  // with bc_backward the backward's state terms by dstates_seq + the epilogue and by state_bwd_seq)
+  using ssd_fused::BwdStateForm;
   for (const Shape& sh : {Shape{200, 2, 16, 32, 8}, Shape{150, 2, 64, 128, 32}})
-    for (int k = 0; k < 4; ++k) {
-      const ssd_fused::BcForm bc = k % 2 ? ssd_fused::BcForm::kernel : ssd_fused::BcForm::gemm;
+    for (int k = 0; k < 6; ++k) {
+      const ssd_fused::BcForm bc = k % 2 || k >= 4 ? ssd_fused::BcForm::kernel : ssd_fused::BcForm::gemm;
       const bool seq = k >= 2;
+      const BwdStateForm bwd = k == 4 ? BwdStateForm::dstates : k == 5 ? BwdStateForm::sequential : BwdStateForm::chunks;
       if (seq && !ssd_fused::seq_fits(int(sh.P), int(sh.N), 64)) continue;
+      if (k >= 4 && !ssd_fused::sbseq_fits(int(sh.P), int(sh.N), 64)) continue;
       M3Case c;
       c.L = sh.L;
       c.H = sh.H;
@@ -395,12 +399,17 @@ TEST_CASE("Mamba-3 SISO through the fused SSD kernels stays within bf16 rounding
       const ssd_fused::FormScope form(ssd_fused::bc_form, bc);
       const ssd_fused::FormScope fform(ssd_fused::fwd_form,
                                        seq ? ssd_fused::FwdForm::sequential : ssd_fused::FwdForm::chunks);
-      const long before = ssd_fused::seq_launches();
+      const ssd_fused::FormScope bform(ssd_fused::bwd_state_form, bwd);
+      const long before = ssd_fused::seq_launches(), d_before = ssd_fused::dseq_launches(),
+                 sb_before = ssd_fused::sbseq_launches();
       INFO("P=" << sh.P << " N=" << sh.N << " dB, dC " << (bc == ssd_fused::BcForm::kernel ? "kernel" : "GEMMs")
-                << (seq ? ", SSD forward: sequential kernel" : ""));
+                << (seq ? ", SSD forward: sequential kernel" : "")
+                << (k == 4 ? ", state terms: dstates_seq" : k == 5 ? ", state terms: state_bwd_seq" : ""));
       // per-token gradients to bf16 rounding; the sums over all tokens (biases, D) get some cancellation
       check_ssd_route(c, 2e-2, 2e-2, 5e-2);
       CHECK((ssd_fused::seq_launches() > before) == seq);
+      CHECK((ssd_fused::dseq_launches() > d_before) == (k == 4));
+      CHECK((ssd_fused::sbseq_launches() > sb_before) == (k == 5));
     }
 }
 
