@@ -166,6 +166,10 @@ long seq_launches();
 //   row) holding all of dH): dH is written once for bc_backward and not read back by the epilogue;
 // - automatic (the default): sequential where sbseq_fits and batch x heads fill the SMs, else dstates where
 //   dseq_fits and its blocks fill two an SM, else chunks.
+// On an H100 (perf/RESULTS.md, thirty-ninth session), the Mamba-3 SISO block of 8 x 8,192 tokens (24 heads, one a
+// group, headdim 64, d_state 128, chunk 64): the state terms took 3.28 ms chunked (0.71 + 0.65 + 1.92), 2.69 ms
+// as dstates (0.76 + 1.93) and 2.63 ms sequential; the block's forward + backward 18.0, 17.3-17.5 and 17.3 ms,
+// its peak 10.84, 10.84 and 10.09 GiB (sequential passes dH to bc_backward in bf16, no fp32 dstates).
 enum class BwdStateForm { automatic, chunks, dstates, sequential };
 extern BwdStateForm bwd_state_form;
 
