@@ -971,7 +971,7 @@ int run(int argc, char** argv, int cp_size, int rank) {
       if (k < 0) return 2;
       ssd_fused::fwd_form = std::array{F::automatic, F::chunks, F::sequential}[k];
     }
-    else if (a == "--bwd-state-form") {  // the fused SSD backward's dH form for the whole run (BwdStateForm)
+    else if (a == "--bwd-state-form") {  // the fused SSD backward's state-term form for the run (BwdStateForm)
       using F = ssd_fused::BwdStateForm;
       const int k = choice("--bwd-state-form", next(), {"automatic", "chunks", "dstates", "sequential"});
       if (k < 0) return 2;

@@ -1161,9 +1161,8 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
       if constexpr (std::is_same_v<T, float>) {
         if (sbseq) {  // the block's dH (bc_backward reads it), dinit and state epilogue in one reverse pass
           ssd_fused::Args a = fused_block_args(c, dy.data(), ldy, dXx, lddx, v.data(), blk0, nh);
-          bool contiguous = true;
-          a.dfinal = state_ptr(dfinal_state, contiguous);
-          a.dinit = state_ptr(gr.dinit_state, contiguous);
+          a.dfinal = sa.dfinal;  // (contiguous: sbseq was decided on them)
+          a.dinit = sa.dinit;
           a.dstates_out = dstates.data();
           a.dstates_b16 = reinterpret_cast<std::uint16_t*>(dstates16.data());
           a.wdecay = wdec.data();

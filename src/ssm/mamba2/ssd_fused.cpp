@@ -1842,7 +1842,9 @@ __global__ void __launch_bounds__(kThreads, 2) scan_seq_kernel(const Args a) {
 // the B fragments C read from the fp32 staging (the same bank-free strides as scan_seq's x and B). The next
 // chunk's dY and C columns arrive by cp.async in a second buffer while the current one is multiplied; its e_in and
 // decay are formed one chunk ahead in registers. Shared memory: two buffers of dY (64 x 68) and C (64 x 68) fp32,
-// then e_in of two chunks: 70 KB, three blocks an SM.
+// then e_in of two chunks: 70 KB, three blocks an SM. (H100, the Mamba-3 block of 8 x 8,192 tokens, 24 heads,
+// d_state 128: 0.763 ms where the chunk-local products and the state passing took 0.711 + 0.654 ms; perf/RESULTS.md,
+// thirty-ninth session.)
 constexpr int kDsT = 64, kDsLd = kDsT + 4;
 constexpr std::size_t kDsBuf = 2 * std::size_t(kSqQ) * kDsLd;  // floats a buffer: dY, then C
 constexpr std::size_t kDsSmem = (2 * kDsBuf + 2 * kSqQ) * 4;
@@ -1971,6 +1973,9 @@ __global__ void __launch_bounds__(kThreads, 3) dstates_seq_kernel(const Args a) 
 //   memory.
 // Shared memory: two slices (B, C: 64 x 36 fp32 each), two dY buffers (64 x 68 fp32), dH and S_in in bf16
 // (64 x (N + 8)), the chunk's factors and the halves' partial sums: 106 KB at N = 128, two blocks an SM.
+// (H100, the Mamba-3 block as above: 2.628 ms where dstates_seq and the state epilogue took 0.763 + 1.927 ms, about
+// 1.7 TB/s on its 4.4 GB; S_in, X and dX are loaded once a chunk without a copy ahead: held in registers over the
+// slices they spilled at the 128 registers of two blocks an SM. perf/RESULTS.md, thirty-ninth session.)
 constexpr int kSbThreads = 256, kSbSl = 32, kSbLd = kSbSl + 4;
 template <int N>
 struct SbLayout {
