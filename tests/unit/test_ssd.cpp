@@ -882,6 +882,21 @@ DxSplit split_dx(const SSDGrad<T>& g0, const SSDGrad<T>& g1, index_t E, index_t 
 }
 }  // namespace
 
+namespace {
+// The sequential kernels' test shapes (headdim 64, chunk 64): a short last chunk, two heads a group and one, d_state
+// 128 and 64; and their case at variant v (0 and 2: packed records and an initial state; 1: neither) under bf16.
+const FusedShape kSeqShapes[] = {FusedShape{300, 2, 64, 1, 128, 64}, FusedShape{333, 3, 64, 3, 64, 64},
+                                 FusedShape{64, 2, 64, 2, 128, 64}};
+Case seq_case(const FusedShape& sh, int variant) {
+  Case c = sh.to_case();
+  c.algo = SSDAlgo::fused;
+  c.compute = GemmCompute::bf16;
+  c.dt_lo = 0.02;
+  c.records = c.init = variant != 1;
+  return c;
+}
+}  // namespace
+
 TEST_CASE("SSD fused sequential forward (one block walking a row's chunks) equals the chunked kernels' within bf16 rounding",
           "[ssd][gradcheck]") {
   // ssd_fused::scan_seq against the chunked fused kernels (FwdForm::chunks) on shapes it takes (headdim 64, chunk
@@ -898,14 +913,9 @@ TEST_CASE("SSD fused sequential forward (one block walking a row's chunks) equal
   }
   CHECK_FALSE(ssd_fused::seq_fits(64, 128, 128));
   CHECK_FALSE(ssd_fused::seq_fits(32, 128, 64));
-  for (const FusedShape& sh : {FusedShape{300, 2, 64, 1, 128, 64}, FusedShape{333, 3, 64, 3, 64, 64},
-                               FusedShape{64, 2, 64, 2, 128, 64}}) {
+  for (const FusedShape& sh : kSeqShapes) {
     for (int variant = 0; variant < 3; ++variant) {  // 0 records + init, 1 neither, 2 records + init + D_token
-      Case c = sh.to_case();
-      c.algo = SSDAlgo::fused;
-      c.compute = GemmCompute::bf16;
-      c.dt_lo = 0.02;
-      c.records = c.init = variant != 1;
+      Case c = seq_case(sh, variant);
       INFO("L=" << sh.L << " H=" << sh.H << " G=" << sh.G << " N=" << sh.N << " variant " << variant);
       if (variant < 2) {
         const ssd_fused::FormScope form(ssd_fused::fwd_form, FwdForm::sequential);
@@ -987,16 +997,11 @@ TEST_CASE("SSD fused sequential backward state terms (blocks walking a row's chu
   CHECK_FALSE(ssd_fused::sbseq_fits(64, 192, 64));
   CHECK_FALSE(ssd_fused::sbseq_fits(64, 128, 128));
   const ssd_fused::FormScope bc(ssd_fused::bc_form, ssd_fused::BcForm::kernel);
-  for (const FusedShape& sh : {FusedShape{300, 2, 64, 1, 128, 64}, FusedShape{333, 3, 64, 3, 64, 64},
-                               FusedShape{64, 2, 64, 2, 128, 64}}) {
+  for (const FusedShape& sh : kSeqShapes) {
     for (int variant = 0; variant < 4; ++variant) {
       // 0 records + init, 1 neither, 2 records + init + D_token, 3 as 0 in blocks of one head (one a group)
       if (variant == 3 && sh.G != sh.H) continue;
-      Case c = sh.to_case();
-      c.algo = SSDAlgo::fused;
-      c.compute = GemmCompute::bf16;
-      c.dt_lo = 0.02;
-      c.records = c.init = variant != 1;
+      Case c = seq_case(sh, variant);
       INFO("L=" << sh.L << " H=" << sh.H << " G=" << sh.G << " N=" << sh.N << " variant " << variant);
       if (variant == 3) c.workspace = head_budget(c, true, 1);
       Data<float> d(c);

@@ -1830,6 +1830,26 @@ __global__ void __launch_bounds__(kThreads, 2) scan_seq_kernel(const Args a) {
 
 // ------------------------------------------------------------------ backward, one block walking a row's chunks back
 
+// es (the decay to the chunk's end), e_in (from the chunk's start) and Delta of token l0 + i of chunk ch (starting
+// at row row0 + t0, q tokens), head h, as (x, y, z); zero where i >= nl. (The reverse walks below and the state
+// epilogue and bc_backward further on.)
+__device__ __forceinline__ float3 token_factors(const Args& a, int b, int h, int ch, std::int64_t row0, int t0, int q,
+                                                int l0, int nl, int i) {
+  float es = 0.f, ein = 0.f, d = 0.f;
+  if (i < nl) {
+    const float* acs = a.acs + (std::int64_t(b) * a.H + h) * a.L;
+    const int t = t0 + l0 + i, last = t0 + q - 1;
+    const int r = a.seq ? a.seq[row0 + t] : 0, r_last = a.seq ? a.seq[row0 + last] : 0;
+    const int r_in = a.seq ? a.seq[row0 + (ch == 0 ? 0 : t0 - 1)] : 0;
+    es = r == r_last ? decay(acs[last] - acs[t]) : 0.f;
+    ein = r == r_in ? decay(acs[t]) : 0.f;
+    es = es < a.cutoff ? 0.f : es;
+    ein = ein < a.cutoff ? 0.f : ein;
+    d = a.delta[(std::int64_t(b) * a.H + h) * a.L + t];
+  }
+  return make_float3(es, ein, d);
+}
+
 // The backward's state passing in one pass (dstates_seq): dH(c), the gradient of the state at chunk c's end, from
 // the last chunk to the first,
 //   dH(nc - 1) = dL/d(final state),   dH(c - 1) = [last token of c in the record entering c] exp(acs_last) dH(c)
@@ -1872,18 +1892,14 @@ __global__ void __launch_bounds__(kThreads, 3) dstates_seq_kernel(const Args a) 
     cuda_k::cp_async_commit();
   };
   // chunk ch's e_in of token tid (threads < Q; zero past the chunk, outside the record entering it or below the
-  // cutoff) and its decay factor cd (every thread)
+  // cutoff: token_factors) and its decay factor cd (every thread)
   float ein = 0.f, cd = 0.f;
   auto factors = [&](int ch) {
     const int t0 = ch * Q, q = rows(ch);
     const int r_in = a.seq ? a.seq[row0 + (ch == 0 ? 0 : t0 - 1)] : 0;
     const int r_last = a.seq ? a.seq[row0 + t0 + q - 1] : 0;
     cd = r_last == r_in ? decay(acs_row[t0 + q - 1]) : 0.f;
-    ein = 0.f;
-    if (tid < q && (!a.seq || a.seq[row0 + t0 + tid] == r_in)) {
-      const float e = decay(acs_row[t0 + tid]);
-      ein = e < a.cutoff ? 0.f : e;
-    }
+    ein = token_factors(a, b, h, ch, row0, t0, q, 0, q, tid).y;
   };
 
   // dh[j] holds dH(p, n) at p = r0 + g (entries 0, 1) and r0 + g + 8 (2, 3), n = n0 + 8 j + 2 c (+ 1)
@@ -2021,7 +2037,6 @@ __global__ void __launch_bounds__(kSbThreads, 2) state_bwd_seq_kernel(const Args
   const int wc = warp / 4, r0 = 16 * (warp % 4);
   const std::int64_t row0 = std::int64_t(b) * a.L, PN = std::int64_t(P) * N, nr = std::int64_t(a.batch) * a.L;
   const float* acs_row = a.acs + (std::int64_t(b) * a.H + h) * a.L;
-  const float* dlt_row = a.delta + (std::int64_t(b) * a.H + h) * a.L;
   const float Dh = a.D[h];
   const int nc = a.nc;
   auto rows = [&](int ch) { return min(Q, a.L - ch * Q); };
@@ -2037,7 +2052,9 @@ __global__ void __launch_bounds__(kSbThreads, 2) state_bwd_seq_kernel(const Args
     cuda_k::cp_async_commit();
   };
   // chunk ch's factors of token tid (threads < Q; zero past the chunk): e_in, es (zero outside their records or
-  // below the cutoff), Delta and the skip coefficient; and the chunk's decay cd (every thread)
+  // below the cutoff), Delta and the skip coefficient; and the chunk's decay cd (every thread). (token_factors'
+  // values, formed here with the record ids and acs_last shared with cd: through token_factors ptxas spilled 52
+  // bytes at N = 128 against 4.)
   float f_ein = 0.f, f_es = 0.f, f_dt = 0.f, f_dl = 0.f, f_cd = 0.f;
   auto factors = [&](int ch) {
     const int t0 = ch * Q, q = rows(ch);
@@ -2057,7 +2074,7 @@ __global__ void __launch_bounds__(kSbThreads, 2) state_bwd_seq_kernel(const Args
         const float e = decay(acs_last - ac);
         f_es = e < a.cutoff ? 0.f : e;
       }
-      f_dt = dlt_row[t];
+      f_dt = a.delta[(std::int64_t(b) * a.H + h) * a.L + t];
       f_dl = skip_coef(a, Dh, row0, h, t);
     }
   };
@@ -2262,25 +2279,6 @@ __global__ void __launch_bounds__(kSbThreads, 2) state_bwd_seq_kernel(const Args
 // L = 65,536, 24 heads, P 64, N 128; 12 warps per SM with 5.4 of 11 cycles between instructions waiting on loads,
 // and 26 % of the sectors moved were excess from the half-row accesses; this form ran 1.39 ms fenced in the same
 // benchmark at f9b6d6e, perf/RESULTS.md.)
-
-// es (the decay to the chunk's end), e_in (from the chunk's start) and Delta of token l0 + i of chunk ch (starting
-// at row row0 + t0, q tokens), head h, as (x, y, z); zero where i >= nl.
-__device__ __forceinline__ float3 token_factors(const Args& a, int b, int h, int ch, std::int64_t row0, int t0, int q,
-                                                int l0, int nl, int i) {
-  float es = 0.f, ein = 0.f, d = 0.f;
-  if (i < nl) {
-    const float* acs = a.acs + (std::int64_t(b) * a.H + h) * a.L;
-    const int t = t0 + l0 + i, last = t0 + q - 1;
-    const int r = a.seq ? a.seq[row0 + t] : 0, r_last = a.seq ? a.seq[row0 + last] : 0;
-    const int r_in = a.seq ? a.seq[row0 + (ch == 0 ? 0 : t0 - 1)] : 0;
-    es = r == r_last ? decay(acs[last] - acs[t]) : 0.f;
-    ein = r == r_in ? decay(acs[t]) : 0.f;
-    es = es < a.cutoff ? 0.f : es;
-    ein = ein < a.cutoff ? 0.f : ein;
-    d = a.delta[(std::int64_t(b) * a.H + h) * a.L + t];
-  }
-  return make_float3(es, ein, d);
-}
 
 // The factors of the tokens l0 .. l0 + nl - 1 (token_factors) into shared memory (threads 0 .. 63; zero past nl).
 __device__ __forceinline__ void epilogue_factors(const Args& a, int b, int h, int ch, std::int64_t row0, int t0, int q,
@@ -2988,7 +2986,15 @@ bool epilogue_writes_wdecay(int headdim, int dstate) { return epr_smem(headdim, 
 
 namespace {
 long seq_count = 0;
-std::size_t seq_smem(int N) { return N == 128 ? SeqLayout<128>::bytes : SeqLayout<64>::bytes; }
+// f(std::integral_constant<int, N>) for the d_state of the sequential kernels (seq_fits: 64 or 128)
+template <class F>
+decltype(auto) by_dstate(int N, F&& f) {
+  if (N == 128) return f(std::integral_constant<int, 128>{});
+  return f(std::integral_constant<int, 64>{});
+}
+std::size_t seq_smem(int N) {
+  return by_dstate(N, [](auto n) { return SeqLayout<decltype(n)::value>::bytes; });
+}
 }  // namespace
 
 bool seq_fits(int headdim, int dstate, int chunk) {
@@ -3007,13 +3013,10 @@ void scan_seq(const Args& a) {
           "d_state 64 or 128 and 16-byte aligned rows (P = ", a.P, ", N = ", a.N, ", Q = ", a.Q, ")");
   const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
   const std::size_t bytes = seq_smem(a.N);
-  if (a.N == 128) {
-    allow_smem<scan_seq_kernel<128>>(bytes, "sequential forward");
-    scan_seq_kernel<128><<<dim3(a.H, a.batch), kThreads, bytes, st>>>(a);
-  } else {
-    allow_smem<scan_seq_kernel<64>>(bytes, "sequential forward");
-    scan_seq_kernel<64><<<dim3(a.H, a.batch), kThreads, bytes, st>>>(a);
-  }
+  by_dstate(a.N, [&](auto n) {
+    allow_smem<scan_seq_kernel<decltype(n)::value>>(bytes, "sequential forward");
+    scan_seq_kernel<decltype(n)::value><<<dim3(a.H, a.batch), kThreads, bytes, st>>>(a);
+  });
   check_launch("sequential forward");
   ++seq_count;
 }
@@ -3022,6 +3025,10 @@ long seq_launches() { return seq_count; }
 
 namespace {
 long dseq_count = 0;
+// the 16-byte rows dstates_seq copies: dY and C
+bool dseq_aligned(const Args& a) {
+  return aligned16(a.xbc) && aligned16(a.dy) && a.ldx % 4 == 0 && a.ldy % 4 == 0 && a.c_col % 4 == 0;
+}
 }  // namespace
 
 bool dseq_fits(int headdim, int dstate, int chunk) {
@@ -3030,7 +3037,7 @@ bool dseq_fits(int headdim, int dstate, int chunk) {
 
 bool dseq_applies(const Args& a) {
   if (bwd_state_form == BwdStateForm::chunks || !dseq_fits(a.P, a.N, a.Q) || a.batch > 65535 || a.H > 65535) return false;
-  if (!(aligned16(a.xbc) && aligned16(a.dy) && a.ldx % 4 == 0 && a.ldy % 4 == 0 && a.c_col % 4 == 0)) return false;
+  if (!dseq_aligned(a)) return false;
   if (kDsSmem > max_block_smem()) return false;
   // automatic: where the blocks fill two per SM (a choice, not a measured crossover: with fewer, each SM's one or
   // two blocks wait on their loads one chunk at a time where the chunked kernels have every chunk in parallel)
@@ -3040,9 +3047,7 @@ bool dseq_applies(const Args& a) {
 
 void dstates_seq(const Args& a) {
   Kokkos::Profiling::ScopedRegion region("ssd::fused_dstates_seq");
-  require(dseq_fits(a.P, a.N, a.Q) && a.dstates_out && aligned16(a.xbc) && aligned16(a.dy) && a.ldx % 4 == 0 &&
-              a.ldy % 4 == 0 && a.c_col % 4 == 0,
-          "ssd fused", "the sequential backward state passing takes headdim 64, chunk 64, d_state a multiple of 64 ",
+  require(dseq_fits(a.P, a.N, a.Q) && a.dstates_out && dseq_aligned(a), "ssd fused", "the sequential backward state passing takes headdim 64, chunk 64, d_state a multiple of 64 ",
           "and 16-byte aligned rows (P = ", a.P, ", N = ", a.N, ", Q = ", a.Q, ")");
   const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
   allow_smem<dstates_seq_kernel>(kDsSmem, "sequential backward state passing");
@@ -3055,15 +3060,15 @@ long dseq_launches() { return dseq_count; }
 
 namespace {
 long sbseq_count = 0;
-std::size_t sbseq_smem(int N) { return N == 128 ? SbLayout<128>::bytes : SbLayout<64>::bytes; }
+std::size_t sbseq_smem(int N) {
+  return by_dstate(N, [](auto n) { return SbLayout<decltype(n)::value>::bytes; });
+}
 bool sbseq_aligned(const Args& a) {
   return aligned4_bwd(a) && a.ldx % 4 == 0 && a.ldxs % 4 == 0 && a.ldy % 4 == 0 && a.ldd % 4 == 0;
 }
 }  // namespace
 
-bool sbseq_fits(int headdim, int dstate, int chunk) {
-  return headdim == kSqP && chunk == kSqQ && (dstate == 64 || dstate == 128);
-}
+bool sbseq_fits(int headdim, int dstate, int chunk) { return seq_fits(headdim, dstate, chunk); }
 
 bool sbseq_applies(const Args& a) {
   if (bwd_state_form == BwdStateForm::chunks || bwd_state_form == BwdStateForm::dstates) return false;
@@ -3080,13 +3085,10 @@ void state_bwd_seq(const Args& a) {
           "rows (P = ", a.P, ", N = ", a.N, ", Q = ", a.Q, ")");
   const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
   const std::size_t bytes = sbseq_smem(a.N);
-  if (a.N == 128) {
-    allow_smem<state_bwd_seq_kernel<128>>(bytes, "sequential backward state terms");
-    state_bwd_seq_kernel<128><<<dim3(a.nh, a.batch), kSbThreads, bytes, st>>>(a);
-  } else {
-    allow_smem<state_bwd_seq_kernel<64>>(bytes, "sequential backward state terms");
-    state_bwd_seq_kernel<64><<<dim3(a.nh, a.batch), kSbThreads, bytes, st>>>(a);
-  }
+  by_dstate(a.N, [&](auto n) {
+    allow_smem<state_bwd_seq_kernel<decltype(n)::value>>(bytes, "sequential backward state terms");
+    state_bwd_seq_kernel<decltype(n)::value><<<dim3(a.nh, a.batch), kSbThreads, bytes, st>>>(a);
+  });
   check_launch("sequential backward state terms");
   ++sbseq_count;
 }
