@@ -2,6 +2,8 @@
 // finite-difference gradients of every input.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -1082,6 +1084,88 @@ TEST_CASE("SSD backward writes dx into a matrix of its own when given, the same 
     else
       grads(double{});
   }
+}
+
+namespace {
+// bf16 round to nearest even of a float's value (what __float2bfloat16_rn gives for finite values)
+double round_bf16(double v) {
+  const float f = float(v);
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return double(bf16_bits_to_float(u >> 16));
+}
+// The values of a bf16 operand array (bf16 on CUDA builds, bf16-rounded floats elsewhere), row-major.
+template <class E>  // (E = bf16_op_t; a template so that the branch for the other build's type is discarded)
+std::vector<double> bf16_values(const View2<E>& v) {
+  const auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
+  std::vector<double> out;
+  for (std::size_t i = 0; i < h.extent(0); ++i)
+    for (std::size_t j = 0; j < h.extent(1); ++j) {
+      if constexpr (std::is_same_v<E, float>) {
+        out.push_back(h(i, j));
+      } else {
+        std::uint16_t bits;
+        std::memcpy(&bits, &h(i, j), sizeof bits);
+        out.push_back(bf16_bits_to_float(bits));
+      }
+    }
+  return out;
+}
+}  // namespace
+
+TEST_CASE("SSD backward writes dB and dC in bf16 where given dbc_bf16: the fp32 call's values rounded",
+          "[ssd][gradcheck]") {
+  // SSDGrad::dbc_bf16 (Mamba-3's per-head dq~ and dk~ for its rotation backward): where ssd_bc_bf16_applies (CUDA
+  // builds: fused, bf16 arithmetic, one head a group, dB and dC by ssd_fused::bc_backward) dB and dC there are the
+  // fp32 call's B and C columns of dxbc rounded to bf16 (the same accumulators; only the store differs), dxbc's B
+  // and C columns are left at zero and every other gradient is the same to the last bit. Where it does not apply
+  // (the GEMM form of dB and dC; host builds) the call refuses dbc_bf16.
+  for (const FusedShape& sh : {FusedShape{300, 4, 16, 4, 32, 64}, FusedShape{333, 2, 64, 2, 128, 64}})
+    for (const bool gemm_form : {false, true}) {
+      Case c = sh.to_case();
+      c.dt_lo = 0.02;
+      c.algo = SSDAlgo::fused;
+      c.compute = GemmCompute::bf16;
+      const ssd_fused::FormScope form(ssd_fused::bc_form,
+                                      gemm_form ? ssd_fused::BcForm::gemm : ssd_fused::BcForm::automatic);
+      INFO("P=" << sh.P << " N=" << sh.N << (gemm_form ? ", dB and dC by GEMMs" : ""));
+      Data<float> d(c);
+      const bool applies = ssd_bc_bf16_applies(d.shape);
+      CHECK(applies == (!gemm_form && ssd_fused::fits(int(sh.P), int(sh.N), int(sh.Q))));
+      const index_t rows = c.B * c.L, E = c.H * c.P, ld = index_t(d.xbc.extent(1));
+      View2<float> dy("dy", rows, E);
+      fill_uniform(dy, 23);
+      SSDGrad<float> g0 = d.grads(true), g1 = d.grads(true);
+      g1.dbc_bf16 = View2<bf16_op_t>("dbc_bf16", rows, ld);
+      ssd_backward<float>(d.shape, d.in(), dy, View4<const float>(), g0);
+      if (!applies) {
+        CHECK_THROWS_WITH(ssd_backward<float>(d.shape, d.in(), dy, View4<const float>(), g1),
+                          ContainsSubstring("dbc_bf16 given where"));
+        continue;
+      }
+      ssd_backward<float>(d.shape, d.in(), dy, View4<const float>(), g1);
+      const auto a = to_vec(g0.dxbc), b = to_vec(g1.dxbc), h = bf16_values(g1.dbc_bf16);
+      long x_diff = 0, bc_touched = 0, bc_off = 0;
+      for (index_t r = 0; r < rows; ++r)
+        for (index_t j = 0; j < ld; ++j) {
+          const std::size_t i = std::size_t(r * ld + j);
+          if (j < E) {
+            x_diff += b[i] != a[i];
+          } else {
+            bc_touched += b[i] != 0.0;
+            bc_off += h[i] != round_bf16(a[i]);
+          }
+        }
+      CHECK(x_diff == 0);
+      CHECK(bc_touched == 0);
+      CHECK(bc_off == 0);
+      CHECK(rel_err(to_vec(g1.ddt), to_vec(g0.ddt)) == 0.0);
+      CHECK(rel_err(to_vec(g1.dA_log), to_vec(g0.dA_log)) == 0.0);
+      CHECK(rel_err(to_vec(g1.ddt_bias), to_vec(g0.ddt_bias)) == 0.0);
+      CHECK(rel_err(to_vec(g1.dD), to_vec(g0.dD)) == 0.0);
+      CHECK(rel_err(to_vec(g1.dinit_state), to_vec(g0.dinit_state)) == 0.0);
+    }
 }
 
 TEST_CASE("SSD reads x from a matrix of its own when given, the same results", "[ssd][gradcheck]") {

@@ -751,10 +751,14 @@ KOKKOS_INLINE_FUNCTION T e_in_of(const Ctx<T>& c, index_t b, index_t h, index_t 
 }
 
 // The fused kernels apply (ssd_fused.hpp): CUDA, float activations, a shape they take.
+bool fused_shape_ok(index_t P, index_t N, index_t Q, index_t batch, index_t nchunks, index_t L) {
+  return ssd_fused::fits(int(P), int(N), int(Q)) && batch * nchunks <= 65535 &&
+         batch * L < (index_t(1) << 31);  // a grid's z extent; int token rows
+}
+
 template <class T>
 bool fused_applies(const Ctx<T>& c) {
-  return std::is_same_v<T, float> && ssd_fused::fits(int(c.Pd), int(c.N), int(c.Q)) &&
-         c.Bsz * c.nc <= 65535 && c.Bsz * c.L < (index_t(1) << 31);  // a grid's z extent; int token rows
+  return std::is_same_v<T, float> && fused_shape_ok(c.Pd, c.N, c.Q, c.Bsz, c.nc, c.L);
 }
 
 // The arrays of a fused call (float activations).
@@ -920,6 +924,13 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
   const bool b16 = bf16_state_terms(c, s, fused, from_kept);
   const GemmCtx<T> g = make_gemm_ctx(c, s.gemm_workspace_bytes, true, ws, !fused, bc_asked && from_kept, b16);
   const bool bc_kernel = bc_asked && g.run_len == c.hpg;
+  const bool bc16 = gr.dbc_bf16.extent(0) > 0;  // dB, dC to the caller's bf16 array (ssd_bc_bf16_applies)
+  require(!bc16 || (bc_kernel && c.G == c.H && s.compute == GemmCompute::bf16), "ssd_backward",
+          "dbc_bf16 given where dB and dC are not formed by the one-kernel form under bf16 arithmetic with one head "
+          "a group (ask ssd_bc_bf16_applies first)");
+  require(!bc16 || (index_t(gr.dbc_bf16.extent(0)) == c.Bsz * c.L &&
+                    index_t(gr.dbc_bf16.extent(1)) >= std::max(c.b_col, c.c_col) + c.G * c.N),
+          "ssd_backward", "dbc_bf16 must have batch * seqlen rows and the columns of B and C");
   View2<bf16_op_t> xwb, dyeb, cb16;  // (n, H P), (n, H P), (n, G N)
   if (b16) {
     xwb = ws.take<View2<bf16_op_t>>("ssd::xw_bf16", c.Bsz * c.L, c.H * c.Pd);
@@ -1174,8 +1185,13 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
         a.run_len = int(rl);
         a.dstates = dstates.data();
         a.dstates_b16 = reinterpret_cast<std::uint16_t*>(dstates16.data());
-        a.dbc = dX;
-        a.lddbc = ldd;
+        if (bc16) {
+          a.dbc_b16 = reinterpret_cast<std::uint16_t*>(gr.dbc_bf16.data());
+          a.lddbc = index_t(gr.dbc_bf16.stride(0));
+        } else {
+          a.dbc = dX;
+          a.lddbc = ldd;
+        }
         ssd_fused::bc_backward(a);
       }
     } else if (group_runs) {
@@ -1335,6 +1351,12 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
 bool ssd_bf16_state_terms(const SSDShape& s, index_t heads_per_group) {
   return ssd_fused::bf16_state_gemms && ssd_resolved_algo(s) == SSDAlgo::fused && s.compute == GemmCompute::bf16 &&
          !ssd_fused::bc_kernel_for(int(heads_per_group));
+}
+
+bool ssd_bc_bf16_applies(const SSDShape& s) {
+  return ssd_resolved_algo(s) == SSDAlgo::fused && s.compute == GemmCompute::bf16 && s.ngroups == s.nheads &&
+         ssd_fused::bc_kernel_for(1) &&
+         fused_shape_ok(s.headdim, s.dstate, s.chunk, s.batch, s.nchunks(), s.seqlen);
 }
 
 SSDAlgo ssd_resolved_algo(const SSDShape& s) {

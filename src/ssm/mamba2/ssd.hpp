@@ -92,6 +92,10 @@ struct SSDGrad {
   // where the fused kernels run, which then also give dD from them; the gemm algorithm's come from its dY X^T
   // product under `compute`).
   View3<acc_t<T>> dD_token;
+  // dB and dC rounded to bf16 (dxbc's columns and row layout), where non-empty: written here in place of dxbc's B
+  // and C columns, which are then left untouched (dxbc may be empty when dx is given). Only where
+  // ssd_bc_bf16_applies(shape): Mamba-3 has its per-head dq~ and dk~ from here for its rotation backward.
+  View2<bf16_op_t> dbc_bf16;
 };
 
 // What the forward of the gemm and fused algorithms can keep so that the backward does not form it again: Delta
@@ -144,6 +148,11 @@ SSDAlgo ssd_resolved_algo(const SSDShape& s);
 // It then takes bf16 copies of xw, e_in dY, C, dH and S_in in place of fp32 xw and e_in dY (the planner counts the
 // same). fp32 activations only; the caller also checks that the fused kernels apply.
 bool ssd_bf16_state_terms(const SSDShape& s, index_t heads_per_group);
+
+// Whether ssd_backward on float activations of this shape forms dB and dC in the one-kernel form
+// (ssd_fused::bc_backward) under bf16 arithmetic with one head a group, so that SSDGrad::dbc_bf16 may be given
+// (CUDA builds; bf16 arithmetic rounds B and C to bf16 for those products already).
+bool ssd_bc_bf16_applies(const SSDShape& s);
 
 template <class T>
 void ssd_step(const SSDShape& s, const SSDIn<T>& in, const View4<acc_t<T>>& state, const View2<T>& y);

@@ -2099,7 +2099,7 @@ __global__ void __launch_bounds__(kSbThreads, 2) state_bwd_seq_kernel(const Args
   int buf = 0;  // the slice buffer of the next slice to multiply
 
   for (int ch = nc - 1; ch >= 0; --ch) {
-    const int t0 = ch * Q, q = rows(ch);
+    const int q = rows(ch);
     const std::int64_t st_off = ((std::int64_t(b) * nc + ch) * a.H + h) * PN;
     {  // dH at chunk ch's end out (fp32) and to hs (bf16), S_in to ss (bf16), this warp's part of sum(dH o S_in);
        // S_in loaded two slices at a time (all of it at once spilled at N = 128: ptxas, 128 registers)
@@ -2812,10 +2812,26 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? (kOne ? 3 : 2) : (kOne ? 2
     for (int j = 0; j < NF; ++j)
       if (j * 16 < nw) wmma::store_matrix_sync(outs + warp * 16 * ldo + j * 16, acc[j], ldo, wmma::mem_row_major);
     __syncthreads();
-    float* dst = a.dbc + (rows + r0) * a.lddbc + (dc ? a.c_col : a.b_col) + std::int64_t(g) * a.N + n0;
-    for_own<kTile, kNT>([&](int r, int c) {
-      if (r < nr && c < nw) store4<V4>(dst + r * a.lddbc + c, *reinterpret_cast<const float4*>(outs + r * ldo + c));
-    });
+    const std::int64_t o0 = (rows + r0) * a.lddbc + (dc ? a.c_col : a.b_col) + std::int64_t(g) * a.N + n0;
+    if (a.dbc_b16) {  // bf16: 8 bytes a step (V4: rows and columns 4-aligned), else four 2-byte stores
+      bf* dst = reinterpret_cast<bf*>(a.dbc_b16) + o0;
+      for_own<kTile, kNT>([&](int r, int c) {
+        if (r >= nr || c >= nw) return;
+        const float4 v = *reinterpret_cast<const float4*>(outs + r * ldo + c);
+        bf* d = dst + r * a.lddbc + c;
+        if constexpr (V4) {
+          store4_bf16(d, v);
+        } else {
+          d[0] = __float2bfloat16_rn(v.x), d[1] = __float2bfloat16_rn(v.y);
+          d[2] = __float2bfloat16_rn(v.z), d[3] = __float2bfloat16_rn(v.w);
+        }
+      });
+    } else {
+      float* dst = a.dbc + o0;
+      for_own<kTile, kNT>([&](int r, int c) {
+        if (r < nr && c < nw) store4<V4>(dst + r * a.lddbc + c, *reinterpret_cast<const float4*>(outs + r * ldo + c));
+      });
+    }
     __syncthreads();  // before dC stages over the output tile
   }
 }
@@ -2907,7 +2923,9 @@ template <int PT>
 void launch_bc(const Args& a) {
   const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
   const dim3 grid(((a.Q + kTile - 1) / kTile) * ((a.N + kNT - 1) / kNT), a.nh / a.run_len, a.batch * a.nc);
-  const bool v4 = aligned4(a) && aligned16(a.dy) && a.ldy % 4 == 0 && aligned16(a.dbc) && a.lddbc % 4 == 0;
+  // (the bf16 output's 8-byte stores: its start 8-byte aligned, with the row stride and columns multiples of 4)
+  const bool out_ok = a.dbc_b16 ? reinterpret_cast<std::uintptr_t>(a.dbc_b16) % 8 == 0 : aligned16(a.dbc);
+  const bool v4 = aligned4(a) && aligned16(a.dy) && a.ldy % 4 == 0 && out_ok && a.lddbc % 4 == 0;
   const bool one = a.G == a.H;
   if (v4)
     one ? launch_bc<PT, true, true>(a, grid, st) : launch_bc<PT, true, false>(a, grid, st);

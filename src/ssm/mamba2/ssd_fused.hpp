@@ -42,6 +42,9 @@ struct Args {
   bool ein_weights = false;
   float* dbc = nullptr;  // bc_backward: d(xBC), dB at dbc + r lddbc + b_col + g N + n, dC at c_col (xbc's columns)
   std::int64_t lddbc = 0;
+  // bc_backward: dB and dC rounded to bf16 at the same places of this array (row stride lddbc) in place of dbc,
+  // where given (Mamba-3's per-head dq~ and dk~, which its rotation backward reads: half the bytes each way)
+  std::uint16_t* dbc_b16 = nullptr;
   int h0 = 0, nh = 0, run_len = 1;
   // scan_seq (the sequential forward): the initial state (batch, H, P, N) or null (zero), the final state to write
   // (batch, H, P, N) or null; whether to write S_in of every chunk to `states`, and C B^T to cb_out where given
