@@ -51,6 +51,8 @@
 #include "ssm/mamba2/ssd.hpp"
 #include "ssm/mamba2/ssd_fused.hpp"
 #include "ssm/mamba3/mixer.hpp"
+#include "ssm/mamba3/rotate_cuda.hpp"
+#include "ssm/mamba3/scan.hpp"
 #include "tensor/gemm.hpp"
 #include "train/optimizer.hpp"
 
@@ -693,6 +695,9 @@ void bench_mamba3(int reps, const SSDVariant& var, index_t batch, index_t seqlen
     if (ssd_fused::bwd_state_form != F::dstates)
       time_other(ssd_fused::bwd_state_form, F::dstates, name + " (backward state terms: dstates_seq + epilogue)", "");
   }
+  // where the rotation backward takes its native kernel (rotate_cuda.hpp), the same with its Kokkos form
+  if (rot_bwd_form == RotBwdForm::automatic && mamba3_cuda::rotate_bwd_fits(int(cfg.d_state), cfg.pairing() == RopePairing::halved))
+    time_other(rot_bwd_form, RotBwdForm::kokkos, name + " (rotation backward: Kokkos kernel)", "");
   // the native kernels run (CUDA, a shape they take): the backward's dB and dC (one head a group here) also in the
   // other ssd_fused::BcForm (--bc-form picks the one above)
   if (var.algo == SSDAlgo::fused && ssd_fused::fits(int(cfg.headdim), int(cfg.d_state), int(cfg.chunk_size)))

@@ -10,6 +10,7 @@
 #include "reference/ssd_ref.hpp"
 #include "ssm/mamba2/ssd.hpp"
 #include "ssm/mamba2/ssd_fused.hpp"
+#include "ssm/mamba3/rotate_cuda.hpp"
 #include "ssm/mamba3/mixer.hpp"
 #include "ssm/mamba3/scan.hpp"
 #include "util.hpp"
@@ -420,23 +421,32 @@ TEST_CASE("Mamba-3 SISO through the SSD in fp32: the token passes agree with the
   // partial (S = 3: a quad half rotated) and full rotary, 4 heads in 2 groups, packed records, an initial carry and
   // final-carry gradients (the last token's k and v terms). The forward against the double recurrence, every
   // gradient against the portable route's in fp32.
-  for (const bool halved : {false, true})
-    for (const index_t S : {3, 8}) {
-      M3Case c;
-      c.L = S == 8 ? 300 : 70;  // 600 rows: three tiles of the fused rotation backward at d_state 16, one partial
-      c.H = 4;
-      c.G = 2;
-      c.P = 8;
-      c.N = 16;
-      c.S = S;
-      c.Q = 16;
-      c.halved = halved;
-      c.seq = make_records(c.B, c.L, {{20, 33}, {}});
-      c.algo = SSDAlgo::gemm;
-      c.compute = GemmCompute::fp32;
-      INFO("halved=" << halved << " S=" << S);
-      check_ssd_route(c, 1e-4, 1e-4, 1e-3);
-    }
+  // Both forms of the rotation backward: the native CUDA kernel (rotate_cuda.hpp; CUDA builds) and the Kokkos
+  // form.
+  for (const RotBwdForm form : {RotBwdForm::automatic, RotBwdForm::kokkos})
+    for (const bool halved : {false, true})
+      for (const index_t S : {3, 8}) {
+        const ssd_fused::FormScope scope(rot_bwd_form, form);
+        const long before = mamba3_cuda::rotate_bwd_launches();
+        M3Case c;
+        // 600 rows (140 at S = 3): tiles of 16 rows (8 halved) in the Kokkos rotation backward, of 256 in the
+        // native one at d_state 16 (three, the last partial; one partial at S = 3)
+        c.L = S == 8 ? 300 : 70;
+        c.H = 4;
+        c.G = 2;
+        c.P = 8;
+        c.N = 16;
+        c.S = S;
+        c.Q = 16;
+        c.halved = halved;
+        c.seq = make_records(c.B, c.L, {{20, 33}, {}});
+        c.algo = SSDAlgo::gemm;
+        c.compute = GemmCompute::fp32;
+        INFO("halved=" << halved << " S=" << S << (form == RotBwdForm::kokkos ? ", Kokkos rotation backward" : ""));
+        check_ssd_route(c, 1e-4, 1e-4, 1e-3);
+        const bool cuda = std::string(Exec::name()) == "Cuda";
+        CHECK((mamba3_cuda::rotate_bwd_launches() > before) == (cuda && form == RotBwdForm::automatic));
+      }
 }
 
 TEST_CASE("Mamba-3 with lambda = 1 and no rotary reduces to Mamba-2's SSD recurrence", "[mamba3]") {

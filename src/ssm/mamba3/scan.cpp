@@ -1,4 +1,5 @@
 #include "ssm/mamba3/scan.hpp"
+#include "ssm/mamba3/rotate_cuda.hpp"
 
 #include "core/error.hpp"
 #include "core/pool.hpp"
@@ -19,6 +20,8 @@ void Mamba3ScanShape::validate(const char* where) const {
           "halved rotary pairs need an even dstate (got ", dstate, ")");
   require(A_floor >= 0, where, "A_floor (", A_floor, ") must be non-negative");
 }
+
+RotBwdForm rot_bwd_form = RotBwdForm::automatic;
 
 bool Mamba3ScanShape::via_ssd() const {
   if (rank != 1 || algo == SSDAlgo::portable) return false;
@@ -507,6 +510,7 @@ void rotate_bwd_reduce(const Ctx<T>& c, const View2<D>& dqkv, const View4<acc_t<
   const auto fk = dfin.k;
   const index_t N = c.N, rows = c.Bsz * c.L, RT = kRotSlots * KR;
   const index_t ntiles = (rows + RT - 1) / RT, U = N / W, HN = c.H * N;
+  const bool rows32 = rows < (index_t(1) << 32);
   const std::size_t bytes = Scratch2<P>::shmem_size(RT, 2 * N) + Scratch2<P>::shmem_size(kRotSlots, 2 * N);
   const int lvl = bytes <= kRotFastScratch ? 0 : 1;
   // registers held to 80 a thread (3 teams, 24 warps an SM; ptxas gave it 108 unbounded, 2 teams)
@@ -544,7 +548,10 @@ void rotate_bwd_reduce(const Ctx<T>& c, const View2<D>& dqkv, const View4<acc_t<
               for (int rr = 0; rr < KR; ++rr) {  // (arrays indexed directly: a pointer into one sends it to the stack)
                 const index_t lr = sl * KR + rr;
                 if (lr < nr) {
-                  const index_t rw = r0 + lr, b = rw / c.L, t = rw % c.L;
+                  // (a row's batch and position by a 32-bit division where the rows allow it: the 64-bit one
+                  // is a long instruction sequence, here once a row and head)
+                  const index_t rw = r0 + lr, b = rows32 ? index_t(std::uint32_t(rw) / std::uint32_t(c.L)) : rw / c.L,
+                                t = rw - b * c.L;
                   P* dph = dphi.data() + b * dphi.stride(0) + h * dphi.stride(1) + t * dphi.stride(2);
                   const P* ph = c.phi.data() + b * c.phi.stride(0) + h * c.phi.stride(1) + t * c.phi.stride(2);
                   // angles 4u + e on pairs (e, 4 + e) of the lane's values (halved), or 2u + e on (2e, 2e + 1);
@@ -623,14 +630,16 @@ void rotate_bwd_reduce(const Ctx<T>& c, const View2<D>& dqkv, const View4<acc_t<
           Kokkos::parallel_for(Kokkos::TeamVectorRange(tm, 2 * N), [&](index_t col) {
             P acc = 0;
             for (int sl = 0; sl < kRotSlots; ++sl) acc += red(sl, col);
-            const index_t part = col / N, e = (col % N) / U, u = col % U, n = dim(u, int(e));
+            const int ci = int(col), Ni = int(N), Ui = int(U);  // (column indices: 32-bit divisions)
+            const index_t part = ci / Ni, e = (ci % Ni) / Ui, u = ci % Ui, n = dim(u, int(e));
             partial(tile, part == 0 ? h * N + n : HN + h * N + n) = acc;
           });
           tm.team_barrier();
         }
         Kokkos::parallel_for(Kokkos::TeamThreadRange(tm, nr), [&](index_t lr) {
           Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, N), [&](index_t col) {
-            const index_t e = col / U, u = col % U, n = dim(u, int(e));
+            const int ci = int(col), Ui = int(U);
+            const index_t e = ci / Ui, u = ci % Ui, n = dim(u, int(e));
             dqk(r0 + lr, k_col + g * N + n) = static_cast<T>(gsum(lr, col));
             dqk(r0 + lr, q_col + g * N + n) = static_cast<T>(gsum(lr, N + col));
           });
@@ -1291,18 +1300,66 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
   };
   if (rotated) {  // fused with the sums over each group's heads (into gr.dqk) and over the rows (the biases)
     PoolScope local;  // returned at the end of the block
-    const index_t RT = kRotSlots * (c.halved ? kRotRows<true> : kRotRows<false>), ntiles = (rows + RT - 1) / RT;
+    // the native kernel (rotate_cuda.hpp) where it takes the shape and gr.dqk's rows take its 16-byte stores, else
+    // the Kokkos form
+    const bool native = std::is_same_v<T, float> && rot_bwd_form == RotBwdForm::automatic &&
+                        mamba3_cuda::rotate_bwd_fits(int(c.N), c.halved) &&
+                        float4_rows({{gr.dqk.data(), gr.dqk.stride(0)}}) && in.q_col % 4 == 0 && in.k_col % 4 == 0;
+    const index_t RT = kRotSlots * (c.halved ? kRotRows<true> : kRotRows<false>),
+                  ntiles = native ? mamba3_cuda::rotate_bwd_partial_rows(rows, int(c.N), c.halved, int(c.G))
+                                  : (rows + RT - 1) / RT;
     View2<P> part = local.take<View2<P>>("mamba3::dkq_bias::tiles", ntiles, 2 * HRN);
-    auto run = [&](const auto& d) {
-      if (c.halved)
-        rotate_bwd_reduce<T, true>(c, d, dphi, diag_pending, dfin, gr.dqk, in.q_col, in.k_col, part);
+    if (native) {
+      if constexpr (std::is_same_v<T, float>) {
+        mamba3_cuda::RotBwdArgs ra;
+        ra.qk = c.qk.data();
+        ra.ldqk = index_t(c.qk.stride(0));
+        ra.q_col = c.q_col;
+        ra.k_col = c.k_col;
+        ra.q_bias = c.q_bias.data();
+        ra.k_bias = c.k_bias.data();
+        ra.phi = c.phi.data();
+        ra.ps0 = index_t(c.phi.stride(0)), ra.ps1 = index_t(c.phi.stride(1)), ra.ps2 = index_t(c.phi.stride(2));
+        ra.dphi = dphi.data();
+        ra.dps0 = index_t(dphi.stride(0)), ra.dps1 = index_t(dphi.stride(1)), ra.dps2 = index_t(dphi.stride(2));
+        if (d16) {
+          ra.dq16 = reinterpret_cast<const std::uint16_t*>(dqkv16.data());
+          ra.ldd = index_t(dqkv16.stride(0));
+        } else {
+          ra.dq32 = dqkv.data();
+          ra.ldd = index_t(dqkv.stride(0));
+        }
+        ra.q_off = c.q_off;
+        ra.k_off = c.k_off;
+        if (diag_pending) {
+          ra.fdv = c.fdv.data();
+          ra.ldf = index_t(c.fdv.stride(0));
+          if (!dfin.empty()) {
+            ra.fk = dfin.k.data();
+            ra.fs0 = index_t(dfin.k.stride(0)), ra.fs1 = index_t(dfin.k.stride(1));
+          }
+        }
+        ra.dqk = gr.dqk.data();
+        ra.lddqk = index_t(gr.dqk.stride(0));
+        ra.dq_col = in.q_col;
+        ra.dk_col = in.k_col;
+        ra.partial = part.data();
+        ra.batch = int(c.Bsz), ra.L = int(c.L), ra.H = int(c.H), ra.G = int(c.G), ra.N = int(c.N), ra.S = int(c.S);
+        ra.halved = c.halved;
+        mamba3_cuda::rotate_bwd(ra);
+      }
+    } else {
+      auto run = [&](const auto& d) {
+        if (c.halved)
+          rotate_bwd_reduce<T, true>(c, d, dphi, diag_pending, dfin, gr.dqk, in.q_col, in.k_col, part);
+        else
+          rotate_bwd_reduce<T, false>(c, d, dphi, diag_pending, dfin, gr.dqk, in.q_col, in.k_col, part);
+      };
+      if (d16)
+        run(dqkv16);
       else
-        rotate_bwd_reduce<T, false>(c, d, dphi, diag_pending, dfin, gr.dqk, in.q_col, in.k_col, part);
-    };
-    if (d16)
-      run(dqkv16);
-    else
-      run(dqkv);
+        run(dqkv);
+    }
     View1<P> dkq = local.take<View1<P>>("mamba3::dkq_bias", 2 * HRN);
     reduce_partials<P>("mamba3::dkq_bias", part, ntiles, 2 * HRN, dkq, false);
     add_bias_grads(dkq);

@@ -131,6 +131,12 @@ void mamba3_scan_forward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, co
                          const Mamba3Carry<acc_t<T>>& final_carry, Mamba3ScanSaved<T>* keep = nullptr,
                          PoolScope* pool = nullptr);
 
+// The rotation backward of the SISO scan on quads (float, rank 1): automatic takes the native CUDA kernel
+// (rotate_cuda.hpp) where it applies, kokkos the Kokkos form (its reference; also every other build). Tests and
+// the benchmark set it; nothing else changes it.
+enum class RotBwdForm { automatic, kokkos };
+extern RotBwdForm rot_bwd_form;
+
 // dy (batch * seqlen, H * R * P); dfinal: gradient of the final carry, or empty. `kept`: what mamba3_scan_forward
 // kept for the same shape, inputs and initial carry (or null / empty: recomputed). It is only read, so several
 // backwards (context parallel: one per stage) can use it.

@@ -1,0 +1,259 @@
+#include "ssm/mamba3/rotate_cuda.hpp"
+
+#include <Kokkos_Core.hpp>
+#include <Kokkos_Profiling_ScopedRegion.hpp>
+#include <algorithm>
+#include <atomic>
+
+#include "core/error.hpp"
+
+namespace mm::mamba3_cuda {
+
+namespace {
+std::atomic<long> launches{0};
+}  // namespace
+
+long rotate_bwd_launches() { return launches.load(); }
+
+#if defined(KOKKOS_ENABLE_CUDA)
+
+namespace {
+
+constexpr int kWarps = 8, kThreads = 32 * kWarps;
+
+// W values a lane (4: one quad, interleaved pairs; 8: a quad of each half, halved pairs), KR rows a lane a tile
+template <int W>
+constexpr int kRows = W == 4 ? 2 : 1;
+
+__host__ __device__ constexpr int lanes_per_row(int N, int W) { return N / W; }
+
+// pair (x0, x1) rotated by the angle (sine s, cosine c): x0 c - x1 s, x0 s + x1 c (scan.cpp's rot_pair)
+__device__ __forceinline__ void rot(float& x0, float& x1, float s, float c) {
+  const float a0 = x0 * c - x1 * s, a1 = x0 * s + x1 * c;
+  x0 = a0;
+  x1 = a1;
+}
+// its backward (scan.cpp's rot_pair_bwd): the angle's gradient into acc, (g0, g1) rotated back
+__device__ __forceinline__ void rot_bwd(float& g0, float& g1, float y0, float y1, float s, float c, float& acc) {
+  acc += -g0 * y1 + g1 * y0;
+  const float a0 = g0 * c + g1 * s, a1 = -g0 * s + g1 * c;
+  g0 = a0;
+  g1 = a1;
+}
+
+__device__ __forceinline__ float4 load_quad(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float4 load_quad(const std::uint16_t* p) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
+                     __uint_as_float(u.y & 0xffff0000u));
+}
+
+// Grid (blocks, groups), kThreads threads; block x takes the tiles x, x + blocks, ... of the rows. Lane u of row
+// slot ri (lane = ri LR + u) holds, for each of its KR rows of a tile, the values at the state dimensions dim(e):
+// 4u + e (interleaved), or 4u + e and N/2 + 4u + e - 4 (halved). Row kr of slot ri of warp w: (kr kWarps + w) RPW
+// + ri in the tile. The biases' row sums of a head over a tile: over the warp's row slots by shuffles, then over
+// the warps through shared memory (two buffers by head parity, kWarps x 2 N floats each) by one thread a column,
+// which adds it to the block's row of `partial` (the same thread for every tile: the same order every run).
+template <int W, class DQ>
+__global__ void __launch_bounds__(kThreads, 2) rotate_bwd_kernel(const RotBwdArgs a, const DQ* __restrict__ dq) {
+  constexpr int KR = kRows<W>, A = W / 2;  // angles a lane: interleaved pairs (2e, 2e + 1), halved (e, 4 + e)
+  extern __shared__ float red[];
+  const int N = a.N, LR = lanes_per_row(N, W), RPW = 32 / LR, rows_tile = kWarps * RPW * KR;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, ri = lane / LR, u = lane % LR;
+  const int g = blockIdx.y, hpg = a.H / a.G, hn = N / 2;
+  const index_t rows = index_t(a.batch) * a.L, HN = index_t(a.H) * N, ntiles = (rows + rows_tile - 1) / rows_tile;
+  float* prow = a.partial + index_t(blockIdx.x) * 2 * HN;
+  auto dim = [&](int e) { return W == 4 ? 4 * u + e : (e < 4 ? 4 * u + e : hn + 4 * u + e - 4); };
+  const int left = a.S - A * u;  // this lane's angles A u .. A u + A - 1 below S: the first `left` of them
+
+  int step = 0;  // heads done (over the tiles too): the parity of the shared buffer
+  for (index_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+    const bool first_tile = tile == blockIdx.x;
+    const index_t r0 = tile * rows_tile;
+    float q[KR][W], k[KR][W], gq[KR][W], gk[KR][W];
+    index_t rw[KR];
+    int bb[KR], tt[KR];
+#pragma unroll
+    for (int kr = 0; kr < KR; ++kr) {
+      const index_t r = r0 + index_t(kr * kWarps + warp) * RPW + ri;
+      rw[kr] = r < rows ? r : -1;
+      const index_t rc = r < rows ? r : rows - 1;
+      bb[kr] = int(rc / a.L);
+      tt[kr] = int(rc - index_t(bb[kr]) * a.L);
+      const float* row = a.qk + rc * a.ldqk + index_t(g) * N;
+#pragma unroll
+      for (int part = 0; part < W / 4; ++part) {
+        const float4 qv = load_quad(row + a.q_col + dim(4 * part)), kv = load_quad(row + a.k_col + dim(4 * part));
+        q[kr][4 * part] = qv.x, q[kr][4 * part + 1] = qv.y, q[kr][4 * part + 2] = qv.z, q[kr][4 * part + 3] = qv.w;
+        k[kr][4 * part] = kv.x, k[kr][4 * part + 1] = kv.y, k[kr][4 * part + 2] = kv.z, k[kr][4 * part + 3] = kv.w;
+      }
+#pragma unroll
+      for (int e = 0; e < W; ++e) gq[kr][e] = gk[kr][e] = 0.f;
+    }
+
+    for (int hh = 0; hh < hpg; ++hh) {
+      const int h = g * hpg + hh;
+      float qb[W], kb[W], bq[W], bk[W];
+#pragma unroll
+      for (int part = 0; part < W / 4; ++part) {
+        const float4 qv = load_quad(a.q_bias + index_t(h) * N + dim(4 * part));
+        const float4 kv = load_quad(a.k_bias + index_t(h) * N + dim(4 * part));
+        qb[4 * part] = qv.x, qb[4 * part + 1] = qv.y, qb[4 * part + 2] = qv.z, qb[4 * part + 3] = qv.w;
+        kb[4 * part] = kv.x, kb[4 * part + 1] = kv.y, kb[4 * part + 2] = kv.z, kb[4 * part + 3] = kv.w;
+      }
+#pragma unroll
+      for (int e = 0; e < W; ++e) bq[e] = bk[e] = 0.f;
+#pragma unroll
+      for (int kr = 0; kr < KR; ++kr) {
+        if (rw[kr] < 0) continue;  // (past the last row: no shuffles below depend on it)
+        const index_t r = rw[kr];
+        const int b = bb[kr], t = tt[kr];
+        const float* ph = a.phi + index_t(b) * a.ps0 + index_t(h) * a.ps1 + index_t(t) * a.ps2 + A * u;
+        float* dph = a.dphi + index_t(b) * a.dps0 + index_t(h) * a.dps1 + index_t(t) * a.dps2 + A * u;
+        float sn[A], cs[A];
+#pragma unroll
+        for (int e = 0; e < A; ++e) {
+          sn[e] = 0.f, cs[e] = 1.f;
+          if (e < left) sincosf(ph[e], &sn[e], &cs[e]);
+        }
+        // q~ and k~ of this head: the biased values rotated
+        float qr[W], kq[W], dqv[W], dkv[W];
+#pragma unroll
+        for (int e = 0; e < W; ++e) qr[e] = q[kr][e] + qb[e], kq[e] = k[kr][e] + kb[e];
+#pragma unroll
+        for (int e = 0; e < A; ++e) {
+          if (e >= left) break;
+          const int i0 = W == 8 ? e : 2 * e, i1 = W == 8 ? 4 + e : 2 * e + 1;
+          rot(qr[i0], qr[i1], sn[e], cs[e]);
+          rot(kq[i0], kq[i1], sn[e], cs[e]);
+        }
+        const DQ* drow = dq + r * a.ldd + index_t(h) * N;
+#pragma unroll
+        for (int part = 0; part < W / 4; ++part) {
+          const float4 dv = load_quad(drow + a.q_off + dim(4 * part)), kv = load_quad(drow + a.k_off + dim(4 * part));
+          dqv[4 * part] = dv.x, dqv[4 * part + 1] = dv.y, dqv[4 * part + 2] = dv.z, dqv[4 * part + 3] = dv.w;
+          dkv[4 * part] = kv.x, dkv[4 * part + 1] = kv.y, dkv[4 * part + 2] = kv.z, dkv[4 * part + 3] = kv.w;
+        }
+        if (a.fdv) {  // the diagonal's terms, and the final carry's k gradient at a row's last token
+          const float fd = a.fdv[r * a.ldf + h];
+          const float* fkr = a.fk && t == a.L - 1 ? a.fk + index_t(b) * a.fs0 + index_t(h) * a.fs1 : nullptr;
+#pragma unroll
+          for (int e = 0; e < W; ++e) {
+            dqv[e] += fd * kq[e];
+            dkv[e] += fd * qr[e] + (fkr ? fkr[dim(e)] : 0.f);
+          }
+        }
+#pragma unroll
+        for (int e = 0; e < A; ++e) {
+          if (e >= left) break;
+          const int i0 = W == 8 ? e : 2 * e, i1 = W == 8 ? 4 + e : 2 * e + 1;
+          float acc = 0.f;
+          rot_bwd(dqv[i0], dqv[i1], qr[i0], qr[i1], sn[e], cs[e], acc);
+          rot_bwd(dkv[i0], dkv[i1], kq[i0], kq[i1], sn[e], cs[e], acc);
+          dph[e] = acc;
+        }
+#pragma unroll
+        for (int e = 0; e < W; ++e) {
+          bq[e] += dqv[e], bk[e] += dkv[e];
+          gq[kr][e] += dqv[e], gk[kr][e] += dkv[e];
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < W; ++e)
+        for (int o = LR; o < 32; o *= 2) {
+          bq[e] += __shfl_xor_sync(0xffffffffu, bq[e], o);
+          bk[e] += __shfl_xor_sync(0xffffffffu, bk[e], o);
+        }
+      float* buf = red + (step++ & 1) * kWarps * 2 * N;
+      if (ri == 0)
+#pragma unroll
+        for (int e = 0; e < W; ++e) buf[warp * 2 * N + dim(e)] = bk[e], buf[warp * 2 * N + N + dim(e)] = bq[e];
+      __syncthreads();  // (the other parity's buffer is free: every thread passed this barrier after reading it)
+      for (int col = threadIdx.x; col < 2 * N; col += kThreads) {
+        float s = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) s += buf[w * 2 * N + col];
+        float* p = prow + (col < N ? 0 : HN) + index_t(h) * N + (col < N ? col : col - N);
+        *p = first_tile ? s : *p + s;
+      }
+    }
+    // the group sums of the lane's rows
+#pragma unroll
+    for (int kr = 0; kr < KR; ++kr) {
+      if (rw[kr] < 0) continue;
+      float* row = a.dqk + rw[kr] * a.lddqk + index_t(g) * N;
+#pragma unroll
+      for (int part = 0; part < W / 4; ++part) {
+        const int e = 4 * part;
+        *reinterpret_cast<float4*>(row + a.dq_col + dim(e)) =
+            make_float4(gq[kr][e], gq[kr][e + 1], gq[kr][e + 2], gq[kr][e + 3]);
+        *reinterpret_cast<float4*>(row + a.dk_col + dim(e)) =
+            make_float4(gk[kr][e], gk[kr][e + 1], gk[kr][e + 2], gk[kr][e + 3]);
+      }
+    }
+  }
+}
+
+int tile_rows(int N, bool halved) {
+  const int W = halved ? 8 : 4;
+  return kWarps * (32 / lanes_per_row(N, W)) * (halved ? kRows<8> : kRows<4>);
+}
+
+template <int W, class DQ>
+void launch(const RotBwdArgs& a, const DQ* dq) {
+  const index_t blocks = rotate_bwd_partial_rows(index_t(a.batch) * a.L, a.N, W == 8, a.G);
+  const std::size_t bytes = std::size_t(2) * kWarps * 2 * a.N * sizeof(float);
+  if (bytes > 48 * 1024) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(rotate_bwd_kernel<W, DQ>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+    require(e == cudaSuccess, "mamba3 rotation backward (CUDA)", bytes, " bytes of shared memory: ",
+            cudaGetErrorString(e));
+  }
+  rotate_bwd_kernel<W, DQ><<<dim3(unsigned(blocks), unsigned(a.G)), kThreads, bytes,
+                             Kokkos::DefaultExecutionSpace().cuda_stream()>>>(a, dq);
+  const cudaError_t e = cudaGetLastError();
+  require(e == cudaSuccess, "mamba3 rotation backward (CUDA)", "the kernel failed to launch: ", cudaGetErrorString(e));
+}
+
+}  // namespace
+
+bool rotate_bwd_fits(int N, bool halved) {
+  const int W = halved ? 8 : 4;
+  if (N <= 0 || N % W != 0) return false;
+  const int lr = N / W;
+  return lr <= 32 && 32 % lr == 0;
+}
+
+index_t rotate_bwd_partial_rows(index_t rows, int N, bool halved, int groups) {
+  // two blocks an SM over the groups (the kernel's bound), each walking its tiles; at least one a group
+  static const int sms = [] {
+    int dev = 0, n = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    return n > 0 ? n : 1;
+  }();
+  const index_t tiles = (rows + tile_rows(N, halved) - 1) / tile_rows(N, halved);
+  const index_t want = std::max<index_t>(1, (2 * index_t(sms) + groups - 1) / groups);
+  return std::max<index_t>(1, std::min(tiles, want));
+}
+
+void rotate_bwd(const RotBwdArgs& a) {
+  require(rotate_bwd_fits(a.N, a.halved) && a.G > 0 && a.H % a.G == 0 && (a.dq32 != nullptr) != (a.dq16 != nullptr),
+          "mamba3 rotation backward (CUDA)", "shape or arguments outside the kernel's rules (d_state ", a.N, ")");
+  Kokkos::Profiling::ScopedRegion region("mamba3::rotate_bwd_cuda");
+  ++launches;
+  if (a.halved)
+    a.dq16 ? launch<8>(a, a.dq16) : launch<8>(a, a.dq32);
+  else
+    a.dq16 ? launch<4>(a, a.dq16) : launch<4>(a, a.dq32);
+}
+
+#else  // host backends: never called (scan.cpp asks rotate_bwd_fits first)
+
+bool rotate_bwd_fits(int, bool) { return false; }
+index_t rotate_bwd_partial_rows(index_t, int, bool, int) { return 1; }
+void rotate_bwd(const RotBwdArgs&) { require(false, "mamba3 rotation backward", "the kernel needs the CUDA backend"); }
+
+#endif
+
+}  // namespace mm::mamba3_cuda
