@@ -648,6 +648,49 @@ void rotate_bwd_reduce(const Ctx<T>& c, const View2<D>& dqkv, const View4<acc_t<
       bytes, 0, lvl);
 }
 
+// The rotation backward by the native kernel (rotate_cuda.hpp): rotate_bwd_reduce's outputs, dq~ and dk~ from
+// dqkv16 (bf16) where it is non-empty, else from dqkv; `partial` has rotate_bwd_partial_rows rows.
+inline void rotate_bwd_native(const Ctx<float>& c, const View2<float>& dqkv, const View2<bf16_op_t>& dqkv16,
+                              const View4<float>& dphi, bool diag, const Mamba3Carry<float>& dfin,
+                              const View2<float>& dqk, index_t q_col, index_t k_col, const View2<float>& partial) {
+  mamba3_cuda::RotBwdArgs ra;
+  ra.qk = c.qk.data();
+  ra.ldqk = index_t(c.qk.stride(0));
+  ra.q_col = c.q_col;
+  ra.k_col = c.k_col;
+  ra.q_bias = c.q_bias.data();
+  ra.k_bias = c.k_bias.data();
+  ra.phi = c.phi.data();
+  ra.ps0 = index_t(c.phi.stride(0)), ra.ps1 = index_t(c.phi.stride(1)), ra.ps2 = index_t(c.phi.stride(2));
+  ra.dphi = dphi.data();
+  ra.dps0 = index_t(dphi.stride(0)), ra.dps1 = index_t(dphi.stride(1)), ra.dps2 = index_t(dphi.stride(2));
+  if (dqkv16.extent(0) > 0) {
+    ra.dq16 = reinterpret_cast<const std::uint16_t*>(dqkv16.data());
+    ra.ldd = index_t(dqkv16.stride(0));
+  } else {
+    ra.dq32 = dqkv.data();
+    ra.ldd = index_t(dqkv.stride(0));
+  }
+  ra.q_off = c.q_off;
+  ra.k_off = c.k_off;
+  if (diag) {  // the diagonal's terms, with the final carry's k gradient where there is one
+    ra.fdv = c.fdv.data();
+    ra.ldf = index_t(c.fdv.stride(0));
+    if (!dfin.empty()) {
+      ra.fk = dfin.k.data();
+      ra.fs0 = index_t(dfin.k.stride(0)), ra.fs1 = index_t(dfin.k.stride(1));
+    }
+  }
+  ra.dqk = dqk.data();
+  ra.lddqk = index_t(dqk.stride(0));
+  ra.dq_col = q_col;
+  ra.dk_col = k_col;
+  ra.partial = partial.data();
+  ra.batch = int(c.Bsz), ra.L = int(c.L), ra.H = int(c.H), ra.G = int(c.G), ra.N = int(c.N), ra.S = int(c.S);
+  ra.halved = c.halved;
+  mamba3_cuda::rotate_bwd(ra);
+}
+
 // q~ = Rot(phi) (qn + q_bias), k~ = Rot(phi) (kn + k_bias), per token, head and rank.
 template <class T>
 void rotate(const Ctx<T>& c) {
@@ -1155,8 +1198,8 @@ void backward_portable(const Ctx<T>& c, const Mamba3ScanIn<T>& in, const View2<c
 template <class T>
 bool backward_ssd(const Ctx<T>& c, const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, const View2<const T>& dy,
                   const Mamba3Carry<acc_t<T>>& dfin, const Mamba3ScanGrad<T>& gr, const View2<acc_t<T>>& dqkv,
-                  const View2<bf16_op_t>& dqkv16, const View3<acc_t<T>>& da, const View3<acc_t<T>>& dw, const View3<acc_t<T>>& ddg,
-                  const View4<acc_t<T>>& dsh0, PoolScope& ws, const SSDSaved<T>* kept) {
+                  const View2<bf16_op_t>& dqkv16, const View3<acc_t<T>>& da, const View3<acc_t<T>>& dw,
+                  const View3<acc_t<T>>& ddg, const View4<acc_t<T>>& dsh0, PoolScope& ws, const SSDSaved<T>* kept) {
   using P = acc_t<T>;
   View3<P> dtok = ws.take<View3<P>>("mamba3::d_token", c.Bsz, c.H, c.L);
   View3<P> dyv = ws.take<View3<P>>("mamba3::dy_dot_v", c.Bsz, c.H, c.L);
@@ -1310,44 +1353,8 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
                                   : (rows + RT - 1) / RT;
     View2<P> part = local.take<View2<P>>("mamba3::dkq_bias::tiles", ntiles, 2 * HRN);
     if (native) {
-      if constexpr (std::is_same_v<T, float>) {
-        mamba3_cuda::RotBwdArgs ra;
-        ra.qk = c.qk.data();
-        ra.ldqk = index_t(c.qk.stride(0));
-        ra.q_col = c.q_col;
-        ra.k_col = c.k_col;
-        ra.q_bias = c.q_bias.data();
-        ra.k_bias = c.k_bias.data();
-        ra.phi = c.phi.data();
-        ra.ps0 = index_t(c.phi.stride(0)), ra.ps1 = index_t(c.phi.stride(1)), ra.ps2 = index_t(c.phi.stride(2));
-        ra.dphi = dphi.data();
-        ra.dps0 = index_t(dphi.stride(0)), ra.dps1 = index_t(dphi.stride(1)), ra.dps2 = index_t(dphi.stride(2));
-        if (d16) {
-          ra.dq16 = reinterpret_cast<const std::uint16_t*>(dqkv16.data());
-          ra.ldd = index_t(dqkv16.stride(0));
-        } else {
-          ra.dq32 = dqkv.data();
-          ra.ldd = index_t(dqkv.stride(0));
-        }
-        ra.q_off = c.q_off;
-        ra.k_off = c.k_off;
-        if (diag_pending) {
-          ra.fdv = c.fdv.data();
-          ra.ldf = index_t(c.fdv.stride(0));
-          if (!dfin.empty()) {
-            ra.fk = dfin.k.data();
-            ra.fs0 = index_t(dfin.k.stride(0)), ra.fs1 = index_t(dfin.k.stride(1));
-          }
-        }
-        ra.dqk = gr.dqk.data();
-        ra.lddqk = index_t(gr.dqk.stride(0));
-        ra.dq_col = in.q_col;
-        ra.dk_col = in.k_col;
-        ra.partial = part.data();
-        ra.batch = int(c.Bsz), ra.L = int(c.L), ra.H = int(c.H), ra.G = int(c.G), ra.N = int(c.N), ra.S = int(c.S);
-        ra.halved = c.halved;
-        mamba3_cuda::rotate_bwd(ra);
-      }
+      if constexpr (std::is_same_v<T, float>)
+        rotate_bwd_native(c, dqkv, dqkv16, dphi, diag_pending, dfin, gr.dqk, in.q_col, in.k_col, part);
     } else {
       auto run = [&](const auto& d) {
         if (c.halved)
