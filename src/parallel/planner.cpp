@@ -327,7 +327,20 @@ LayerMem mem_mamba3(const Mamba3Config& c, const Dims& d, Recompute pol) {
     m.full += kept_ctx;
     m.keep = pol == Recompute::none ? m.full : 0.0;
     m.fwd_extra = 2 * fdv + std::max(carry, fwd - saved);
-    m.bwd_extra = grads + 2 * fdv + d.a * d.b * H * P * N + d.a * d.n * (2 * H * N + 4 * H) + bwd - saved;
+    // d[k~ | q~] in bf16 where the SSD's one-kernel dB, dC gives them so (scan.cpp: float activations, bf16
+    // arithmetic, one head a group, and the quad kernels' 16-byte rows and columns), else in acc_t
+    SSDShape full = sh;
+    full.batch = index_t(d.b);
+    full.seqlen = index_t(d.L);
+    full.nheads = full.ngroups = index_t(H);
+    full.headdim = index_t(P);
+    full.dstate = index_t(N);
+    full.chunk = index_t(Q);
+    const auto m4 = [](double x) { return index_t(x) % 4 == 0; };
+    const bool quads = R == 1 && m4(N) && m4(P) && m4(E) && m4(din) && m4(2 * RGN) &&
+                       (c.pairing() != RopePairing::halved || index_t(N) % 8 == 0);
+    const double dqk_el = d.t == 4 && d.a == 4 && quads && ssd_bc_bf16_applies(full) ? 2.0 : d.a;
+    m.bwd_extra = grads + 2 * fdv + d.a * d.b * H * P * N + d.n * (dqk_el * 2 * H * N + d.a * 4 * H) + bwd - saved;
     return m;
   }
   // the portable kernels (scan.cpp): Delta, lambda, A, the in-chunk cumsum, w, the phases, rotated q and k, and the
