@@ -696,7 +696,8 @@ void bench_mamba3(int reps, const SSDVariant& var, index_t batch, index_t seqlen
       time_other(ssd_fused::bwd_state_form, F::dstates, name + " (backward state terms: dstates_seq + epilogue)", "");
   }
   // where the rotation backward takes its native kernel (rotate_cuda.hpp), the same with its Kokkos form
-  if (rot_bwd_form == RotBwdForm::automatic && mamba3_cuda::rotate_bwd_fits(int(cfg.d_state), cfg.pairing() == RopePairing::halved))
+  if (rot_bwd_form == RotBwdForm::automatic &&
+      mamba3_cuda::rotate_bwd_fits(int(cfg.d_state), cfg.pairing() == RopePairing::halved))
     time_other(rot_bwd_form, RotBwdForm::kokkos, name + " (rotation backward: Kokkos kernel)", "");
   // the native kernels run (CUDA, a shape they take): the backward's dB and dC (one head a group here) also in the
   // other ssd_fused::BcForm (--bc-form picks the one above)

@@ -6,7 +6,6 @@
 #include <Kokkos_Core.hpp>
 
 #include <cstdint>
-#include <cstring>
 #include <initializer_list>
 #include <type_traits>
 #include <utility>
@@ -107,16 +106,7 @@ KOKKOS_INLINE_FUNCTION void store_f4(float* p, const Float4& q) {
 }
 
 // The float whose bits are the bf16 value h (bf16 is the top half of a float).
-KOKKOS_INLINE_FUNCTION float bf16_bits_to_float(std::uint32_t h) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(h << 16);
-#else
-  float f;
-  const std::uint32_t u = h << 16;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-#endif
-}
+KOKKOS_INLINE_FUNCTION float bf16_bits_to_float(std::uint32_t h) { return Kokkos::bit_cast<float>(h << 16); }
 
 // VW consecutive values of a row into (from) an array: for VW = 4 floats one 16-byte access (load_f4 / store_f4;
 // the caller checked the alignment), for VW = 4 bf16 one 8-byte load in CUDA device code (8-byte aligned), element
@@ -132,11 +122,7 @@ KOKKOS_INLINE_FUNCTION void load_vec(const T* p, P (&out)[VW]) {
     out[0] = P(bf16_bits_to_float(u.x & 0xffffu)), out[1] = P(bf16_bits_to_float(u.x >> 16));
     out[2] = P(bf16_bits_to_float(u.y & 0xffffu)), out[3] = P(bf16_bits_to_float(u.y >> 16));
 #else
-    for (int k = 0; k < 4; ++k) {
-      std::uint16_t h;
-      std::memcpy(&h, p + k, sizeof h);
-      out[k] = P(bf16_bits_to_float(h));
-    }
+    for (int k = 0; k < 4; ++k) out[k] = P(float(p[k]));
 #endif
   } else {
     for (int k = 0; k < VW; ++k) out[k] = P(p[k]);

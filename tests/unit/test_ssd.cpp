@@ -2,8 +2,6 @@
 // finite-difference gradients of every input.
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -1087,29 +1085,12 @@ TEST_CASE("SSD backward writes dx into a matrix of its own when given, the same 
 }
 
 namespace {
-// bf16 round to nearest even of a float's value (what __float2bfloat16_rn gives for finite values)
-double round_bf16(double v) {
-  const float f = float(v);
-  std::uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return double(bf16_bits_to_float(u >> 16));
-}
 // The values of a bf16 operand array (bf16 on CUDA builds, bf16-rounded floats elsewhere), row-major.
-template <class E>  // (E = bf16_op_t; a template so that the branch for the other build's type is discarded)
-std::vector<double> bf16_values(const View2<E>& v) {
+std::vector<double> bf16_values(const View2<bf16_op_t>& v) {
   const auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
   std::vector<double> out;
   for (std::size_t i = 0; i < h.extent(0); ++i)
-    for (std::size_t j = 0; j < h.extent(1); ++j) {
-      if constexpr (std::is_same_v<E, float>) {
-        out.push_back(h(i, j));
-      } else {
-        std::uint16_t bits;
-        std::memcpy(&bits, &h(i, j), sizeof bits);
-        out.push_back(bf16_bits_to_float(bits));
-      }
-    }
+    for (std::size_t j = 0; j < h.extent(1); ++j) out.push_back(from_bf16_op(h(i, j)));
   return out;
 }
 }  // namespace
@@ -1154,7 +1135,7 @@ TEST_CASE("SSD backward writes dB and dC in bf16 where given dbc_bf16: the fp32 
             x_diff += b[i] != a[i];
           } else {
             bc_touched += b[i] != 0.0;
-            bc_off += h[i] != round_bf16(a[i]);
+            bc_off += h[i] != double(bf16_round(float(a[i])));
           }
         }
       CHECK(x_diff == 0);

@@ -3065,7 +3065,8 @@ bool dseq_applies(const Args& a) {
 
 void dstates_seq(const Args& a) {
   Kokkos::Profiling::ScopedRegion region("ssd::fused_dstates_seq");
-  require(dseq_fits(a.P, a.N, a.Q) && a.dstates_out && dseq_aligned(a), "ssd fused", "the sequential backward state passing takes headdim 64, chunk 64, d_state a multiple of 64 ",
+  require(dseq_fits(a.P, a.N, a.Q) && a.dstates_out && dseq_aligned(a), "ssd fused",
+          "the sequential backward state passing takes headdim 64, chunk 64, d_state a multiple of 64 ",
           "and 16-byte aligned rows (P = ", a.P, ", N = ", a.N, ", Q = ", a.Q, ")");
   const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
   allow_smem<dstates_seq_kernel>(kDsSmem, "sequential backward state passing");

@@ -6,6 +6,7 @@
 #include <atomic>
 
 #include "core/error.hpp"
+#include "ssm/mamba3/rotary.hpp"
 
 namespace mm::mamba3_cuda {
 
@@ -27,25 +28,11 @@ constexpr int kRows = W == 4 ? 2 : 1;
 
 __host__ __device__ constexpr int lanes_per_row(int N, int W) { return N / W; }
 
-// pair (x0, x1) rotated by the angle (sine s, cosine c): x0 c - x1 s, x0 s + x1 c (scan.cpp's rot_pair)
-__device__ __forceinline__ void rot(float& x0, float& x1, float s, float c) {
-  const float a0 = x0 * c - x1 * s, a1 = x0 * s + x1 * c;
-  x0 = a0;
-  x1 = a1;
-}
-// its backward (scan.cpp's rot_pair_bwd): the angle's gradient into acc, (g0, g1) rotated back
-__device__ __forceinline__ void rot_bwd(float& g0, float& g1, float y0, float y1, float s, float c, float& acc) {
-  acc += -g0 * y1 + g1 * y0;
-  const float a0 = g0 * c + g1 * s, a1 = -g0 * s + g1 * c;
-  g0 = a0;
-  g1 = a1;
-}
-
 __device__ __forceinline__ float4 load_quad(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ float4 load_quad(const std::uint16_t* p) {
   const uint2 u = *reinterpret_cast<const uint2*>(p);
-  return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
-                     __uint_as_float(u.y & 0xffff0000u));
+  return make_float4(bf16_bits_to_float(u.x & 0xffffu), bf16_bits_to_float(u.x >> 16),
+                     bf16_bits_to_float(u.y & 0xffffu), bf16_bits_to_float(u.y >> 16));
 }
 
 // Grid (blocks, groups), kThreads threads; block x takes the tiles x, x + blocks, ... of the rows. Lane u of row
@@ -124,8 +111,8 @@ __global__ void __launch_bounds__(kThreads, 2) rotate_bwd_kernel(const RotBwdArg
         for (int e = 0; e < A; ++e) {
           if (e >= left) break;
           const int i0 = W == 8 ? e : 2 * e, i1 = W == 8 ? 4 + e : 2 * e + 1;
-          rot(qr[i0], qr[i1], sn[e], cs[e]);
-          rot(kq[i0], kq[i1], sn[e], cs[e]);
+          rot_pair(qr[i0], qr[i1], sn[e], cs[e]);
+          rot_pair(kq[i0], kq[i1], sn[e], cs[e]);
         }
         const DQ* drow = dq + r * a.ldd + index_t(h) * N;
 #pragma unroll
@@ -148,8 +135,8 @@ __global__ void __launch_bounds__(kThreads, 2) rotate_bwd_kernel(const RotBwdArg
           if (e >= left) break;
           const int i0 = W == 8 ? e : 2 * e, i1 = W == 8 ? 4 + e : 2 * e + 1;
           float acc = 0.f;
-          rot_bwd(dqv[i0], dqv[i1], qr[i0], qr[i1], sn[e], cs[e], acc);
-          rot_bwd(dkv[i0], dkv[i1], kq[i0], kq[i1], sn[e], cs[e], acc);
+          rot_pair_bwd(dqv[i0], dqv[i1], qr[i0], qr[i1], sn[e], cs[e], acc);
+          rot_pair_bwd(dkv[i0], dkv[i1], kq[i0], kq[i1], sn[e], cs[e], acc);
           dph[e] = acc;
         }
 #pragma unroll

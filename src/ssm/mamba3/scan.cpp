@@ -1,4 +1,5 @@
 #include "ssm/mamba3/scan.hpp"
+#include "ssm/mamba3/rotary.hpp"
 #include "ssm/mamba3/rotate_cuda.hpp"
 
 #include "core/error.hpp"
@@ -325,21 +326,7 @@ void phases(const Ctx<T>& c, const View3<acc_t<T>>& init_phi) {
 // angle. On the SSD route the rotation also forms q~ . k~ (c.qkd) for the diagonal's passes, and the rotation's
 // backward adds the diagonal's dq~ and dk~ terms. The row kernels further below (4 bytes a lane, sine and cosine per
 // element of a pair) ran at 25-40 % of the copy bandwidth on an H200 and stay for other types, ranks and shapes.
-template <class T>
-KOKKOS_INLINE_FUNCTION void rot_pair(T& x0, T& x1, T s, T c) {
-  const T a = x0 * c - x1 * s, b = x0 * s + x1 * c;
-  x0 = a;
-  x1 = b;
-}
-// rot_pair's backward: back-rotates the gradient (g0, g1) of the rotated pair (y0, y1) by the angle, adding the
-// angle's gradient to acc
-template <class T>
-KOKKOS_INLINE_FUNCTION void rot_pair_bwd(T& g0, T& g1, T y0, T y1, T s, T c, T& acc) {
-  acc += -g0 * y1 + g1 * y0;
-  const T a0 = g0 * c + g1 * s, a1 = -g0 * s + g1 * c;
-  g0 = a0;
-  g1 = a1;
-}
+// (the pairs by rot_pair and rot_pair_bwd, rotary.hpp)
 
 // q~ = Rot(phi) (q + q_bias), k~ = Rot(phi) (k + k_bias). A team thread takes a row (token) and walks its heads, so
 // the row's batch and position are divided out once a row. With a (row, head) a team thread (686db24: five 64-bit
