@@ -699,6 +699,11 @@ void bench_mamba3(int reps, const SSDVariant& var, index_t batch, index_t seqlen
   if (rot_bwd_form == RotBwdForm::automatic &&
       mamba3_cuda::rotate_bwd_fits(int(cfg.d_state), cfg.pairing() == RopePairing::halved))
     time_other(rot_bwd_form, RotBwdForm::kokkos, name + " (rotation backward: Kokkos kernel)", "");
+  // where the rotation stores q~ and k~ in bf16 for the SSD (mamba3_qk_bf16; the quad kernels' rows, which this
+  // layer's widths give), the same with them in fp32
+  if (qk_store == QkStore::automatic && mamba3_qk_bf16(mixer.scan_shape(batch, seqlen), true, true))
+    time_other(qk_store, QkStore::fp32, name + " (q~, k~ stored in fp32)",
+               "mamba3 siso block fwd " + shape + " d768 N128 P64 chunk64, " + var.name + " (q~, k~ stored in fp32)");
   // the native kernels run (CUDA, a shape they take): the backward's dB and dC (one head a group here) also in the
   // other ssd_fused::BcForm (--bc-form picks the one above)
   if (var.algo == SSDAlgo::fused && ssd_fused::fits(int(cfg.headdim), int(cfg.d_state), int(cfg.chunk_size)))

@@ -322,24 +322,31 @@ LayerMem mem_mamba3(const Mamba3Config& c, const Dims& d, Recompute pol) {
     sh.algo = c.scan_algo;
     sh.compute = c.scan_compute;
     const auto [fwd, bwd] = ssd_gemm_mem(H, H, N, P, Q, sh, d);
+    // the quad kernels' 16-byte rows and columns (scan.cpp, quads_ok), for the bf16 forms below
+    const auto m4 = [](double x) { return index_t(x) % 4 == 0; };
+    const bool quads = R == 1 && m4(N) && m4(P) && m4(E) && m4(din) && m4(2 * RGN) &&
+                       (c.pairing() != RopePairing::halved || index_t(N) % 8 == 0);
+    const bool f32 = d.t == 4 && d.a == 4;  // float activations and accumulation
+    // [k~ | q~] in bf16 where the rotation stores them so (mamba3_qk_bf16), else in acc_t
+    Mamba3ScanShape full = ss;
+    full.batch = index_t(d.b);
+    full.seqlen = index_t(d.L);
+    full.nheads = index_t(H);
+    full.ngroups = index_t(G) > 0 ? index_t(G) : 1;
+    full.headdim = index_t(P);
+    full.dstate = index_t(N);
+    full.nangles = index_t(S);
+    full.chunk = index_t(Q);
+    full.pairing = c.pairing();
+    const double qk_el = mamba3_qk_bf16(full, f32, quads) ? 2.0 : d.a;
     const double saved = ssd_saved_ctx_bytes(H, H, N, P, Q, d);
-    const double kept_ctx = d.a * d.n * (6 * H + H * S + 2 * H * N) + saved, fdv = d.a * d.n * H;
+    const double kept_ctx = d.a * d.n * (6 * H + H * S) + qk_el * d.n * 2 * H * N + saved, fdv = d.a * d.n * H;
     m.full += kept_ctx;
     m.keep = pol == Recompute::none ? m.full : 0.0;
     m.fwd_extra = 2 * fdv + std::max(carry, fwd - saved);
     // d[k~ | q~] in bf16 where the SSD's one-kernel dB, dC gives them so (scan.cpp: float activations, bf16
-    // arithmetic, one head a group, and the quad kernels' 16-byte rows and columns), else in acc_t
-    SSDShape full = sh;
-    full.batch = index_t(d.b);
-    full.seqlen = index_t(d.L);
-    full.nheads = full.ngroups = index_t(H);
-    full.headdim = index_t(P);
-    full.dstate = index_t(N);
-    full.chunk = index_t(Q);
-    const auto m4 = [](double x) { return index_t(x) % 4 == 0; };
-    const bool quads = R == 1 && m4(N) && m4(P) && m4(E) && m4(din) && m4(2 * RGN) &&
-                       (c.pairing() != RopePairing::halved || index_t(N) % 8 == 0);
-    const double dqk_el = d.t == 4 && d.a == 4 && quads && ssd_bc_bf16_applies(full) ? 2.0 : d.a;
+    // arithmetic, one head a group, and the quad kernels' rows), else in acc_t
+    const double dqk_el = f32 && quads && ssd_bc_bf16_applies(mamba3_ssd_shape(full)) ? 2.0 : d.a;
     m.bwd_extra = grads + 2 * fdv + d.a * d.b * H * P * N + d.n * (dqk_el * 2 * H * N + d.a * 4 * H) + bwd - saved;
     return m;
   }

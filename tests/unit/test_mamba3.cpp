@@ -414,6 +414,72 @@ TEST_CASE("Mamba-3 SISO through the fused SSD kernels stays within bf16 rounding
     }
 }
 
+TEST_CASE("Mamba-3 SISO stores q~ and k~ in bf16 for the fused SSD: within bf16 rounding of fp32, forward and "
+          "backward from the kept context",
+          "[mamba3]") {
+  // QkStore::automatic: where mamba3_qk_bf16 holds (CUDA builds: float, the fused SSD under bf16 arithmetic with
+  // its sequential forward and backward state terms and the one-kernel dB, dC; forced here, the automatic forms
+  // want batch x heads to fill the SMs) the rotation writes [k~ | q~] in bf16, the forward keeps that copy and the
+  // backward from the kept context reads it (SSDIn::bc_bf16). Against QkStore::fp32 on the same inputs: y, the
+  // final carry (its k~ formed in fp32 from the inputs, as the fp32 store holds it) and every gradient, within
+  // bf16 rounding; y also against the double recurrence. Packed records, an initial carry, both pairings with a
+  // partial rotary. Host builds: mamba3_qk_bf16 is false and nothing is stored in bf16.
+  using ssd_fused::BwdStateForm;
+  using ssd_fused::FwdForm;
+  const ssd_fused::FormScope fform(ssd_fused::fwd_form, FwdForm::sequential);
+  const ssd_fused::FormScope bform(ssd_fused::bwd_state_form, BwdStateForm::sequential);
+  const ssd_fused::FormScope bc(ssd_fused::bc_form, ssd_fused::BcForm::kernel);
+  const bool cuda = std::string(Exec::name()) == "Cuda";
+  for (const bool halved : {false, true}) {
+    M3Case c;
+    c.L = 150;
+    c.H = 3;
+    c.G = 1;
+    c.P = 64;
+    c.N = 128;
+    c.S = 40;
+    c.Q = 64;
+    c.halved = halved;
+    c.seq = make_records(c.B, c.L, {{70, 128}, {}});
+    c.algo = SSDAlgo::fused;
+    c.compute = GemmCompute::bf16;
+    INFO("halved=" << halved);
+    M3Data<float> d(c);
+    CHECK(mamba3_qk_bf16(d.shape, true, true) == cuda);
+    CHECK_FALSE(mamba3_qk_bf16(d.shape, false, true));  // double activations
+    CHECK_FALSE(mamba3_qk_bf16(d.shape, true, false));  // rows the quad kernels do not take
+    std::vector<double> out[2][15];
+    for (int k = 0; k < 2; ++k) {  // 0 fp32, 1 automatic
+      const ssd_fused::FormScope store(qk_store, k ? QkStore::automatic : QkStore::fp32);
+      CHECK(mamba3_qk_bf16(d.shape, true, true) == (cuda && k == 1));
+      View2<float> y("y", c.B * c.L, c.H * c.R * c.P);
+      auto fin = Mamba3Carry<float>::allocate("fin", d.shape);
+      PoolScope pool;
+      Mamba3ScanSaved<float> kept;
+      mamba3_scan_forward<float>(d.shape, d.in(), y, fin, &kept, &pool);
+      REQUIRE_FALSE(kept.empty());
+      CHECK((kept.qkv16.extent(0) > 0) == (cuda && k == 1));
+      CHECK((kept.qkv.extent(0) > 0) == !(cuda && k == 1));
+      const double e = rel_err(to_vec(y), d.reference(nullptr));
+      INFO("y against the double recurrence: " << e);
+      CHECK(e < 2e-2);
+      Mamba3ScanGrad<float> g = d.zero_grads();
+      mamba3_scan_backward<float>(d.shape, d.in(), d.seeded_dy(), d.seeded_dfinal(), g, &kept);
+      const std::vector<double> got[15] = {to_vec(y),         to_vec(fin.S),     to_vec(fin.k),     to_vec(fin.v),
+                                           to_vec(fin.phi),   to_vec(g.dv),      to_vec(g.dqk),     to_vec(g.ddd),
+                                           to_vec(g.ddt_bias), to_vec(g.dD),     to_vec(g.dq_bias), to_vec(g.dk_bias),
+                                           to_vec(g.dinit.S), to_vec(g.dinit.k), to_vec(g.dinit.v)};
+      for (int i = 0; i < 15; ++i) out[k][i] = got[i];
+    }
+    for (int i = 0; i < 15; ++i) {
+      INFO("output " << i << " (y, final S, k, v, phi, dv, dqk, ddd, ddt_bias, dD, dq_bias, dk_bias, dinit S, k, v)");
+      // the final carry's k~, v and phases are formed in fp32 either way; the rest through bf16 q~ and k~
+      const double tol = i == 2 ? 1e-5 : i == 3 || i == 4 ? 0.0 : i < 8 || i >= 12 ? 2e-2 : 5e-2;
+      CHECK(rel_err(out[1][i], out[0][i]) <= tol);
+    }
+  }
+}
+
 TEST_CASE("Mamba-3 SISO through the SSD in fp32: the token passes agree with the recurrence and the portable kernels",
           "[mamba3]") {
   // float, rank 1, headdim and d_state multiples of 4: the rotation, the trapezoid's diagonal and their backwards

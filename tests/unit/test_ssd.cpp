@@ -1149,6 +1149,107 @@ TEST_CASE("SSD backward writes dB and dC in bf16 where given dbc_bf16: the fp32 
     }
 }
 
+TEST_CASE("SSD reads B and C in bf16 where given bc_bf16: the results of B and C rounded to bf16, to the last bit",
+          "[ssd][gradcheck]") {
+  // SSDIn::bc_bf16 (Mamba-3's per-head k~ and q~ as its rotation stores them): where ssd_bc_in_bf16_applies (CUDA
+  // builds: fused, bf16 arithmetic, one head a group, the sequential forward and backward state terms) the forward,
+  // the kept S_in and C B^T, and every gradient of a backward from the kept context equal, bit for bit, those of the
+  // fp32 call given B and C rounded to bf16: its kernels round B and C to bf16 or to tf32 for their products, and
+  // both hold such values exactly. A short last chunk; packed records and an initial state, neither, and D_token;
+  // d_state 128 and 64. Refused with an error: the chunked forward, the backward's other state-term forms, a
+  // backward that recomputes, and every build or shape without those kernels (host builds here).
+  using ssd_fused::BwdStateForm;
+  using ssd_fused::FwdForm;
+  for (const FusedShape& sh : {FusedShape{300, 2, 64, 2, 128, 64}, FusedShape{333, 3, 64, 3, 64, 64}})
+    for (int variant = 0; variant < 3; ++variant) {  // 0 records + init, 1 neither, 2 records + init + D_token
+      Case c = seq_case(sh, variant);
+      INFO("L=" << sh.L << " H=" << sh.H << " N=" << sh.N << " variant " << variant);
+      Data<float> d(c);
+      const index_t rows = c.B * c.L, E = c.H * c.P, ld = index_t(d.xbc.extent(1));
+      // B and C rounded to bf16: the fp32 call's xbc (x as it was) and the bf16 array (x columns unused)
+      View2<float> xr("xbc_rounded", rows, ld);
+      View2<bf16_op_t> bc16("bc_bf16", rows, ld);
+      {
+        auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), d.xbc);
+        auto hb = Kokkos::create_mirror_view(bc16);
+        for (index_t r = 0; r < rows; ++r)
+          for (index_t j = 0; j < ld; ++j) {
+            if (j >= E) h(r, j) = bf16_round(h(r, j));
+            hb(r, j) = to_bf16_op(h(r, j));
+          }
+        Kokkos::deep_copy(xr, h);
+        Kokkos::deep_copy(bc16, hb);
+      }
+      SSDIn<float> in0 = d.in();
+      in0.xbc = xr;
+      in0.x = xr;  // x from a matrix of its own in both calls (bc_bf16 needs it)
+      if (variant == 2) in0.D_token = token_skip(d);
+      SSDIn<float> in1 = in0;
+      in1.xbc = View2<const float>();
+      in1.bc_bf16 = bc16;
+      View2<float> dy("dy", rows, E);
+      View4<float> dfin("dfin", c.B, c.H, c.P, c.N);
+      fill_uniform(dy, 21);
+      fill_uniform(dfin, 22);
+      if (!ssd_fused::seq_fits(64, 128, 64)) {  // host builds: no kernel reads bf16 B and C
+        CHECK_FALSE(ssd_bc_in_bf16_applies(d.shape));
+        View2<float> y("y", rows, E);
+        CHECK_THROWS_WITH(ssd_forward<float>(d.shape, in1, y, View4<float>()),
+                          ContainsSubstring("read by the fused kernels only"));
+        continue;
+      }
+      // at 2 x 300 tokens the automatic forms take the chunked kernels (batch x heads short of the SMs)
+      CHECK_FALSE(ssd_bc_in_bf16_applies(d.shape));
+      const ssd_fused::FormScope fwd(ssd_fused::fwd_form, FwdForm::sequential);
+      const ssd_fused::FormScope bwd(ssd_fused::bwd_state_form, BwdStateForm::sequential);
+      REQUIRE(ssd_bc_in_bf16_applies(d.shape));
+      std::vector<double> out[2][11];
+      for (int k = 0; k < 2; ++k) {  // 0 fp32 (rounded), 1 bf16
+        const SSDIn<float>& in = k ? in1 : in0;
+        View2<float> y("y", rows, E);
+        View4<float> fin("fin", c.B, c.H, c.P, c.N);
+        PoolScope pool;
+        SSDSaved<float> kept;
+        ssd_forward<float>(d.shape, in, y, fin, &kept, &pool);
+        REQUIRE_FALSE(kept.empty());
+        SSDGrad<float> g = d.grads(true);
+        g.dx = View2<float>("dx_own", rows, E);
+        if (variant == 2) g.dD_token = View3<float>("dD_token", c.B, c.H, c.L);
+        ssd_backward<float>(d.shape, in, dy, variant == 1 ? View4<float>() : dfin, g, &kept);
+        const std::vector<double> got[11] = {
+            to_vec(y),        to_vec(fin),        to_vec(kept.states), to_vec(kept.cb),
+            to_vec(g.dxbc),   to_vec(g.dx),       to_vec(g.ddt),       to_vec(g.dA_log),
+            to_vec(g.dD),     to_vec(g.dinit_state), variant == 2 ? to_vec(g.dD_token) : std::vector<double>{}};
+        for (int i = 0; i < 11; ++i) out[k][i] = got[i];
+        if (k == 1) {  // the refusals, on the bf16 call's inputs
+          {
+            const ssd_fused::FormScope chunks(ssd_fused::fwd_form, FwdForm::chunks);
+            CHECK_THROWS_WITH(ssd_forward<float>(d.shape, in1, y, fin),
+                              ContainsSubstring("bc_bf16 given where the sequential forward does not run"));
+          }
+          for (const BwdStateForm f : {BwdStateForm::chunks, BwdStateForm::dstates}) {
+            const ssd_fused::FormScope other(ssd_fused::bwd_state_form, f);
+            SSDGrad<float> g2 = d.grads(true);
+            g2.dx = View2<float>("dx_own", rows, E);
+            CHECK_THROWS_WITH(ssd_backward<float>(d.shape, in1, dy, dfin, g2, &kept),
+                              ContainsSubstring("bc_bf16 given where the backward's state terms"));
+          }
+          SSDGrad<float> g3 = d.grads(true);
+          g3.dx = View2<float>("dx_own", rows, E);
+          CHECK_THROWS_WITH(ssd_backward<float>(d.shape, in1, dy, dfin, g3),
+                            ContainsSubstring("from the forward's kept context"));
+        }
+      }
+      for (int i = 0; i < 11; ++i) {
+        INFO("output " << i << " (y, final state, S_in, C B^T, dxbc, dx, ddt, dA_log, dD, dinit, dD_token)");
+        REQUIRE(out[1][i].size() == out[0][i].size());
+        long differ = 0;
+        for (std::size_t j = 0; j < out[0][i].size(); ++j) differ += out[1][i][j] != out[0][i][j];
+        CHECK(differ == 0);
+      }
+    }
+}
+
 TEST_CASE("SSD reads x from a matrix of its own when given, the same results", "[ssd][gradcheck]") {
   // SSDIn::x (Mamba-3 has the SSD read its v out of the in_proj output): x at column x_col + h P of the given
   // matrix, with xbc's x columns zeroed so that a read of them would show, gives the forward and every gradient

@@ -59,6 +59,7 @@ struct Ctx {
   using P = acc_t<T>;
   View2<const T> xbc, dt;
   View2<const T> xs;  // x: SSDIn::x where given, else xbc (its column x_col + h P)
+  View2<const bf16_op_t> bc16;  // SSDIn::bc_bf16 (B and C in bf16, fused kernels only), or empty
   index_t x_col, b_col, c_col, dt_col;
   View1<const P> A_log, dt_bias, D;
   SeqIdxView seq;
@@ -117,8 +118,14 @@ Ctx<T> make_ctx(const SSDShape& s, const SSDIn<T>& in, PoolScope& ws, PoolScope*
   using P = acc_t<T>;
   s.validate("ssd");
   const bool pre = in.per_token();
-  require(index_t(in.xbc.extent(0)) == s.batch * s.seqlen && (pre || index_t(in.dt.extent(0)) == s.batch * s.seqlen),
-          "ssd", "inputs have ", in.xbc.extent(0), " rows, expected batch * seqlen = ", s.batch * s.seqlen);
+  const bool b16 = in.bc_bf16.extent(0) > 0;
+  const index_t in_rows = b16 ? index_t(in.bc_bf16.extent(0)) : index_t(in.xbc.extent(0));
+  require(in_rows == s.batch * s.seqlen && (pre || index_t(in.dt.extent(0)) == s.batch * s.seqlen),
+          "ssd", "inputs have ", in_rows, " rows, expected batch * seqlen = ", s.batch * s.seqlen);
+  require(!b16 || (std::is_same_v<T, float> && in.x.extent(0) > 0 && (in.xbc.extent(0) == 0 ||
+                   index_t(in.xbc.extent(0)) == s.batch * s.seqlen) &&
+                   index_t(in.bc_bf16.extent(1)) >= std::max(in.b_col, in.c_col) + s.ngroups * s.dstate),
+          "ssd", "bc_bf16 needs float activations, x as a matrix of its own (SSDIn::x) and the columns of B and C");
   auto per_token_shape = [&](const View3<const P>& v) {
     return index_t(v.extent(0)) == s.batch && index_t(v.extent(1)) == s.nheads && index_t(v.extent(2)) == s.seqlen;
   };
@@ -137,6 +144,7 @@ Ctx<T> make_ctx(const SSDShape& s, const SSDIn<T>& in, PoolScope& ws, PoolScope*
   Ctx<T> c;
   c.xbc = in.xbc;
   c.xs = in.x.extent(0) > 0 ? in.x : in.xbc;
+  c.bc16 = in.bc_bf16;
   c.dt = in.dt;
   c.x_col = in.x_col;
   c.b_col = in.b_col;
@@ -764,8 +772,10 @@ bool fused_applies(const Ctx<T>& c) {
 // The arrays of a fused call (float activations).
 inline ssd_fused::Args fused_args(const Ctx<float>& c) {
   ssd_fused::Args a;
-  a.xbc = c.xbc.data();
-  a.ldx = index_t(c.xbc.stride(0));
+  const bool b16 = c.bc16.extent(0) > 0;  // B and C in bf16: no fp32 B and C for the kernels
+  a.xbc = b16 ? nullptr : c.xbc.data();
+  a.bc16 = b16 ? reinterpret_cast<const std::uint16_t*>(c.bc16.data()) : nullptr;
+  a.ldx = b16 ? index_t(c.bc16.stride(0)) : index_t(c.xbc.stride(0));
   a.xs = c.xs.data() + c.x_col;
   a.ldxs = index_t(c.xs.stride(0));
   a.b_col = c.b_col;
@@ -836,6 +846,9 @@ void ssd_forward_fused(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
     bool contiguous = true;
     a.init = state_ptr(in.init_state, contiguous);
     a.final_state = state_ptr(final_state, contiguous);
+    require(!a.bc16 || (contiguous && ssd_fused::seq_applies(a)), "ssd_forward",
+            "bc_bf16 given where the sequential forward does not run (ask ssd_bc_in_bf16_applies first; its rows ",
+            "16-byte aligned, their stride and the B and C columns multiples of 8)");
     if (contiguous && ssd_fused::seq_applies(a)) {
       a.write_states = keeping;
       a.cb_out = keeping ? c.cb.data() : nullptr;
@@ -980,6 +993,9 @@ void ssd_backward_gemm(const Ctx<T>& c, const SSDShape& s, const SSDIn<T>& in, c
       dstates_done = !sbseq && contiguous && ssd_fused::dseq_applies(sa);
     }
   }
+  require(c.bc16.extent(0) == 0 || (bc_kernel && sbseq), "ssd_backward",
+          "bc_bf16 given where the backward's state terms or dB, dC are not the sequential and one-kernel forms (ask ",
+          "ssd_bc_in_bf16_applies first; rows 16-byte aligned, their stride and the B and C columns multiples of 8)");
   const bool dh16 = sbseq && c.G == c.H;
   View5<T> dstates = dh16 ? View5<T>() : ws.take<View5<T>>("ssd::dstates", c.Bsz, c.nc, c.H, c.Pd, c.N);
   const View1<bf16_op_t> dstates16 =
@@ -1359,6 +1375,16 @@ bool ssd_bc_bf16_applies(const SSDShape& s) {
          fused_shape_ok(s.headdim, s.dstate, s.chunk, s.batch, s.nchunks(), s.seqlen);
 }
 
+bool ssd_bc_in_bf16_applies(const SSDShape& s) {
+  if (!ssd_bc_bf16_applies(s)) return false;
+  // the backward's blocks of heads as make_gemm_ctx forms them for the fused kernels (no Q x Q workspaces)
+  const SSDGemmBlocks bl = ssd_gemm_blocks(
+      s.nheads, s.ngroups, ssd_fused_head_bytes(double(s.batch * s.seqlen), s.chunk, sizeof(float)),
+      s.gemm_workspace_bytes);
+  return ssd_fused::bc16_forms_take(int(s.batch), int(s.nheads), int(bl.heads), int(s.headdim), int(s.dstate),
+                                    int(s.chunk));
+}
+
 SSDAlgo ssd_resolved_algo(const SSDShape& s) {
   if (s.algo != SSDAlgo::automatic) return s.algo;
 #if defined(KOKKOS_ENABLE_CUDA)
@@ -1382,6 +1408,8 @@ void ssd_forward(const SSDShape& s, const SSDIn<T>& in, const View2<T>& y, const
   const Ctx<T> c = make_ctx(s, in, ws, keeping ? pool : nullptr);
   require(index_t(y.extent(0)) == c.Bsz * c.L && index_t(y.extent(1)) == c.H * c.Pd, "ssd_forward",
           "y must be (batch * seqlen, nheads * headdim)");
+  require(c.bc16.extent(0) == 0 || (algo == SSDAlgo::fused && fused_applies(c)), "ssd_forward",
+          "bc_bf16 (B and C in bf16) is read by the fused kernels only (ask ssd_bc_in_bf16_applies first)");
   if (algo == SSDAlgo::gemm || algo == SSDAlgo::fused) {
     static_assert(std::is_same_v<T, P>, "the GEMM formulation keeps activations in the accumulation type");
     if (algo == SSDAlgo::fused && fused_applies(c))
@@ -1474,6 +1502,9 @@ void ssd_backward(const SSDShape& s, const SSDIn<T>& in, const View2<const T>& d
               (gr.dD_token.extent(0) == c.delta.extent(0) && gr.dD_token.extent(1) == c.delta.extent(1) &&
                gr.dD_token.extent(2) == c.delta.extent(2)),
           "ssd_backward", "dD_token must be (batch, nheads, seqlen)");
+  require(c.bc16.extent(0) == 0 || (ssd_resolved_algo(s) == SSDAlgo::fused && fused_applies(c) && from_kept),
+          "ssd_backward",
+          "bc_bf16 (B and C in bf16) is read by the fused kernels only, from the forward's kept context");
   if (ssd_resolved_algo(s) != SSDAlgo::portable) {  // fused: the backward is the GEMM formulation's
     ssd_backward_gemm<T>(c, s, in, dy, dfinal_state, gr, ws,
                          ssd_resolved_algo(s) == SSDAlgo::fused && fused_applies(c), from_kept);

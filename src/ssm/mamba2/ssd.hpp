@@ -71,6 +71,12 @@ struct SSDIn {
   // Mamba-3 gives its trapezoid's diagonal correction (gamma_t - w_t) (q~_t . k~_t) here, which would otherwise be
   // a pass of its own over y (and one over dy and x in the backward). ssd_step ignores it.
   View3<const acc_t<T>> D_token;
+  // B and C in bf16 at the columns b_col, c_col (rows b L + t), in place of xbc's (xbc then empty, or holding only
+  // x), where non-empty: Mamba-3 has its rotation write k~ and q~ so (half the bytes written and read back). Only
+  // where ssd_bc_in_bf16_applies(shape), and the backward from the forward's kept context: the kernels that then
+  // run round B and C to bf16 (or tf32, exact on bf16 values) for their products anyway; every other path refuses
+  // it with an error.
+  View2<const bf16_op_t> bc_bf16;
 };
 
 template <class T>
@@ -153,6 +159,12 @@ bool ssd_bf16_state_terms(const SSDShape& s, index_t heads_per_group);
 // (ssd_fused::bc_backward) under bf16 arithmetic with one head a group, so that SSDGrad::dbc_bf16 may be given
 // (CUDA builds; bf16 arithmetic rounds B and C to bf16 for those products already).
 bool ssd_bc_bf16_applies(const SSDShape& s);
+
+// Whether the fused forward and the backward (from the forward's kept context) of float activations of this shape
+// run only kernels that read B and C in bf16 (SSDIn::bc_bf16): ssd_bc_bf16_applies, and the sequential forward and
+// backward state terms taken (ssd_fused::bc16_forms_take: the forms as set, the device's SMs); CUDA builds only.
+// The rows' alignment is the caller's to give (16-byte rows, ldx and the columns multiples of 8 elements).
+bool ssd_bc_in_bf16_applies(const SSDShape& s);
 
 template <class T>
 void ssd_step(const SSDShape& s, const SSDIn<T>& in, const View4<acc_t<T>>& state, const View2<T>& y);

@@ -62,6 +62,13 @@ void allow_smem(std::size_t bytes, const char* what) {
   allowed = bytes;
 }
 
+// Kernel<<<grid, threads, bytes, st>>>(a), its shared memory allowed first.
+template <auto Kernel>
+void launch_with(const dim3& grid, int threads, std::size_t bytes, cudaStream_t st, const Args& a, const char* what) {
+  allow_smem<Kernel>(bytes, what);
+  Kernel<<<grid, threads, bytes, st>>>(a);
+}
+
 // Four consecutive floats at p (16-byte aligned when V4, else four scalar loads).
 template <bool V4>
 __device__ __forceinline__ float4 load4(const float* p) {
@@ -176,6 +183,20 @@ __device__ __forceinline__ void stage_f32(float* dst, int ldd, const float* src,
       *reinterpret_cast<float4*>(dst + r * ldd + c) = v;
     }
   });
+}
+
+// cp.async of a ROWS x COLS tile of fp32 or bf16 elements E (rows 16-byte aligned, 16 bytes a copy) by the NT
+// threads of a block; rows past nr as zeros.
+template <int ROWS, int COLS, int NT, class E>
+__device__ __forceinline__ void stage_async(E* dst, int ldd, const E* src, std::int64_t lds, int nr) {
+  constexpr int kE = 16 / int(sizeof(E)), CG = COLS / kE;  // elements a copy, copies a row
+  static_assert(COLS % kE == 0 && ROWS * CG % NT == 0, "whole copies, whole steps of the block");
+#pragma unroll
+  for (int it = 0; it < ROWS * CG / NT; ++it) {
+    const int i = threadIdx.x + it * NT, r = i / CG, c = (i % CG) * kE;
+    const bool in = r < nr;
+    cuda_k::cp_async<16>(dst + r * ldd + c, in ? src + r * lds + c : src, in ? 16 : 0);
+  }
 }
 
 // dst (bf16, row stride ldd) <- f(r, c, src) over this thread's groups of a ROWS x COLS fp32 slice staged by
@@ -1561,16 +1582,18 @@ __global__ void __launch_bounds__(kThreads, RS == 0 ? kScanBlocks<PT> : kRingBlo
 
 // ------------------------------------------------------------------ forward, one block walking a row's chunks
 
-// The sequential forward (scan_seq): headdim and chunk 64. Shared memory: fp32 C and B of the chunk (64 x (N + 4)),
-// x (64 x 68), S_in in bf16 (64 x (N + 8)), then acs, Delta and the record per token. The row strides make every
-// fragment read below touch 32 distinct banks: a lane (g = lane / 4, c = lane % 4) reads element (g, c) of C or B
-// (4 g + c), (2 c, g) of x or B (8 c + g), and the bf16 S_in's (g, c) (4 g + c / 2, two lanes a word).
+// The sequential forward (scan_seq): headdim and chunk 64. Shared memory: C and B of the chunk (fp32, 64 x (N + 4),
+// or with kB16 bf16, 64 x (N + 8)), x (64 x 68), S_in in bf16 (64 x (N + 8)), then acs, Delta and the record per
+// token. The row strides make every fragment read below touch 32 distinct banks: a lane (g = lane / 4, c = lane % 4)
+// reads element (g, c) of C or B (word 4 g + c; bf16: 4 g + c / 2, two lanes a word), (2 c, g) of x or B (8 c + g;
+// bf16: 8 c + g / 2), and the bf16 S_in's (g, c) (4 g + c / 2).
 constexpr int kSqQ = 64, kSqP = 64;
-template <int N>
+template <int N, bool kB16 = false>
 struct SeqLayout {
-  static constexpr int ldc = N + 4, ldx = kSqP + 4, lds = N + 8;
-  static constexpr std::size_t c_off = 0, b_off = c_off + std::size_t(kSqQ) * ldc * 4,
-                               x_off = b_off + std::size_t(kSqQ) * ldc * 4, s_off = x_off + std::size_t(kSqQ) * ldx * 4,
+  static constexpr int ldc = kB16 ? N + 8 : N + 4, ldx = kSqP + 4, lds = N + 8;
+  static constexpr std::size_t cb_bytes = std::size_t(kSqQ) * ldc * (kB16 ? 2 : 4);
+  static constexpr std::size_t c_off = 0, b_off = c_off + cb_bytes, x_off = b_off + cb_bytes,
+                               s_off = x_off + std::size_t(kSqQ) * ldx * 4,
                                t_off = s_off + std::size_t(kSqP) * lds * 2, bytes = t_off + 3 * std::size_t(kSqQ) * 4;
 };
 
@@ -1590,20 +1613,30 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// A staged element of B or C as a tf32 operand, and two as a bf16 pair (lo in the low half): from fp32 (rounded
+// here) or from bf16 bits (Args::bc16; exact in tf32, whose low mantissa bits are then zero).
+__device__ __forceinline__ unsigned tf32_of(float x) { return to_tf32(x); }
+__device__ __forceinline__ unsigned tf32_of(std::uint16_t x) { return unsigned(x) << 16; }
+__device__ __forceinline__ unsigned bf16_pair(float lo, float hi) { return pack_bf16(lo, hi); }
+__device__ __forceinline__ unsigned bf16_pair(std::uint16_t lo, std::uint16_t hi) {
+  return unsigned(lo) | unsigned(hi) << 16;
+}
+
 // One block of 4 warps per (head, row), walking the row's chunks in order. Warp w owns rows l = 16 w .. 16 w + 15
 // of each chunk's output (C B^T, y) and rows p = 16 w .. 16 w + 15 of the state, which stays in its registers as
 // mma accumulators from chunk to chunk. Per chunk: S_in to the states (fp32) and to shared memory (bf16); the state
 // update S = decay S + (w o x)^T B (S_in stays in shared memory for the outputs); C B^T and C S_in^T over d_state in
 // tf32 (one A fragment of C for both); C B^T out, the masked decays M from its accumulators as bf16 A fragments,
 // y += M x and D x. The next chunk's C and B are copied (cp.async) once every warp is done with them, during the
-// outputs' M x, its x at the chunk's end.
-template <int N>
+// outputs' M x, its x at the chunk's end. kB16: B and C come in bf16 (Args::bc16) and stay so in shared memory.
+template <int N, bool kB16>
 __global__ void __launch_bounds__(kThreads, 2) scan_seq_kernel(const Args a) {
-  using Lay = SeqLayout<N>;
+  using Lay = SeqLayout<N, kB16>;
+  using E = std::conditional_t<kB16, std::uint16_t, float>;  // a staged element of B or C
   constexpr int Q = kSqQ, P = kSqP, ldc = Lay::ldc, ldx = Lay::ldx, lds = Lay::lds, NJ = N / 8;
   extern __shared__ __align__(128) unsigned char smem[];
-  float* cs = reinterpret_cast<float*>(smem + Lay::c_off);
-  float* bs = reinterpret_cast<float*>(smem + Lay::b_off);
+  E* cs = reinterpret_cast<E*>(smem + Lay::c_off);
+  E* bs = reinterpret_cast<E*>(smem + Lay::b_off);
   float* xs = reinterpret_cast<float*>(smem + Lay::x_off);
   bf* ss = reinterpret_cast<bf*>(smem + Lay::s_off);
   float* acs_s = reinterpret_cast<float*>(smem + Lay::t_off);
@@ -1619,15 +1652,17 @@ __global__ void __launch_bounds__(kThreads, 2) scan_seq_kernel(const Args a) {
   const float Dh = a.D[h];
   const int nc = a.nc;
 
-  // cp.async of chunk ch's C, B and x (stage_f32, 4 steps unrolled); rows past the sequence's end read as zeros
+  // cp.async of chunk ch's C, B and x (fp32: stage_f32, 4 steps unrolled); rows past the sequence's end read as zeros
   auto rows = [&](int ch) { return min(Q, a.L - ch * Q); };
   auto tok0 = [&](int ch) { return row0 + std::int64_t(ch) * Q; };  // the chunk's first token row
-  auto issue_c = [&](int ch) {
-    stage_f32<Q, N, true, 4>(cs, ldc, a.xbc + tok0(ch) * a.ldx + a.c_col + grp * N, a.ldx, rows(ch), N);
+  auto issue_bc = [&](E* dst, int ch, std::int64_t col) {
+    if constexpr (kB16)
+      stage_async<Q, N, kThreads>(dst, ldc, a.bc16 + tok0(ch) * a.ldx + col + grp * N, a.ldx, rows(ch));
+    else
+      stage_f32<Q, N, true, 4>(dst, ldc, a.xbc + tok0(ch) * a.ldx + col + grp * N, a.ldx, rows(ch), N);
   };
-  auto issue_b = [&](int ch) {
-    stage_f32<Q, N, true, 4>(bs, ldc, a.xbc + tok0(ch) * a.ldx + a.b_col + grp * N, a.ldx, rows(ch), N);
-  };
+  auto issue_c = [&](int ch) { issue_bc(cs, ch, a.c_col); };
+  auto issue_b = [&](int ch) { issue_bc(bs, ch, a.b_col); };
   auto issue_x = [&](int ch) {
     stage_f32<Q, P, true, 4>(xs, ldx, a.xs + tok0(ch) * a.ldxs + h * P, a.ldxs, rows(ch), P);
   };
@@ -1717,8 +1752,8 @@ __global__ void __launch_bounds__(kThreads, 2) scan_seq_kernel(const Args a) {
         }
 #pragma unroll
         for (int j = 0; j < NJ; ++j) {  // B rows s = 16 kk + 2 c (+ 1, + 8, + 9), column n = 8 j + g
-          const float* bp = bs + (16 * kk + 2 * cq) * ldc + 8 * j + g;
-          mma_bf16(st[j], fa, pack_bf16(bp[0], bp[ldc]), pack_bf16(bp[8 * ldc], bp[9 * ldc]));
+          const E* bp = bs + (16 * kk + 2 * cq) * ldc + 8 * j + g;
+          mma_bf16(st[j], fa, bf16_pair(bp[0], bp[ldc]), bf16_pair(bp[8 * ldc], bp[9 * ldc]));
         }
       }
     }
@@ -1729,16 +1764,16 @@ __global__ void __launch_bounds__(kThreads, 2) scan_seq_kernel(const Args a) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) cb[j][e] = y[j][e] = 0.f;
     {
-      const float* c0 = cs + (r0 + g) * ldc + cq;
+      const E* c0 = cs + (r0 + g) * ldc + cq;
       const unsigned short* sb = reinterpret_cast<const unsigned short*>(ss) + g * lds + cq;
 #pragma unroll 2
       for (int k0 = 0; k0 < N; k0 += 8) {
-        const unsigned fa[4] = {to_tf32(c0[k0]), to_tf32(c0[8 * ldc + k0]), to_tf32(c0[k0 + 4]),
-                                to_tf32(c0[8 * ldc + k0 + 4])};
+        const unsigned fa[4] = {tf32_of(c0[k0]), tf32_of(c0[8 * ldc + k0]), tf32_of(c0[k0 + 4]),
+                                tf32_of(c0[8 * ldc + k0 + 4])};
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const float* bp = bs + (8 * j + g) * ldc + cq + k0;
-          mma_tf32(cb[j], fa, to_tf32(bp[0]), to_tf32(bp[4]));
+          const E* bp = bs + (8 * j + g) * ldc + cq + k0;
+          mma_tf32(cb[j], fa, tf32_of(bp[0]), tf32_of(bp[4]));
           const unsigned short* sp = sb + 8 * j * lds + k0;
           mma_tf32(y[j], fa, unsigned(sp[0]) << 16, unsigned(sp[4]) << 16);
         }
@@ -1992,36 +2027,25 @@ __global__ void __launch_bounds__(kThreads, 3) dstates_seq_kernel(const Args a) 
 // (H100, the Mamba-3 block as above: 2.628 ms where dstates_seq and the state epilogue took 0.763 + 1.927 ms, about
 // 1.7 TB/s on its 4.4 GB; S_in, X and dX are loaded once a chunk without a copy ahead: held in registers over the
 // slices they spilled at the 128 registers of two blocks an SM. perf/RESULTS.md, thirty-ninth session.)
-constexpr int kSbThreads = 256, kSbSl = 32, kSbLd = kSbSl + 4;
-template <int N>
+// With kB16 (B and C from Args::bc16) the slices stay bf16 (64 x 40): 90 KB at N = 128.
+constexpr int kSbThreads = 256, kSbSl = 32;
+template <int N, bool kB16 = false>
 struct SbLayout {
-  static constexpr int ldy = kSqP + 4, ldh = N + 8;
-  static constexpr std::size_t slice = 2 * std::size_t(kSqQ) * kSbLd;  // floats: B, then C, of one slice
-  static constexpr std::size_t y_off = 2 * slice * 4, h_off = y_off + 2 * std::size_t(kSqQ) * ldy * 4,
+  static constexpr int ldy = kSqP + 4, ldh = N + 8, lds = kB16 ? kSbSl + 8 : kSbSl + 4;
+  static constexpr std::size_t slice = 2 * std::size_t(kSqQ) * lds;  // elements: B, then C, of one slice
+  static constexpr std::size_t y_off = 2 * slice * (kB16 ? 2 : 4), h_off = y_off + 2 * std::size_t(kSqQ) * ldy * 4,
                                s_off = h_off + std::size_t(kSqP) * ldh * 2,
                                f_off = s_off + std::size_t(kSqP) * ldh * 2, r_off = f_off + 4 * std::size_t(kSqQ) * 4,
                                bytes = r_off + (3 * std::size_t(kSqQ) + kSbThreads / 32) * 4;
 };
 
-// cp.async of a ROWS x COLS fp32 tile (rows 16-byte aligned) by the NT threads of a block; rows past nr as zeros.
-template <int ROWS, int COLS, int NT>
-__device__ __forceinline__ void stage_async(float* dst, int ldd, const float* src, std::int64_t lds, int nr) {
-  constexpr int C4 = COLS / 4;
-  static_assert(ROWS * C4 % NT == 0, "whole steps of the block");
-#pragma unroll
-  for (int it = 0; it < ROWS * C4 / NT; ++it) {
-    const int i = threadIdx.x + it * NT, r = i / C4, c = (i % C4) * 4;
-    const bool in = r < nr;
-    cuda_k::cp_async<16>(dst + r * ldd + c, in ? src + r * lds + c : src, in ? 16 : 0);
-  }
-}
-
-template <int N>
+template <int N, bool kB16>
 __global__ void __launch_bounds__(kSbThreads, 2) state_bwd_seq_kernel(const Args a) {
-  using Lay = SbLayout<N>;
-  constexpr int Q = kSqQ, P = kSqP, NS = N / kSbSl, ldy = Lay::ldy, ldh = Lay::ldh, lds = kSbLd;
+  using Lay = SbLayout<N, kB16>;
+  using E = std::conditional_t<kB16, std::uint16_t, float>;  // a staged element of B or C
+  constexpr int Q = kSqQ, P = kSqP, NS = N / kSbSl, ldy = Lay::ldy, ldh = Lay::ldh, lds = Lay::lds;
   extern __shared__ __align__(128) unsigned char smem[];
-  float* slices = reinterpret_cast<float*>(smem);
+  E* slices = reinterpret_cast<E*>(smem);
   float* ybuf = reinterpret_cast<float*>(smem + Lay::y_off);
   bf* hs = reinterpret_cast<bf*>(smem + Lay::h_off);
   bf* ss = reinterpret_cast<bf*>(smem + Lay::s_off);
@@ -2043,8 +2067,13 @@ __global__ void __launch_bounds__(kSbThreads, 2) state_bwd_seq_kernel(const Args
   auto tok0 = [&](int ch) { return row0 + std::int64_t(ch) * Q; };
   // slice sl of chunk ch's B and C into slice buffer `buf`, with sl == 0 the chunk's dY into dY buffer ch & 1
   auto issue = [&](int ch, int sl, int buf) {
-    float* bsl = slices + buf * Lay::slice;
-    const float* src = a.xbc + tok0(ch) * a.ldx + std::int64_t(grp) * N + kSbSl * sl;
+    E* bsl = slices + buf * Lay::slice;
+    const std::int64_t off = tok0(ch) * a.ldx + std::int64_t(grp) * N + kSbSl * sl;
+    const E* src;
+    if constexpr (kB16)
+      src = a.bc16 + off;
+    else
+      src = a.xbc + off;
     stage_async<Q, kSbSl, kSbThreads>(bsl, lds, src + a.b_col, a.ldx, rows(ch));
     stage_async<Q, kSbSl, kSbThreads>(bsl + Q * lds, lds, src + a.c_col, a.ldx, rows(ch));
     if (sl == 0)
@@ -2157,16 +2186,16 @@ __global__ void __launch_bounds__(kSbThreads, 2) state_bwd_seq_kernel(const Args
       if (sl + 1 < NS) issue(ch, sl + 1, buf ^ 1);
       else if (ch > 0) issue(ch - 1, 0, buf ^ 1);
       if (sl == 0 && ch > 0) factors(ch - 1);
-      const float* bsl = slices + buf * Lay::slice;
-      const float* csl = bsl + Q * lds;
+      const E* bsl = slices + buf * Lay::slice;
+      const E* csl = bsl + Q * lds;
       buf ^= 1;
       // T1 += B dH^T, T2 += C S_in^T over the slice's columns k in tf32
 #pragma unroll
       for (int k0 = 0; k0 < kSbSl; k0 += 8) {
-        const float* bp = bsl + (r0 + g) * lds + cq + k0;
-        const float* cp = csl + (r0 + g) * lds + cq + k0;
-        const unsigned fb[4] = {to_tf32(bp[0]), to_tf32(bp[8 * lds]), to_tf32(bp[4]), to_tf32(bp[8 * lds + 4])};
-        const unsigned fc[4] = {to_tf32(cp[0]), to_tf32(cp[8 * lds]), to_tf32(cp[4]), to_tf32(cp[8 * lds + 4])};
+        const E* bp = bsl + (r0 + g) * lds + cq + k0;
+        const E* cp = csl + (r0 + g) * lds + cq + k0;
+        const unsigned fb[4] = {tf32_of(bp[0]), tf32_of(bp[8 * lds]), tf32_of(bp[4]), tf32_of(bp[8 * lds + 4])};
+        const unsigned fc[4] = {tf32_of(cp[0]), tf32_of(cp[8 * lds]), tf32_of(cp[4]), tf32_of(cp[8 * lds + 4])};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {  // dH^T and S_in^T: element (k = n, column p) at p ldh + n
           const int off = (32 * wc + 8 * j + g) * ldh + kSbSl * sl + k0 + cq;
@@ -2194,8 +2223,8 @@ __global__ void __launch_bounds__(kSbThreads, 2) state_bwd_seq_kernel(const Args
         }
 #pragma unroll
         for (int jj = 0; jj < 2; ++jj) {  // C rows l = 16 kk + 2 c (+ 1, + 8, + 9), column 16 wc + 8 jj + g
-          const float* cp = csl + (16 * kk + 2 * cq) * lds + 16 * wc + 8 * jj + g;
-          mma_bf16(dh[sl][jj], fa, pack_bf16(cp[0], cp[lds]), pack_bf16(cp[8 * lds], cp[9 * lds]));
+          const E* cp = csl + (16 * kk + 2 * cq) * lds + 16 * wc + 8 * jj + g;
+          mma_bf16(dh[sl][jj], fa, bf16_pair(cp[0], cp[lds]), bf16_pair(cp[8 * lds], cp[9 * lds]));
         }
       }
     }
@@ -2626,6 +2655,35 @@ __host__ __device__ constexpr std::size_t bcg_smem(int P, bool one) {
   return bcg_fac_offset(P, one) + (one ? 3 : 1) * kTile * 4;
 }
 
+// dst (ROWS x COLS bf16, row stride ldd) <- src (bf16 bits, rows lds apart) for r < nr, c < nc, zero elsewhere
+// (COLS, nc multiples of 4): four elements a group, by 8-byte loads where V8 (src rows and columns 8-byte aligned),
+// the loads of up to 8 groups in flight before their stores (as batched()).
+template <int ROWS, int COLS, bool V8>
+__device__ __forceinline__ void copy_b16(bf* dst, int ldd, const std::uint16_t* src, std::int64_t lds, int nr,
+                                         int nc) {
+  constexpr int kSteps = own_steps<ROWS, COLS>, kB = batch_of(kSteps);
+#pragma unroll
+  for (int i0 = 0; i0 < kSteps; i0 += kB) {
+    uint2 hv[kB];
+#pragma unroll
+    for (int it = 0; it < kB; ++it) {
+      const int i = threadIdx.x + (i0 + it) * kThreads, r = i / (COLS / 4), c = (i % (COLS / 4)) * 4;
+      const std::uint16_t* p = src + std::int64_t(r) * lds + c;
+      if (r >= nr || c >= nc)
+        hv[it] = make_uint2(0u, 0u);
+      else if constexpr (V8)
+        hv[it] = *reinterpret_cast<const uint2*>(p);
+      else
+        hv[it] = make_uint2(unsigned(p[0]) | unsigned(p[1]) << 16, unsigned(p[2]) | unsigned(p[3]) << 16);
+    }
+#pragma unroll
+    for (int it = 0; it < kB; ++it) {
+      const int i = threadIdx.x + (i0 + it) * kThreads, r = i / (COLS / 4), c = (i % (COLS / 4)) * 4;
+      *reinterpret_cast<uint2*>(dst + r * ldd + c) = hv[it];
+    }
+  }
+}
+
 // acc[j] += fa times the 16 x 16 tile of B at rows kk .., columns 16 j .. of bh (rows ldb apart), for the column
 // fragments j inside the nw valid columns (nw a multiple of 16, so the test is the warp's as a whole)
 template <int NF, class FragA>
@@ -2704,22 +2762,7 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? (kOne ? 3 : 2) : (kOne ? 2
                         });
       const std::int64_t soff = (std::int64_t(bc) * a.H + g) * P * a.N + n0;
       if (!dc && a.dstates_b16) {  // dH as state_bwd_seq left it, already bf16: copied as it is
-        const std::uint16_t* st = a.dstates_b16 + soff;
-        constexpr int kSteps = own_steps<P, kNT>, kB = kSteps < 8 ? kSteps : 8;  // loads in flight 8 at a time
-#pragma unroll
-        for (int i0 = 0; i0 < kSteps; i0 += kB) {
-          uint2 hv[kB];
-#pragma unroll
-          for (int it = 0; it < kB; ++it) {
-            const int i = tid + (i0 + it) * kThreads, r = i / (kNT / 4), c = (i % (kNT / 4)) * 4;
-            hv[it] = c < nw ? *reinterpret_cast<const uint2*>(st + std::int64_t(r) * a.N + c) : make_uint2(0u, 0u);
-          }
-#pragma unroll
-          for (int it = 0; it < kB; ++it) {
-            const int i = tid + (i0 + it) * kThreads, r = i / (kNT / 4), c = (i % (kNT / 4)) * 4;
-            *reinterpret_cast<uint2*>(bh + r * ldb + c) = hv[it];
-          }
-        }
+        copy_b16<P, kNT, true>(bh, ldb, a.dstates_b16 + soff, a.N, P, nw);
       } else {
         const float* st = (dc ? a.states : a.dstates) + soff;
         batched<P, kNT>([&](int r, int c) { return c < nw ? load4<true>(st + std::int64_t(r) * a.N + c) : zero; },
@@ -2790,9 +2833,14 @@ __global__ void __launch_bounds__(kThreads, PT <= 4 ? (kOne ? 3 : 2) : (kOne ? 2
             auto m = [&](int i, float x) { return s + i < ns && l0 + l >= s0 + s + i ? x : 0.f; };
             store4_bf16(ah + l * lda + s, make_float4(m(0, v.x), m(1, v.y), m(2, v.z), m(3, v.w)));
           });
-      const float* src = a.xbc + (rows + c0) * a.ldx + (dc ? a.b_col : a.c_col) + std::int64_t(g) * a.N + n0;
-      batched<kTile, kNT>([&](int r, int c) { return r < nk && c < nw ? load4<V4>(src + r * a.ldx + c) : zero; },
-                          [&](int r, int c, float4 v) { store4_bf16(bh + r * ldb + c, v); });
+      const std::int64_t soff = (rows + c0) * a.ldx + (dc ? a.b_col : a.c_col) + std::int64_t(g) * a.N + n0;
+      if (a.bc16) {  // B, C in bf16 (V4: 16-byte rows, so 8-byte groups)
+        copy_b16<kTile, kNT, V4>(bh, ldb, a.bc16 + soff, a.ldx, nk, nw);
+      } else {
+        const float* src = a.xbc + soff;
+        batched<kTile, kNT>([&](int r, int c) { return r < nk && c < nw ? load4<V4>(src + r * a.ldx + c) : zero; },
+                            [&](int r, int c, float4 v) { store4_bf16(bh + r * ldb + c, v); });
+      }
       __syncthreads();
 #pragma unroll
       for (int kk = 0; kk < kTile; kk += 16) {
@@ -2840,9 +2888,11 @@ std::size_t state_smem(int P, int Q) { return cstate_w_offset(P) + std::size_t(Q
 std::size_t scan_smem(int P, int Q) { return scan_tok_offset(P) + 3 * std::size_t(Q) * 4; }
 
 // 16-byte loads and stores when every row start is 16-byte aligned.
+// (bc16, where given, as xbc: its rows' starts 16-byte aligned in elements of 2 bytes, for bc_backward's 8-byte
+// groups; the sequential kernels' 16-byte copies ask bc16_rows_ok.)
 bool aligned4(const Args& a) {
-  return aligned16(a.xbc) && aligned16(a.xs) && aligned16(a.y) && a.ldx % 4 == 0 && a.ldxs % 4 == 0 &&
-         a.ldy % 4 == 0 && a.b_col % 4 == 0 && a.c_col % 4 == 0;
+  return aligned16(a.xbc) && aligned16(a.bc16) && aligned16(a.xs) && aligned16(a.y) && a.ldx % 4 == 0 &&
+         a.ldxs % 4 == 0 && a.ldy % 4 == 0 && a.b_col % 4 == 0 && a.c_col % 4 == 0;
 }
 
 template <int PT, bool V4>
@@ -2973,7 +3023,17 @@ void with_tiles(const Args& a, F&& f) {
   }
 }
 
+// The kernels that read B and C in fp32 only.
+void refuse_bc16(const Args& a, const char* kernel) {
+  require(a.bc16 == nullptr, "ssd fused", kernel, " reads B and C in fp32: bf16 B and C (Args::bc16) are read by the ",
+          "sequential forward, state_bwd_seq and bc_backward only");
+}
+
 }  // namespace
+
+bool bc16_rows_ok(const Args& a) {
+  return a.bc16 == nullptr || (aligned16(a.bc16) && a.ldx % 8 == 0 && a.b_col % 8 == 0 && a.c_col % 8 == 0);
+}
 
 bool fits(int headdim, int dstate, int chunk) {
   return headdim % 16 == 0 && headdim >= 16 && headdim <= 128 && dstate % 16 == 0 && dstate >= 16 &&
@@ -2982,11 +3042,13 @@ bool fits(int headdim, int dstate, int chunk) {
 
 void chunk_state(const Args& a) {
   Kokkos::Profiling::ScopedRegion region("ssd::fused_chunk_state");
+  refuse_bc16(a, "chunk state");
   with_tiles(a, [&](auto pt) { launch<decltype(pt)::value>(a, false); });
 }
 
 void chunk_scan(const Args& a) {
   Kokkos::Profiling::ScopedRegion region("ssd::fused_chunk_scan");
+  refuse_bc16(a, "chunk scan");
   with_tiles(a, [&](auto pt) { launch<decltype(pt)::value>(a, true); });
 }
 
@@ -2997,6 +3059,7 @@ void intra_backward(const Args& a) {
 
 void state_epilogue(const Args& a) {
   Kokkos::Profiling::ScopedRegion region("ssd::fused_state_epilogue");
+  refuse_bc16(a, "state epilogue");
   with_tiles(a, [&](auto pt) { launch_epilogue<decltype(pt)::value>(a); });
 }
 
@@ -3010,9 +3073,14 @@ decltype(auto) by_dstate(int N, F&& f) {
   if (N == 128) return f(std::integral_constant<int, 128>{});
   return f(std::integral_constant<int, 64>{});
 }
-std::size_t seq_smem(int N) {
-  return by_dstate(N, [](auto n) { return SeqLayout<decltype(n)::value>::bytes; });
+std::size_t seq_smem(int N, bool b16) {
+  return by_dstate(N, [&](auto n) {
+    return b16 ? SeqLayout<decltype(n)::value, true>::bytes : SeqLayout<decltype(n)::value, false>::bytes;
+  });
 }
+// the automatic forms' choice of the sequential kernels: batch x heads (of the call, or of the backward's block)
+// fill the SMs (a choice, not a measured crossover)
+bool fills_sms(int batch, int heads) { return std::int64_t(batch) * heads >= cuda_k::sm_count(); }
 }  // namespace
 
 bool seq_fits(int headdim, int dstate, int chunk) {
@@ -3020,20 +3088,26 @@ bool seq_fits(int headdim, int dstate, int chunk) {
 }
 
 bool seq_applies(const Args& a) {
-  if (fwd_form == FwdForm::chunks || !seq_fits(a.P, a.N, a.Q) || !aligned4(a) || a.batch > 65535) return false;
-  if (seq_smem(a.N) > max_block_smem()) return false;
-  return fwd_form == FwdForm::sequential || std::int64_t(a.batch) * a.H >= cuda_k::sm_count();
+  if (fwd_form == FwdForm::chunks || !seq_fits(a.P, a.N, a.Q) || !aligned4(a) || !bc16_rows_ok(a) ||
+      a.batch > 65535)
+    return false;
+  if (seq_smem(a.N, a.bc16 != nullptr) > max_block_smem()) return false;
+  return fwd_form == FwdForm::sequential || fills_sms(a.batch, a.H);
 }
 
 void scan_seq(const Args& a) {
   Kokkos::Profiling::ScopedRegion region("ssd::fused_scan_seq");
-  require(seq_fits(a.P, a.N, a.Q) && aligned4(a), "ssd fused", "the sequential forward takes headdim 64, chunk 64, ",
-          "d_state 64 or 128 and 16-byte aligned rows (P = ", a.P, ", N = ", a.N, ", Q = ", a.Q, ")");
+  require(seq_fits(a.P, a.N, a.Q) && aligned4(a) && bc16_rows_ok(a), "ssd fused",
+          "the sequential forward takes headdim 64, chunk 64, d_state 64 or 128 and 16-byte aligned rows (P = ", a.P,
+          ", N = ", a.N, ", Q = ", a.Q, ")");
   const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
-  const std::size_t bytes = seq_smem(a.N);
+  const bool b16 = a.bc16 != nullptr;
+  const std::size_t bytes = seq_smem(a.N, b16);
+  const dim3 grid(a.H, a.batch);
   by_dstate(a.N, [&](auto n) {
-    allow_smem<scan_seq_kernel<decltype(n)::value>>(bytes, "sequential forward");
-    scan_seq_kernel<decltype(n)::value><<<dim3(a.H, a.batch), kThreads, bytes, st>>>(a);
+    constexpr int N = decltype(n)::value;
+    b16 ? launch_with<scan_seq_kernel<N, true>>(grid, kThreads, bytes, st, a, "sequential forward")
+        : launch_with<scan_seq_kernel<N, false>>(grid, kThreads, bytes, st, a, "sequential forward");
   });
   check_launch("sequential forward");
   ++seq_count;
@@ -3065,6 +3139,7 @@ bool dseq_applies(const Args& a) {
 
 void dstates_seq(const Args& a) {
   Kokkos::Profiling::ScopedRegion region("ssd::fused_dstates_seq");
+  refuse_bc16(a, "dstates_seq");
   require(dseq_fits(a.P, a.N, a.Q) && a.dstates_out && dseq_aligned(a), "ssd fused",
           "the sequential backward state passing takes headdim 64, chunk 64, d_state a multiple of 64 ",
           "and 16-byte aligned rows (P = ", a.P, ", N = ", a.N, ", Q = ", a.Q, ")");
@@ -3079,11 +3154,14 @@ long dseq_launches() { return dseq_count; }
 
 namespace {
 long sbseq_count = 0;
-std::size_t sbseq_smem(int N) {
-  return by_dstate(N, [](auto n) { return SbLayout<decltype(n)::value>::bytes; });
+std::size_t sbseq_smem(int N, bool b16) {
+  return by_dstate(N, [&](auto n) {
+    return b16 ? SbLayout<decltype(n)::value, true>::bytes : SbLayout<decltype(n)::value, false>::bytes;
+  });
 }
 bool sbseq_aligned(const Args& a) {
-  return aligned4_bwd(a) && a.ldx % 4 == 0 && a.ldxs % 4 == 0 && a.ldy % 4 == 0 && a.ldd % 4 == 0;
+  return aligned4_bwd(a) && bc16_rows_ok(a) && a.ldx % 4 == 0 && a.ldxs % 4 == 0 && a.ldy % 4 == 0 &&
+         a.ldd % 4 == 0;
 }
 }  // namespace
 
@@ -3092,9 +3170,8 @@ bool sbseq_fits(int headdim, int dstate, int chunk) { return seq_fits(headdim, d
 bool sbseq_applies(const Args& a) {
   if (bwd_state_form == BwdStateForm::chunks || bwd_state_form == BwdStateForm::dstates) return false;
   if (!sbseq_fits(a.P, a.N, a.Q) || !sbseq_aligned(a) || a.batch > 65535 || a.nh > 65535) return false;
-  if (sbseq_smem(a.N) > max_block_smem()) return false;
-  // automatic: where the blocks of the call's heads fill the SMs (a choice, not a measured crossover)
-  return bwd_state_form == BwdStateForm::sequential || std::int64_t(a.batch) * a.nh >= cuda_k::sm_count();
+  if (sbseq_smem(a.N, a.bc16 != nullptr) > max_block_smem()) return false;
+  return bwd_state_form == BwdStateForm::sequential || fills_sms(a.batch, a.nh);
 }
 
 void state_bwd_seq(const Args& a) {
@@ -3103,16 +3180,31 @@ void state_bwd_seq(const Args& a) {
           "the sequential backward state terms take headdim 64, chunk 64, d_state 64 or 128 and 16-byte aligned ",
           "rows (P = ", a.P, ", N = ", a.N, ", Q = ", a.Q, ")");
   const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
-  const std::size_t bytes = sbseq_smem(a.N);
+  const bool b16 = a.bc16 != nullptr;
+  const std::size_t bytes = sbseq_smem(a.N, b16);
+  const dim3 grid(a.nh, a.batch);
   by_dstate(a.N, [&](auto n) {
-    allow_smem<state_bwd_seq_kernel<decltype(n)::value>>(bytes, "sequential backward state terms");
-    state_bwd_seq_kernel<decltype(n)::value><<<dim3(a.nh, a.batch), kSbThreads, bytes, st>>>(a);
+    constexpr int N = decltype(n)::value;
+    const char* what = "sequential backward state terms";
+    b16 ? launch_with<state_bwd_seq_kernel<N, true>>(grid, kSbThreads, bytes, st, a, what)
+        : launch_with<state_bwd_seq_kernel<N, false>>(grid, kSbThreads, bytes, st, a, what);
   });
   check_launch("sequential backward state terms");
   ++sbseq_count;
 }
 
 long sbseq_launches() { return sbseq_count; }
+
+bool bc16_forms_take(int batch, int heads, int block_heads, int headdim, int dstate, int chunk) {
+  const bool fwd = fwd_form != FwdForm::chunks && seq_fits(headdim, dstate, chunk) && batch <= 65535 &&
+                   seq_smem(dstate, true) <= max_block_smem() &&
+                   (fwd_form == FwdForm::sequential || fills_sms(batch, heads));
+  const bool bwd = bwd_state_form != BwdStateForm::chunks && bwd_state_form != BwdStateForm::dstates &&
+                   sbseq_fits(headdim, dstate, chunk) && block_heads <= 65535 &&
+                   sbseq_smem(dstate, true) <= max_block_smem() &&
+                   (bwd_state_form == BwdStateForm::sequential || fills_sms(batch, block_heads));
+  return fwd && bwd;
+}
 
 void bc_backward(const Args& a) {
   Kokkos::Profiling::ScopedRegion region("ssd::fused_bc_backward");
@@ -3144,6 +3236,8 @@ bool sbseq_applies(const Args&) { return false; }
 void state_bwd_seq(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
 long sbseq_launches() { return 0; }
 void bc_backward(const Args&) { require(false, "ssd fused", "the fused kernels need the CUDA backend"); }
+bool bc16_rows_ok(const Args& a) { return a.bc16 == nullptr; }
+bool bc16_forms_take(int, int, int, int, int, int) { return false; }
 
 #endif
 

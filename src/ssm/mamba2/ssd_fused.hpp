@@ -13,6 +13,12 @@ namespace mm::ssd_fused {
 struct Args {
   const float* xbc = nullptr;  // B at column b_col + g N + n, C at c_col + g N + n of rows ldx apart
   std::int64_t ldx = 0, b_col = 0, c_col = 0;
+  // B and C in bf16 at the same columns of rows ldx elements apart, in place of xbc (then null), where given:
+  // Mamba-3's per-head k~ and q~ as its rotation leaves them (half the bytes to write and to read back). Read by
+  // scan_seq, state_bwd_seq and bc_backward, whose products round B and C to bf16, or to tf32, which holds a bf16
+  // value exactly: given B and C already rounded, they compute what they compute from fp32 B and C rounded to bf16.
+  // The other kernels refuse it. Rows 16-byte aligned, ldx and the columns multiples of 8 (bc16_rows_ok).
+  const std::uint16_t* bc16 = nullptr;
   const float* xs = nullptr;  // x: token row r, head h at xs + r ldxs + h P (xbc's x columns, or a matrix of its own)
   std::int64_t ldxs = 0;
   const float* acs = nullptr;    // (batch, H, L): in-chunk inclusive cumsum of Delta A
@@ -62,6 +68,14 @@ struct Args {
   // by bc_backward (one head a group) in place of dstates, where given (both round dH to bf16 for their products)
   std::uint16_t* dstates_b16 = nullptr;
 };
+
+// Where bc16 is given: its rows 16-byte aligned, ldx and the B and C columns multiples of 8 elements (true where
+// it is not given).
+bool bc16_rows_ok(const Args& a);
+
+// Whether the fused forward and backward of a batch x heads of this shape take the kernels that read bc16:
+// scan_seq and, for blocks of block_heads heads, state_bwd_seq (the forms as set, the device's SMs; rows aligned).
+bool bc16_forms_take(int batch, int heads, int block_heads, int headdim, int dstate, int chunk);
 
 // True when this build has the kernels (CUDA) and the shape suits them: headdim a multiple of 16 up to 128,
 // d_state a multiple of 16, chunk a multiple of 64 up to 512 (the backward keeps a block's column of dC B^T tiles

@@ -23,6 +23,7 @@ void Mamba3ScanShape::validate(const char* where) const {
 }
 
 RotBwdForm rot_bwd_form = RotBwdForm::automatic;
+QkStore qk_store = QkStore::automatic;
 
 bool Mamba3ScanShape::via_ssd() const {
   if (rank != 1 || algo == SSDAlgo::portable) return false;
@@ -33,6 +34,27 @@ bool Mamba3ScanShape::via_ssd() const {
 #else
   return false;
 #endif
+}
+
+// (scan.hpp)
+SSDShape mamba3_ssd_shape(const Mamba3ScanShape& s) {
+  SSDShape sh;
+  sh.batch = s.batch;
+  sh.seqlen = s.seqlen;
+  sh.nheads = s.nheads;
+  sh.headdim = s.headdim;
+  sh.ngroups = s.nheads;  // q~ and k~ are per head (biases, phases)
+  sh.dstate = s.dstate;
+  sh.chunk = s.chunk;
+  sh.algo = s.algo;
+  sh.compute = s.compute;
+  return sh;
+}
+
+bool mamba3_qk_bf16(const Mamba3ScanShape& s, bool float_acts, bool rows_ok) {
+  if (qk_store != QkStore::automatic || !float_acts || !rows_ok || !s.via_ssd() || s.dstate % 8 != 0) return false;
+  const SSDShape sh = mamba3_ssd_shape(s);
+  return ssd_bc_bf16_applies(sh) && ssd_bc_in_bf16_applies(sh);
 }
 
 namespace {
@@ -64,6 +86,7 @@ struct Ctx {
   // (batch * L, ld): rotated, biased q at q_off + (h R + r) N + n and k at k_off + ...; the SSD route also copies
   // v to columns h P + p (its x, before k (its B) and q (its C)); the backward's gradients use the same layout
   View2<P> qkv;
+  View2<bf16_op_t> qkv16;  // the same in bf16 in place of qkv (then empty), where mamba3_qk_bf16 (SSD route only)
   index_t q_off, k_off;
   bool ssd;
   // SSD route (used where quads_ok): q~ . k~ per (row, head), formed by the rotation for the diagonal's passes,
@@ -111,6 +134,20 @@ struct Ctx {
   KOKKOS_INLINE_FUNCTION const P* krow(index_t rw, index_t h, index_t r) const {
     return &qkv(rw, k_off + (h * R + r) * N);
   }
+  // element n of the rotated, biased k of row rw (position t), head h, rank r, formed from the inputs and phases
+  // (as the rotation forms it; where [k~ | q~] is stored in bf16 the final carry takes its k~ from here)
+  KOKKOS_INLINE_FUNCTION P k_rot(index_t rw, index_t t, index_t h, index_t r, index_t n) const {
+    const T* kin = &qk(rw, k_col + (r * G + h / hpg) * N);
+    const P* kb = &k_bias((h * R + r) * N);
+    const P kn = P(kin[n]) + kb[n];
+    index_t ai, m;
+    bool first;
+    if (!partner(n, ai, m, first)) return kn;
+    P sn, cs;
+    sin_cos(phi(rw / L, h, t, ai), sn, cs);
+    const P km = P(kin[m]) + kb[m];
+    return first ? kn * cs - km * sn : km * sn + kn * cs;
+  }
 };
 
 // Whether the quad kernels apply to c: float, rank 1, N and Pd multiples of 4 (halved pairs: N a multiple of 8),
@@ -133,10 +170,11 @@ bool quads_ok(const Ctx<T>& c, std::initializer_list<std::pair<const void*, long
 
 // The call's context. Its per-token quantities, phases, [k~ | q~] and q~ . k~ come from `kept` where given
 // (non-empty; the caller then skips `recompute`), else from `keep_pool` where given (the forward keeping them),
-// else from the call's pool ws.
+// else from the call's pool ws. `bf16_qk`: [k~ | q~] in bf16 (qkv16) where mamba3_qk_bf16 holds (the forward;
+// a backward that recomputes keeps fp32, which the SSD's recomputation reads).
 template <class T>
 Ctx<T> make_ctx(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, PoolScope& ws, PoolScope* keep_pool = nullptr,
-                const Mamba3ScanSaved<T>* kept = nullptr) {
+                const Mamba3ScanSaved<T>* kept = nullptr, bool bf16_qk = false) {
   using P = acc_t<T>;
   s.validate("mamba3_scan");
   const index_t rows = s.batch * s.seqlen;
@@ -200,7 +238,10 @@ Ctx<T> make_ctx(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, PoolScope& 
   c.k_off = 0;
   c.q_off = HRN;
   if (kept && !kept->empty()) {
-    require(c.ssd && index_t(kept->qkv.extent(0)) == rows && index_t(kept->qkv.extent(1)) == 2 * HRN &&
+    const bool k16 = kept->qkv16.extent(0) > 0;
+    const index_t qr = k16 ? index_t(kept->qkv16.extent(0)) : index_t(kept->qkv.extent(0)),
+                  qc = k16 ? index_t(kept->qkv16.extent(1)) : index_t(kept->qkv.extent(1));
+    require(c.ssd && qr == rows && qc == 2 * HRN &&
                 index_t(kept->delta.extent(0)) == s.batch && index_t(kept->delta.extent(1)) == s.nheads &&
                 index_t(kept->delta.extent(2)) == s.seqlen && index_t(kept->phi.extent(3)) == s.nangles,
             "mamba3_scan", "the kept forward context does not match this call's shape");
@@ -211,6 +252,7 @@ Ctx<T> make_ctx(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, PoolScope& 
     c.ad = kept->ad;
     c.phi = kept->phi;
     c.qkv = kept->qkv;
+    c.qkv16 = kept->qkv16;
     c.qkd = kept->qkd;
   } else {
     PoolScope& kp = keep_pool ? *keep_pool : ws;
@@ -221,7 +263,10 @@ Ctx<T> make_ctx(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, PoolScope& 
     if (!c.ssd) c.acs = v3("mamba3::acs");
     c.w = v3("mamba3::w");
     c.phi = kp.take<View4<P>>("mamba3::phi", s.batch, s.nheads, s.seqlen, s.nangles);
-    c.qkv = kp.take<View2<P>>("mamba3::qkv", rows, 2 * HRN);
+    if (bf16_qk && mamba3_qk_bf16(s, std::is_same_v<T, float>, quads_ok(c)))
+      c.qkv16 = kp.take<View2<bf16_op_t>>("mamba3::qkv_bf16", rows, 2 * HRN);
+    else
+      c.qkv = kp.take<View2<P>>("mamba3::qkv", rows, 2 * HRN);
     if (c.ssd) {
       c.ad = v3("mamba3::a_delta");
     } else {  // the portable kernels' chunk states (the SSD keeps its own)
@@ -334,9 +379,13 @@ void phases(const Ctx<T>& c, const View3<acc_t<T>>& init_phi) {
 // for the 8 x 8,192-token block's 2 GB (q~ and k~ written in fp32, the phases read); a row a team thread ran
 // 0.908 against 1.152 ms in alternating runs on one H100, ncu 890 us at 61 % SM and 63 % DRAM throughput
 // (perf/RESULTS.md, thirty-seventh session).
+// Where c.qkv16 is given, q~ and k~ go to it in bf16 (8-byte stores) instead of qkv; q~ . k~ is formed before that
+// rounding.
 template <class T>
 void rotate_quads(const Ctx<T>& c) {
   using P = acc_t<T>;
+  const bool b16 = c.qkv16.extent(0) > 0;
+  const index_t ldo = b16 ? index_t(c.qkv16.stride(0)) : index_t(c.qkv.stride(0));
   par_for_rows("mamba3::rotate", c.Bsz * c.L, KOKKOS_LAMBDA(const Team& tm, index_t rw) {
     const index_t b = rw / c.L, t = rw % c.L, N = c.N;
     for (index_t h = 0; h < c.H; ++h) {
@@ -345,8 +394,13 @@ void rotate_quads(const Ctx<T>& c) {
       const T* ki = &c.qk(rw, c.k_col + g * N);
       const P* qb = c.q_bias.data() + h * N;
       const P* kb = c.k_bias.data() + h * N;
-      P* qo = c.qkv.data() + rw * c.qkv.stride(0) + c.q_off + h * N;
-      P* ko = c.qkv.data() + rw * c.qkv.stride(0) + c.k_off + h * N;
+      const index_t qo = rw * ldo + c.q_off + h * N, ko = rw * ldo + c.k_off + h * N;  // [k~ | q~] offsets
+      auto put = [&](index_t at, const P(&x)[4]) {
+        if (b16)
+          store_bf16_op_vec<4>(c.qkv16.data() + at, x);
+        else
+          store_vec<4>(c.qkv.data() + at, x);
+      };
       const P* ph = c.phi.data() + b * c.phi.stride(0) + h * c.phi.stride(1) + t * c.phi.stride(2);
       // x = the quad of `in` at element `at` plus its bias
       auto biased = [&](const T* in, const P* bias, index_t at, P (&x)[4]) {
@@ -369,8 +423,8 @@ void rotate_quads(const Ctx<T>& c) {
                 rot_pair(q[2 * e], q[2 * e + 1], s, co);
                 rot_pair(k[2 * e], k[2 * e + 1], s, co);
               }
-              store_vec<4>(qo + 4 * j, q);
-              store_vec<4>(ko + 4 * j, k);
+              put(qo + 4 * j, q);
+              put(ko + 4 * j, k);
               acc += q[0] * k[0] + q[1] * k[1] + q[2] * k[2] + q[3] * k[3];
             },
             qk);
@@ -390,10 +444,10 @@ void rotate_quads(const Ctx<T>& c) {
                 rot_pair(q0[e], q1[e], s, co);
                 rot_pair(k0[e], k1[e], s, co);
               }
-              store_vec<4>(qo + 4 * j, q0);
-              store_vec<4>(qo + hn + 4 * j, q1);
-              store_vec<4>(ko + 4 * j, k0);
-              store_vec<4>(ko + hn + 4 * j, k1);
+              put(qo + 4 * j, q0);
+              put(qo + hn + 4 * j, q1);
+              put(ko + 4 * j, k0);
+              put(ko + hn + 4 * j, k1);
               for (int e = 0; e < 4; ++e) acc += q0[e] * k0[e] + q1[e] * k1[e];
             },
             qk);
@@ -686,6 +740,7 @@ void rotate(const Ctx<T>& c) {
     rotate_quads(c);
     return;
   }
+  require(c.qkv16.extent(0) == 0, "mamba3_scan", "internal: bf16 q~ and k~ need the quad kernels");
   // one (token, head, rank) per thread, lanes over the state dimensions: each lane forms its own element of the
   // rotated pair (a row is read and written contiguously)
   par_for_rows("mamba3::rotate", c.Bsz * c.L * c.H * c.R, KOKKOS_LAMBDA(const Team& tm, index_t i) {
@@ -783,21 +838,6 @@ void recompute(const Ctx<T>& c, const Mamba3Carry<acc_t<T>>& init, const View4<a
 
 // ---------------------------------------------------------------- SISO through the SSD kernels (ssd.hpp)
 
-template <class T>
-SSDShape ssd_shape(const Ctx<T>& c, const Mamba3ScanShape& s) {
-  SSDShape sh;
-  sh.batch = c.Bsz;
-  sh.seqlen = c.L;
-  sh.nheads = c.H;
-  sh.headdim = c.Pd;
-  sh.ngroups = c.H;  // q~ and k~ are per head (biases, phases)
-  sh.dstate = c.N;
-  sh.chunk = c.Q;
-  sh.algo = s.algo;
-  sh.compute = s.compute;
-  return sh;
-}
-
 // The SSD's inputs: x = v straight out of the input, B = k~, C = q~ out of c.qkv, decay exponents A_t Delta_t,
 // weights w_t, and Sh_{-1} (entering_states) as the initial state. (The fused kernels take 16-byte accesses only
 // where every operand's rows allow them: an in_proj width d_in_proj or a v column that is not a multiple of 4
@@ -806,7 +846,10 @@ SSDShape ssd_shape(const Ctx<T>& c, const Mamba3ScanShape& s) {
 template <class T>
 SSDIn<T> ssd_in(const Ctx<T>& c, const View4<acc_t<T>>& sh0) {
   SSDIn<T> in;
-  in.xbc = c.qkv;
+  if (c.qkv16.extent(0) > 0)
+    in.bc_bf16 = c.qkv16;  // (xbc left empty: the SSD reads v from x)
+  else
+    in.xbc = c.qkv;
   in.x = c.v;
   in.x_col = c.v_col;
   in.b_col = c.k_off;
@@ -843,7 +886,7 @@ void forward_ssd(const Ctx<T>& c, const Mamba3ScanShape& s, const Mamba3Carry<ac
   diag_coefficient(c, dtok);
   SSDIn<T> si = ssd_in(c, entering_states(c, init, ws));
   si.D_token = dtok;
-  ssd_forward<T>(ssd_shape(c, s), si, y, final_S, keep, pool);
+  ssd_forward<T>(mamba3_ssd_shape(s), si, y, final_S, keep, pool);
 }
 
 }  // namespace
@@ -856,7 +899,7 @@ void mamba3_scan_forward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, co
   if (keep) *keep = Mamba3ScanSaved<T>{};
   const bool keeping = keep && s.via_ssd();
   PoolScope ws;  // the call's buffers: cached device blocks, returned at the end
-  const Ctx<T> c = make_ctx(s, in, ws, keeping ? pool : nullptr);
+  const Ctx<T> c = make_ctx<T>(s, in, ws, keeping ? pool : nullptr, nullptr, true);
   require(index_t(y.extent(0)) == c.Bsz * c.L && index_t(y.extent(1)) == c.H * c.R * c.Pd, "mamba3_scan_forward",
           "y must be (batch * seqlen, nheads * rank * headdim) = (", c.Bsz * c.L, ", ", c.H * c.R * c.Pd, ")");
   const bool has_final = !fin.empty();
@@ -921,9 +964,13 @@ void mamba3_scan_forward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, co
       const index_t b = bh / c.H, h = bh % c.H, rl = c.row(b, c.L - 1);
       for (index_t i = 0; i < c.S; ++i) fphi(b, h, i) = c.phi(b, h, c.L - 1, i);
       for (index_t r = 0; r < c.R; ++r) {
-        const P* k = c.krow(rl, h, r);
         const T* vv = c.vrow(rl, h, r);
-        for (index_t n = 0; n < c.N; ++n) fk(b, h, r, n) = k[n];
+        if (c.qkv16.extent(0) > 0) {  // k~ in fp32 from the inputs (the stored copy is bf16)
+          for (index_t n = 0; n < c.N; ++n) fk(b, h, r, n) = c.k_rot(rl, c.L - 1, h, r, n);
+        } else {
+          const P* k = c.krow(rl, h, r);
+          for (index_t n = 0; n < c.N; ++n) fk(b, h, r, n) = k[n];
+        }
         for (index_t p = 0; p < c.Pd; ++p) fv(b, h, r, p) = P(vv[p]);
       }
     });
@@ -936,6 +983,7 @@ void mamba3_scan_forward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, co
     keep->ad = c.ad;
     keep->phi = c.phi;
     keep->qkv = c.qkv;
+    keep->qkv16 = c.qkv16;
     keep->qkd = c.qkd;
   }
 }
@@ -1203,7 +1251,7 @@ bool backward_ssd(const Ctx<T>& c, const Mamba3ScanShape& s, const Mamba3ScanIn<
   g.dD_token = dyv;
   g.dx = gr.dv;  // dv straight into the in_proj gradient (with the diagonal's term dtok dy)
   g.dx_col = in.v_col;
-  ssd_backward<T>(ssd_shape(c, s), si, dy, dfin.S, g, kept);
+  ssd_backward<T>(mamba3_ssd_shape(s), si, dy, dfin.S, g, kept);
   const bool has_dfinal = !dfin.empty();
   const auto fv = dfin.v;
   const auto fk = dfin.k;
@@ -1264,10 +1312,10 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
   // arithmetic (which rounds its operands to bf16 already) and the rotation backward on quads reads them (half the
   // bytes of fp32 written and read: 0.8 of 1.6 GB at 8 x 8,192 tokens, 24 heads, d_state 128), else fp32
   const bool d16 = std::is_same_v<T, float> && c.ssd && c.qkd.extent(0) > 0 && quads_ok(c) &&
-                   ssd_bc_bf16_applies(ssd_shape(c, s));
-  View2<P> dqkv = d16 ? View2<P>() : ws.take<View2<P>>("mamba3::dqkv", rows, c.qkv.extent(1));
+                   ssd_bc_bf16_applies(mamba3_ssd_shape(s));
+  View2<P> dqkv = d16 ? View2<P>() : ws.take<View2<P>>("mamba3::dqkv", rows, 2 * HRN);
   View2<bf16_op_t> dqkv16 =
-      d16 ? ws.take<View2<bf16_op_t>>("mamba3::dqkv_bf16", rows, c.qkv.extent(1)) : View2<bf16_op_t>();
+      d16 ? ws.take<View2<bf16_op_t>>("mamba3::dqkv_bf16", rows, 2 * HRN) : View2<bf16_op_t>();
   View3<P> da = ws.take<View3<P>>("mamba3::da", c.Bsz, c.H, c.L);
   View3<P> dw = ws.take<View3<P>>("mamba3::dw", c.Bsz, c.H, c.L);
   View3<P> ddg = ws.take<View3<P>>("mamba3::ddiag", c.Bsz, c.H, c.L);

@@ -118,8 +118,9 @@ struct Mamba3ScanSaved {
   View3<acc_t<T>> delta, lam, Av, w, ad;
   View4<acc_t<T>> phi;
   View2<acc_t<T>> qkv, qkd;
+  View2<bf16_op_t> qkv16;  // [k~ | q~] in bf16 in place of qkv (then empty) where the forward stored them so
   SSDSaved<T> ssd;
-  bool empty() const { return qkv.extent(0) == 0; }
+  bool empty() const { return qkv.extent(0) == 0 && qkv16.extent(0) == 0; }
 };
 
 // y (batch * seqlen, H * R * P) is written; the final carry is written when non-empty. The final carry may be
@@ -136,6 +137,24 @@ void mamba3_scan_forward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, co
 // the benchmark set it; nothing else changes it.
 enum class RotBwdForm { automatic, kokkos };
 extern RotBwdForm rot_bwd_form;
+
+// How the SSD route's rotation stores q~ and k~ (the SSD's C and B, per head): automatic in bf16 where
+// mamba3_qk_bf16 holds (half the bytes written, kept and read back by the SSD's kernels, which round them to bf16,
+// or to tf32, for their products anyway), fp32 (the form before; every other case). Tests and the benchmark set
+// it; nothing else changes it.
+enum class QkStore { automatic, fp32 };
+extern QkStore qk_store;
+
+// Whether the SSD route of this shape stores q~ and k~ in bf16 under qk_store = automatic: float activations, SISO
+// through the fused SSD under bf16 arithmetic with the kernels that read them so (ssd_bc_in_bf16_applies) and the
+// dq~, dk~ in bf16 (ssd_bc_bf16_applies), d_state a multiple of 8, and the quad kernels' 16-byte rows (`rows_ok`,
+// the caller's check of its input rows and column offsets). The forward stores them so (and keeps them, where it
+// keeps its context); a backward from that kept context reads them, one that recomputes stores fp32 (the SSD's
+// recomputation reads fp32 B and C).
+bool mamba3_qk_bf16(const Mamba3ScanShape& s, bool float_acts, bool rows_ok);
+
+// The SSD's shape for the SISO route: one group per head (q~ and k~ are per head: biases, phases).
+SSDShape mamba3_ssd_shape(const Mamba3ScanShape& s);
 
 // dy (batch * seqlen, H * R * P); dfinal: gradient of the final carry, or empty. `kept`: what mamba3_scan_forward
 // kept for the same shape, inputs and initial carry (or null / empty: recomputed). It is only read, so several
