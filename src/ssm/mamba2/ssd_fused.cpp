@@ -22,6 +22,7 @@ FwdForm fwd_form = FwdForm::automatic;
 BwdStateForm bwd_state_form = BwdStateForm::automatic;
 BcForm bc_form = BcForm::automatic;
 bool bf16_state_gemms = true;
+bool sbseq_b16_wide = true;
 
 bool bc_kernel_for(int heads_per_group) {
   return bc_form == BcForm::kernel || (bc_form == BcForm::automatic && heads_per_group == 1);
@@ -2027,21 +2028,23 @@ __global__ void __launch_bounds__(kThreads, 3) dstates_seq_kernel(const Args a) 
 // (H100, the Mamba-3 block as above: 2.628 ms where dstates_seq and the state epilogue took 0.763 + 1.927 ms, about
 // 1.7 TB/s on its 4.4 GB; S_in, X and dX are loaded once a chunk without a copy ahead: held in registers over the
 // slices they spilled at the 128 registers of two blocks an SM. perf/RESULTS.md, thirty-ninth session.)
-// With kB16 (B and C from Args::bc16) the slices stay bf16 (64 x 40): 90 KB at N = 128.
+// With kB16 (B and C from Args::bc16) the staged slices stay bf16, kPer slices of 32 columns a buffer (kPer 2:
+// 64 x 72, each row's 128 bytes one copy, the same 106 KB; kPer 1: 64 x 40, 90 KB at N = 128).
 constexpr int kSbThreads = 256, kSbSl = 32;
-template <int N, bool kB16 = false>
+template <int N, bool kB16 = false, int kPer = 1>
 struct SbLayout {
-  static constexpr int ldy = kSqP + 4, ldh = N + 8, lds = kB16 ? kSbSl + 8 : kSbSl + 4;
-  static constexpr std::size_t slice = 2 * std::size_t(kSqQ) * lds;  // elements: B, then C, of one slice
+  static constexpr int ldy = kSqP + 4, ldh = N + 8, lds = kSbSl * kPer + (kB16 ? 8 : 4);
+  static constexpr std::size_t slice = 2 * std::size_t(kSqQ) * lds;  // elements: B, then C, of one buffer
   static constexpr std::size_t y_off = 2 * slice * (kB16 ? 2 : 4), h_off = y_off + 2 * std::size_t(kSqQ) * ldy * 4,
                                s_off = h_off + std::size_t(kSqP) * ldh * 2,
                                f_off = s_off + std::size_t(kSqP) * ldh * 2, r_off = f_off + 4 * std::size_t(kSqQ) * 4,
                                bytes = r_off + (3 * std::size_t(kSqQ) + kSbThreads / 32) * 4;
 };
 
-template <int N, bool kB16>
+template <int N, bool kB16, int kPer>
 __global__ void __launch_bounds__(kSbThreads, 2) state_bwd_seq_kernel(const Args a) {
-  using Lay = SbLayout<N, kB16>;
+  using Lay = SbLayout<N, kB16, kPer>;
+  static_assert(kPer == 1 || (kB16 && (N / kSbSl) % kPer == 0), "whole buffers of slices");
   using E = std::conditional_t<kB16, std::uint16_t, float>;  // a staged element of B or C
   constexpr int Q = kSqQ, P = kSqP, NS = N / kSbSl, ldy = Lay::ldy, ldh = Lay::ldh, lds = Lay::lds;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -2074,8 +2077,8 @@ __global__ void __launch_bounds__(kSbThreads, 2) state_bwd_seq_kernel(const Args
       src = a.bc16 + off;
     else
       src = a.xbc + off;
-    stage_async<Q, kSbSl, kSbThreads>(bsl, lds, src + a.b_col, a.ldx, rows(ch));
-    stage_async<Q, kSbSl, kSbThreads>(bsl + Q * lds, lds, src + a.c_col, a.ldx, rows(ch));
+    stage_async<Q, kSbSl * kPer, kSbThreads>(bsl, lds, src + a.b_col, a.ldx, rows(ch));
+    stage_async<Q, kSbSl * kPer, kSbThreads>(bsl + Q * lds, lds, src + a.c_col, a.ldx, rows(ch));
     if (sl == 0)
       stage_async<Q, P, kSbThreads>(ybuf + (ch & 1) * Q * ldy, ldy, a.dy + tok0(ch) * a.ldy + h * P, a.ldy, rows(ch));
     cuda_k::cp_async_commit();
@@ -2179,16 +2182,20 @@ __global__ void __launch_bounds__(kSbThreads, 2) state_bwd_seq_kernel(const Args
 #pragma unroll
       for (int e = 0; e < 4; ++e) t1[j][e] = t2[j][e] = 0.f;
     const float* ys = ybuf + (ch & 1) * Q * ldy;
+    int cur = 0;  // the buffer of slice sl
 #pragma unroll
     for (int sl = 0; sl < NS; ++sl) {
-      cuda_k::cp_async_wait<0>();
-      __syncthreads();  // slice sl (with sl == 0: dY, hs, ss, the factors) visible; the other slice buffer free
-      if (sl + 1 < NS) issue(ch, sl + 1, buf ^ 1);
-      else if (ch > 0) issue(ch - 1, 0, buf ^ 1);
-      if (sl == 0 && ch > 0) factors(ch - 1);
-      const E* bsl = slices + buf * Lay::slice;
+      if (sl % kPer == 0) {  // a buffer's first slice
+        cuda_k::cp_async_wait<0>();
+        __syncthreads();  // its slices (with sl == 0: dY, hs, ss, the factors) visible; the other buffer free
+        if (sl + kPer < NS) issue(ch, sl + kPer, buf ^ 1);
+        else if (ch > 0) issue(ch - 1, 0, buf ^ 1);
+        if (sl == 0 && ch > 0) factors(ch - 1);
+        cur = buf;
+        buf ^= 1;
+      }
+      const E* bsl = slices + cur * Lay::slice + kSbSl * (sl % kPer);
       const E* csl = bsl + Q * lds;
-      buf ^= 1;
       // T1 += B dH^T, T2 += C S_in^T over the slice's columns k in tf32
 #pragma unroll
       for (int k0 = 0; k0 < kSbSl; k0 += 8) {
@@ -3156,7 +3163,8 @@ namespace {
 long sbseq_count = 0;
 std::size_t sbseq_smem(int N, bool b16) {
   return by_dstate(N, [&](auto n) {
-    return b16 ? SbLayout<decltype(n)::value, true>::bytes : SbLayout<decltype(n)::value, false>::bytes;
+    constexpr int Nv = decltype(n)::value;
+    return !b16 ? SbLayout<Nv, false>::bytes : sbseq_b16_wide ? SbLayout<Nv, true, 2>::bytes : SbLayout<Nv, true>::bytes;
   });
 }
 bool sbseq_aligned(const Args& a) {
@@ -3186,8 +3194,12 @@ void state_bwd_seq(const Args& a) {
   by_dstate(a.N, [&](auto n) {
     constexpr int N = decltype(n)::value;
     const char* what = "sequential backward state terms";
-    b16 ? launch_with<state_bwd_seq_kernel<N, true>>(grid, kSbThreads, bytes, st, a, what)
-        : launch_with<state_bwd_seq_kernel<N, false>>(grid, kSbThreads, bytes, st, a, what);
+    if (!b16)
+      launch_with<state_bwd_seq_kernel<N, false, 1>>(grid, kSbThreads, bytes, st, a, what);
+    else if (sbseq_b16_wide)
+      launch_with<state_bwd_seq_kernel<N, true, 2>>(grid, kSbThreads, bytes, st, a, what);
+    else
+      launch_with<state_bwd_seq_kernel<N, true, 1>>(grid, kSbThreads, bytes, st, a, what);
   });
   check_launch("sequential backward state terms");
   ++sbseq_count;

@@ -222,6 +222,11 @@ void state_bwd_seq(const Args& a);
 // The count of state_bwd_seq launches in this process.
 long sbseq_launches();
 
+// state_bwd_seq with B and C in bf16 (Args::bc16): true (the default), two 32-column slices a staged buffer (each
+// row's 128 bytes one copy); false, one (64-byte copies). The tests run both; mambamoe_bench --sbseq-b16 times them
+// side by side.
+extern bool sbseq_b16_wide;
+
 // Whether the fused backward's GEMM form (BcForm::gemm as resolved) takes its state terms on bf16 operands under
 // bf16 arithmetic from a kept context (ssd_bf16_state_terms, ssd.hpp; default) or on tf32 from fp32 copies (the
 // form before, kept for side-by-side timing: mambamoe_bench --state-terms).
