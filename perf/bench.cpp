@@ -14,7 +14,7 @@
 //                  [--qk-store automatic|fp32]   (Mamba-3's rotated q~, k~ for the fused SSD: mamba3 QkStore; the
 //                  mamba3 case also times fp32 where automatic stores bf16)
 //                  [--sbseq-b16 wide|narrow]   (state_bwd_seq's staging of bf16 B, C: ssd_fused::sbseq_b16_wide; the
-//                  mamba3 case also times narrow where the run takes wide)
+//                  mamba3 case also times the other)
 //   mpiexec -n N mambamoe_bench --only lm --cp N ...   (the LM step with every sequence split over N ranks)
 //   mpiexec -n N mambamoe_bench --only lm --cp N --backend nccl   (the same over NCCL: device buffers, one GPU per rank)
 //
@@ -708,8 +708,11 @@ void bench_mamba3(int reps, const SSDVariant& var, index_t batch, index_t seqlen
   if (qk_store == QkStore::automatic && mamba3_qk_bf16(mixer.scan_shape(batch, seqlen), true, true)) {
     time_other(qk_store, QkStore::fp32, name + " (q~, k~ stored in fp32)",
                "mamba3 siso block fwd " + shape + " d768 N128 P64 chunk64, " + var.name + " (q~, k~ stored in fp32)");
-    if (ssd_fused::sbseq_b16_wide)  // and state_bwd_seq's other staging of them
-      time_other(ssd_fused::sbseq_b16_wide, false, name + " (state_bwd_seq: bf16 B, C in 64-byte copies)", "");
+    // and state_bwd_seq's other staging of them
+    const bool wide = ssd_fused::sbseq_b16_wide;
+    time_other(ssd_fused::sbseq_b16_wide, !wide,
+               name + (wide ? " (state_bwd_seq: bf16 B, C one slice a buffer)" : " (state_bwd_seq: bf16 B, C two slices a buffer)"),
+               "");
   }
   // the native kernels run (CUDA, a shape they take): the backward's dB and dC (one head a group here) also in the
   // other ssd_fused::BcForm (--bc-form picks the one above)

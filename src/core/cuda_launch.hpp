@@ -67,11 +67,18 @@ __device__ __forceinline__ float warp_sum(float v) {
 // Asynchronous copy of BYTES (8 or 16) from global to shared memory (cp.async; .cg, bypassing L1, for 16 bytes);
 // src_bytes 0 fills the destination with zeros (rows past a sequence's end). cp_async_commit closes a group;
 // cp_async_wait<G>() waits until at most G groups are in flight (G = 0: all of this thread's copies landed).
-template <int BYTES>
+// L2_PREFETCH (16 bytes only: 0, 128 or 256): the L2 hint to fetch the whole aligned 128 or 256 bytes around the
+// source from DRAM at once (for a row whose other parts a later copy reads).
+template <int BYTES, int L2_PREFETCH = 0>
 __device__ __forceinline__ void cp_async(void* smem, const void* gmem, int src_bytes) {
   static_assert(BYTES == 8 || BYTES == 16);
+  static_assert(L2_PREFETCH == 0 || (BYTES == 16 && (L2_PREFETCH == 128 || L2_PREFETCH == 256)));
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  if constexpr (BYTES == 16)
+  if constexpr (BYTES == 16 && L2_PREFETCH == 256)
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+  else if constexpr (BYTES == 16 && L2_PREFETCH == 128)
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+  else if constexpr (BYTES == 16)
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
   else
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
