@@ -13,8 +13,6 @@
 //                  bf16 by default; the ssd case also times tf32)
 //                  [--qk-store automatic|fp32]   (Mamba-3's rotated q~, k~ for the fused SSD: mamba3 QkStore; the
 //                  mamba3 case also times fp32 where automatic stores bf16)
-//                  [--sbseq-b16 wide|narrow]   (state_bwd_seq's staging of bf16 B, C: ssd_fused::sbseq_b16_wide; the
-//                  mamba3 case also times the other)
 //   mpiexec -n N mambamoe_bench --only lm --cp N ...   (the LM step with every sequence split over N ranks)
 //   mpiexec -n N mambamoe_bench --only lm --cp N --backend nccl   (the same over NCCL: device buffers, one GPU per rank)
 //
@@ -705,15 +703,9 @@ void bench_mamba3(int reps, const SSDVariant& var, index_t batch, index_t seqlen
     time_other(rot_bwd_form, RotBwdForm::kokkos, name + " (rotation backward: Kokkos kernel)", "");
   // where the rotation stores q~ and k~ in bf16 for the SSD (mamba3_qk_bf16; the quad kernels' rows, which this
   // layer's widths give), the same with them in fp32
-  if (qk_store == QkStore::automatic && mamba3_qk_bf16(mixer.scan_shape(batch, seqlen), true, true)) {
+  if (qk_store == QkStore::automatic && mamba3_qk_bf16(mixer.scan_shape(batch, seqlen), true, true))
     time_other(qk_store, QkStore::fp32, name + " (q~, k~ stored in fp32)",
                "mamba3 siso block fwd " + shape + " d768 N128 P64 chunk64, " + var.name + " (q~, k~ stored in fp32)");
-    // and state_bwd_seq's other staging of them
-    const bool wide = ssd_fused::sbseq_b16_wide;
-    time_other(ssd_fused::sbseq_b16_wide, !wide,
-               name + (wide ? " (state_bwd_seq: bf16 B, C one slice a buffer)" : " (state_bwd_seq: bf16 B, C two slices a buffer)"),
-               "");
-  }
   // the native kernels run (CUDA, a shape they take): the backward's dB and dC (one head a group here) also in the
   // other ssd_fused::BcForm (--bc-form picks the one above)
   if (var.algo == SSDAlgo::fused && ssd_fused::fits(int(cfg.headdim), int(cfg.d_state), int(cfg.chunk_size)))
@@ -978,11 +970,6 @@ int run(int argc, char** argv, int cp_size, int rank) {
       const int k = choice("--qk-store", next(), {"automatic", "fp32"});
       if (k < 0) return 2;
       qk_store = k == 0 ? QkStore::automatic : QkStore::fp32;
-    }
-    else if (a == "--sbseq-b16") {  // state_bwd_seq's staging of bf16 B and C (ssd_fused::sbseq_b16_wide)
-      const int k = choice("--sbseq-b16", next(), {"wide", "narrow"});
-      if (k < 0) return 2;
-      ssd_fused::sbseq_b16_wide = k == 0;
     }
     else if (a == "--bc-form") {  // how every fused backward in the run forms dB and dC (ssd_fused::BcForm)
       using F = ssd_fused::BcForm;

@@ -1156,7 +1156,7 @@ TEST_CASE("SSD reads B and C in bf16 where given bc_bf16: the results of B and C
   // the kept S_in and C B^T, and every gradient of a backward from the kept context equal, bit for bit, those of the
   // fp32 call given B and C rounded to bf16: its kernels round B and C to bf16 or to tf32 for their products, and
   // both hold such values exactly. A short last chunk; packed records and an initial state, neither, and D_token;
-  // d_state 128 and 64; both stagings of state_bwd_seq (ssd_fused::sbseq_b16_wide). Refused with an error: the chunked forward, the backward's other state-term forms, a
+  // d_state 128 and 64. Refused with an error: the chunked forward, the backward's other state-term forms, a
   // backward that recomputes, and every build or shape without those kernels (host builds here).
   using ssd_fused::BwdStateForm;
   using ssd_fused::FwdForm;
@@ -1203,9 +1203,8 @@ TEST_CASE("SSD reads B and C in bf16 where given bc_bf16: the results of B and C
       const ssd_fused::FormScope fwd(ssd_fused::fwd_form, FwdForm::sequential);
       const ssd_fused::FormScope bwd(ssd_fused::bwd_state_form, BwdStateForm::sequential);
       REQUIRE(ssd_bc_in_bf16_applies(d.shape));
-      std::vector<double> out[3][11];
-      for (int k = 0; k < 3; ++k) {  // 0 fp32 (rounded), 1 bf16, 2 bf16 with state_bwd_seq's narrow staging
-        const ssd_fused::FormScope wide(ssd_fused::sbseq_b16_wide, k != 2);
+      std::vector<double> out[2][11];
+      for (int k = 0; k < 2; ++k) {  // 0 fp32 (rounded), 1 bf16
         const SSDIn<float>& in = k ? in1 : in0;
         View2<float> y("y", rows, E);
         View4<float> fin("fin", c.B, c.H, c.P, c.N);
@@ -1241,15 +1240,13 @@ TEST_CASE("SSD reads B and C in bf16 where given bc_bf16: the results of B and C
                             ContainsSubstring("from the forward's kept context"));
         }
       }
-      for (int k = 1; k < 3; ++k)
-        for (int i = 0; i < 11; ++i) {
-          INFO("bf16 call " << k << " (wide, narrow), output " << i
-                            << " (y, final state, S_in, C B^T, dxbc, dx, ddt, dA_log, dD, dinit, dD_token)");
-          REQUIRE(out[k][i].size() == out[0][i].size());
-          long differ = 0;
-          for (std::size_t j = 0; j < out[0][i].size(); ++j) differ += out[k][i][j] != out[0][i][j];
-          CHECK(differ == 0);
-        }
+      for (int i = 0; i < 11; ++i) {
+        INFO("output " << i << " (y, final state, S_in, C B^T, dxbc, dx, ddt, dA_log, dD, dinit, dD_token)");
+        REQUIRE(out[1][i].size() == out[0][i].size());
+        long differ = 0;
+        for (std::size_t j = 0; j < out[0][i].size(); ++j) differ += out[1][i][j] != out[0][i][j];
+        CHECK(differ == 0);
+      }
     }
 }
 

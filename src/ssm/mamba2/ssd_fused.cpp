@@ -22,7 +22,6 @@ FwdForm fwd_form = FwdForm::automatic;
 BwdStateForm bwd_state_form = BwdStateForm::automatic;
 BcForm bc_form = BcForm::automatic;
 bool bf16_state_gemms = true;
-bool sbseq_b16_wide = false;
 
 bool bc_kernel_for(int heads_per_group) {
   return bc_form == BcForm::kernel || (bc_form == BcForm::automatic && heads_per_group == 1);
@@ -2028,10 +2027,13 @@ __global__ void __launch_bounds__(kThreads, 3) dstates_seq_kernel(const Args a) 
 // (H100, the Mamba-3 block as above: 2.628 ms where dstates_seq and the state epilogue took 0.763 + 1.927 ms, about
 // 1.7 TB/s on its 4.4 GB; S_in, X and dX are loaded once a chunk without a copy ahead: held in registers over the
 // slices they spilled at the 128 registers of two blocks an SM. perf/RESULTS.md, thirty-ninth session.)
-// With kB16 (B and C from Args::bc16) the staged slices stay bf16, kPer slices of 32 columns a buffer (kPer 2:
-// 64 x 72, each row's 128 bytes one copy, the same 106 KB; kPer 1: 64 x 40, 90 KB at N = 128).
+// With kB16 (B and C from Args::bc16) the staged slices stay bf16, two slices of 32 columns a buffer (64 x 72:
+// each row's 128 bytes one copy, the same 106 KB as fp32; ptxas spills 44 bytes at N = 128). One slice a buffer
+// (64 x 40, 64-byte copies, 90 KB, no spills) ran this kernel in 4.9-5.7 ms against 2.4-3.0 ms for two, also with
+// the L2 prefetch below; ncu put it at 16 % DRAM throughput and 28 cycles between a warp's instructions, against
+// 15 (H200 and H100, perf/RESULTS.md, forty-first session).
 constexpr int kSbThreads = 256, kSbSl = 32;
-template <int N, bool kB16 = false, int kPer = 1>
+template <int N, bool kB16 = false, int kPer = kB16 ? 2 : 1>
 struct SbLayout {
   static constexpr int ldy = kSqP + 4, ldh = N + 8, lds = kSbSl * kPer + (kB16 ? 8 : 4);
   static constexpr std::size_t slice = 2 * std::size_t(kSqQ) * lds;  // elements: B, then C, of one buffer
@@ -2041,14 +2043,15 @@ struct SbLayout {
                                bytes = r_off + (3 * std::size_t(kSqQ) + kSbThreads / 32) * 4;
 };
 
-template <int N, bool kB16, int kPer>
+template <int N, bool kB16>
 __global__ void __launch_bounds__(kSbThreads, 2) state_bwd_seq_kernel(const Args a) {
+  constexpr int kPer = kB16 ? 2 : 1;  // slices a staged buffer
   using Lay = SbLayout<N, kB16, kPer>;
-  static_assert(kPer == 1 || (kB16 && (N / kSbSl) % kPer == 0), "whole buffers of slices");
+  static_assert((N / kSbSl) % kPer == 0, "whole buffers of slices");
   using E = std::conditional_t<kB16, std::uint16_t, float>;  // a staged element of B or C
   constexpr int Q = kSqQ, P = kSqP, NS = N / kSbSl, ldy = Lay::ldy, ldh = Lay::ldh, lds = Lay::lds;
-  // bf16 B, C: the first copy of a row brings the head's whole row (N = 128: 256 bytes) into L2 for the later
-  // slices (their 64- or 128-byte reads each went to DRAM on their own: 4.9 against 2.4 ms, H200)
+  // bf16 B, C: each copy asks L2 to fetch the head's whole row (N = 128: 256 bytes, two buffers' worth) at once
+  // (the form timed against fp32 B, C; its effect alone was not measured)
   constexpr int kPf = !kB16 ? 0 : N * 2 >= 256 ? 256 : 128;
   extern __shared__ __align__(128) unsigned char smem[];
   E* slices = reinterpret_cast<E*>(smem);
@@ -3167,7 +3170,7 @@ long sbseq_count = 0;
 std::size_t sbseq_smem(int N, bool b16) {
   return by_dstate(N, [&](auto n) {
     constexpr int Nv = decltype(n)::value;
-    return !b16 ? SbLayout<Nv, false>::bytes : sbseq_b16_wide ? SbLayout<Nv, true, 2>::bytes : SbLayout<Nv, true>::bytes;
+    return b16 ? SbLayout<Nv, true>::bytes : SbLayout<Nv, false>::bytes;
   });
 }
 bool sbseq_aligned(const Args& a) {
@@ -3197,12 +3200,8 @@ void state_bwd_seq(const Args& a) {
   by_dstate(a.N, [&](auto n) {
     constexpr int N = decltype(n)::value;
     const char* what = "sequential backward state terms";
-    if (!b16)
-      launch_with<state_bwd_seq_kernel<N, false, 1>>(grid, kSbThreads, bytes, st, a, what);
-    else if (sbseq_b16_wide)
-      launch_with<state_bwd_seq_kernel<N, true, 2>>(grid, kSbThreads, bytes, st, a, what);
-    else
-      launch_with<state_bwd_seq_kernel<N, true, 1>>(grid, kSbThreads, bytes, st, a, what);
+    b16 ? launch_with<state_bwd_seq_kernel<N, true>>(grid, kSbThreads, bytes, st, a, what)
+        : launch_with<state_bwd_seq_kernel<N, false>>(grid, kSbThreads, bytes, st, a, what);
   });
   check_launch("sequential backward state terms");
   ++sbseq_count;

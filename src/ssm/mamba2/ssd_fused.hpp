@@ -222,14 +222,6 @@ void state_bwd_seq(const Args& a);
 // The count of state_bwd_seq launches in this process.
 long sbseq_launches();
 
-// state_bwd_seq with B and C in bf16 (Args::bc16): false (the default), one 32-column slice a staged buffer (90 KB
-// of shared memory at d_state 128); true, two (each row's 128 bytes one copy; the fp32 form's 106 KB, and ptxas
-// spills 44 bytes at d_state 128). Either way the first copy of a row asks L2 to fetch the head's whole row (256
-// bytes at d_state 128): without that hint the one-slice form took 4.9 ms against 2.4 ms for fp32 B and C (H200,
-// the Mamba-3 block of 8 x 8,192 tokens; perf/RESULTS.md, forty-first session). The tests run both;
-// mambamoe_bench --sbseq-b16 times them side by side.
-extern bool sbseq_b16_wide;
-
 // Whether the fused backward's GEMM form (BcForm::gemm as resolved) takes its state terms on bf16 operands under
 // bf16 arithmetic from a kept context (ssd_bf16_state_terms, ssd.hpp; default) or on tf32 from fp32 copies (the
 // form before, kept for side-by-side timing: mambamoe_bench --state-terms).
