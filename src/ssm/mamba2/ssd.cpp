@@ -684,6 +684,15 @@ struct GemmCtx {
   View1<std::uintptr_t> ptrs;                 // (3 hb B nc): operand pointers of the (chunk, head) GEMMs
 };
 
+// The per-head bytes by which the GEMM formulation sizes its blocks of heads (ssd_gemm_blocks): a Q x Q workspace
+// per (row, chunk), or where the fused backward runs (per_head_qq false: no such workspace) its per-head arrays,
+// the six per-token sums and the incoming sums' parts (ssd_fused_head_bytes).
+inline double gemm_head_bytes(bool per_head_qq, index_t batch, index_t seqlen, index_t nchunks, index_t Q,
+                              std::size_t elem) {
+  return per_head_qq ? double(batch * nchunks) * double(Q * Q) * double(elem)
+                     : ssd_fused_head_bytes(double(batch * seqlen), Q, double(elem));
+}
+
 // (skip_xw_for_groups: no xw where the blocks of heads are whole groups: the fused backward from a kept context
 // under BcForm::kernel, which never reads it; skip_xw: none in any case, the fused backward's bf16 state terms,
 // which take a bf16 xw of their own)
@@ -693,11 +702,9 @@ GemmCtx<T> make_gemm_ctx(const Ctx<T>& c, double budget, bool backward, PoolScop
   GemmCtx<T> g;
   g.ldx = index_t(c.xbc.stride(0));
   g.HP = c.H * c.Pd;
-  // heads per block: as many per-head Q x Q workspaces as the budget holds; the fused backward has none, and its
-  // per-head arrays are the six per-token sums and the incoming sums' parts (n each)
-  const double per_head = per_head_qq ? double(c.Bsz * c.nc) * double(c.Q * c.Q) * sizeof(T)
-                                      : ssd_fused_head_bytes(double(c.Bsz * c.L), c.Q, sizeof(T));
-  const SSDGemmBlocks bl = ssd_gemm_blocks(c.H, c.G, per_head, budget);
+  // heads per block: as many per-head workspaces as the budget holds
+  const SSDGemmBlocks bl =
+      ssd_gemm_blocks(c.H, c.G, gemm_head_bytes(per_head_qq, c.Bsz, c.L, c.nc, c.Q, sizeof(T)), budget);
   g.hb = bl.heads;
   g.runs = bl.runs;
   g.run_len = g.hb / g.runs;
@@ -1379,7 +1386,7 @@ bool ssd_bc_in_bf16_applies(const SSDShape& s) {
   if (!ssd_bc_bf16_applies(s)) return false;
   // the backward's blocks of heads as make_gemm_ctx forms them for the fused kernels (no Q x Q workspaces)
   const SSDGemmBlocks bl = ssd_gemm_blocks(
-      s.nheads, s.ngroups, ssd_fused_head_bytes(double(s.batch * s.seqlen), s.chunk, sizeof(float)),
+      s.nheads, s.ngroups, gemm_head_bytes(false, s.batch, s.seqlen, s.nchunks(), s.chunk, sizeof(float)),
       s.gemm_workspace_bytes);
   return ssd_fused::bc16_forms_take(int(s.batch), int(s.nheads), int(bl.heads), int(s.headdim), int(s.dstate),
                                     int(s.chunk));

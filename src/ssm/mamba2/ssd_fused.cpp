@@ -3100,12 +3100,17 @@ bool seq_fits(int headdim, int dstate, int chunk) {
   return headdim == kSqP && chunk == kSqQ && (dstate == 64 || dstate == 128);
 }
 
+namespace {
+// Whether the fused forward of batch x heads of this shape (its rows aligned; B and C in bf16 where b16) takes
+// scan_seq: the form as set, the kernel's shapes and shared memory, and under automatic the SMs filled.
+bool seq_takes(int batch, int heads, int P, int N, int Q, bool b16) {
+  return fwd_form != FwdForm::chunks && seq_fits(P, N, Q) && batch <= 65535 &&
+         seq_smem(N, b16) <= max_block_smem() && (fwd_form == FwdForm::sequential || fills_sms(batch, heads));
+}
+}  // namespace
+
 bool seq_applies(const Args& a) {
-  if (fwd_form == FwdForm::chunks || !seq_fits(a.P, a.N, a.Q) || !aligned4(a) || !bc16_rows_ok(a) ||
-      a.batch > 65535)
-    return false;
-  if (seq_smem(a.N, a.bc16 != nullptr) > max_block_smem()) return false;
-  return fwd_form == FwdForm::sequential || fills_sms(a.batch, a.H);
+  return aligned4(a) && bc16_rows_ok(a) && seq_takes(a.batch, a.H, a.P, a.N, a.Q, a.bc16 != nullptr);
 }
 
 void scan_seq(const Args& a) {
@@ -3181,11 +3186,18 @@ bool sbseq_aligned(const Args& a) {
 
 bool sbseq_fits(int headdim, int dstate, int chunk) { return seq_fits(headdim, dstate, chunk); }
 
+namespace {
+// Whether the fused backward's blocks of block_heads heads of this shape (rows aligned; B and C in bf16 where b16)
+// take state_bwd_seq: the form as set, the kernel's shapes and shared memory, and under automatic the SMs filled.
+bool sbseq_takes(int batch, int block_heads, int P, int N, int Q, bool b16) {
+  return bwd_state_form != BwdStateForm::chunks && bwd_state_form != BwdStateForm::dstates && sbseq_fits(P, N, Q) &&
+         batch <= 65535 && block_heads <= 65535 && sbseq_smem(N, b16) <= max_block_smem() &&
+         (bwd_state_form == BwdStateForm::sequential || fills_sms(batch, block_heads));
+}
+}  // namespace
+
 bool sbseq_applies(const Args& a) {
-  if (bwd_state_form == BwdStateForm::chunks || bwd_state_form == BwdStateForm::dstates) return false;
-  if (!sbseq_fits(a.P, a.N, a.Q) || !sbseq_aligned(a) || a.batch > 65535 || a.nh > 65535) return false;
-  if (sbseq_smem(a.N, a.bc16 != nullptr) > max_block_smem()) return false;
-  return bwd_state_form == BwdStateForm::sequential || fills_sms(a.batch, a.nh);
+  return sbseq_aligned(a) && sbseq_takes(a.batch, a.nh, a.P, a.N, a.Q, a.bc16 != nullptr);
 }
 
 void state_bwd_seq(const Args& a) {
@@ -3210,14 +3222,8 @@ void state_bwd_seq(const Args& a) {
 long sbseq_launches() { return sbseq_count; }
 
 bool bc16_forms_take(int batch, int heads, int block_heads, int headdim, int dstate, int chunk) {
-  const bool fwd = fwd_form != FwdForm::chunks && seq_fits(headdim, dstate, chunk) && batch <= 65535 &&
-                   seq_smem(dstate, true) <= max_block_smem() &&
-                   (fwd_form == FwdForm::sequential || fills_sms(batch, heads));
-  const bool bwd = bwd_state_form != BwdStateForm::chunks && bwd_state_form != BwdStateForm::dstates &&
-                   sbseq_fits(headdim, dstate, chunk) && block_heads <= 65535 &&
-                   sbseq_smem(dstate, true) <= max_block_smem() &&
-                   (bwd_state_form == BwdStateForm::sequential || fills_sms(batch, block_heads));
-  return fwd && bwd;
+  return seq_takes(batch, heads, headdim, dstate, chunk, true) &&
+         sbseq_takes(batch, block_heads, headdim, dstate, chunk, true);
 }
 
 void bc_backward(const Args& a) {

@@ -134,19 +134,28 @@ struct Ctx {
   KOKKOS_INLINE_FUNCTION const P* krow(index_t rw, index_t h, index_t r) const {
     return &qkv(rw, k_off + (h * R + r) * N);
   }
-  // element n of the rotated, biased k of row rw (position t), head h, rank r, formed from the inputs and phases
-  // (as the rotation forms it; where [k~ | q~] is stored in bf16 the final carry takes its k~ from here)
-  KOKKOS_INLINE_FUNCTION P k_rot(index_t rw, index_t t, index_t h, index_t r, index_t n) const {
-    const T* kin = &qk(rw, k_col + (r * G + h / hpg) * N);
-    const P* kb = &k_bias((h * R + r) * N);
-    const P kn = P(kin[n]) + kb[n];
+  // element n of the rotated, biased q and k of row rw (position t), head h, rank r, from the inputs and phases:
+  // the rotation's row kernel, and the final carry's k~ where [k~ | q~] is stored in bf16. With the pair (i0, i1)
+  // of n: out_i0 = x_i0 cos - x_i1 sin, out_i1 = x_i0 sin + x_i1 cos.
+  KOKKOS_INLINE_FUNCTION void rot_qk(index_t rw, index_t t, index_t h, index_t r, index_t n, P& qo, P& ko) const {
+    const index_t g = h / hpg, hr = h * R + r;
+    const T* qin = &qk(rw, q_col + (r * G + g) * N);
+    const T* kin = &qk(rw, k_col + (r * G + g) * N);
+    const P* qb = &q_bias(hr * N);
+    const P* kb = &k_bias(hr * N);
+    const P qn = P(qin[n]) + qb[n], kn = P(kin[n]) + kb[n];
     index_t ai, m;
     bool first;
-    if (!partner(n, ai, m, first)) return kn;
-    P sn, cs;
+    if (!partner(n, ai, m, first)) {
+      qo = qn;
+      ko = kn;
+      return;
+    }
+    P cs, sn;
     sin_cos(phi(rw / L, h, t, ai), sn, cs);
-    const P km = P(kin[m]) + kb[m];
-    return first ? kn * cs - km * sn : km * sn + kn * cs;
+    const P qm = P(qin[m]) + qb[m], km = P(kin[m]) + kb[m];
+    qo = first ? qn * cs - qm * sn : qm * sn + qn * cs;
+    ko = first ? kn * cs - km * sn : km * sn + kn * cs;
   }
 };
 
@@ -745,29 +754,11 @@ void rotate(const Ctx<T>& c) {
   // rotated pair (a row is read and written contiguously)
   par_for_rows("mamba3::rotate", c.Bsz * c.L * c.H * c.R, KOKKOS_LAMBDA(const Team& tm, index_t i) {
     const index_t rw = i / (c.H * c.R), hr = i % (c.H * c.R);
-    const index_t b = rw / c.L, t = rw % c.L, h = hr / c.R, r = hr % c.R, g = h / c.hpg;
-    const T* qin = &c.qk(rw, c.q_col + (r * c.G + g) * c.N);
-    const T* kin = &c.qk(rw, c.k_col + (r * c.G + g) * c.N);
-    const P* qb = &c.q_bias(hr * c.N);
-    const P* kb = &c.k_bias(hr * c.N);
+    const index_t t = rw % c.L, h = hr / c.R, r = hr % c.R;
     P* qo = &c.qkv(rw, c.q_off + hr * c.N);
     P* ko = &c.qkv(rw, c.k_off + hr * c.N);
-    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.N), [&](index_t n) {
-      const P qn = P(qin[n]) + qb[n], kn = P(kin[n]) + kb[n];
-      index_t ai, m;
-      bool first;
-      if (!c.partner(n, ai, m, first)) {
-        qo[n] = qn;
-        ko[n] = kn;
-        return;
-      }
-      P cs, sn;
-      sin_cos(c.phi(b, h, t, ai), sn, cs);
-      const P qm = P(qin[m]) + qb[m], km = P(kin[m]) + kb[m];
-      // pair (i0, i1): out_i0 = x_i0 cos - x_i1 sin, out_i1 = x_i0 sin + x_i1 cos
-      qo[n] = first ? qn * cs - qm * sn : qm * sn + qn * cs;
-      ko[n] = first ? kn * cs - km * sn : km * sn + kn * cs;
-    });
+    Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, c.N),
+                         [&](index_t n) { c.rot_qk(rw, t, h, r, n, qo[n], ko[n]); });
   });
 }
 
@@ -966,7 +957,11 @@ void mamba3_scan_forward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, co
       for (index_t r = 0; r < c.R; ++r) {
         const T* vv = c.vrow(rl, h, r);
         if (c.qkv16.extent(0) > 0) {  // k~ in fp32 from the inputs (the stored copy is bf16)
-          for (index_t n = 0; n < c.N; ++n) fk(b, h, r, n) = c.k_rot(rl, c.L - 1, h, r, n);
+          for (index_t n = 0; n < c.N; ++n) {
+            P qd, kd;
+            c.rot_qk(rl, c.L - 1, h, r, n, qd, kd);
+            fk(b, h, r, n) = kd;
+          }
         } else {
           const P* k = c.krow(rl, h, r);
           for (index_t n = 0; n < c.N; ++n) fk(b, h, r, n) = k[n];
