@@ -328,16 +328,9 @@ LayerMem mem_mamba3(const Mamba3Config& c, const Dims& d, Recompute pol) {
                        (c.pairing() != RopePairing::halved || index_t(N) % 8 == 0);
     const bool f32 = d.t == 4 && d.a == 4;  // float activations and accumulation
     // [k~ | q~] in bf16 where the rotation stores them so (mamba3_qk_bf16), else in acc_t
-    Mamba3ScanShape full = ss;
-    full.batch = index_t(d.b);
-    full.seqlen = index_t(d.L);
-    full.nheads = index_t(H);
+    Mamba3ScanShape full = c.scan_shape(index_t(d.b), index_t(d.L));
+    full.nheads = index_t(H);  // a rank's heads and groups
     full.ngroups = index_t(G) > 0 ? index_t(G) : 1;
-    full.headdim = index_t(P);
-    full.dstate = index_t(N);
-    full.nangles = index_t(S);
-    full.chunk = index_t(Q);
-    full.pairing = c.pairing();
     const double qk_el = mamba3_qk_bf16(full, f32, quads) ? 2.0 : d.a;
     const double saved = ssd_saved_ctx_bytes(H, H, N, P, Q, d);
     const double kept_ctx = d.a * d.n * (6 * H + H * S) + qk_el * d.n * 2 * H * N + saved, fdv = d.a * d.n * H;

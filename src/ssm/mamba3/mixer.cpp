@@ -129,23 +129,27 @@ Mamba3Mixer<T>::Mamba3Mixer(const Mamba3Config& cfg, ParamStore<P>& store, const
                         Init::Uniform(-lin_out, lin_out, 1.0 / std::sqrt(double(n_layer))));
 }
 
-template <class T>
-Mamba3ScanShape Mamba3Mixer<T>::scan_shape(index_t batch, index_t seqlen) const {
+Mamba3ScanShape Mamba3Config::scan_shape(index_t batch, index_t seqlen) const {
   Mamba3ScanShape s;
   s.batch = batch;
   s.seqlen = seqlen;
-  s.nheads = cfg_.nheads();
-  s.headdim = cfg_.headdim;
-  s.ngroups = cfg_.ngroups;
-  s.dstate = cfg_.d_state;
-  s.rank = cfg_.rank();
-  s.nangles = cfg_.nangles();
-  s.chunk = cfg_.chunk_size;
-  s.pairing = cfg_.pairing();
-  s.A_floor = cfg_.A_floor;
-  s.algo = cfg_.scan_algo;
-  s.compute = cfg_.scan_compute;
+  s.nheads = nheads();
+  s.headdim = headdim;
+  s.ngroups = ngroups;
+  s.dstate = d_state;
+  s.rank = rank();
+  s.nangles = nangles();
+  s.chunk = chunk_size;
+  s.pairing = pairing();
+  s.A_floor = A_floor;
+  s.algo = scan_algo;
+  s.compute = scan_compute;
   return s;
+}
+
+template <class T>
+Mamba3ScanShape Mamba3Mixer<T>::scan_shape(index_t batch, index_t seqlen) const {
+  return cfg_.scan_shape(batch, seqlen);
 }
 
 template <class T>

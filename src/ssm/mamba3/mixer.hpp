@@ -85,6 +85,8 @@ struct Mamba3Config {
     return is_mimo ? RopePairing::halved : RopePairing::interleaved;
   }
   index_t d_in_proj() const { return 2 * d_inner() + 2 * rank() * ngroups * d_state + 3 * nheads() + nangles(); }
+  // The scan's shape for `batch` rows of `seqlen` tokens (the mixer's; the planner's estimates)
+  Mamba3ScanShape scan_shape(index_t batch, index_t seqlen) const;
   // Shapes that do not divide and out-of-range values are errors naming the values.
   void validate(const std::string& context) const;
 };
