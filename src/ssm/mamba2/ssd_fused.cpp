@@ -1622,6 +1622,15 @@ __device__ __forceinline__ unsigned bf16_pair(std::uint16_t lo, std::uint16_t hi
   return unsigned(lo) | unsigned(hi) << 16;
 }
 
+// The array B and C are staged from as elements E: fp32 (Args::xbc) or bf16 bits (Args::bc16).
+template <class E>
+__device__ __forceinline__ const E* bc_base(const Args& a) {
+  if constexpr (std::is_same_v<E, float>)
+    return a.xbc;
+  else
+    return a.bc16;
+}
+
 // One block of 4 warps per (head, row), walking the row's chunks in order. Warp w owns rows l = 16 w .. 16 w + 15
 // of each chunk's output (C B^T, y) and rows p = 16 w .. 16 w + 15 of the state, which stays in its registers as
 // mma accumulators from chunk to chunk. Per chunk: S_in to the states (fp32) and to shared memory (bf16); the state
@@ -1656,10 +1665,11 @@ __global__ void __launch_bounds__(kThreads, 2) scan_seq_kernel(const Args a) {
   auto rows = [&](int ch) { return min(Q, a.L - ch * Q); };
   auto tok0 = [&](int ch) { return row0 + std::int64_t(ch) * Q; };  // the chunk's first token row
   auto issue_bc = [&](E* dst, int ch, std::int64_t col) {
+    const E* src = bc_base<E>(a) + tok0(ch) * a.ldx + col + grp * N;
     if constexpr (kB16)
-      stage_async<Q, N, kThreads>(dst, ldc, a.bc16 + tok0(ch) * a.ldx + col + grp * N, a.ldx, rows(ch));
+      stage_async<Q, N, kThreads>(dst, ldc, src, a.ldx, rows(ch));
     else
-      stage_f32<Q, N, true, 4>(dst, ldc, a.xbc + tok0(ch) * a.ldx + col + grp * N, a.ldx, rows(ch), N);
+      stage_f32<Q, N, true, 4>(dst, ldc, src, a.ldx, rows(ch), N);
   };
   auto issue_c = [&](int ch) { issue_bc(cs, ch, a.c_col); };
   auto issue_b = [&](int ch) { issue_bc(bs, ch, a.b_col); };
@@ -2033,9 +2043,10 @@ __global__ void __launch_bounds__(kThreads, 3) dstates_seq_kernel(const Args a) 
 // the L2 prefetch below; ncu put it at 16 % DRAM throughput and 28 cycles between a warp's instructions, against
 // 15 (H200 and H100, perf/RESULTS.md, forty-first session).
 constexpr int kSbThreads = 256, kSbSl = 32;
-template <int N, bool kB16 = false, int kPer = kB16 ? 2 : 1>
+template <int N, bool kB16 = false>
 struct SbLayout {
-  static constexpr int ldy = kSqP + 4, ldh = N + 8, lds = kSbSl * kPer + (kB16 ? 8 : 4);
+  static constexpr int per = kB16 ? 2 : 1;  // slices a staged buffer
+  static constexpr int ldy = kSqP + 4, ldh = N + 8, lds = kSbSl * per + (kB16 ? 8 : 4);
   static constexpr std::size_t slice = 2 * std::size_t(kSqQ) * lds;  // elements: B, then C, of one buffer
   static constexpr std::size_t y_off = 2 * slice * (kB16 ? 2 : 4), h_off = y_off + 2 * std::size_t(kSqQ) * ldy * 4,
                                s_off = h_off + std::size_t(kSqP) * ldh * 2,
@@ -2045,8 +2056,8 @@ struct SbLayout {
 
 template <int N, bool kB16>
 __global__ void __launch_bounds__(kSbThreads, 2) state_bwd_seq_kernel(const Args a) {
-  constexpr int kPer = kB16 ? 2 : 1;  // slices a staged buffer
-  using Lay = SbLayout<N, kB16, kPer>;
+  using Lay = SbLayout<N, kB16>;
+  constexpr int kPer = Lay::per;
   static_assert((N / kSbSl) % kPer == 0, "whole buffers of slices");
   using E = std::conditional_t<kB16, std::uint16_t, float>;  // a staged element of B or C
   constexpr int Q = kSqQ, P = kSqP, NS = N / kSbSl, ldy = Lay::ldy, ldh = Lay::ldh, lds = Lay::lds;
@@ -2077,12 +2088,7 @@ __global__ void __launch_bounds__(kSbThreads, 2) state_bwd_seq_kernel(const Args
   // slice sl of chunk ch's B and C into slice buffer `buf`, with sl == 0 the chunk's dY into dY buffer ch & 1
   auto issue = [&](int ch, int sl, int buf) {
     E* bsl = slices + buf * Lay::slice;
-    const std::int64_t off = tok0(ch) * a.ldx + std::int64_t(grp) * N + kSbSl * sl;
-    const E* src;
-    if constexpr (kB16)
-      src = a.bc16 + off;
-    else
-      src = a.xbc + off;
+    const E* src = bc_base<E>(a) + tok0(ch) * a.ldx + std::int64_t(grp) * N + kSbSl * sl;
     stage_async<Q, kSbSl * kPer, kSbThreads, kPf>(bsl, lds, src + a.b_col, a.ldx, rows(ch));
     stage_async<Q, kSbSl * kPer, kSbThreads, kPf>(bsl + Q * lds, lds, src + a.c_col, a.ldx, rows(ch));
     if (sl == 0)
