@@ -13,6 +13,8 @@
 //                  bf16 by default; the ssd case also times tf32)
 //                  [--qk-store automatic|fp32]   (Mamba-3's rotated q~, k~ for the fused SSD: mamba3 QkStore; the
 //                  mamba3 case also times fp32 where automatic stores bf16)
+//                  [--dproj-store automatic|fp32]   (how the Mamba-3 backward holds in_proj's output gradient:
+//                  DprojStore; the mamba3 case also times fp32 where automatic holds the bf16 copy)
 //   mpiexec -n N mambamoe_bench --only lm --cp N ...   (the LM step with every sequence split over N ranks)
 //   mpiexec -n N mambamoe_bench --only lm --cp N --backend nccl   (the same over NCCL: device buffers, one GPU per rank)
 //
@@ -706,6 +708,9 @@ void bench_mamba3(int reps, const SSDVariant& var, index_t batch, index_t seqlen
   if (qk_store == QkStore::automatic && mamba3_qk_bf16(mixer.scan_shape(batch, seqlen), true, true))
     time_other(qk_store, QkStore::fp32, name + " (q~, k~ stored in fp32)",
                "mamba3 siso block fwd " + shape + " d768 N128 P64 chunk64, " + var.name + " (q~, k~ stored in fp32)");
+  // where the backward holds in_proj's output gradient only as its bf16 copy (Mamba3Mixer::bf16_in_proj_grad), the
+  // same with it in fp32 (the same GEMM operands: du and the gradients equal)
+  if (mixer.bf16_in_proj_grad()) time_other(dproj_store, DprojStore::fp32, name + " (dproj in fp32)", "");
   // the native kernels run (CUDA, a shape they take): the backward's dB and dC (one head a group here) also in the
   // other ssd_fused::BcForm (--bc-form picks the one above)
   if (var.algo == SSDAlgo::fused && ssd_fused::fits(int(cfg.headdim), int(cfg.d_state), int(cfg.chunk_size)))
@@ -970,6 +975,11 @@ int run(int argc, char** argv, int cp_size, int rank) {
       const int k = choice("--qk-store", next(), {"automatic", "fp32"});
       if (k < 0) return 2;
       qk_store = k == 0 ? QkStore::automatic : QkStore::fp32;
+    }
+    else if (a == "--dproj-store") {  // how the Mamba-3 backward holds in_proj's output gradient (DprojStore)
+      const int k = choice("--dproj-store", next(), {"automatic", "fp32"});
+      if (k < 0) return 2;
+      dproj_store = k == 0 ? DprojStore::automatic : DprojStore::fp32;
     }
     else if (a == "--bc-form") {  // how every fused backward in the run forms dB and dC (ssd_fused::BcForm)
       using F = ssd_fused::BcForm;

@@ -709,6 +709,63 @@ TEST_CASE("Mamba-3 scan backward with packed records matches finite differences 
   }
 }
 
+TEST_CASE("Mamba-3 scan backward writes dv and dd into buffers that start at Mamba3ScanGrad::col0", "[mamba3]") {
+  // v and dd as column blocks of one wide input (a pad of W columns, then v, then dd, as in the mixer's in_proj
+  // output), with dv and ddd one buffer as the mixer has them: the buffer without the pad (col0 = W) holds, bit for
+  // bit, the full-width buffer's columns from W on, which hold the gradients of the separate v and dd inputs; a
+  // col0 past the first written column is an error naming it
+  for (int variant = 0; variant < 3; ++variant) {
+    M3Case c;
+    c.L = 13;
+    c.Q = 4;
+    if (variant == 1) c.algo = SSDAlgo::gemm;  // SISO through the SSD (its dx at dx_col)
+    if (variant == 2) {                        // MIMO rank 2, the scan's own kernels
+      c.R = 2;
+      c.N = 4;
+    }
+    INFO("variant " << variant);
+    M3Data<double> d(c);
+    const index_t rows = c.B * c.L, W = 5, vc = index_t(d.v.extent(1)), dc = index_t(d.dd.extent(1));
+    View2<double> wide("wide", rows, W + vc + dc);
+    fill_uniform(wide, 30);
+    Kokkos::deep_copy(Kokkos::subview(wide, Kokkos::ALL, std::make_pair(W, W + vc)), d.v);
+    Kokkos::deep_copy(Kokkos::subview(wide, Kokkos::ALL, std::make_pair(W + vc, W + vc + dc)), d.dd);
+    Mamba3ScanIn<double> in = d.in();
+    in.v = in.dd = wide;
+    in.v_col = W;
+    in.dt_col = W + vc;
+    in.A_col = in.dt_col + c.H;
+    in.trap_col = in.dt_col + 2 * c.H;
+    in.angle_col = in.dt_col + 3 * c.H;
+    const View2<double> dy = d.seeded_dy();
+    const Mamba3Carry<double> dfin = d.seeded_dfinal();
+    auto run = [&](const Mamba3ScanIn<double>& i, index_t col0, index_t width) {
+      Mamba3ScanGrad<double> g = d.zero_grads();
+      if (width > 0) g.dv = g.ddd = View2<double>("dvdd", rows, width);
+      g.col0 = col0;
+      mamba3_scan_backward<double>(d.shape, i, dy, dfin, g);
+      return g;
+    };
+    const auto sep = run(d.in(), 0, 0);
+    const auto full = run(in, 0, W + vc + dc);
+    const auto narrow = run(in, W, vc + dc);
+    const auto fh = to_vec(full.dv), nh = to_vec(narrow.dv), dvh = to_vec(sep.dv), ddh = to_vec(sep.ddd);
+    std::size_t diff = 0, diff_sep = 0;
+    for (index_t r = 0; r < rows; ++r)
+      for (index_t j = 0; j < vc + dc; ++j) {
+        const double f = fh[r * (W + vc + dc) + W + j];
+        diff += f != nh[r * (vc + dc) + j];
+        diff_sep += f != (j < vc ? dvh[r * vc + j] : ddh[r * dc + j - vc]);
+      }
+    CHECK(diff == 0);
+    CHECK(diff_sep == 0);
+    CHECK(to_vec(narrow.dqk) == to_vec(sep.dqk));
+    CHECK(to_vec(narrow.ddt_bias) == to_vec(sep.ddt_bias));
+    CHECK(to_vec(narrow.dinit.S) == to_vec(sep.dinit.S));
+    CHECK_THROWS_WITH(run(in, W + 1, vc + dc - 1), ContainsSubstring("col0 = 6"));
+  }
+}
+
 // ---------------------------------------------------------------------------------------------- the mixer
 namespace {
 
@@ -945,7 +1002,9 @@ TEST_CASE("Mamba-3 mixer under bf16 GEMMs keeps its gate output only as a bf16 c
   // Under bf16 GEMMs on CUDA the gate writes out_proj's input only as a bf16 copy (quads for SISO, the element
   // kernel for MIMO), which out_proj's forward and weight gradient take in place of rounding an fp32 copy: outputs
   // and gradients stay within bf16 rounding of the fp32 GEMMs', and the recompute policy reproduces them bit for bit.
-  // Host builds compute the GEMMs in fp32 and keep the fp32 output.
+  // The backward (SISO, CUDA) holds in_proj's output gradient only as its bf16 copy (DprojStore::automatic): the
+  // GEMMs' operands are those rounded from the fp32 dproj (DprojStore::fp32), so every result equals that form's
+  // bit for bit. Host builds compute the GEMMs in fp32 and keep the fp32 output and gradient.
   for (const bool mimo : {false, true}) {
     const Mamba3Config cfg = quad_m3(mimo, true);
     INFO(variant_name(cfg));
@@ -957,8 +1016,11 @@ TEST_CASE("Mamba-3 mixer under bf16 GEMMs keeps its gate output only as a bf16 c
     View2<float> u("u", B * L, D), dout("dout", B * L, D);
     fill_uniform(u, 3);
     fill_uniform(dout, 4);
-    auto run = [&](GemmCompute c, bool save) {
+    auto run = [&](GemmCompute c, bool save, DprojStore ds = DprojStore::automatic) {
       const FloatGemmComputeScope scope(c);
+      const ssd_fused::FormScope store(dproj_store, ds);
+      CHECK(mixer.bf16_in_proj_grad() ==
+            (mmtest::keeps_bf16_copy(c == GemmCompute::bf16) && !mimo && ds == DprojStore::automatic));
       Mamba3Acts<float> acts;
       View2<float> out("out", B * L, D), du("du", B * L, D);
       mixer.forward(u, B, L, out, acts, save);
@@ -976,6 +1038,10 @@ TEST_CASE("Mamba-3 mixer under bf16 GEMMs keeps its gate output only as a bf16 c
     const mmtest::MixerRun ref = run(GemmCompute::fp32, true), b16 = run(GemmCompute::bf16, true),
                            b16rc = run(GemmCompute::bf16, false);
     mmtest::check_bf16_runs(ref, b16, b16rc, 6e-2);
+    const mmtest::MixerRun b16f = run(GemmCompute::bf16, true, DprojStore::fp32);
+    CHECK(b16f.out == b16.out);
+    CHECK(b16f.du == b16.du);
+    CHECK(b16f.grads == b16.grads);
   }
 }
 

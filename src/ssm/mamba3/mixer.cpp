@@ -375,6 +375,14 @@ bool Mamba3Mixer<T>::bf16_out_proj() const {
   return std::is_same_v<T, float> && float_gemm_on_bf16_copies();
 }
 
+DprojStore dproj_store = DprojStore::automatic;
+
+template <class T>
+bool Mamba3Mixer<T>::bf16_in_proj_grad() const {
+  return dproj_store == DprojStore::automatic && std::is_same_v<T, float> && float_gemm_on_bf16_copies() &&
+         !cfg_.is_mimo && cfg_.headdim % 4 == 0 && cfg_.d_in_proj() % 4 == 0;
+}
+
 // out = o W_out^T from the kept gate output, fp32 or its bf16 copy.
 template <class T>
 void Mamba3Mixer<T>::out_proj_forward(const Mamba3Acts<T>& acts, const View2<T>& out) const {
@@ -454,11 +462,6 @@ void Mamba3Mixer<T>::backward(Mamba3Acts<T>& a, index_t batch, index_t seqlen, c
   View2<T> dO = ws.take<View2<T>>("mamba3::dO", n, E);
   out_proj_backward(a, dout, dO);
 
-  View2<T> dproj = ws.take<View2<T>>("mamba3::dproj", n, cfg_.d_in_proj());
-  // SISO: every column is written below (z by the gate's backward, x by the scan's dv, C and B by their norms'
-  // backward, the dt, A, trapezoid and angle columns by the scan's token passes), so the pool's block is not
-  // cleared first (a 0.9 GB memset at 8 x 8,192 tokens of d_model 768); under MIMO it is, as before
-  if (cfg_.is_mimo) Kokkos::deep_copy(dproj, T(0));
   View2<T> dy = ws.take<View2<T>>("mamba3::dy", n, H * R * Pd);
   // Gate backward: dy, and dz into the z columns of dproj.
   Gate<T> gt;
@@ -477,6 +480,17 @@ void Mamba3Mixer<T>::backward(Mamba3Acts<T>& a, index_t batch, index_t seqlen, c
     gt.rstd = a.rstd_out;
     gt.w = store_->v1(norm_w_);
   }
+  // dproj, in_proj's output gradient, fp32, or (gb: DprojStore) its bf16 copy dproj_b with the scan's columns
+  // (from E: v, then dd) in the fp32 dproj, column c at c - E
+  const index_t din = cfg_.d_in_proj();
+  const bool gb = bf16_in_proj_grad() && gate_quads_ok(gt, {{dO.data(), dO.stride(0)}, {dy.data(), dy.stride(0)}});
+  const index_t dcol0 = gb ? E : 0;  // dproj's first column
+  View2<bf16_op_t> dproj_b = gb ? ws.take<View2<bf16_op_t>>("mamba3::dproj_bf16", n, din) : View2<bf16_op_t>();
+  View2<T> dproj = ws.take<View2<T>>(gb ? "mamba3::dproj_scan" : "mamba3::dproj", n, din - dcol0);
+  // SISO: every column is written below (z by the gate's backward, x by the scan's dv, C and B by their norms'
+  // backward, the dt, A, trapezoid and angle columns by the scan's token passes), so the pool's block is not
+  // cleared first (a 0.9 GB memset at 8 x 8,192 tokens of d_model 768); under MIMO it is, as before
+  if (cfg_.is_mimo) Kokkos::deep_copy(dproj, T(0));
   // dn = dL/d(yw) per p; with the norm, yw = y rstd w and dy = rstd (dn w - nrm * mean(dn w nrm)): the means per
   // (token, head, rank) first, then every element (dy, and dz into the z columns of dproj) on its own
   {
@@ -497,7 +511,7 @@ void Mamba3Mixer<T>::backward(Mamba3Acts<T>& a, index_t batch, index_t seqlen, c
       Kokkos::single(Kokkos::PerThread(tm), [&]() { dots(i, h * gt.R + r) = dot; });
     });
   }
-  if (gate_quads_ok(gt, {{dO.data(), dO.stride(0)}, {dy.data(), dy.stride(0)}, {dproj.data(), dproj.stride(0)}})) {
+  if (gb || gate_quads_ok(gt, {{dO.data(), dO.stride(0)}, {dy.data(), dy.stride(0)}, {dproj.data(), dproj.stride(0)}})) {
     par_for("mamba3::gate_bwd", n, H * Pd / 4, KOKKOS_LAMBDA(index_t i, index_t qu) {
       const index_t hp = 4 * qu, h = hp / gt.Pd;
       P g[4], yv[4], zv[4], wv[4] = {P(1), P(1), P(1), P(1)}, dyv[4], dzv[4];
@@ -512,7 +526,10 @@ void Mamba3Mixer<T>::backward(Mamba3Acts<T>& a, index_t batch, index_t seqlen, c
         dzv[e] = g[e] * nrm * wv[e] * dsilu(zv[e]);
       }
       store_vec<4>(&dy(i, hp), dyv);
-      store_vec<4>(&dproj(i, hp), dzv);
+      if (gb)
+        store_bf16_op_vec<4>(&dproj_b(i, hp), dzv);
+      else
+        store_vec<4>(&dproj(i, hp), dzv);
     });
   } else {
     par_for("mamba3::gate_bwd", n, H * Pd, KOKKOS_LAMBDA(index_t i, index_t hp) {
@@ -578,6 +595,7 @@ void Mamba3Mixer<T>::backward(Mamba3Acts<T>& a, index_t batch, index_t seqlen, c
   g.dv = dv;
   g.dqk = dqk;
   g.ddd = dproj;
+  g.col0 = dcol0;
   g.ddt_bias = store_->g1(dt_bias_);
   g.dD = store_->g1(D_);
   g.dq_bias = store_->g1(C_bias_);
@@ -665,7 +683,11 @@ void Mamba3Mixer<T>::backward(Mamba3Acts<T>& a, index_t batch, index_t seqlen, c
           [&](index_t m, P& a) { a += P(dqk(i, dst + m)) * wt(m) * P(proj(i, src + m)); }, dot);
       const P cc = r * r * dot / P(N);
       Kokkos::parallel_for(Kokkos::ThreadVectorRange(tm, N), [&](index_t m) {
-        dproj(i, src + m) = static_cast<T>(r * (P(dqk(i, dst + m)) * wt(m) - P(proj(i, src + m)) * cc));
+        const P d = r * (P(dqk(i, dst + m)) * wt(m) - P(proj(i, src + m)) * cc);
+        if (gb)
+          dproj_b(i, src + m) = to_bf16_op(float(d));
+        else
+          dproj(i, src + m) = static_cast<T>(d);
       });
     });
     for (int part = 0; part < 2; ++part) {
@@ -682,6 +704,14 @@ void Mamba3Mixer<T>::backward(Mamba3Acts<T>& a, index_t batch, index_t seqlen, c
     }
   }
   // in_proj
+  if constexpr (std::is_same_v<T, float>) {
+    if (gb) {  // the scan's columns rounded into the copy: v, then dd (dt, A, trapezoid, angles)
+      const index_t ld = dproj.stride(0), ldb = dproj_b.stride(0), dd0 = 2 * E + 2 * RGN;
+      round_to_bf16("mamba3::dproj_v_bf16", dproj.data(), ld, dproj_b.data() + E, ldb, n, E);
+      round_to_bf16("mamba3::dproj_dd_bf16", dproj.data() + (dd0 - E), ld, dproj_b.data() + dd0, ldb, n, din - dd0);
+      return linear_backward_gemms_bf16dy(dproj_b, store_->v2(in_proj_), a.u, 0.0f, du, 1.0f, store_->g2(in_proj_));
+    }
+  }
   linear_backward<T>(a.u, store_->v2(in_proj_), dproj, du, false, store_->g2(in_proj_), View1<P>());
 }
 

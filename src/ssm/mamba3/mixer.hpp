@@ -118,6 +118,14 @@ struct Mamba3Acts {
   std::shared_ptr<PoolScope> internals;  // owns proj .. scan (cached blocks, not an allocation per step)
 };
 
+// How the backward holds in_proj's output gradient dproj (the dy of in_proj's GEMMs): automatic as its bf16 copy
+// only where Mamba3Mixer::bf16_in_proj_grad holds (the gate and the B/C norms write their columns in bf16, the scan
+// writes its v and dd columns in fp32 to a buffer without the z columns, rounded into the copy after it: the fp32
+// block is neither written whole nor rounded whole for the GEMMs), fp32 (the form before; every other case). The
+// GEMMs get the same bf16 operands either way. Tests and the benchmark set it; nothing else changes it.
+enum class DprojStore { automatic, fp32 };
+extern DprojStore dproj_store;
+
 template <class T>
 class Mamba3Mixer {
  public:
@@ -159,6 +167,10 @@ class Mamba3Mixer {
   void backward(Mamba3Acts<T>& acts, index_t batch, index_t seqlen, const SeqIdxView& seq,
                 const View2<const T>& dout, const View2<T>& du, const Mamba3State<T>* dfinal = nullptr,
                 Mamba3State<T>* dinit = nullptr) const;
+
+  // Whether the backward holds dproj as its bf16 copy only (DprojStore above): dproj_store automatic, T = float
+  // under bf16 GEMMs (CUDA), SISO, and the gate's quads of columns (headdim and the in_proj width multiples of 4).
+  bool bf16_in_proj_grad() const;
 
   // Bytes one cp rank sends per layer forward + backward (the formula above) for `batch` rows.
   std::uint64_t cp_traffic_bytes(index_t batch, bool with_seq_idx) const;

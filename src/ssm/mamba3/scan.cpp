@@ -1037,7 +1037,7 @@ void backward_portable(const Ctx<T>& c, const Mamba3ScanIn<T>& in, const View2<c
   View3<P> dD_part = ws.take<View3<P>>("mamba3::dD_part", c.Bsz, c.nc, c.H);
   {
     const auto dvo = gr.dv;
-    const index_t v_col = in.v_col, Q = c.Q;
+    const index_t v_col = in.v_col - gr.col0, Q = c.Q;
     const auto fv = dfin.v;
     const auto fk = dfin.k;
     // Team scratch: M (s <= t: sum_{r,r'} (q~_{t,r}.k~_{s,r'}) (dy_{t,r}.v_{s,r'})), Cf (the coefficient of the
@@ -1245,13 +1245,13 @@ bool backward_ssd(const Ctx<T>& c, const Mamba3ScanShape& s, const Mamba3ScanIn<
   g.dweight = dw;
   g.dD_token = dyv;
   g.dx = gr.dv;  // dv straight into the in_proj gradient (with the diagonal's term dtok dy)
-  g.dx_col = in.v_col;
+  g.dx_col = in.v_col - gr.col0;
   ssd_backward<T>(mamba3_ssd_shape(s), si, dy, dfin.S, g, kept);
   const bool has_dfinal = !dfin.empty();
   const auto fv = dfin.v;
   const auto fk = dfin.k;
   const auto dvo = gr.dv;
-  const index_t v_col = in.v_col;
+  const index_t v_col = in.v_col - gr.col0;
   if (has_dfinal)  // the final carry's v is the last token's
     par_for("mamba3::dv_final", c.Bsz * c.H, c.Pd, KOKKOS_LAMBDA(index_t bh, index_t p) {
       const index_t b = bh / c.H, h = bh % c.H, rw = b * c.L + c.L - 1;
@@ -1296,10 +1296,14 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
   const index_t rows = c.Bsz * c.L, HRN = c.H * c.R * c.N;
   require(index_t(dy.extent(0)) == rows && index_t(dy.extent(1)) == c.H * c.R * c.Pd, "mamba3_scan_backward",
           "dy must be (batch * seqlen, nheads * rank * headdim) = (", rows, ", ", c.H * c.R * c.Pd, ")");
-  require(index_t(gr.dv.extent(0)) == rows && gr.dv.extent(1) == in.v.extent(1) && index_t(gr.dqk.extent(0)) == rows &&
+  require(gr.col0 >= 0 && gr.col0 <= in.v_col && gr.col0 <= in.dt_col && gr.col0 <= in.A_col &&
+              gr.col0 <= in.trap_col && gr.col0 <= in.angle_col && index_t(gr.dv.extent(0)) == rows &&
+              index_t(gr.dv.extent(1)) + gr.col0 == index_t(in.v.extent(1)) && index_t(gr.dqk.extent(0)) == rows &&
               gr.dqk.extent(1) == in.qk.extent(1) && index_t(gr.ddd.extent(0)) == rows &&
-              gr.ddd.extent(1) == in.dd.extent(1),
-          "mamba3_scan_backward", "gradient matrices must have the shapes of the inputs");
+              index_t(gr.ddd.extent(1)) + gr.col0 == index_t(in.dd.extent(1)),
+          "mamba3_scan_backward", "gradient matrices must have the shapes of the inputs, dv and ddd less col0 = ",
+          gr.col0, " columns (at most the first column they are written at: v at ", in.v_col, ", dd at ",
+          std::min({in.dt_col, in.A_col, in.trap_col, in.angle_col}), ")");
   if (!from_kept) recompute(c, in.init, View4<P>());
   const bool has_dfinal = !dfin.empty(), has_init = !in.init.empty(), want_dinit = !gr.dinit.empty();
   View4<P> dsh0 = ws.take<View4<P>>("mamba3::dsh0", c.Bsz, c.H, c.Pd, c.N);
@@ -1460,6 +1464,8 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
 
   // Per-token chain: Delta, lambda, A_t -> dd_dt, dd_A, trap; dut keeps d(dd_dt) in the accumulation type.
   const auto ddd = gr.ddd;
+  const index_t dt_o = c.dt_col - gr.col0, A_o = c.A_col - gr.col0, trap_o = c.trap_col - gr.col0,
+                angle_o = c.angle_col - gr.col0;  // their columns in ddd
   View3<P> dut = ws.take<View3<P>>("mamba3::dut", c.Bsz, c.H, c.L);
   par_for("mamba3::token_bwd", c.Bsz * c.H, c.L, KOKKOS_LAMBDA(index_t bh, index_t t) {
     const index_t b = bh / c.H, h = bh % c.H;
@@ -1476,9 +1482,9 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
     const P du = ddelta * dsoftplus(u);
     const P xa = P(c.dd(rw, c.A_col + h));
     const P dxa = heavy_tail(xa) > c.A_floor ? -dat * d * dheavy_tail(xa) : P(0);
-    ddd(rw, c.dt_col + h) = static_cast<T>(du);
-    ddd(rw, c.A_col + h) = static_cast<T>(dxa);
-    ddd(rw, c.trap_col + h) = static_cast<T>(dlam * lm * (P(1) - lm));
+    ddd(rw, dt_o + h) = static_cast<T>(du);
+    ddd(rw, A_o + h) = static_cast<T>(dxa);
+    ddd(rw, trap_o + h) = static_cast<T>(dlam * lm * (P(1) - lm));
     dut(b, h, t) = du;
   });
   // Angles: dtheta_{t,i} = sum_h dphi_{t,h,i} pi (1 - tanh^2) Delta_{t,h}.
@@ -1487,7 +1493,7 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
     const P th = Kokkos::tanh(P(c.dd(rw, c.angle_col + i))), pi = Kokkos::numbers::pi_v<P>;
     P acc = 0;
     for (index_t h = 0; h < c.H; ++h) acc += dphi(b, h, t, i) * c.delta(b, h, t);
-    ddd(rw, c.angle_col + i) = static_cast<T>(acc * pi * (P(1) - th * th));
+    ddd(rw, angle_o + i) = static_cast<T>(acc * pi * (P(1) - th * th));
   });
   // q and k: sum over the heads of each group (the quads' rotation backward formed these and the biases').
   const auto dqk = gr.dqk;

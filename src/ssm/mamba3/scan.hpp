@@ -105,6 +105,9 @@ struct Mamba3ScanGrad {
   View2<T> ddd;  // written at the columns of dd_dt, dd_A, trap and angles
   View1<acc_t<T>> ddt_bias, dD, dq_bias, dk_bias;  // accumulated (+=)
   Mamba3Carry<acc_t<T>> dinit;                     // written when non-empty
+  // dv and ddd hold the input's column c at c - col0: buffers that leave out the columns before the first they
+  // are written at (dv's and ddd's widths then are those of v and dd less col0)
+  index_t col0 = 0;
 };
 
 // What the forward of the SSD route (via_ssd) can keep so that the backward does not form it again: the per-token
