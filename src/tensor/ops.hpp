@@ -17,12 +17,27 @@ namespace mm {
 namespace {
 
 inline constexpr index_t kReduceRowBlock = 256;  // rows per partial sum
-// On CUDA, column_reduce over fewer than kReduceFewColumns columns cuts the rows into blocks of kReduceRowBlockFew
-// instead: with 256-row blocks such a reduction runs on (rows / 256) x (columns) threads, each walking 256 rows in
-// turn (the MoE router's 8-column load-balancing sum and 1-column z-loss sum over 65,536 tokens took 0.12 and 0.07
-// ms on an H200, for 2 MB of data).
-inline constexpr index_t kReduceFewColumns = 64;
+// On CUDA, column_reduce cuts the rows into blocks of fewer rows where (blocks) x (columns) threads would stay
+// below kReduceFirstItems: halved from kReduceRowBlock, not below kReduceRowBlockFew. With 256-row blocks such a
+// reduction runs on (rows / 256) x (columns) threads, each walking 256 rows in turn: the MoE router's 8-column
+// load-balancing sum and 1-column z-loss sum over 65,536 tokens took 0.12 and 0.07 ms on an H200, for 2 MB of data
+// (a rule for fewer than 64 columns, 32-row blocks, before this one), and the Mamba-3 block's B and C norm weight
+// gradients (128 columns over 65,536 tokens, 32,768 threads) 0.19 ms each on an H100 for 67 MB.
 inline constexpr index_t kReduceRowBlockFew = 32;
+inline constexpr index_t kReduceFirstItems = index_t(1) << 17;
+// column_reduce's rows per block for n rows of m columns: a function of n and m only (runs stay bit-identical)
+inline index_t reduce_first_rows(index_t n, index_t m) {
+#if defined(KOKKOS_ENABLE_CUDA)
+  if constexpr (std::is_same_v<Exec, Kokkos::Cuda>) {
+    index_t r = kReduceRowBlock;
+    while (r > kReduceRowBlockFew && ((n + r - 1) / r) * m < kReduceFirstItems) r /= 2;
+    return r;
+  }
+#endif
+  (void)n;
+  (void)m;
+  return kReduceRowBlock;
+}
 // Columns per work item: on host backends 32 (a work item streams 32 contiguous values of each row); on CUDA 1, so
 // consecutive threads take consecutive columns and a warp reads 32 contiguous values per row (with 32 columns per
 // thread the H200 ran these reductions at ~2% occupancy with strided reads: 1-2 ms each in the LM step). The sums
@@ -99,7 +114,7 @@ void reduce_partials(const char* label, View2<R> partial, index_t nb, index_t m,
 // out[j] = (accumulate ? out[j] : 0) + sum_{i<n} f(i, j), for j < m. f must be callable on the device.
 template <class R, class F>
 void column_reduce(const char* label, index_t n, index_t m, const F& f, const View1<R>& out, bool accumulate) {
-  const index_t rb = kReduceColBlock == 1 && m < kReduceFewColumns ? kReduceRowBlockFew : kReduceRowBlock;
+  const index_t rb = reduce_first_rows(n, m);
   const index_t nb = (n + rb - 1) / rb;
   const index_t ncb = (m + kReduceColBlock - 1) / kReduceColBlock;
   PoolScope ws;  // the partial sums: a cached device block

@@ -156,6 +156,12 @@ TEST_CASE("column_reduce is exact and ordered", "[core]") {
     CHECK(h[j] == expect);
   }
   CHECK(ordered_sum<double>("test::sum", 100, KOKKOS_LAMBDA(index_t i) { return double(i); }) == 4950.0);
+  // the first pass's row blocks: on CUDA fewer rows where blocks x columns stay below 2^17 threads (not below 32),
+  // on host backends 256
+  const bool cuda = kReduceColBlock == 1;  // (CUDA builds)
+  CHECK(reduce_first_rows(65536, 128) == (cuda ? 64 : 256));
+  CHECK(reduce_first_rows(65536, 8) == (cuda ? 32 : 256));
+  CHECK(reduce_first_rows(index_t(1) << 20, 1024) == 256);
   {
     // reduce_partials into two outputs (the first m1 columns, then m2): 600 partials, several rounds on CUDA
     const index_t nb = 600, m1 = 300, m2 = 5;
