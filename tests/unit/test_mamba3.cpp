@@ -487,13 +487,15 @@ TEST_CASE("Mamba-3 SISO through the SSD in fp32: the token passes agree with the
   // partial (S = 3: a quad half rotated) and full rotary, 4 heads in 2 groups, packed records, an initial carry and
   // final-carry gradients (the last token's k and v terms). The forward against the double recurrence, every
   // gradient against the portable route's in fp32.
-  // Both forms of the rotation backward: the native CUDA kernel (rotate_cuda.hpp; CUDA builds) and the Kokkos
-  // form.
+  // Both forms of the rotation and of its backward: the native CUDA kernels (rotate_cuda.hpp; CUDA builds) and the
+  // Kokkos forms.
   for (const RotBwdForm form : {RotBwdForm::automatic, RotBwdForm::kokkos})
     for (const bool halved : {false, true})
       for (const index_t S : {3, 8}) {
         const ssd_fused::FormScope scope(rot_bwd_form, form);
-        const long before = mamba3_cuda::rotate_bwd_launches();
+        const ssd_fused::FormScope fscope(
+            rot_fwd_form, form == RotBwdForm::automatic ? RotFwdForm::automatic : RotFwdForm::kokkos);
+        const long before = mamba3_cuda::rotate_bwd_launches(), fbefore = mamba3_cuda::rotate_fwd_launches();
         M3Case c;
         // 600 rows (140 at S = 3): tiles of 16 rows (8 halved) in the Kokkos rotation backward, of 256 in the
         // native one at d_state 16 (three, the last partial; one partial at S = 3)
@@ -512,6 +514,7 @@ TEST_CASE("Mamba-3 SISO through the SSD in fp32: the token passes agree with the
         check_ssd_route(c, 1e-4, 1e-4, 1e-3);
         const bool cuda = std::string(Exec::name()) == "Cuda";
         CHECK((mamba3_cuda::rotate_bwd_launches() > before) == (cuda && form == RotBwdForm::automatic));
+        CHECK((mamba3_cuda::rotate_fwd_launches() > fbefore) == (cuda && form == RotBwdForm::automatic));
       }
 }
 

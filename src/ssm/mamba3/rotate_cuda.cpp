@@ -7,14 +7,16 @@
 
 #include "core/error.hpp"
 #include "ssm/mamba3/rotary.hpp"
+#include "tensor/gemm.hpp"  // store_bf16_op_vec
 
 namespace mm::mamba3_cuda {
 
 namespace {
-std::atomic<long> launches{0};
+std::atomic<long> launches{0}, fwd_launches{0};
 }  // namespace
 
 long rotate_bwd_launches() { return launches.load(); }
+long rotate_fwd_launches() { return fwd_launches.load(); }
 
 #if defined(KOKKOS_ENABLE_CUDA)
 
@@ -181,6 +183,80 @@ __global__ void __launch_bounds__(kThreads, 2) rotate_bwd_kernel(const RotBwdArg
   }
 }
 
+// The forward: grid (ceil(rows / (kWarps RPW))), kThreads threads; lane u of row slot ri of warp w takes row
+// (block kWarps + w) RPW + ri and the state dimensions dim(e) of the backward above. Rows past the last are
+// clamped (their lanes still take part in the row's shuffles) and store nothing.
+template <int W, bool kB16>
+__global__ void __launch_bounds__(kThreads) rotate_fwd_kernel(const RotFwdArgs a) {
+  constexpr int A = W / 2;  // angles a lane
+  const int N = a.N, LR = lanes_per_row(N, W), RPW = 32 / LR;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, ri = lane / LR, u = lane % LR;
+  const int hpg = a.H / a.G, hn = N / 2;
+  const index_t rows = index_t(a.batch) * a.L;
+  const index_t r = (index_t(blockIdx.x) * kWarps + warp) * RPW + ri;
+  const bool valid = r < rows;
+  const index_t rc = valid ? r : rows - 1;
+  const int b = int(rc / a.L), t = int(rc - index_t(b) * a.L);
+  auto dim = [&](int e) { return W == 4 ? 4 * u + e : (e < 4 ? 4 * u + e : hn + 4 * u + e - 4); };
+  const int left = a.S - A * u;  // this lane's angles A u .. A u + A - 1 below S: the first `left` of them
+  const float* row = a.qk + rc * a.ldqk;
+  const float* ph_row = a.phi + index_t(b) * a.ps0 + index_t(t) * a.ps2 + A * u;
+  const index_t orow = rc * a.ldo;
+  for (int g = 0; g < a.G; ++g) {
+    float q[W], k[W];
+#pragma unroll
+    for (int part = 0; part < W / 4; ++part) {
+      const float4 qv = load_quad(row + a.q_col + index_t(g) * N + dim(4 * part));
+      const float4 kv = load_quad(row + a.k_col + index_t(g) * N + dim(4 * part));
+      q[4 * part] = qv.x, q[4 * part + 1] = qv.y, q[4 * part + 2] = qv.z, q[4 * part + 3] = qv.w;
+      k[4 * part] = kv.x, k[4 * part + 1] = kv.y, k[4 * part + 2] = kv.z, k[4 * part + 3] = kv.w;
+    }
+#pragma unroll 2
+    for (int hh = 0; hh < hpg; ++hh) {
+      const int h = g * hpg + hh;
+      float qr[W], kq[W];
+#pragma unroll
+      for (int part = 0; part < W / 4; ++part) {
+        const float4 qb = load_quad(a.q_bias + index_t(h) * N + dim(4 * part));
+        const float4 kb = load_quad(a.k_bias + index_t(h) * N + dim(4 * part));
+        const int e = 4 * part;
+        qr[e] = q[e] + qb.x, qr[e + 1] = q[e + 1] + qb.y, qr[e + 2] = q[e + 2] + qb.z, qr[e + 3] = q[e + 3] + qb.w;
+        kq[e] = k[e] + kb.x, kq[e + 1] = k[e + 1] + kb.y, kq[e + 2] = k[e + 2] + kb.z, kq[e + 3] = k[e + 3] + kb.w;
+      }
+      const float* ph = ph_row + index_t(h) * a.ps1;
+#pragma unroll
+      for (int e = 0; e < A; ++e) {
+        if (e >= left) break;
+        float sn, cs;
+        sincosf(ph[e], &sn, &cs);
+        const int i0 = W == 8 ? e : 2 * e, i1 = W == 8 ? 4 + e : 2 * e + 1;
+        rot_pair(qr[i0], qr[i1], sn, cs);
+        rot_pair(kq[i0], kq[i1], sn, cs);
+      }
+      float dot = 0.f;
+#pragma unroll
+      for (int e = 0; e < W; ++e) dot += qr[e] * kq[e];
+      if (valid) {
+#pragma unroll
+        for (int part = 0; part < W / 4; ++part) {
+          const int e = 4 * part;
+          const index_t qo = orow + a.q_off + index_t(h) * N + dim(e), ko = orow + a.k_off + index_t(h) * N + dim(e);
+          const float qv[4] = {qr[e], qr[e + 1], qr[e + 2], qr[e + 3]}, kv[4] = {kq[e], kq[e + 1], kq[e + 2], kq[e + 3]};
+          if constexpr (kB16) {
+            store_bf16_op_vec<4>(reinterpret_cast<bf16_op_t*>(a.out16) + qo, qv);
+            store_bf16_op_vec<4>(reinterpret_cast<bf16_op_t*>(a.out16) + ko, kv);
+          } else {
+            *reinterpret_cast<float4*>(a.out32 + qo) = make_float4(qv[0], qv[1], qv[2], qv[3]);
+            *reinterpret_cast<float4*>(a.out32 + ko) = make_float4(kv[0], kv[1], kv[2], kv[3]);
+          }
+        }
+      }
+      for (int o = 1; o < LR; o *= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+      if (valid && u == 0 && a.qkd) a.qkd[r * a.ldqkd + h] = dot;
+    }
+  }
+}
+
 int tile_rows(int N, bool halved) {
   const int W = halved ? 8 : 4;
   return kWarps * (32 / lanes_per_row(N, W)) * (halved ? kRows<8> : kRows<4>);
@@ -235,7 +311,32 @@ void rotate_bwd(const RotBwdArgs& a) {
     a.dq16 ? launch<4>(a, a.dq16) : launch<4>(a, a.dq32);
 }
 
+void rotate_fwd(const RotFwdArgs& a) {
+  require(rotate_bwd_fits(a.N, a.halved) && a.G > 0 && a.H % a.G == 0 &&
+              (a.out32 != nullptr) != (a.out16 != nullptr),
+          "mamba3 rotation (CUDA)", "shape or arguments outside the kernel's rules (d_state ", a.N, ")");
+  const index_t rows = index_t(a.batch) * a.L;
+  if (rows == 0 || a.H == 0) return;
+  Kokkos::Profiling::ScopedRegion region("mamba3::rotate_cuda");
+  ++fwd_launches;
+  const int W = a.halved ? 8 : 4, per_block = kWarps * (32 / lanes_per_row(a.N, W));
+  const unsigned blocks = unsigned((rows + per_block - 1) / per_block);
+  const cudaStream_t st = Kokkos::DefaultExecutionSpace().cuda_stream();
+  if (a.halved && a.out16)
+    rotate_fwd_kernel<8, true><<<blocks, kThreads, 0, st>>>(a);
+  else if (a.halved)
+    rotate_fwd_kernel<8, false><<<blocks, kThreads, 0, st>>>(a);
+  else if (a.out16)
+    rotate_fwd_kernel<4, true><<<blocks, kThreads, 0, st>>>(a);
+  else
+    rotate_fwd_kernel<4, false><<<blocks, kThreads, 0, st>>>(a);
+  const cudaError_t e = cudaGetLastError();
+  require(e == cudaSuccess, "mamba3 rotation (CUDA)", "the kernel failed to launch: ", cudaGetErrorString(e));
+}
+
 #else  // host backends: never called (scan.cpp asks rotate_bwd_fits first)
+
+void rotate_fwd(const RotFwdArgs&) { require(false, "mamba3 rotation", "the kernel needs the CUDA backend"); }
 
 bool rotate_bwd_fits(int, bool) { return false; }
 index_t rotate_bwd_partial_rows(index_t, int, bool, int) { return 1; }

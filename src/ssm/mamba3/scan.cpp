@@ -23,6 +23,7 @@ void Mamba3ScanShape::validate(const char* where) const {
 }
 
 RotBwdForm rot_bwd_form = RotBwdForm::automatic;
+RotFwdForm rot_fwd_form = RotFwdForm::automatic;
 QkStore qk_store = QkStore::automatic;
 
 bool Mamba3ScanShape::via_ssd() const {
@@ -390,11 +391,41 @@ void phases(const Ctx<T>& c, const View3<acc_t<T>>& init_phi) {
 // (perf/RESULTS.md, thirty-seventh session).
 // Where c.qkv16 is given, q~ and k~ go to it in bf16 (8-byte stores) instead of qkv; q~ . k~ is formed before that
 // rounding.
+// The native kernel (rotate_cuda.hpp) in its place where rot_fwd_form is automatic and it takes the shape (and the
+// bf16 rows its 8-byte stores).
 template <class T>
 void rotate_quads(const Ctx<T>& c) {
   using P = acc_t<T>;
   const bool b16 = c.qkv16.extent(0) > 0;
   const index_t ldo = b16 ? index_t(c.qkv16.stride(0)) : index_t(c.qkv.stride(0));
+  if constexpr (std::is_same_v<T, float>) {
+    if (rot_fwd_form == RotFwdForm::automatic && mamba3_cuda::rotate_bwd_fits(int(c.N), c.halved) &&
+        (!b16 || (ldo % 4 == 0 && reinterpret_cast<std::uintptr_t>(c.qkv16.data()) % 8 == 0))) {
+      mamba3_cuda::RotFwdArgs ra;
+      ra.qk = c.qk.data();
+      ra.ldqk = index_t(c.qk.stride(0));
+      ra.q_col = c.q_col;
+      ra.k_col = c.k_col;
+      ra.q_bias = c.q_bias.data();
+      ra.k_bias = c.k_bias.data();
+      ra.phi = c.phi.data();
+      ra.ps0 = index_t(c.phi.stride(0)), ra.ps1 = index_t(c.phi.stride(1)), ra.ps2 = index_t(c.phi.stride(2));
+      if (b16)
+        ra.out16 = reinterpret_cast<std::uint16_t*>(c.qkv16.data());
+      else
+        ra.out32 = c.qkv.data();
+      ra.ldo = ldo;
+      ra.q_off = c.q_off;
+      ra.k_off = c.k_off;
+      if (c.qkd.extent(0) > 0) {
+        ra.qkd = c.qkd.data();
+        ra.ldqkd = index_t(c.qkd.stride(0));
+      }
+      ra.batch = int(c.Bsz), ra.L = int(c.L), ra.H = int(c.H), ra.G = int(c.G), ra.N = int(c.N), ra.S = int(c.S);
+      ra.halved = c.halved;
+      return mamba3_cuda::rotate_fwd(ra);
+    }
+  }
   par_for_rows("mamba3::rotate", c.Bsz * c.L, KOKKOS_LAMBDA(const Team& tm, index_t rw) {
     const index_t b = rw / c.L, t = rw % c.L, N = c.N;
     for (index_t h = 0; h < c.H; ++h) {

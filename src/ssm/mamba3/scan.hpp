@@ -140,6 +140,9 @@ void mamba3_scan_forward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, co
 // the benchmark set it; nothing else changes it.
 enum class RotBwdForm { automatic, kokkos };
 extern RotBwdForm rot_bwd_form;
+// The same for the rotation forward on quads (mamba3_cuda::rotate_fwd, or the Kokkos form).
+enum class RotFwdForm { automatic, kokkos };
+extern RotFwdForm rot_fwd_form;
 
 // How the SSD route's rotation stores q~ and k~ (the SSD's C and B, per head): automatic in bf16 where
 // mamba3_qk_bf16 holds (half the bytes written, kept and read back by the SSD's kernels, which round them to bf16,
