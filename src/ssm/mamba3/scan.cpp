@@ -323,36 +323,14 @@ void token_scalars(const Ctx<T>& c) {
   });
 }
 
-// The phase walk of chunk ch, angle i: from ph, each token's step (ph + pi tanh(theta_t) Delta_t) mod 2 pi, from 0
-// where a record starts, the phase after each token written to phi with `write`; the phase after the chunk is
-// returned. The tokens go in groups of kPhaseGroup whose increments are formed first: their loads do not wait on
-// the previous token's step (nor, writing, on its store to phi, which the compiler cannot tell apart from them).
-constexpr int kPhaseGroup = 8;
+// Phase step of token t, angle i: (ph + pi tanh(theta_t) Delta_t) mod 2 pi, from 0 where a record starts.
 template <class T>
-KOKKOS_INLINE_FUNCTION acc_t<T> phase_walk(const Ctx<T>& c, acc_t<T> ph, index_t b, index_t h, index_t ch,
-                                           index_t i, bool write) {
+KOKKOS_INLINE_FUNCTION acc_t<T> phase_step(const Ctx<T>& c, acc_t<T> ph, index_t b, index_t h, index_t t, index_t i) {
   using P = acc_t<T>;
   const P pi = Kokkos::numbers::pi_v<P>, two_pi = P(2) * pi;
-  const index_t t1 = c.chunk_end(ch);
-  for (index_t t0 = ch * c.Q; t0 < t1; t0 += kPhaseGroup) {
-    P inc[kPhaseGroup];
-    bool restart[kPhaseGroup];
-MM_UNROLL
-    for (int k = 0; k < kPhaseGroup; ++k) {
-      const index_t t = t0 + k;
-      inc[k] = t < t1 ? pi * Kokkos::tanh(P(c.dd(c.row(b, t), c.angle_col + i))) * c.delta(b, h, t) : P(0);
-      restart[k] = t < t1 && t > 0 && !c.same(b, t, t - 1);  // a new record restarts its phase
-    }
-MM_UNROLL
-    for (int k = 0; k < kPhaseGroup; ++k) {
-      if (t0 + k >= t1) break;
-      if (restart[k]) ph = P(0);
-      ph += inc[k];
-      ph = ph - two_pi * Kokkos::floor(ph / two_pi);
-      if (write) c.phi(b, h, t0 + k, i) = ph;
-    }
-  }
-  return ph;
+  if (t > 0 && !c.same(b, t, t - 1)) ph = P(0);  // a new record restarts its phase
+  ph += pi * Kokkos::tanh(P(c.dd(c.row(b, t), c.angle_col + i))) * c.delta(b, h, t);
+  return ph - two_pi * Kokkos::floor(ph / two_pi);
 }
 
 // Cumulative rotary phases phi_t = (phi_{t-1} + pi tanh(theta_t) Delta_t) mod 2 pi, over the chunks in parallel
@@ -368,7 +346,9 @@ void phases(const Ctx<T>& c, const View3<acc_t<T>>& init_phi) {
   View4<P> carry = ws.take<View4<P>>("mamba3::phase_carry", c.Bsz, c.H, c.nc, c.S);
   par_for("mamba3::phases_local", c.Bsz * c.H * c.nc, c.S, KOKKOS_LAMBDA(index_t bhc, index_t i) {
     const index_t ch = bhc % c.nc, bh = bhc / c.nc, b = bh / c.H, h = bh % c.H;
-    carry(b, h, ch, i) = phase_walk(c, P(0), b, h, ch, i, false);
+    P ph = 0;
+    for (index_t t = ch * c.Q; t < c.chunk_end(ch); ++t) ph = phase_step(c, ph, b, h, t, i);
+    carry(b, h, ch, i) = ph;
   });
   par_for("mamba3::phases_carry", c.Bsz * c.H, c.S, KOKKOS_LAMBDA(index_t bh, index_t i) {
     const index_t b = bh / c.H, h = bh % c.H;
@@ -387,7 +367,11 @@ void phases(const Ctx<T>& c, const View3<acc_t<T>>& init_phi) {
   });
   par_for("mamba3::phases", c.Bsz * c.H * c.nc, c.S, KOKKOS_LAMBDA(index_t bhc, index_t i) {
     const index_t ch = bhc % c.nc, bh = bhc / c.nc, b = bh / c.H, h = bh % c.H;
-    phase_walk(c, carry(b, h, ch, i), b, h, ch, i, true);
+    P ph = carry(b, h, ch, i);
+    for (index_t t = ch * c.Q; t < c.chunk_end(ch); ++t) {
+      ph = phase_step(c, ph, b, h, t, i);
+      c.phi(b, h, t, i) = ph;
+    }
   });
 }
 
@@ -1481,25 +1465,11 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
     const auto dphi0 = gr.dinit.phi;
     PoolScope local;  // returned at the end of the block
     View4<P> flow = local.take<View4<P>>("mamba3::phase_flow", c.Bsz, c.H, c.nc, c.S);
-    // (tokens in groups of kPhaseGroup whose loads go first, as phase_walk's)
     auto walk = [=] KOKKOS_FUNCTION(index_t b, index_t h, index_t ch, index_t i, P run, bool write) {
-      const index_t t0 = ch * c.Q;
-      for (index_t te = c.chunk_end(ch); te > t0; te -= kPhaseGroup) {
-        P d[kPhaseGroup];
-        bool restart[kPhaseGroup];
-MM_UNROLL
-        for (int k = 0; k < kPhaseGroup; ++k) {
-          const index_t t = te - 1 - k;
-          d[k] = t >= t0 ? dphi(b, h, t, i) : P(0);
-          restart[k] = t >= t0 && t > 0 && !c.same(b, t, t - 1);  // phi_t does not depend on the previous record
-        }
-MM_UNROLL
-        for (int k = 0; k < kPhaseGroup; ++k) {
-          if (te - 1 - k < t0) break;
-          run += d[k];
-          if (write) dphi(b, h, te - 1 - k, i) = run;
-          if (restart[k]) run = P(0);
-        }
+      for (index_t t = c.chunk_end(ch) - 1; t >= ch * c.Q; --t) {
+        run += dphi(b, h, t, i);
+        if (write) dphi(b, h, t, i) = run;
+        if (t > 0 && !c.same(b, t, t - 1)) run = P(0);  // phi_t does not depend on the previous record
       }
       return run;
     };
@@ -1528,28 +1498,15 @@ MM_UNROLL
   const index_t dt_o = c.dt_col - gr.col0, A_o = c.A_col - gr.col0, trap_o = c.trap_col - gr.col0,
                 angle_o = c.angle_col - gr.col0;  // their columns in ddd
   View3<P> dut = ws.take<View3<P>>("mamba3::dut", c.Bsz, c.H, c.L);
-  // the phases' part of d(Delta), first into dut (which token_bwd reads, then overwrites, per element): sum_i
-  // dphi_{t,h,i} pi tanh(theta_{t,i}) per (row, head), lanes over the angles (a row of dphi and of the angle columns
-  // read whole; a loop over the angles in each token's thread read them 32 rows apart: 0.36 ms for token_bwd on an
-  // H100 at 8 x 8,192 tokens, 24 heads, 32 angles)
-  const auto dphs = dut;
-  if (c.S > 0)
-    par_for_rows("mamba3::dphase", rows * c.H, KOKKOS_LAMBDA(const Team& tm, index_t j) {
-      const index_t rw = j / c.H, h = j % c.H, b = rw / c.L, t = rw % c.L;
-      const P pi = Kokkos::numbers::pi_v<P>;
-      P acc = 0;
-      Kokkos::parallel_reduce(
-          Kokkos::ThreadVectorRange(tm, c.S),
-          [&](index_t i, P& a) { a += dphi(b, h, t, i) * pi * Kokkos::tanh(P(c.dd(rw, c.angle_col + i))); }, acc);
-      Kokkos::single(Kokkos::PerThread(tm), [&]() { dphs(b, h, t) = acc; });
-    });
   par_for("mamba3::token_bwd", c.Bsz * c.H, c.L, KOKKOS_LAMBDA(index_t bh, index_t t) {
     const index_t b = bh / c.H, h = bh % c.H;
+    const P pi = Kokkos::numbers::pi_v<P>;
     const index_t rw = c.row(b, t);
     const P d = c.delta(b, h, t), lm = c.lam(b, h, t), A = c.Av(b, h, t), dat = da(b, h, t);
     const P dgam = dw(b, h, t) + ddg(b, h, t);
     const P dgp_prev = t > 0 ? (c.same(b, t, t - 1) ? dw(b, h, t - 1) : P(0)) : dgp0(b, h);
-    const P dphase = c.S > 0 ? dut(b, h, t) : P(0);
+    P dphase = 0;
+    for (index_t i = 0; i < c.S; ++i) dphase += dphi(b, h, t, i) * pi * Kokkos::tanh(P(c.dd(rw, c.angle_col + i)));
     const P ddelta = dgam * lm + dgp_prev * (P(1) - lm) + dat * A + dphase;
     const P dlam = (dgam - dgp_prev) * d;
     const P u = P(c.dd(rw, c.dt_col + h)) + c.dt_bias(h);
