@@ -701,11 +701,11 @@ void bench_mamba3(int reps, const SSDVariant& var, index_t batch, index_t seqlen
   }
   // where the rotation backward takes its native kernel (rotate_cuda.hpp), the same with its Kokkos form
   if (rot_bwd_form == RotBwdForm::automatic &&
-      mamba3_cuda::rotate_bwd_fits(int(cfg.d_state), cfg.pairing() == RopePairing::halved))
+      mamba3_cuda::rotate_fits(int(cfg.d_state), cfg.pairing() == RopePairing::halved))
     time_other(rot_bwd_form, RotBwdForm::kokkos, name + " (rotation backward: Kokkos kernel)", "");
   // the same for the rotation forward (mamba3_cuda::rotate_fwd against the Kokkos form), the forward timed too
   if (rot_fwd_form == RotFwdForm::automatic &&
-      mamba3_cuda::rotate_bwd_fits(int(cfg.d_state), cfg.pairing() == RopePairing::halved))
+      mamba3_cuda::rotate_fits(int(cfg.d_state), cfg.pairing() == RopePairing::halved))
     time_other(rot_fwd_form, RotFwdForm::kokkos, name + " (rotation forward: Kokkos kernel)",
                "mamba3 siso block fwd " + shape + " d768 N128 P64 chunk64, " + var.name +
                    " (rotation forward: Kokkos kernel)");

@@ -31,6 +31,11 @@ constexpr int kRows = W == 4 ? 2 : 1;
 __host__ __device__ constexpr int lanes_per_row(int N, int W) { return N / W; }
 
 __device__ __forceinline__ float4 load_quad(const float* p) { return *reinterpret_cast<const float4*>(p); }
+// x[at .. at + 3] = the quad v
+template <int W>
+__device__ __forceinline__ void put_quad(float (&x)[W], int at, float4 v) {
+  x[at] = v.x, x[at + 1] = v.y, x[at + 2] = v.z, x[at + 3] = v.w;
+}
 __device__ __forceinline__ float4 load_quad(const std::uint16_t* p) {
   const uint2 u = *reinterpret_cast<const uint2*>(p);
   return make_float4(bf16_bits_to_float(u.x & 0xffffu), bf16_bits_to_float(u.x >> 16),
@@ -73,8 +78,8 @@ __global__ void __launch_bounds__(kThreads, 2) rotate_bwd_kernel(const RotBwdArg
 #pragma unroll
       for (int part = 0; part < W / 4; ++part) {
         const float4 qv = load_quad(row + a.q_col + dim(4 * part)), kv = load_quad(row + a.k_col + dim(4 * part));
-        q[kr][4 * part] = qv.x, q[kr][4 * part + 1] = qv.y, q[kr][4 * part + 2] = qv.z, q[kr][4 * part + 3] = qv.w;
-        k[kr][4 * part] = kv.x, k[kr][4 * part + 1] = kv.y, k[kr][4 * part + 2] = kv.z, k[kr][4 * part + 3] = kv.w;
+        put_quad(q[kr], 4 * part, qv);
+        put_quad(k[kr], 4 * part, kv);
       }
 #pragma unroll
       for (int e = 0; e < W; ++e) gq[kr][e] = gk[kr][e] = 0.f;
@@ -87,8 +92,8 @@ __global__ void __launch_bounds__(kThreads, 2) rotate_bwd_kernel(const RotBwdArg
       for (int part = 0; part < W / 4; ++part) {
         const float4 qv = load_quad(a.q_bias + index_t(h) * N + dim(4 * part));
         const float4 kv = load_quad(a.k_bias + index_t(h) * N + dim(4 * part));
-        qb[4 * part] = qv.x, qb[4 * part + 1] = qv.y, qb[4 * part + 2] = qv.z, qb[4 * part + 3] = qv.w;
-        kb[4 * part] = kv.x, kb[4 * part + 1] = kv.y, kb[4 * part + 2] = kv.z, kb[4 * part + 3] = kv.w;
+        put_quad(qb, 4 * part, qv);
+        put_quad(kb, 4 * part, kv);
       }
 #pragma unroll
       for (int e = 0; e < W; ++e) bq[e] = bk[e] = 0.f;
@@ -120,8 +125,8 @@ __global__ void __launch_bounds__(kThreads, 2) rotate_bwd_kernel(const RotBwdArg
 #pragma unroll
         for (int part = 0; part < W / 4; ++part) {
           const float4 dv = load_quad(drow + a.q_off + dim(4 * part)), kv = load_quad(drow + a.k_off + dim(4 * part));
-          dqv[4 * part] = dv.x, dqv[4 * part + 1] = dv.y, dqv[4 * part + 2] = dv.z, dqv[4 * part + 3] = dv.w;
-          dkv[4 * part] = kv.x, dkv[4 * part + 1] = kv.y, dkv[4 * part + 2] = kv.z, dkv[4 * part + 3] = kv.w;
+          put_quad(dqv, 4 * part, dv);
+          put_quad(dkv, 4 * part, kv);
         }
         if (a.fdv) {  // the diagonal's terms, and the final carry's k gradient at a row's last token
           const float fd = a.fdv[r * a.ldf + h];
@@ -208,8 +213,8 @@ __global__ void __launch_bounds__(kThreads) rotate_fwd_kernel(const RotFwdArgs a
     for (int part = 0; part < W / 4; ++part) {
       const float4 qv = load_quad(row + a.q_col + index_t(g) * N + dim(4 * part));
       const float4 kv = load_quad(row + a.k_col + index_t(g) * N + dim(4 * part));
-      q[4 * part] = qv.x, q[4 * part + 1] = qv.y, q[4 * part + 2] = qv.z, q[4 * part + 3] = qv.w;
-      k[4 * part] = kv.x, k[4 * part + 1] = kv.y, k[4 * part + 2] = kv.z, k[4 * part + 3] = kv.w;
+      put_quad(q, 4 * part, qv);
+      put_quad(k, 4 * part, kv);
     }
 #pragma unroll 2
     for (int hh = 0; hh < hpg; ++hh) {
@@ -217,12 +222,11 @@ __global__ void __launch_bounds__(kThreads) rotate_fwd_kernel(const RotFwdArgs a
       float qr[W], kq[W];
 #pragma unroll
       for (int part = 0; part < W / 4; ++part) {
-        const float4 qb = load_quad(a.q_bias + index_t(h) * N + dim(4 * part));
-        const float4 kb = load_quad(a.k_bias + index_t(h) * N + dim(4 * part));
-        const int e = 4 * part;
-        qr[e] = q[e] + qb.x, qr[e + 1] = q[e + 1] + qb.y, qr[e + 2] = q[e + 2] + qb.z, qr[e + 3] = q[e + 3] + qb.w;
-        kq[e] = k[e] + kb.x, kq[e + 1] = k[e + 1] + kb.y, kq[e + 2] = k[e + 2] + kb.z, kq[e + 3] = k[e + 3] + kb.w;
+        put_quad(qr, 4 * part, load_quad(a.q_bias + index_t(h) * N + dim(4 * part)));
+        put_quad(kq, 4 * part, load_quad(a.k_bias + index_t(h) * N + dim(4 * part)));
       }
+#pragma unroll
+      for (int e = 0; e < W; ++e) qr[e] += q[e], kq[e] += k[e];
       const float* ph = ph_row + index_t(h) * a.ps1;
 #pragma unroll
       for (int e = 0; e < A; ++e) {
@@ -280,7 +284,7 @@ void launch(const RotBwdArgs& a, const DQ* dq) {
 
 }  // namespace
 
-bool rotate_bwd_fits(int N, bool halved) {
+bool rotate_fits(int N, bool halved) {
   const int W = halved ? 8 : 4;
   if (N <= 0 || N % W != 0) return false;
   const int lr = N / W;
@@ -301,7 +305,7 @@ index_t rotate_bwd_partial_rows(index_t rows, int N, bool halved, int groups) {
 }
 
 void rotate_bwd(const RotBwdArgs& a) {
-  require(rotate_bwd_fits(a.N, a.halved) && a.G > 0 && a.H % a.G == 0 && (a.dq32 != nullptr) != (a.dq16 != nullptr),
+  require(rotate_fits(a.N, a.halved) && a.G > 0 && a.H % a.G == 0 && (a.dq32 != nullptr) != (a.dq16 != nullptr),
           "mamba3 rotation backward (CUDA)", "shape or arguments outside the kernel's rules (d_state ", a.N, ")");
   Kokkos::Profiling::ScopedRegion region("mamba3::rotate_bwd_cuda");
   ++launches;
@@ -312,7 +316,7 @@ void rotate_bwd(const RotBwdArgs& a) {
 }
 
 void rotate_fwd(const RotFwdArgs& a) {
-  require(rotate_bwd_fits(a.N, a.halved) && a.G > 0 && a.H % a.G == 0 &&
+  require(rotate_fits(a.N, a.halved) && a.G > 0 && a.H % a.G == 0 &&
               (a.out32 != nullptr) != (a.out16 != nullptr),
           "mamba3 rotation (CUDA)", "shape or arguments outside the kernel's rules (d_state ", a.N, ")");
   const index_t rows = index_t(a.batch) * a.L;
@@ -334,11 +338,11 @@ void rotate_fwd(const RotFwdArgs& a) {
   require(e == cudaSuccess, "mamba3 rotation (CUDA)", "the kernel failed to launch: ", cudaGetErrorString(e));
 }
 
-#else  // host backends: never called (scan.cpp asks rotate_bwd_fits first)
+#else  // host backends: never called (scan.cpp asks rotate_fits first)
 
 void rotate_fwd(const RotFwdArgs&) { require(false, "mamba3 rotation", "the kernel needs the CUDA backend"); }
 
-bool rotate_bwd_fits(int, bool) { return false; }
+bool rotate_fits(int, bool) { return false; }
 index_t rotate_bwd_partial_rows(index_t, int, bool, int) { return 1; }
 void rotate_bwd(const RotBwdArgs&) { require(false, "mamba3 rotation backward", "the kernel needs the CUDA backend"); }
 

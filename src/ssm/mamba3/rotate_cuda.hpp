@@ -49,7 +49,7 @@ struct RotFwdArgs {
   int batch = 0, L = 0, H = 0, G = 0, N = 0, S = 0;
   bool halved = false;
 };
-// The launch (asynchronous on the default stream; the rules of rotate_bwd below: rotate_bwd_fits, 16-byte aligned
+// The launch (asynchronous on the default stream; rotate_fits, and rotate_bwd's alignment below: 16-byte aligned
 // fp32 rows and quads, 8-byte aligned bf16 ones).
 void rotate_fwd(const RotFwdArgs& a);
 long rotate_fwd_launches();
@@ -77,9 +77,9 @@ struct RotBwdArgs {
   bool halved = false;
 };
 
-// Whether the kernel takes d_state N with this pairing (N a multiple of 4, of 8 halved, and the lanes of a row,
+// Whether the kernels (rotate_fwd, rotate_bwd) take d_state N with this pairing (N a multiple of 4, of 8 halved, and the lanes of a row,
 // N / 4 or N / 8, dividing 32), in this build (CUDA).
-bool rotate_bwd_fits(int N, bool halved);
+bool rotate_fits(int N, bool halved);
 // The rows of `partial` for this many token rows and groups: the kernel's blocks a group (each adds its tiles'
 // sums into its own row).
 index_t rotate_bwd_partial_rows(index_t rows, int N, bool halved, int groups);

@@ -399,7 +399,7 @@ void rotate_quads(const Ctx<T>& c) {
   const bool b16 = c.qkv16.extent(0) > 0;
   const index_t ldo = b16 ? index_t(c.qkv16.stride(0)) : index_t(c.qkv.stride(0));
   if constexpr (std::is_same_v<T, float>) {
-    if (rot_fwd_form == RotFwdForm::automatic && mamba3_cuda::rotate_bwd_fits(int(c.N), c.halved) &&
+    if (rot_fwd_form == RotFwdForm::automatic && mamba3_cuda::rotate_fits(int(c.N), c.halved) &&
         (!b16 || (ldo % 4 == 0 && reinterpret_cast<std::uintptr_t>(c.qkv16.data()) % 8 == 0))) {
       mamba3_cuda::RotFwdArgs ra;
       ra.qk = c.qk.data();
@@ -1411,7 +1411,7 @@ void mamba3_scan_backward(const Mamba3ScanShape& s, const Mamba3ScanIn<T>& in, c
     // the native kernel (rotate_cuda.hpp) where it takes the shape and gr.dqk's rows take its 16-byte stores, else
     // the Kokkos form
     const bool native = std::is_same_v<T, float> && rot_bwd_form == RotBwdForm::automatic &&
-                        mamba3_cuda::rotate_bwd_fits(int(c.N), c.halved) &&
+                        mamba3_cuda::rotate_fits(int(c.N), c.halved) &&
                         float4_rows({{gr.dqk.data(), gr.dqk.stride(0)}}) && in.q_col % 4 == 0 && in.k_col % 4 == 0;
     const index_t RT = kRotSlots * (c.halved ? kRotRows<true> : kRotRows<false>),
                   ntiles = native ? mamba3_cuda::rotate_bwd_partial_rows(rows, int(c.N), c.halved, int(c.G))
