@@ -307,7 +307,7 @@ LayerMem mem_mamba3(const Mamba3Config& c, const Dims& d, Recompute pol) {
   m.keep = pol == Recompute::none ? m.full : 0.0;
   // dproj: fp32, or SISO under bf16 GEMMs (Mamba3Mixer::bf16_in_proj_grad, DprojStore::automatic) its bf16 copy
   // with the scan's columns (all but z) in fp32
-  const bool dproj_b16 = d.copy_b16 > 0 && !c.is_mimo && index_t(P) % 4 == 0 && index_t(din) % 4 == 0;
+  const bool dproj_b16 = d.copy_b16 > 0 && c.dproj_bf16_shape();
   const double dproj = dproj_b16 ? d.copy_b16 * din + d.t * (din - E) : d.t * din;
   const double grads = d.n * (d.t * (E + HRP + 2 * RGN + (c.is_mimo ? HRP : 0.0)) + dproj);
   const double carry = d.a * d.b * H * nc * S;  // the rotary phases' per-chunk carries (while they are formed)

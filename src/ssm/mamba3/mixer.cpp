@@ -380,7 +380,7 @@ DprojStore dproj_store = DprojStore::automatic;
 template <class T>
 bool Mamba3Mixer<T>::bf16_in_proj_grad() const {
   return dproj_store == DprojStore::automatic && std::is_same_v<T, float> && float_gemm_on_bf16_copies() &&
-         !cfg_.is_mimo && cfg_.headdim % 4 == 0 && cfg_.d_in_proj() % 4 == 0;
+         cfg_.dproj_bf16_shape();
 }
 
 // out = o W_out^T from the kept gate output, fp32 or its bf16 copy.

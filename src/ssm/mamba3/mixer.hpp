@@ -85,6 +85,9 @@ struct Mamba3Config {
     return is_mimo ? RopePairing::halved : RopePairing::interleaved;
   }
   index_t d_in_proj() const { return 2 * d_inner() + 2 * rank() * ngroups * d_state + 3 * nheads() + nangles(); }
+  // SISO with the gate's quads of columns (headdim and the in_proj width multiples of 4): the shapes whose backward
+  // can hold in_proj's output gradient as its bf16 copy (Mamba3Mixer::bf16_in_proj_grad, and the planner)
+  bool dproj_bf16_shape() const { return !is_mimo && headdim % 4 == 0 && d_in_proj() % 4 == 0; }
   // The scan's shape for `batch` rows of `seqlen` tokens (the mixer's; the planner's estimates)
   Mamba3ScanShape scan_shape(index_t batch, index_t seqlen) const;
   // Shapes that do not divide and out-of-range values are errors naming the values.

@@ -282,6 +282,9 @@ void launch(const RotBwdArgs& a, const DQ* dq) {
   require(e == cudaSuccess, "mamba3 rotation backward (CUDA)", "the kernel failed to launch: ", cudaGetErrorString(e));
 }
 
+// The shape rules both kernels check at their launch
+bool in_fits(const RotIn& a) { return rotate_fits(a.N, a.halved) && a.G > 0 && a.H % a.G == 0; }
+
 }  // namespace
 
 bool rotate_fits(int N, bool halved) {
@@ -305,8 +308,8 @@ index_t rotate_bwd_partial_rows(index_t rows, int N, bool halved, int groups) {
 }
 
 void rotate_bwd(const RotBwdArgs& a) {
-  require(rotate_fits(a.N, a.halved) && a.G > 0 && a.H % a.G == 0 && (a.dq32 != nullptr) != (a.dq16 != nullptr),
-          "mamba3 rotation backward (CUDA)", "shape or arguments outside the kernel's rules (d_state ", a.N, ")");
+  require(in_fits(a) && (a.dq32 != nullptr) != (a.dq16 != nullptr), "mamba3 rotation backward (CUDA)",
+          "shape or arguments outside the kernel's rules (d_state ", a.N, ")");
   Kokkos::Profiling::ScopedRegion region("mamba3::rotate_bwd_cuda");
   ++launches;
   if (a.halved)
@@ -316,9 +319,8 @@ void rotate_bwd(const RotBwdArgs& a) {
 }
 
 void rotate_fwd(const RotFwdArgs& a) {
-  require(rotate_fits(a.N, a.halved) && a.G > 0 && a.H % a.G == 0 &&
-              (a.out32 != nullptr) != (a.out16 != nullptr),
-          "mamba3 rotation (CUDA)", "shape or arguments outside the kernel's rules (d_state ", a.N, ")");
+  require(in_fits(a) && (a.out32 != nullptr) != (a.out16 != nullptr), "mamba3 rotation (CUDA)",
+          "shape or arguments outside the kernel's rules (d_state ", a.N, ")");
   const index_t rows = index_t(a.batch) * a.L;
   if (rows == 0 || a.H == 0) return;
   Kokkos::Profiling::ScopedRegion region("mamba3::rotate_cuda");

@@ -391,6 +391,22 @@ void phases(const Ctx<T>& c, const View3<acc_t<T>>& init_phi) {
 // (perf/RESULTS.md, thirty-seventh session).
 // Where c.qkv16 is given, q~ and k~ go to it in bf16 (8-byte stores) instead of qkv; q~ . k~ is formed before that
 // rounding.
+// The native rotation kernels' inputs (rotate_cuda.hpp, RotIn) from the call's context.
+inline void rot_in(const Ctx<float>& c, mamba3_cuda::RotIn& r) {
+  r.qk = c.qk.data();
+  r.ldqk = index_t(c.qk.stride(0));
+  r.q_col = c.q_col;
+  r.k_col = c.k_col;
+  r.q_bias = c.q_bias.data();
+  r.k_bias = c.k_bias.data();
+  r.phi = c.phi.data();
+  r.ps0 = index_t(c.phi.stride(0)), r.ps1 = index_t(c.phi.stride(1)), r.ps2 = index_t(c.phi.stride(2));
+  r.q_off = c.q_off;
+  r.k_off = c.k_off;
+  r.batch = int(c.Bsz), r.L = int(c.L), r.H = int(c.H), r.G = int(c.G), r.N = int(c.N), r.S = int(c.S);
+  r.halved = c.halved;
+}
+
 // The native kernel (rotate_cuda.hpp) in its place where rot_fwd_form is automatic and it takes the shape (and the
 // bf16 rows its 8-byte stores).
 template <class T>
@@ -402,27 +418,16 @@ void rotate_quads(const Ctx<T>& c) {
     if (rot_fwd_form == RotFwdForm::automatic && mamba3_cuda::rotate_fits(int(c.N), c.halved) &&
         (!b16 || (ldo % 4 == 0 && reinterpret_cast<std::uintptr_t>(c.qkv16.data()) % 8 == 0))) {
       mamba3_cuda::RotFwdArgs ra;
-      ra.qk = c.qk.data();
-      ra.ldqk = index_t(c.qk.stride(0));
-      ra.q_col = c.q_col;
-      ra.k_col = c.k_col;
-      ra.q_bias = c.q_bias.data();
-      ra.k_bias = c.k_bias.data();
-      ra.phi = c.phi.data();
-      ra.ps0 = index_t(c.phi.stride(0)), ra.ps1 = index_t(c.phi.stride(1)), ra.ps2 = index_t(c.phi.stride(2));
+      rot_in(c, ra);
       if (b16)
         ra.out16 = reinterpret_cast<std::uint16_t*>(c.qkv16.data());
       else
         ra.out32 = c.qkv.data();
       ra.ldo = ldo;
-      ra.q_off = c.q_off;
-      ra.k_off = c.k_off;
       if (c.qkd.extent(0) > 0) {
         ra.qkd = c.qkd.data();
         ra.ldqkd = index_t(c.qkd.stride(0));
       }
-      ra.batch = int(c.Bsz), ra.L = int(c.L), ra.H = int(c.H), ra.G = int(c.G), ra.N = int(c.N), ra.S = int(c.S);
-      ra.halved = c.halved;
       return mamba3_cuda::rotate_fwd(ra);
     }
   }
@@ -735,14 +740,7 @@ inline void rotate_bwd_native(const Ctx<float>& c, const View2<float>& dqkv, con
                               const View4<float>& dphi, bool diag, const Mamba3Carry<float>& dfin,
                               const View2<float>& dqk, index_t q_col, index_t k_col, const View2<float>& partial) {
   mamba3_cuda::RotBwdArgs ra;
-  ra.qk = c.qk.data();
-  ra.ldqk = index_t(c.qk.stride(0));
-  ra.q_col = c.q_col;
-  ra.k_col = c.k_col;
-  ra.q_bias = c.q_bias.data();
-  ra.k_bias = c.k_bias.data();
-  ra.phi = c.phi.data();
-  ra.ps0 = index_t(c.phi.stride(0)), ra.ps1 = index_t(c.phi.stride(1)), ra.ps2 = index_t(c.phi.stride(2));
+  rot_in(c, ra);
   ra.dphi = dphi.data();
   ra.dps0 = index_t(dphi.stride(0)), ra.dps1 = index_t(dphi.stride(1)), ra.dps2 = index_t(dphi.stride(2));
   if (dqkv16.extent(0) > 0) {
@@ -752,8 +750,6 @@ inline void rotate_bwd_native(const Ctx<float>& c, const View2<float>& dqkv, con
     ra.dq32 = dqkv.data();
     ra.ldd = index_t(dqkv.stride(0));
   }
-  ra.q_off = c.q_off;
-  ra.k_off = c.k_off;
   if (diag) {  // the diagonal's terms, with the final carry's k gradient where there is one
     ra.fdv = c.fdv.data();
     ra.ldf = index_t(c.fdv.stride(0));
@@ -767,8 +763,6 @@ inline void rotate_bwd_native(const Ctx<float>& c, const View2<float>& dqkv, con
   ra.dq_col = q_col;
   ra.dk_col = k_col;
   ra.partial = partial.data();
-  ra.batch = int(c.Bsz), ra.L = int(c.L), ra.H = int(c.H), ra.G = int(c.G), ra.N = int(c.N), ra.S = int(c.S);
-  ra.halved = c.halved;
   mamba3_cuda::rotate_bwd(ra);
 }
 
