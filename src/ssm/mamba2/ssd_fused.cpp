@@ -1621,13 +1621,6 @@ __device__ __forceinline__ unsigned bf16_pair(float lo, float hi) { return pack_
 __device__ __forceinline__ unsigned bf16_pair(std::uint16_t lo, std::uint16_t hi) {
   return unsigned(lo) | unsigned(hi) << 16;
 }
-// Two adjacent bf16 elements (p[0] in the low half) as one 32-bit shared-memory load: a bf16 mma fragment
-// register. p 4-byte aligned (an even element offset from an aligned base).
-template <class E16>
-__device__ __forceinline__ unsigned bf16_pair_at(const E16* p) {
-  static_assert(sizeof(E16) == 2, "bf16 elements");
-  return *reinterpret_cast<const unsigned*>(p);
-}
 
 // The array B and C are staged from as elements E: fp32 (Args::xbc) or bf16 bits (Args::bc16).
 template <class E>
@@ -1780,24 +1773,7 @@ __global__ void __launch_bounds__(kThreads, 2) scan_seq_kernel(const Args a) {
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) cb[j][e] = y[j][e] = 0.f;
-    if constexpr (kB16) {
-      // C, B and S_in all bf16 here: m16n8k16 on the same exact values (the products tf32 would form from them),
-      // half the mma and shared-memory loads of k8 steps (pairs (2c, 2c + 1), (2c + 8, 2c + 9) of each 16)
-      const E* c0 = cs + (r0 + g) * ldc + 2 * cq;
-      const bf* sb = ss + g * lds + 2 * cq;
-#pragma unroll 2
-      for (int k0 = 0; k0 < N; k0 += 16) {
-        const unsigned fa[4] = {bf16_pair_at(c0 + k0), bf16_pair_at(c0 + 8 * ldc + k0), bf16_pair_at(c0 + k0 + 8),
-                                bf16_pair_at(c0 + 8 * ldc + k0 + 8)};
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const E* bp = bs + (8 * j + g) * ldc + 2 * cq + k0;
-          mma_bf16(cb[j], fa, bf16_pair_at(bp), bf16_pair_at(bp + 8));
-          const bf* sp = sb + 8 * j * lds + k0;
-          mma_bf16(y[j], fa, bf16_pair_at(sp), bf16_pair_at(sp + 8));
-        }
-      }
-    } else {
+    {
       const E* c0 = cs + (r0 + g) * ldc + cq;
       const unsigned short* sb = reinterpret_cast<const unsigned short*>(ss) + g * lds + cq;
 #pragma unroll 2
@@ -2232,39 +2208,20 @@ __global__ void __launch_bounds__(kSbThreads, 2) state_bwd_seq_kernel(const Args
       }
       const E* bsl = slices + cur * Lay::slice + kSbSl * (sl % kPer);
       const E* csl = bsl + Q * lds;
-      // T1 += B dH^T, T2 += C S_in^T over the slice's columns k: in tf32 from fp32 B, C; from bf16 B, C (whose
-      // operands are then all bf16) m16n8k16 on the same exact values, half the mma and shared-memory loads
-      if constexpr (kB16) {
+      // T1 += B dH^T, T2 += C S_in^T over the slice's columns k in tf32
 #pragma unroll
-        for (int k0 = 0; k0 < kSbSl; k0 += 16) {
-          const E* bp = bsl + (r0 + g) * lds + 2 * cq + k0;
-          const E* cp = csl + (r0 + g) * lds + 2 * cq + k0;
-          const unsigned fb[4] = {bf16_pair_at(bp), bf16_pair_at(bp + 8 * lds), bf16_pair_at(bp + 8),
-                                  bf16_pair_at(bp + 8 * lds + 8)};
-          const unsigned fc[4] = {bf16_pair_at(cp), bf16_pair_at(cp + 8 * lds), bf16_pair_at(cp + 8),
-                                  bf16_pair_at(cp + 8 * lds + 8)};
+      for (int k0 = 0; k0 < kSbSl; k0 += 8) {
+        const E* bp = bsl + (r0 + g) * lds + cq + k0;
+        const E* cp = csl + (r0 + g) * lds + cq + k0;
+        const unsigned fb[4] = {tf32_of(bp[0]), tf32_of(bp[8 * lds]), tf32_of(bp[4]), tf32_of(bp[8 * lds + 4])};
+        const unsigned fc[4] = {tf32_of(cp[0]), tf32_of(cp[8 * lds]), tf32_of(cp[4]), tf32_of(cp[8 * lds + 4])};
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {  // dH^T and S_in^T: element (k = n, column p) at p ldh + n
-            const int off = (32 * wc + 8 * j + g) * ldh + kSbSl * sl + k0 + 2 * cq;
-            mma_bf16(t1[j], fb, bf16_pair_at(hs + off), bf16_pair_at(hs + off + 8));
-            mma_bf16(t2[j], fc, bf16_pair_at(ss + off), bf16_pair_at(ss + off + 8));
-          }
-        }
-      } else {
-#pragma unroll
-        for (int k0 = 0; k0 < kSbSl; k0 += 8) {
-          const E* bp = bsl + (r0 + g) * lds + cq + k0;
-          const E* cp = csl + (r0 + g) * lds + cq + k0;
-          const unsigned fb[4] = {tf32_of(bp[0]), tf32_of(bp[8 * lds]), tf32_of(bp[4]), tf32_of(bp[8 * lds + 4])};
-          const unsigned fc[4] = {tf32_of(cp[0]), tf32_of(cp[8 * lds]), tf32_of(cp[4]), tf32_of(cp[8 * lds + 4])};
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {  // dH^T and S_in^T: element (k = n, column p) at p ldh + n
-            const int off = (32 * wc + 8 * j + g) * ldh + kSbSl * sl + k0 + cq;
-            const unsigned short* hp = reinterpret_cast<const unsigned short*>(hs) + off;
-            const unsigned short* sp = reinterpret_cast<const unsigned short*>(ss) + off;
-            mma_tf32(t1[j], fb, unsigned(hp[0]) << 16, unsigned(hp[4]) << 16);
-            mma_tf32(t2[j], fc, unsigned(sp[0]) << 16, unsigned(sp[4]) << 16);
-          }
+        for (int j = 0; j < 4; ++j) {  // dH^T and S_in^T: element (k = n, column p) at p ldh + n
+          const int off = (32 * wc + 8 * j + g) * ldh + kSbSl * sl + k0 + cq;
+          const unsigned short* hp = reinterpret_cast<const unsigned short*>(hs) + off;
+          const unsigned short* sp = reinterpret_cast<const unsigned short*>(ss) + off;
+          mma_tf32(t1[j], fb, unsigned(hp[0]) << 16, unsigned(hp[4]) << 16);
+          mma_tf32(t2[j], fc, unsigned(sp[0]) << 16, unsigned(sp[4]) << 16);
         }
       }
       // the slice's columns of dH: cd dH + (e_in o dY)^T C over the chunk's tokens, bf16 operands
