@@ -383,14 +383,6 @@ void phases(const Ctx<T>& c, const View3<acc_t<T>>& init_phi) {
 // element of a pair) ran at 25-40 % of the copy bandwidth on an H200 and stay for other types, ranks and shapes.
 // (the pairs by rot_pair and rot_pair_bwd, rotary.hpp)
 
-// q~ = Rot(phi) (q + q_bias), k~ = Rot(phi) (k + k_bias). A team thread takes a row (token) and walks its heads, so
-// the row's batch and position are divided out once a row. With a (row, head) a team thread (686db24: five 64-bit
-// divisions for 2 angles' work a lane) ncu on an H100 put the kernel at 63 % SM and 48 % DRAM throughput, 1.15 ms
-// for the 8 x 8,192-token block's 2 GB (q~ and k~ written in fp32, the phases read); a row a team thread ran
-// 0.908 against 1.152 ms in alternating runs on one H100, ncu 890 us at 61 % SM and 63 % DRAM throughput
-// (perf/RESULTS.md, thirty-seventh session).
-// Where c.qkv16 is given, q~ and k~ go to it in bf16 (8-byte stores) instead of qkv; q~ . k~ is formed before that
-// rounding.
 // The native rotation kernels' inputs (rotate_cuda.hpp, RotIn) from the call's context.
 inline void rot_in(const Ctx<float>& c, mamba3_cuda::RotIn& r) {
   r.qk = c.qk.data();
@@ -407,6 +399,14 @@ inline void rot_in(const Ctx<float>& c, mamba3_cuda::RotIn& r) {
   r.halved = c.halved;
 }
 
+// q~ = Rot(phi) (q + q_bias), k~ = Rot(phi) (k + k_bias). A team thread takes a row (token) and walks its heads, so
+// the row's batch and position are divided out once a row. With a (row, head) a team thread (686db24: five 64-bit
+// divisions for 2 angles' work a lane) ncu on an H100 put the kernel at 63 % SM and 48 % DRAM throughput, 1.15 ms
+// for the 8 x 8,192-token block's 2 GB (q~ and k~ written in fp32, the phases read); a row a team thread ran
+// 0.908 against 1.152 ms in alternating runs on one H100, ncu 890 us at 61 % SM and 63 % DRAM throughput
+// (perf/RESULTS.md, thirty-seventh session).
+// Where c.qkv16 is given, q~ and k~ go to it in bf16 (8-byte stores) instead of qkv; q~ . k~ is formed before that
+// rounding.
 // The native kernel (rotate_cuda.hpp) in its place where rot_fwd_form is automatic and it takes the shape (and the
 // bf16 rows its 8-byte stores).
 template <class T>
